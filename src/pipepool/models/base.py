@@ -1,0 +1,74 @@
+"""What every model family provides to the runner and the weight loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layers.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One checkpoint tensor and where it goes.
+
+    ``rows`` is the slice of the parameter's first dimension that the tensor fills, for
+    projections we fuse (q|k|v, gate|up); None means the whole parameter.
+    """
+
+    checkpoint_name: str  # canonical name (family prefix stripped, gamma/beta renamed)
+    shape: tuple[int, ...]
+    param: str  # name in this stage module's state_dict
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class StepInputs:
+    """Per-step model inputs besides the hidden states (built by the runner, on device)."""
+
+    positions: torch.Tensor  # [T] int64 absolute position of each token in its prompt
+    attn: AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one layer's cache rows: [slots, num_kv_heads, head_dim]."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+class StageModel(nn.Module):
+    """A contiguous slice of a model's layers; the first stage embeds, the last normalises.
+
+    ``forward(x, inputs, kv_caches)``: x is token ids [T] on the first stage, else hidden
+    states [T, hidden]; returns hidden states [T, hidden] (final-normed on the last stage).
+    """
+
+    causal: bool  # causal models chunk prompts and keep a KV cache; encoders do neither
+    hidden_size: int
+    num_layers: int  # in the whole model
+    max_positions: int  # the model's own limit (position table / RoPE range)
+    kv_layout: KVLayout | None  # None for encoders
+
+    def __init__(self, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.layer_range, self.is_first, self.is_last = layers, first, last
+
+    def weight_specs(self) -> list[WeightSpec]:
+        raise NotImplementedError
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers after the module left the meta device."""
+
+
+def linear_specs(
+    prefix_ckpt: str, param: str, out_dim: int, in_dim: int, bias: bool, rows=None
+) -> list[WeightSpec]:
+    """Weight (and bias) specs of one ``nn.Linear`` checkpoint entry."""
+    specs = [WeightSpec(f"{prefix_ckpt}.weight", (out_dim, in_dim), f"{param}.weight", rows)]
+    if bias:
+        specs.append(WeightSpec(f"{prefix_ckpt}.bias", (out_dim,), f"{param}.bias", rows))
+    return specs

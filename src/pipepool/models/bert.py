@@ -1,0 +1,154 @@
+"""Bidirectional encoders: BERT and its relatives (all-MiniLM, BGE, e5; RoBERTa / XLM-R).
+
+Encoders attend over the whole prompt at once, so a prompt is never chunked and no KV cache
+is kept; the layers still split into pipeline stages like any other model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from ..layers.activation import get_activation
+from ..layers.attention import attend
+from .base import StageModel, StepInputs, WeightSpec, linear_specs
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_positions: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    position_offset: int  # RoBERTa counts positions from padding_idx + 1
+
+    @classmethod
+    def from_hf(cls, hf: dict, family: str) -> EncoderConfig:
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelLoadError(
+                f"position_embedding_type {hf['position_embedding_type']!r} is not supported "
+                "(absolute is)"
+            )
+        offset = int(hf.get("pad_token_id", 1)) + 1 if family == "roberta" else 0
+        get_activation(hf.get("hidden_act", "gelu"))  # fail at load time, not mid-request
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            max_positions=int(hf.get("max_position_embeddings", 512)) - offset,
+            type_vocab_size=int(hf.get("type_vocab_size", 2)),
+            layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+            hidden_act=hf.get("hidden_act", "gelu"),
+            position_offset=offset,
+        )
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm block: x = norm(x + attn(x)); x = norm(x + ffn(x))."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        h = cfg.hidden_size
+        self.qkv_proj = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.act = get_activation(cfg.hidden_act)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, kernel: str) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
+        a = attend(q, k, v, inputs.attn, None, scale=self.scale, kernel=kernel)  # [T, H, D]
+        x = self.attn_norm(x + self.attn_out(a.flatten(1)))
+        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+
+
+class EncoderStage(StageModel):
+    causal = False
+    kv_layout = None
+
+    def __init__(self, cfg: EncoderConfig, layers: range, first: bool, last: bool, max_len: int):
+        super().__init__(layers, first, last)
+        self.cfg = cfg
+        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
+        self.max_positions = cfg.max_positions
+        self.attn_kernel = "portable"
+        h = cfg.hidden_size
+        if first:
+            self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
+            self.position_embeddings = nn.Embedding(cfg.max_positions + cfg.position_offset, h)
+            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+            self.emb_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches=None) -> torch.Tensor:
+        if self.is_first:
+            # Single-segment inputs: token type 0 everywhere, as sentence-transformers feeds them.
+            x = (
+                self.word_embeddings(x)
+                + self.position_embeddings(inputs.positions + self.cfg.position_offset)
+                + self.token_type_embeddings.weight[0]
+            )
+            x = self.emb_norm(x)
+        for layer in self.layers.values():
+            x = layer(x, inputs, self.attn_kernel)
+        return x
+
+    def weight_specs(self) -> list[WeightSpec]:
+        cfg, h = self.cfg, self.cfg.hidden_size
+        specs: list[WeightSpec] = []
+        if self.is_first:
+            pos_rows = cfg.max_positions + cfg.position_offset
+            specs += [
+                WeightSpec(
+                    "embeddings.word_embeddings.weight",
+                    (cfg.vocab_size, h),
+                    "word_embeddings.weight",
+                ),
+                WeightSpec(
+                    "embeddings.position_embeddings.weight",
+                    (pos_rows, h),
+                    "position_embeddings.weight",
+                ),
+                WeightSpec(
+                    "embeddings.token_type_embeddings.weight",
+                    (cfg.type_vocab_size, h),
+                    "token_type_embeddings.weight",
+                ),
+                *_norm_specs("embeddings.LayerNorm", "emb_norm", h),
+            ]
+        for i in self.layer_range:
+            c, p = f"encoder.layer.{i}", f"layers.{i}"
+            for j, name in enumerate(("query", "key", "value")):
+                specs += linear_specs(
+                    f"{c}.attention.self.{name}", f"{p}.qkv_proj", h, h, True, (j * h, (j + 1) * h)
+                )
+            specs += linear_specs(f"{c}.attention.output.dense", f"{p}.attn_out", h, h, True)
+            specs += _norm_specs(f"{c}.attention.output.LayerNorm", f"{p}.attn_norm", h)
+            specs += linear_specs(
+                f"{c}.intermediate.dense", f"{p}.ffn_in", cfg.intermediate_size, h, True
+            )
+            specs += linear_specs(
+                f"{c}.output.dense", f"{p}.ffn_out", h, cfg.intermediate_size, True
+            )
+            specs += _norm_specs(f"{c}.output.LayerNorm", f"{p}.ffn_norm", h)
+        return specs
+
+
+def _norm_specs(ckpt: str, param: str, dim: int) -> list[WeightSpec]:
+    return [
+        WeightSpec(f"{ckpt}.weight", (dim,), f"{param}.weight"),
+        WeightSpec(f"{ckpt}.bias", (dim,), f"{param}.bias"),
+    ]

@@ -1,0 +1,223 @@
+"""Causal decoder families: Llama, Mistral, Qwen2, Qwen3 (Qwen3-Embedding, gte-Qwen2,
+e5-mistral). One implementation; the families differ only in the switches of DecoderConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelLoadError
+from ..layers.attention import attend
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from .base import KVLayout, StageModel, StepInputs, WeightSpec, linear_specs
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    rotary_dim: int
+    max_positions: int
+    qkv_bias: bool  # bias on q/k/v projections
+    o_bias: bool  # bias on the output projection
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    windows: tuple[int | None, ...]  # sliding window per layer (None = full causal)
+
+    @classmethod
+    def from_hf(cls, hf: dict, family: str) -> DecoderConfig:
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(
+                f"{family}: hidden_act {hf['hidden_act']!r} is not supported (silu)"
+            )
+        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hidden // heads
+        rope_params = dict(hf.get("rope_parameters") or {})
+        theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or rope_params or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        partial = float(
+            rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        )
+        num_layers = hf["num_hidden_layers"]
+        bias = bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rotary_dim=int(head_dim * partial),
+            max_positions=int(hf.get("max_position_embeddings", 32768)),
+            qkv_bias=True if family == "qwen2" else bias,
+            o_bias=False if family == "qwen2" else bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            windows=_sliding_windows(hf, family, num_layers),
+        )
+
+
+def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if family == "mistral":  # Mistral applies its window on every layer when one is set
+        return (window,) * num_layers
+    if family in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False) or window is None:
+            return (None,) * num_layers
+        types = hf.get("layer_types") or [
+            "sliding_attention"
+            if i >= hf.get("max_window_layers", num_layers)
+            else "full_attention"
+            for i in range(num_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * num_layers
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)). q|k|v and gate|up are fused."""
+
+    def __init__(self, cfg: DecoderConfig, window: int | None) -> None:
+        super().__init__()
+        self.cfg, self.window = cfg, window
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.scale = cfg.head_dim**-0.5
+        # The two halves around attention; the runner may swap in torch.compile'd versions.
+        self.pre_attention = self._pre_attention
+        self.post_attention = self._post_attention
+
+    def _pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
+        cfg = self.cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return q, k, v
+
+    def _post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = x + self.o_proj(attn_out.flatten(1))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def forward(self, x, inputs: StepInputs, kv_cache, rotary: RotaryEmbedding, kernel: str):
+        q, k, v = self.pre_attention(x, inputs.positions, rotary)
+        attn_out = attend(
+            q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
+        )
+        return self.post_attention(x, attn_out)
+
+
+class DecoderStage(StageModel):
+    causal = True
+
+    def __init__(self, cfg: DecoderConfig, layers: range, first: bool, last: bool, max_len: int):
+        super().__init__(layers, first, last)
+        self.cfg = cfg
+        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
+        self.max_positions = cfg.max_positions
+        self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim)
+        self.attn_kernel = "portable"
+        if first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, cfg.windows[i]) for i in layers})
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_len
+        )
+        if last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def reset_buffers(self) -> None:
+        self.rotary.reset_table()
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed_tokens(x)
+        for j, layer in enumerate(self.layers.values()):
+            kv = kv_caches[j] if kv_caches is not None else None
+            x = layer(x, inputs, kv, self.rotary, self.attn_kernel)
+        if self.is_last:
+            x = self.norm(x)
+        return x
+
+    def weight_specs(self) -> list[WeightSpec]:
+        cfg = self.cfg
+        h, q_dim, kv_dim = (
+            cfg.hidden_size,
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        )
+        specs: list[WeightSpec] = []
+        if self.is_first:
+            specs.append(
+                WeightSpec("embed_tokens.weight", (cfg.vocab_size, h), "embed_tokens.weight")
+            )
+        for i in self.layer_range:
+            c, p = f"layers.{i}", f"layers.{i}"
+            specs.append(
+                WeightSpec(f"{c}.input_layernorm.weight", (h,), f"{p}.input_layernorm.weight")
+            )
+            for name, lo, hi in (
+                ("q_proj", 0, q_dim),
+                ("k_proj", q_dim, q_dim + kv_dim),
+                ("v_proj", q_dim + kv_dim, q_dim + 2 * kv_dim),
+            ):
+                specs += linear_specs(
+                    f"{c}.self_attn.{name}", f"{p}.qkv_proj", hi - lo, h, cfg.qkv_bias, (lo, hi)
+                )
+            if cfg.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    specs.append(
+                        WeightSpec(
+                            f"{c}.self_attn.{name}.weight", (cfg.head_dim,), f"{p}.{name}.weight"
+                        )
+                    )
+            specs += linear_specs(f"{c}.self_attn.o_proj", f"{p}.o_proj", h, q_dim, cfg.o_bias)
+            specs.append(
+                WeightSpec(
+                    f"{c}.post_attention_layernorm.weight",
+                    (h,),
+                    f"{p}.post_attention_layernorm.weight",
+                )
+            )
+            inter = cfg.intermediate_size
+            specs += linear_specs(
+                f"{c}.mlp.gate_proj", f"{p}.gate_up_proj", inter, h, cfg.mlp_bias, (0, inter)
+            )
+            specs += linear_specs(
+                f"{c}.mlp.up_proj", f"{p}.gate_up_proj", inter, h, cfg.mlp_bias, (inter, 2 * inter)
+            )
+            specs += linear_specs(f"{c}.mlp.down_proj", f"{p}.down_proj", h, inter, cfg.mlp_bias)
+        if self.is_last:
+            specs.append(WeightSpec("norm.weight", (h,), "norm.weight"))
+        return specs

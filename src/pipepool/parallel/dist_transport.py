@@ -1,0 +1,163 @@
+"""Point-to-point messages between pipeline ranks over torch.distributed backends.
+
+Two process groups per engine, never the global default group (two engines in one process
+must not collide):
+
+- ``control`` (gloo, CPU): step plans driver -> stages, digests stage k -> k+1, results
+  last stage -> driver. Pickled objects travel as a length message then a byte message.
+- ``data`` (NCCL on GPU, gloo on CPU): hidden states stage k -> k+1.
+
+Sends are non-blocking; a stage waits for its previous step's sends at the top of its next
+send (so their buffers are never reused while in flight, and a slow successor applies back
+pressure). Receives are posted early and waited lazily, right before first use.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import StateDivergence
+from ..plan import StepPlan
+
+# Message tags on the control group (gloo matches a receive by source and tag).
+TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 2, 3, 4, 5, 6
+_DIGEST_HEADER = 1  # [step_id] before the per-request counts
+
+
+@dataclass
+class Groups:
+    rank: int
+    world: int
+    control: object  # ProcessGroupGloo (a torch.distributed Backend)
+    data: object  # ProcessGroupNCCL or ProcessGroupGloo
+
+
+def send_object(group, obj, dst: int, tags: tuple[int, int]) -> list:
+    """Non-blocking send of a picklable object; returns the handles (and keeps buffers alive
+    through them)."""
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    body = torch.from_numpy(payload.copy())
+    return [
+        _Pending(group.send([length], dst, tags[0]), length),
+        _Pending(group.send([body], dst, tags[1]), body),
+    ]
+
+
+def recv_object(group, src: int, tags: tuple[int, int]):
+    """Blocking receive of an object sent with ``send_object``."""
+    length = torch.empty(1, dtype=torch.int64)
+    group.recv([length], src, tags[0]).wait()
+    body = torch.empty(int(length.item()), dtype=torch.uint8)
+    group.recv([body], src, tags[1]).wait()
+    return pickle.loads(body.numpy().tobytes())
+
+
+@dataclass
+class _Pending:
+    work: object
+    buffer: torch.Tensor  # kept alive until the send completed
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def wait_all(pending: list[_Pending]) -> None:
+    for p in pending:
+        p.wait()
+    pending.clear()
+
+
+class DistOutbound:
+    """Stage k's sends to stage k+1."""
+
+    def __init__(self, groups: Groups, dst: int) -> None:
+        self.groups, self.dst = groups, dst
+        self._pending: list[_Pending] = []
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        wait_all(self._pending)  # top of the step: last step's buffers are free again
+        hidden = hidden.contiguous()
+        self._pending.append(
+            _Pending(self.groups.data.send([hidden], self.dst, TAG_HIDDEN), hidden)
+        )
+
+    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
+        message = np.concatenate([[step_id], digest, np.round(np.asarray(busy) * 1e6)]).astype(
+            np.int64
+        )
+        buf = torch.from_numpy(message)
+        self._pending.append(_Pending(self.groups.control.send([buf], self.dst, TAG_DIGEST), buf))
+
+    def flush(self) -> None:
+        wait_all(self._pending)
+
+
+class _DistIncoming:
+    def __init__(
+        self, groups: Groups, src: int, plan: StepPlan, hidden_shape, dtype, device, stage: int
+    ):
+        self._plan, self._stage = plan, stage
+        self._hidden = None
+        self._hidden_work = None
+        if plan.num_reqs:
+            self._hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
+            self._hidden_work = groups.data.recv([self._hidden], src, TAG_HIDDEN)
+        # [step_id, R counts, busy_us of stages 0..stage-1]
+        self._digest = torch.empty(_DIGEST_HEADER + plan.num_reqs + stage, dtype=torch.int64)
+        self._digest_work = groups.control.recv([self._digest], src, TAG_DIGEST)
+        self._digest_ready = False
+
+    def hidden(self) -> torch.Tensor:
+        if self._hidden_work is not None:
+            self._hidden_work.wait()  # on NCCL: the compute stream waits, the host does not
+            self._hidden_work = None
+        return self._hidden
+
+    def _digest_message(self) -> np.ndarray:
+        if not self._digest_ready:
+            self._digest_work.wait()
+            self._digest_ready = True
+            step_id = int(self._digest[0])
+            if step_id != self._plan.step_id:
+                raise StateDivergence(
+                    step_id=self._plan.step_id,
+                    stage=self._stage - 1,
+                    request_id=-1,
+                    expected=self._plan.step_id,
+                    found=step_id,
+                    what="step id of the previous stage",
+                )
+        return self._digest.numpy()
+
+    def digest(self) -> np.ndarray:
+        return self._digest_message()[_DIGEST_HEADER : _DIGEST_HEADER + self._plan.num_reqs]
+
+    def stage_busy_s(self) -> list[float]:
+        busy = self._digest_message()[_DIGEST_HEADER + self._plan.num_reqs :]
+        return (busy / 1e6).tolist()
+
+
+class DistInbound:
+    """Stage k's receives from stage k-1; shapes come from the plan."""
+
+    def __init__(
+        self, groups: Groups, src: int, hidden_size: int, dtype, device, stage: int
+    ) -> None:
+        self.groups, self.src = groups, src
+        self.hidden_size, self.dtype, self.device, self.stage = hidden_size, dtype, device, stage
+
+    def post(self, plan: StepPlan) -> _DistIncoming:
+        return _DistIncoming(
+            self.groups,
+            self.src,
+            plan,
+            (plan.num_tokens, self.hidden_size),
+            self.dtype,
+            self.device,
+            self.stage,
+        )

@@ -1,0 +1,64 @@
+"""Executors deliver plans to every stage and results back to the driver.
+
+``submit(plan)`` may return before the plan is computed; ``collect()`` returns the result of
+the oldest plan not yet collected (plans complete in FIFO order on every stage).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+
+from ..plan import StepPlan, StepResult
+from ..runner import StageRunner
+from ..transport import LocalLink, StageOutput
+
+
+class Executor(ABC):
+    num_stages: int
+    depth: int  # how many plans may be in flight at once
+
+    @abstractmethod
+    def submit(self, plan: StepPlan) -> None: ...
+
+    @abstractmethod
+    def collect(self) -> StepResult: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def check_alive(self) -> None:  # noqa: B027 - optional hook, a no-op in one process
+        """Raise StageFailure if a stage is known to have failed (polled between steps)."""
+
+
+class UniprocExecutor(Executor):
+    """Every stage in this process, run one after the other for each plan.
+
+    PP=1 is the production case. PP>1 here simulates the pipeline without processes, for
+    tests and debugging: the same runners and the same lockstep checks, local links.
+    On CUDA two plans may be in flight, so the host prepares step k+1 while the device runs
+    step k (results are copied back asynchronously and waited for in ``collect``).
+    """
+
+    def __init__(self, runners: list[StageRunner], *, depth: int = 1) -> None:
+        self.runners = runners
+        self.num_stages = len(runners)
+        self.depth = depth
+        self.links = [LocalLink() for _ in range(self.num_stages - 1)]
+        self._outputs: deque[StageOutput] = deque()
+
+    def submit(self, plan: StepPlan) -> None:
+        output = None
+        for k, runner in enumerate(self.runners):
+            inbound = self.links[k - 1] if k > 0 else None
+            outbound = self.links[k] if k < self.num_stages - 1 else None
+            output = runner.execute(plan, inbound, outbound)
+        output.start_host_copy()
+        self._outputs.append(output)
+
+    def collect(self) -> StepResult:
+        return self._outputs.popleft().to_result()
+
+    def shutdown(self) -> None:
+        self._outputs.clear()
+        self.runners = []

@@ -1,0 +1,28 @@
+"""Choosing and starting the executor for a deployment."""
+
+from __future__ import annotations
+
+from ..deployment import Deployment
+from ..runner import StageRunner
+from .executor import Executor, UniprocExecutor
+
+
+def start_executor(deployment: Deployment) -> Executor:
+    config = deployment.config
+    if deployment.num_stages == 1 or config.pipeline_backend == "inproc":
+        runners = [
+            StageRunner(config, deployment.folder, deployment.stage_spec(k))
+            for k in range(deployment.num_stages)
+        ]
+        # On CUDA a second plan in flight lets the host build step k+1 during step k.
+        depth = 2 if deployment.devices[0].startswith("cuda") else 1
+        return UniprocExecutor(runners, depth=depth)
+    from .multiproc import MultiprocExecutor, run_torchrun_worker
+    from .rendezvous import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env.rank > 0:
+        # Under torchrun every rank runs the same program; ranks > 0 serve as stages and
+        # leave when the driver (rank 0) shuts the pipeline down.
+        raise SystemExit(run_torchrun_worker(deployment))
+    return MultiprocExecutor.start(deployment)

@@ -1,0 +1,246 @@
+"""One process per stage: the driver (rank 0) runs stage 0, ranks 1..N-1 run ``worker``.
+
+Stage processes are ``python -m pipepool.parallel.worker`` children that find the driver's
+TCPStore and read the pickled Deployment from it; torch.distributed connects them.
+
+Failure handling: a supervisor thread watches the stage processes. When one exits
+unexpectedly (or reports an error), the supervisor records the cause, kills every other stage
+process, and so every wait the driver is blocked in fails at once; the executor then raises
+the recorded cause (the stage that failed first, by name) instead of a transport error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+
+from ..deployment import Deployment
+from ..errors import PipepoolError, StageFailure
+from ..plan import StepPlan, StepResult, shutdown_plan
+from ..runner import StageRunner
+from .dist_transport import (
+    TAG_PLAN,
+    TAG_PLAN_LEN,
+    TAG_RESULT,
+    TAG_RESULT_LEN,
+    DistOutbound,
+    recv_object,
+    send_object,
+    wait_all,
+)
+from .executor import Executor
+from .rendezvous import engine_store, host_store, make_groups, torchrun_env, torchrun_store
+from .worker import ErrorReport, limit_cpu_threads, run_stage, stage_spec_for_rank
+
+_JOIN_TIMEOUT_S = 10.0
+_FAILURE_GRACE_S = 0.3
+_POLL_S = 0.05  # after a stage dies, time for the others' error reports to land
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, deployment: Deployment, store, raw_store, rdv, procs, local_rank) -> None:
+        self.deployment = deployment
+        self.num_stages = deployment.num_stages
+        self.depth = self.num_stages  # N plans in flight keep N stages busy
+        self._store, self._raw_store, self._rdv = store, raw_store, rdv
+        self._procs: dict[int, subprocess.Popen] = procs
+        self._failure: BaseException | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+        self._plan_sends: deque[list] = deque()
+        spec = stage_spec_for_rank(deployment, 0, local_rank)
+        try:
+            limit_cpu_threads(deployment, spec)
+            self.runner = StageRunner(deployment.config, deployment.folder, spec)
+            self._wait_loaded()
+            self.groups = make_groups(store, rdv, 0, spec.device)
+        except BaseException:
+            self._kill_all()
+            raise
+        self.outbound = DistOutbound(self.groups, 1)
+        self._stop_supervisor = threading.Event()
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="pipepool-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    @classmethod
+    def start(cls, deployment: Deployment) -> MultiprocExecutor:
+        env = torchrun_env()
+        if env is not None:  # launched by torchrun: the other ranks run the same command
+            if env.world != deployment.num_stages:
+                raise StageFailure(
+                    f"torchrun started {env.world} ranks for pipeline_parallel_size="
+                    f"{deployment.num_stages}"
+                )
+            raw, rdv = torchrun_store(env)
+            return cls(deployment, engine_store(raw, rdv), raw, rdv, {}, env.local_rank)
+        raw, rdv = host_store(deployment.num_stages)
+        store = engine_store(raw, rdv)
+        store.set("deployment", pickle.dumps(deployment))
+        env = dict(os.environ)
+        # The stage processes import what this process imported, from the same places.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        procs = {}
+        for rank in range(1, deployment.num_stages):
+            args = [str(rank), rdv.host, str(rdv.port), str(rdv.world), rdv.prefix]
+            procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "pipepool.parallel.worker", *args], env=env
+            )
+        return cls(deployment, store, raw, rdv, procs, None)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def submit(self, plan: StepPlan) -> None:
+        self.check_alive()
+        try:
+            # A plan's sends complete when its stage takes it; keep up to `depth` outstanding.
+            while len(self._plan_sends) >= self.depth:
+                wait_all(self._plan_sends.popleft())
+            worker_plan = replace(plan, new_token_ids={})  # only stage 0 embeds tokens
+            sends = []
+            for rank in range(1, self.num_stages):
+                sends += send_object(
+                    self.groups.control, worker_plan, rank, (TAG_PLAN_LEN, TAG_PLAN)
+                )
+            self._plan_sends.append(sends)
+            self.runner.execute(plan, None, self.outbound)
+        except RuntimeError as exc:
+            raise self._cause(exc) from None
+
+    def collect(self) -> StepResult:
+        self.check_alive()
+        try:
+            return recv_object(
+                self.groups.control, self.num_stages - 1, (TAG_RESULT_LEN, TAG_RESULT)
+            )
+        except RuntimeError as exc:
+            raise self._cause(exc) from None
+
+    def check_alive(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _cause(self, transport_error: BaseException) -> BaseException:
+        """The recorded stage failure behind a transport error (waits briefly for it)."""
+        deadline = time.monotonic() + 5.0
+        while self._failure is None and time.monotonic() < deadline:
+            if not self._procs:  # torchrun: no children to watch, read the reports directly
+                failure = self._read_reports()
+                if failure is not None:
+                    self._record(failure)
+                    break
+            time.sleep(0.05)
+        if self._failure is None:
+            self._record(StageFailure(f"pipeline transport failed: {transport_error}"))
+        return self._failure
+
+    def _supervise(self) -> None:
+        while not self._stop_supervisor.wait(_POLL_S):
+            for rank, proc in self._procs.items():
+                if proc.poll() is not None and not self._closing:
+                    self._on_stage_exit(rank)
+                    return
+
+    def _on_stage_exit(self, rank: int) -> None:
+        time.sleep(_FAILURE_GRACE_S)
+        proc = self._procs[rank]
+        failure = self._read_reports()
+        if failure is None:
+            code = proc.returncode
+            how = (
+                f"was killed by signal {-code}"
+                if code is not None and code < 0
+                else f"exited with code {code}"
+            )
+            failure = StageFailure(f"stage {rank} process (pid {proc.pid}) {how}", stage=rank)
+        self._record(failure)
+        self._kill_all()  # unblocks every wait on the surviving ranks and in the driver
+
+    def _read_reports(self) -> BaseException | None:
+        reports: list[ErrorReport] = []
+        for rank in range(1, self.num_stages):
+            try:
+                if self._store.check([f"error/{rank}"]):
+                    reports.append(pickle.loads(self._store.get(f"error/{rank}")))
+            except Exception:
+                pass
+        if not reports:
+            return None
+        report = min(reports, key=lambda r: (r.secondary, r.stage))
+        err = report.error
+        if isinstance(err, PipepoolError):
+            return err
+        return StageFailure(f"stage {report.stage} failed: {err!r}", stage=report.stage)
+
+    def _record(self, failure: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = failure
+
+    def _wait_loaded(self) -> None:
+        """Wait until every stage process loaded its weights, failing fast if one died."""
+        pending = set(range(1, self.num_stages))
+        while pending:
+            for rank in list(pending):
+                if self._store.check([f"loaded/{rank}"]):
+                    pending.discard(rank)
+            failure = self._read_reports()
+            dead = [r for r, p in self._procs.items() if p.poll() is not None]
+            if failure is not None or dead:
+                if failure is None:
+                    failure = StageFailure(
+                        f"stage {dead[0]} process exited during start-up "
+                        f"(code {self._procs[dead[0]].returncode})",
+                        stage=dead[0],
+                    )
+                raise failure
+            time.sleep(0.02)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._failure is None:
+            try:
+                stop = shutdown_plan()
+                for rank in range(1, self.num_stages):
+                    # Keep the handles: a send whose buffers are collected never arrives.
+                    self._plan_sends.append(
+                        send_object(self.groups.control, stop, rank, (TAG_PLAN_LEN, TAG_PLAN))
+                    )
+            except RuntimeError:
+                pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for proc in self._procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        if hasattr(self, "_supervisor"):
+            self._stop_supervisor.set()
+            self._supervisor.join(timeout=2)
+
+    def _kill_all(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs.values():
+            proc.wait()
+
+
+def run_torchrun_worker(deployment: Deployment) -> int:
+    """Ranks > 0 under torchrun: serve as a stage until the driver (rank 0) shuts down."""
+    env = torchrun_env()
+    raw, rdv = torchrun_store(env)
+    return run_stage(env.rank, rdv, deployment, engine_store(raw, rdv), local_rank=env.local_rank)

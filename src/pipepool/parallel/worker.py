@@ -1,0 +1,140 @@
+"""The loop of a stage process (ranks 1..N-1; rank 0 is the driver and runs stage 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..deployment import Deployment
+from ..runner import StageRunner, StageSpec
+from .dist_transport import (
+    TAG_PLAN,
+    TAG_PLAN_LEN,
+    TAG_RESULT,
+    TAG_RESULT_LEN,
+    DistInbound,
+    DistOutbound,
+    recv_object,
+    send_object,
+    wait_all,
+)
+from .rendezvous import Rendezvous, connect_store, engine_store, make_groups
+
+
+@dataclass
+class ErrorReport:
+    """What a failing stage leaves in the store for the driver."""
+
+    stage: int
+    error: BaseException | str
+    # True when the error is only the consequence of another rank going away
+    # (a closed connection), so the driver can name the stage that failed first.
+    secondary: bool
+
+
+def stage_spec_for_rank(deployment: Deployment, rank: int, local_rank: int | None) -> StageSpec:
+    spec = deployment.stage_spec(rank)
+    if local_rank is not None and spec.device.type == "cuda":  # torchrun: one GPU per local rank
+        spec = dataclasses.replace(spec, device=torch.device("cuda", local_rank))
+    return spec
+
+
+def limit_cpu_threads(deployment: Deployment, spec: StageSpec) -> None:
+    """Stages sharing one CPU split its cores instead of oversubscribing them."""
+    if spec.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // deployment.num_stages))
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """Entry point of a stage process the driver started:
+    ``python -m pipepool.parallel.worker RANK HOST PORT WORLD PREFIX``.
+
+    A process of our own rather than multiprocessing's spawn, which would re-run the user's
+    main script in every stage unless it is guarded by ``if __name__ == "__main__"``.
+    """
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns shutdown (Ctrl-C included)
+    rank_s, host, port_s, world_s, prefix = (argv if argv is not None else sys.argv[1:])[:5]
+    rdv = Rendezvous(host, int(port_s), int(world_s), prefix, torchrun=False)
+    store = engine_store(connect_store(rdv), rdv)
+    deployment = pickle.loads(store.get("deployment"))
+    code = run_stage(int(rank_s), rdv, deployment, store, local_rank=None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown of process groups: the driver already moved on
+
+
+def run_stage(
+    rank: int, rdv: Rendezvous, deployment: Deployment, store, *, local_rank: int | None
+) -> int:
+    """Load the stage, then apply plans until the shutdown plan; returns an exit code."""
+    try:
+        spec = stage_spec_for_rank(deployment, rank, local_rank)
+        limit_cpu_threads(deployment, spec)
+        runner = StageRunner(deployment.config, deployment.folder, spec)
+        store.set(f"loaded/{rank}", b"1")
+        groups = make_groups(store, rdv, rank, spec.device)
+        inbound = DistInbound(
+            groups, rank - 1, deployment.hidden_size, spec.dtype, spec.device, rank
+        )
+        outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
+        result_sends: list = []
+        while True:
+            plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
+            if plan.is_shutdown:
+                break
+            output = runner.execute(plan, inbound, outbound)
+            if output is not None:
+                wait_all(result_sends)
+                result_sends = send_object(
+                    groups.control, output.to_result(), 0, (TAG_RESULT_LEN, TAG_RESULT)
+                )
+        wait_all(result_sends)
+        if outbound is not None:
+            outbound.flush()
+        return 0
+    except BaseException as exc:
+        report_error(store, rank, exc)
+        return 1
+
+
+def report_error(store, rank: int, exc: BaseException) -> None:
+    secondary = isinstance(exc, RuntimeError) and _is_connection_error(exc)
+    report = ErrorReport(rank, exc, secondary)
+    try:
+        payload = pickle.dumps(report)
+    except Exception:
+        payload = pickle.dumps(ErrorReport(rank, f"{type(exc).__name__}: {exc}", secondary))
+    with contextlib.suppress(Exception):  # the driver is gone too: nobody to tell
+        store.set(f"error/{rank}", payload)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(
+        s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out")
+    )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a crashed driver leaves no
+    orphaned stage behind."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    worker_main()

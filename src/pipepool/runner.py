@@ -1,0 +1,268 @@
+"""One pipeline stage: its layers, its KV cache, its per-request mirror.
+
+A step, the same on every stage whatever its role (DESIGN.md §1):
+
+1. register the plan's new requests in the mirror;
+2. check the mirror against the plan (expected ``num_computed_tokens``);
+3. build the packed batch from the mirror, forward;
+4. send hidden states on (non-last stage) or pool (last stage);
+5. post-step: advance the mirror, unconditionally;
+6. digest the post-step state, check the previous stage's digest, pass ours on.
+
+The role of a stage decides only what it sends, never what state it advances.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batch import DeviceUploader, build_host_batch, to_step_inputs
+from .config import EngineConfig
+from .errors import StateDivergence
+from .kv_cache import KVCache
+from .layers.attention import flash_supported
+from .model_folder import ModelFolder
+from .models import StageModel, family_of
+from .plan import StepPlan
+from .pooling import DenseHead, Pooler
+from .transport import Inbound, Outbound, StageOutput
+from .weights import Checkpoint
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a stage sits in the pipeline and what it runs on."""
+
+    index: int
+    num_stages: int
+    layers: range
+    device: torch.device
+    dtype: torch.dtype
+    num_kv_blocks: int  # 0 for encoders
+    max_model_len: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass
+class _Mirror:
+    """A stage's copy of one request's progress."""
+
+    prompt_len: int
+    pooling: str
+    block_ids: np.ndarray
+    num_computed_tokens: int = 0
+
+
+class StageRunner:
+    def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
+        self.config, self.spec = config, spec
+        self.model = load_stage_model(folder, spec)
+        self.kv_cache = None
+        if self.model.causal:
+            self.kv_cache = KVCache(
+                self.model.kv_layout,
+                len(spec.layers),
+                spec.num_kv_blocks,
+                config.block_size,
+                dtype=spec.dtype,
+                device=spec.device,
+            )
+        self.pooler = None
+        if spec.is_last:
+            dense = None
+            if folder.st is not None and folder.st.dense:
+                dense = DenseHead(folder.st.dense).to(spec.device)
+            self.pooler = Pooler(dense)
+        self.mirror: dict[int, _Mirror] = {}
+        self.token_ids: dict[int, np.ndarray] = {}  # first stage only
+        self.uploader = DeviceUploader(spec.device)
+        self.busy_s = 0.0  # time spent computing (not waiting for inputs), cumulative
+
+    # -- one step -------------------------------------------------------------------------
+
+    def execute(
+        self, plan: StepPlan, inbound: Inbound | None, outbound: Outbound | None
+    ) -> StageOutput | None:
+        """Run one plan. Non-last stages send through ``outbound`` and return None; the last
+        stage returns what goes back to the driver."""
+        spec = self.spec
+        self._maybe_fail(plan)
+        for new in plan.new_requests:
+            self.mirror[new.request_id] = _Mirror(new.prompt_len, new.pooling, new.block_ids)
+            if spec.is_first:
+                self.token_ids[new.request_id] = plan.new_token_ids[new.request_id]
+        ids = plan.req_ids.tolist()
+        entries = [self._entry(plan.step_id, rid) for rid in ids]
+        starts = np.array([m.num_computed_tokens for m in entries], dtype=np.int64)
+        if self.config.verify_state:
+            self._check_mirror(plan, starts)
+        lens = plan.ends - plan.starts
+
+        incoming = inbound.post(plan) if inbound is not None else None
+        t0 = time.perf_counter()
+        hidden = None
+        if plan.num_reqs:
+            hidden = self._forward(plan, entries, starts, lens, incoming)
+        output = None
+        if not spec.is_last:
+            if hidden is not None:
+                outbound.send_hidden(hidden)
+        elif plan.num_reqs:
+            output = self._pool(hidden, ids, entries, starts, lens)
+        self.busy_s += time.perf_counter() - t0
+
+        self._post_step(plan, ids, entries, lens)
+        digest = np.array([m.num_computed_tokens for m in entries], dtype=np.int64)
+        self._drop_finished(plan, ids, entries)
+        busy = list(incoming.stage_busy_s()) if incoming is not None else []
+        busy.append(self.busy_s)
+        if self.config.verify_state:
+            if incoming is not None:
+                self._check_digest(plan, incoming.digest(), spec.index - 1)
+            self._check_digest(plan, digest, spec.index)
+        if not spec.is_last:
+            outbound.send_digest(plan.step_id, digest, busy)
+            return None
+        if output is None:
+            output = StageOutput([], None, [], [])
+        output.step_id, output.digest, output.stage_busy_s = plan.step_id, digest, tuple(busy)
+        return output
+
+    def _maybe_fail(self, plan: StepPlan) -> None:
+        """Test-only: make this stage raise at a chosen step (fault-handling tests)."""
+        c = self.config
+        injected = c.inject_fault == "raise_on_stage" and self.spec.index == c.fault_stage
+        if injected and plan.step_id >= c.fault_step:
+            raise RuntimeError(
+                f"injected failure on stage {self.spec.index} at step {plan.step_id}"
+            )
+
+    def _entry(self, step_id: int, rid: int) -> _Mirror:
+        entry = self.mirror.get(rid)
+        if entry is None:
+            raise StateDivergence(
+                step_id=step_id,
+                stage=self.spec.index,
+                request_id=rid,
+                expected=0,
+                found=-1,
+                what="mirror entry (request unknown to this stage)",
+            )
+        return entry
+
+    def _check_mirror(self, plan: StepPlan, starts: np.ndarray) -> None:
+        bad = np.nonzero(starts != plan.starts)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise StateDivergence(
+                step_id=plan.step_id,
+                stage=self.spec.index,
+                request_id=int(plan.req_ids[i]),
+                expected=int(plan.starts[i]),
+                found=int(starts[i]),
+            )
+
+    def _check_digest(self, plan: StepPlan, digest: np.ndarray, stage: int) -> None:
+        """A digest must say every scheduled request advanced exactly to its chunk end."""
+        if digest.shape == plan.ends.shape and np.array_equal(digest, plan.ends):
+            return
+        n = min(len(digest), len(plan.ends))
+        diff = np.nonzero(digest[:n] != plan.ends[:n])[0]
+        i = int(diff[0]) if len(diff) else n
+        raise StateDivergence(
+            step_id=plan.step_id,
+            stage=stage,
+            request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
+            expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
+            found=int(digest[i]) if i < len(digest) else -1,
+        )
+
+    def _forward(self, plan, entries, starts, lens, incoming) -> torch.Tensor:
+        model = self.model
+        prompt_lens = np.array([m.prompt_len for m in entries], dtype=np.int64)
+        tables = [m.block_ids for m in entries] if model.causal else None
+        batch = build_host_batch(starts, lens, prompt_lens, tables, self.config.block_size)
+        extra = []
+        if self.spec.is_first:
+            extra.append(
+                np.concatenate(
+                    [
+                        self.token_ids[rid][s : s + n]
+                        for rid, s, n in zip(
+                            plan.req_ids.tolist(), starts.tolist(), lens.tolist(), strict=True
+                        )
+                    ]
+                )
+            )
+        inputs, extra_t = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
+        x = extra_t[0] if self.spec.is_first else incoming.hidden()
+        kv = self.kv_cache.layers() if self.kv_cache is not None else None
+        with torch.inference_mode():
+            return model(x, inputs, kv)
+
+    def _pool(self, hidden, ids, entries, starts, lens) -> StageOutput:
+        cu_q = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu_q[1:])
+        with torch.inference_mode():
+            vec_ids, vectors, all_ids, all_out = self.pooler.pool(
+                hidden,
+                ids,
+                starts,
+                starts + lens,
+                cu_q,
+                [m.prompt_len for m in entries],
+                [m.pooling for m in entries],
+            )
+        return StageOutput(vec_ids, vectors, all_ids, all_out)
+
+    def _post_step(
+        self, plan: StepPlan, ids: list[int], entries: list[_Mirror], lens: np.ndarray
+    ) -> None:
+        """Advance every scheduled request by its chunk, on every stage, whatever the forward
+        returned. (The injected fault reproduces the historical bug, for tests only.)"""
+        if self.config.inject_fault == "skip_post_step_on_non_last_stage" and not self.spec.is_last:
+            return
+        for entry, n in zip(entries, lens.tolist(), strict=True):
+            entry.num_computed_tokens += n
+
+    def _drop_finished(self, plan: StepPlan, ids: list[int], entries: list[_Mirror]) -> None:
+        for rid, entry in zip(ids, entries, strict=True):
+            if entry.num_computed_tokens >= entry.prompt_len:
+                self._forget(rid)
+        for rid in plan.freed_ids:
+            self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        self.mirror.pop(rid, None)
+        self.token_ids.pop(rid, None)
+        if self.pooler is not None:
+            self.pooler.drop(rid)
+
+
+def load_stage_model(folder: ModelFolder, spec: StageSpec) -> StageModel:
+    """Build the stage's modules without allocating them, then fill them from the checkpoint."""
+    family = family_of(folder.architecture)
+    with torch.device("meta"):
+        model = family.build(
+            folder.hf_config, spec.layers, spec.is_first, spec.is_last, spec.max_model_len
+        )
+    model = model.to(dtype=spec.dtype).to_empty(device=spec.device)
+    model.reset_buffers()
+    checkpoint = Checkpoint(folder.path, family)
+    checkpoint.load_stage(model)
+    checkpoint.close()
+    model.eval()
+    if flash_supported(spec.device, spec.dtype):
+        model.attn_kernel = "flash"
+    return model

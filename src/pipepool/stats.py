@@ -1,0 +1,79 @@
+"""Counters the engine keeps for metrics, benchmarks and the CLI summary."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .plan import StepPlan, StepResult
+
+# Step-time histogram buckets (seconds), Prometheus style (cumulative "le").
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class EngineStats:
+    num_stages: int
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens_submitted: int = 0
+    prompt_tokens_finished: int = 0
+    steps: int = 0
+    scheduled_tokens: int = 0
+    chunked_requests: int = 0  # requests whose prompt took more than one step
+    queue_waiting: int = 0
+    requests_running: int = 0
+    step_time_sum: float = 0.0
+    step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
+    stage_busy_s: list[float] = field(default_factory=list)  # cumulative, per stage
+    errors: Counter = field(default_factory=Counter)  # by exception class name
+    started_at: float = field(default_factory=time.perf_counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def on_submit(self, n: int, tokens: int) -> None:
+        with self._lock:
+            self.requests_submitted += n
+            self.prompt_tokens_submitted += tokens
+
+    def on_plan(self, plan: StepPlan) -> None:
+        with self._lock:
+            self.steps += 1
+            self.scheduled_tokens += plan.num_tokens
+            ends = dict(zip(plan.req_ids.tolist(), plan.ends.tolist(), strict=True))
+            self.chunked_requests += sum(
+                1 for new in plan.new_requests if ends[new.request_id] < new.prompt_len
+            )
+
+    def on_result(self, plan: StepPlan, result: StepResult, wait_s: float) -> None:
+        with self._lock:
+            self.step_time_sum += wait_s
+            for i, bound in enumerate(STEP_BUCKETS):
+                if wait_s <= bound:
+                    self.step_time_buckets[i] += 1
+            if result.stage_busy_s:
+                self.stage_busy_s = list(result.stage_busy_s)
+
+    def on_finish(self, prompt_len: int) -> None:
+        with self._lock:
+            self.requests_finished += 1
+            self.prompt_tokens_finished += prompt_len
+
+    def on_abort(self) -> None:
+        with self._lock:
+            self.requests_aborted += 1
+
+    def on_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors[type(exc).__name__] += 1
+
+    def set_queue(self, waiting: int, unfinished: int) -> None:
+        self.queue_waiting = waiting
+        self.requests_running = unfinished - waiting
+
+    def idle_fractions(self) -> list[float]:
+        """Per stage: 1 - busy / wall time since the engine started."""
+        wall = time.perf_counter() - self.started_at
+        return [max(0.0, 1.0 - b / wall) for b in self.stage_busy_s] if wall > 0 else []

@@ -1,0 +1,59 @@
+"""Text -> token ids with the model's own ``tokenizer.json`` (special tokens and post-processor
+included: BERT's [CLS]/[SEP], the EOS that decoder embedding models append)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import ModelLoadError
+
+
+class Tokenizer:
+    """Batch tokenization; never truncates or pads (the scheduler decides what a prompt may be)."""
+
+    def __init__(self, tokenizer_file: Path) -> None:
+        try:
+            self._tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from None
+        # tokenizer.json files often carry the training-time truncation/padding (all-MiniLM's
+        # says "truncate to 128, pad to 128"): applying them would silently change prompts.
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(
+        self, texts: list[str], *, max_tokens: int | None = None, keep: str = "first"
+    ) -> list[np.ndarray]:
+        """Token ids (int64) per text, with the model's special tokens.
+
+        With ``max_tokens``, a longer text loses content tokens from its end (``keep="first"``)
+        or its start (``keep="last"``); the special tokens the post-processor added stay, so a
+        truncated BERT input still starts with [CLS] and ends with [SEP].
+        """
+        encodings = self._tok.encode_batch(texts, add_special_tokens=True)
+        out = []
+        for enc in encodings:
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            if max_tokens is not None and len(ids) > max_tokens:
+                ids = _truncate_keeping_specials(
+                    ids, np.asarray(enc.special_tokens_mask), max_tokens, keep
+                )
+            out.append(ids)
+        return out
+
+
+def _truncate_keeping_specials(
+    ids: np.ndarray, special: np.ndarray, limit: int, keep: str
+) -> np.ndarray:
+    lead = int(np.argmin(special)) if not special.all() else len(ids)
+    trail = int(np.argmin(special[::-1])) if not special.all() else 0
+    content = ids[lead : len(ids) - trail]
+    room = limit - lead - trail
+    if room <= 0:  # a limit smaller than the special tokens: plain cut
+        return ids[:limit] if keep == "first" else ids[len(ids) - limit :]
+    content = content[:room] if keep == "first" else content[len(content) - room :]
+    return np.concatenate([ids[:lead], content, ids[len(ids) - trail :]])

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny checkpoints written once per test session, and their references."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_models
+
+DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def decoder_paths(model_dir) -> dict[str, Path]:
+    return {f: tiny_models.make_decoder(model_dir / f, f) for f in DECODER_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(decoder_paths) -> Path:
+    return decoder_paths["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def bert_path(model_dir) -> Path:
+    return tiny_models.make_bert(model_dir / "bert")
+
+
+@pytest.fixture(scope="session")
+def xlmr_path(model_dir) -> Path:
+    return tiny_models.make_bert(model_dir / "xlmr", family="xlmr")
+
+
+@pytest.fixture(scope="session")
+def st_bert_path(model_dir) -> Path:
+    return tiny_models.make_st_bert(model_dir / "st-bert")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    return tiny_models.minilm_path()
+
+
+_REFERENCES: dict[Path, tiny_models.Reference] = {}
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """reference(path) -> a cached transformers Reference for that folder."""
+
+    def get(path: Path) -> tiny_models.Reference:
+        if path not in _REFERENCES:
+            _REFERENCES[path] = tiny_models.Reference(path)
+        return _REFERENCES[path]
+
+    return get

@@ -1,0 +1,1 @@
+"""The subcommands of the ``pipepool`` CLI, one module each."""

@@ -112,6 +112,8 @@ class MultiprocExecutor(Executor):
                 )
             self._plan_sends.append(sends)
             self.runner.execute(plan, None, self.outbound)
+        except PipepoolError:
+            raise  # stage 0's own failure (e.g. a divergence it caught): already the cause
         except RuntimeError as exc:
             raise self._cause(exc) from None
 

@@ -137,4 +137,8 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    worker_main()
+    # Run through the package module, not __main__, so that what this process pickles
+    # (ErrorReport) names a class the driver can import.
+    from pipepool.parallel import worker
+
+    worker.worker_main()

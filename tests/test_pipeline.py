@@ -1,0 +1,290 @@
+"""Issue 3 acceptance: real multi-process pipelines (gloo on CPU), in lockstep, against
+transformers, with the historical bug injected and stage processes killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from tiny_models import REPRODUCER_PROMPTS, cosine, long_prompts
+
+import pipepool
+from pipepool import EngineDeadError, StageFailure, StateDivergence
+
+MIN_COSINE = 0.99999
+POOLINGS = ("last", "mean", "cls", "all")
+
+
+def _stage_pids(engine) -> list[int]:
+    return [p.pid for p in engine._executor._procs.values()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # Still in the process table: only acceptable as an unreaped zombie of someone else.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] == "Z"
+
+
+def _per_request_min_cosine(outs, refs) -> float:
+    return min(float(cosine(o, r).min()) for o, r in zip(outs, refs, strict=True))
+
+
+def test_published_reproducer_pp2_matches_pp1_and_transformers(qwen3_path, reference):
+    """DESIGN.md §1: five mixed prompts, budget 64, five seqs, PP=2, LAST pooling."""
+    ref = reference(qwen3_path)
+    lengths = [len(ref.token_ids(p)) for p in REPRODUCER_PROMPTS]
+    assert max(lengths) > 64, f"the reproducer must chunk; lengths {lengths}"
+    expected = [ref.pooled(ref.token_ids(p), "last") for p in REPRODUCER_PROMPTS]
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=5, pooling="last", normalize=False)
+    with pipepool.Engine(str(qwen3_path), **kw) as pp1:
+        one_stage = pp1.embed(REPRODUCER_PROMPTS)
+    with pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2, **kw) as pp2:
+        two_stages = pp2.embed(REPRODUCER_PROMPTS)
+        assert pp2.stats.chunked_requests >= 1
+    assert _per_request_min_cosine(two_stages, one_stage) >= MIN_COSINE
+    assert _per_request_min_cosine(two_stages, expected) >= MIN_COSINE
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("budget", [7, 64])
+def test_pp_stages_match_transformers_for_every_pooler(qwen3_path, reference, pp, budget):
+    ref = reference(qwen3_path)
+    prompts = long_prompts()
+    with pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=pp, max_num_batched_tokens=budget, max_num_seqs=6
+    ) as engine:
+        assert engine.deployment.num_stages == pp
+        for pooling in POOLINGS:
+            outs = engine.encode(prompts, pooling=pooling, normalize=False)
+            refs = [ref.pooled(ref.token_ids(p), pooling) for p in prompts]
+            worst = _per_request_min_cosine(outs, refs)  # per token for "all"
+            assert worst >= MIN_COSINE, f"pp={pp} budget={budget} {pooling}: {worst}"
+        assert engine.stats.chunked_requests > 0
+        assert len(engine.stats.stage_busy_s) == pp
+
+
+def test_pp_with_explicit_partition(decoder_paths, reference):
+    path = decoder_paths["llama"]
+    ref = reference(path)
+    prompts = long_prompts()
+    with pipepool.Engine(
+        str(path), pipeline_parallel_size=2, pp_partition=(1, 3), max_num_batched_tokens=16
+    ) as engine:
+        assert [len(r) for r in engine.deployment.layers] == [1, 3]
+        outs = engine.encode(prompts, pooling="mean", normalize=False)
+    refs = [ref.pooled(ref.token_ids(p), "mean") for p in prompts]
+    assert _per_request_min_cosine(outs, refs) >= MIN_COSINE
+
+
+def test_minilm_pp2_matches_sentence_transformers(minilm_path):
+    from sentence_transformers import SentenceTransformer
+    from tiny_models import SENTENCES
+
+    expected = SentenceTransformer(str(minilm_path), device="cpu").encode(SENTENCES)
+    with pipepool.Engine(pipeline_parallel_size=2, max_num_batched_tokens=128) as engine:
+        got = engine.embed(SENTENCES)
+    assert cosine(got, expected).min() >= MIN_COSINE
+
+
+@pytest.mark.parametrize("backend", ["mp", "inproc"])
+def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_path, backend):
+    """The original bug, injected: stage 0 skips its post-step. The next stage's digest check
+    catches it in the very step the state first drifts, before any vector is returned."""
+    engine = pipepool.Engine(
+        str(qwen3_path),
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=64,
+        max_num_seqs=5,
+        inject_fault="skip_post_step_on_non_last_stage",
+        pipeline_backend=backend,
+    )
+    pids = _stage_pids(engine) if backend == "mp" else []
+    try:
+        with pytest.raises(StateDivergence) as info:
+            engine.embed(REPRODUCER_PROMPTS)
+        err = info.value
+        assert err.step_id == 0 and err.stage == 0
+        assert err.found == 0 and err.expected > 0  # stage 0 never advanced its mirror
+        assert "state divergence at step 0, stage 0" in str(err)
+        with pytest.raises(EngineDeadError, match="state divergence"):
+            engine.embed(["after the failure"])
+    finally:
+        engine.close()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_divergence_check_off_lets_the_bug_through(qwen3_path, reference):
+    """Why the check exists: with it off, the injected bug silently returns wrong vectors."""
+    ref = reference(qwen3_path)
+    expected = [ref.pooled(ref.token_ids(p), "last") for p in REPRODUCER_PROMPTS]
+    with pipepool.Engine(
+        str(qwen3_path),
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=64,
+        max_num_seqs=5,
+        inject_fault="skip_post_step_on_non_last_stage",
+        verify_state=False,
+        pipeline_backend="inproc",
+        normalize=False,
+    ) as engine:
+        got = engine.embed(REPRODUCER_PROMPTS)
+    cosines = [float(cosine(g, e)[0]) for g, e in zip(got, expected, strict=True)]
+    assert min(cosines) < 0.999, cosines
+
+
+def test_killed_stage_fails_every_request_fast_and_leaves_no_process(qwen3_path):
+    engine = pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=3, max_num_batched_tokens=7, max_num_seqs=2
+    )
+    pids = _stage_pids(engine)
+    futures = engine.submit(long_prompts() * 20)
+    time.sleep(0.5)  # well into the run
+    killed_at = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)  # stage 1
+    failed = 0
+    for f in futures:  # each request either finished before the kill or fails, none hangs
+        error = f.exception(timeout=10)
+        if error is not None:
+            assert isinstance(error, StageFailure) and "stage 1" in str(error), error
+            failed += 1
+    assert time.monotonic() - killed_at < 10
+    assert failed > len(futures) // 2
+    with pytest.raises(EngineDeadError, match="stage 1"):
+        engine.embed(["later request"])
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_stage_that_raises_fails_requests_with_its_error(qwen3_path):
+    engine = pipepool.Engine(
+        str(qwen3_path),
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=16,
+        inject_fault="raise_on_stage",
+        fault_stage=1,
+        fault_step=2,
+    )
+    pids = _stage_pids(engine)
+    try:
+        with pytest.raises(StageFailure, match="injected failure on stage 1 at step 2"):
+            engine.embed(long_prompts())
+    finally:
+        engine.close()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_two_pp2_engines_at_once_on_one_host(qwen3_path, bert_path, reference):
+    results = {}
+
+    def run(name, path, pooling):
+        with pipepool.Engine(
+            str(path), pipeline_parallel_size=2, max_num_batched_tokens=32, normalize=False
+        ) as engine:
+            results[name] = engine.encode(long_prompts(), pooling=pooling, normalize=False)
+
+    threads = [
+        threading.Thread(target=run, args=("qwen3", qwen3_path, "last")),
+        threading.Thread(target=run, args=("bert", bert_path, "cls")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for name, path, pooling in (("qwen3", qwen3_path, "last"), ("bert", bert_path, "cls")):
+        ref = reference(path)
+        refs = [ref.pooled(ref.token_ids(p), pooling) for p in long_prompts()]
+        assert _per_request_min_cosine(results[name], refs) >= MIN_COSINE
+
+
+def test_torchrun_launch_matches_one_stage(qwen3_path, tmp_path):
+    """Every rank runs the same command (env:// rendezvous); rank 0 drives and writes."""
+    inputs = tmp_path / "inputs.txt"
+    inputs.write_text("\n".join(long_prompts()))
+    out = tmp_path / "pp2.npy"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "pipepool", "embed", "--model", str(qwen3_path), "--pp", "2",
+        "--max-num-batched-tokens", "16", "--input", str(inputs), "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=16) as engine:
+        expected = engine.embed(long_prompts())
+    assert cosine(np.load(out), expected).min() >= MIN_COSINE
+
+
+_CTRL_C_SCRIPT = """
+import sys, time
+import pipepool
+engine = pipepool.Engine(sys.argv[1], pipeline_parallel_size=2, max_num_batched_tokens=8)
+print(" ".join(str(p.pid) for p in engine._executor._procs.values()), flush=True)
+with engine:
+    while True:
+        engine.embed(["keep the pipeline busy " * 20])
+"""
+
+
+def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
+    script = tmp_path / "busy.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(qwen3_path)], stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert pids
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_no_stage_survives_its_driver_being_killed(qwen3_path, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(qwen3_path)], stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_stage_processes_load_only_their_own_layers(qwen3_path):
+    with pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=2, pipeline_backend="inproc"
+    ) as engine:
+        first, last = engine._executor.runners
+        first_params = {n for n, _ in first.model.named_parameters()}
+        last_params = {n for n, _ in last.model.named_parameters()}
+    assert "embed_tokens.weight" in first_params and "embed_tokens.weight" not in last_params
+    assert "norm.weight" in last_params and "norm.weight" not in first_params
+    assert not any(n.startswith("layers.2.") for n in first_params)
+    assert not any(n.startswith("layers.0.") for n in last_params)
+
+
+def test_pipeline_runs_plans_in_flight(qwen3_path):
+    with pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=16
+    ) as engine:
+        assert engine._executor.depth == 2
+        engine.embed(long_prompts())
+        assert engine.stats.steps > 2

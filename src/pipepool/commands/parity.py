@@ -1,13 +1,166 @@
-"""``pipepool parity``: not built yet."""
+"""``pipepool parity``: every PP degree x token budget x pooling against a reference, per
+request; prints a table (and writes JSON), exits 1 when any configuration falls below the
+cosine threshold."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import FAULTS, POOLING_TYPES, EngineConfig
+from ..parity import DEFAULT_BUDGETS, DEFAULT_PPS, REFERENCES, Sweep, run_parity
+from .common import _env
+from .embed import read_inputs
 
 
 def add_parser(sub, help: str) -> None:
-    sub.add_parser("parity", help=help, description=help)
+    p = sub.add_parser(
+        "parity",
+        help=help,
+        description=help,
+        epilog="Without --prompts: the five prompts of the published PP reproducer plus "
+        "prompts of mixed lengths up to max_model_len (pass --max-model-len to cap them).",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=_env("model"),
+        help="model folder or hub id (default: the bundled all-MiniLM-L6-v2)",
+    )
+    p.add_argument(
+        "--pp",
+        type=_int_list,
+        metavar="LIST",
+        default=None,
+        help=f"pipeline degrees to try, comma-separated (default: {_join(DEFAULT_PPS)}; on CUDA "
+        "those that the visible GPUs allow)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_list,
+        default=DEFAULT_BUDGETS,
+        metavar="BUDGETS",
+        help=f"token budgets to try, comma-separated (default: {_join(DEFAULT_BUDGETS)})",
+    )
+    p.add_argument(
+        "--pooling",
+        type=_pooling_list,
+        metavar="LIST",
+        default=POOLING_TYPES,
+        help=f"poolings to compare, comma-separated (default: {_join(POOLING_TYPES)})",
+    )
+    p.add_argument(
+        "--reference",
+        choices=REFERENCES,
+        default="transformers",
+        help="transformers: Hugging Face transformers / sentence-transformers on the same "
+        "weights (fp32 on CPU, the chosen dtype on GPU); pp1: this engine with one stage and "
+        "no chunking",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help=".txt (one prompt per line) or .jsonl; default: the built-in set",
+    )
+    p.add_argument(
+        "--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    p.add_argument("--device", default=_env("device", "auto"), help="auto | cpu | cuda")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int(_env("max_model_len")) if _env("max_model_len") else None,
+        help="cap on prompt length (default: the model's limit)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)))
+    p.add_argument(
+        "--min-cosine",
+        type=float,
+        metavar="X",
+        help="pass threshold per request (default: 0.99999 for float32, 0.999 for 16-bit)",
+    )
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
+    p.add_argument(
+        "--no-verify-state",
+        dest="verify_state",
+        action="store_false",
+        help="skip the lockstep checks between stages (then only the cosine can catch drift)",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the layers (default: on for CUDA)",
+    )
+    # Test-only: reproduce the historical bug to show that parity catches it.
+    p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("pipepool parity is not implemented yet")
+    base = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        verify_state=args.verify_state,
+        compile=args.compile,
+        inject_fault=args.inject_fault,
+    )
+    sweep = Sweep(
+        pps=args.pp or _default_pps(args.device),
+        budgets=args.max_num_batched_tokens,
+        poolings=args.pooling,
+        reference=args.reference,
+        min_cosine=args.min_cosine,
+    )
+    prompts = read_inputs([], args.prompts) if args.prompts is not None else None
+    report = run_parity(base, sweep, prompts)
+    print(report.header())
+    print()
+    print(report.table())
+    print()
+    print(report.summary())
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def _default_pps(device: str) -> tuple[int, ...]:
+    """DEFAULT_PPS, less the degrees that need more GPUs than are visible (on CPU, all)."""
+    if device == "cpu":
+        return DEFAULT_PPS
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return DEFAULT_PPS if gpus == 0 else tuple(pp for pp in DEFAULT_PPS if pp <= gpus)
+
+
+def _join(values) -> str:
+    return ",".join(map(str, values))
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _pooling_list(text: str) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(","))
+    unknown = [v for v in values if v not in POOLING_TYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown pooling {unknown[0]!r}; choose from {', '.join(POOLING_TYPES)}"
+        )
+    return values

@@ -112,8 +112,11 @@ class MultiprocExecutor(Executor):
                 )
             self._plan_sends.append(sends)
             self.runner.execute(plan, None, self.outbound)
-        except PipepoolError:
-            raise  # stage 0's own failure (e.g. a divergence it caught): already the cause
+        except PipepoolError as exc:
+            # Stage 0's own failure (e.g. a divergence it caught) is the cause. The other
+            # stages may be blocked on messages stage 0 will never send: no graceful stop.
+            self._record(exc)
+            raise
         except RuntimeError as exc:
             raise self._cause(exc) from None
 

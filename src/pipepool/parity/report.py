@@ -1,0 +1,146 @@
+"""The parity report: a table for people, the same content as JSON for machines."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .compare import Row
+
+_COLUMNS = (
+    "configuration",
+    "requests",
+    "chunked",
+    "min cosine",
+    "mean cosine",
+    "worst request",
+    "max |diff|",
+    "seconds",
+    "result",
+)
+
+
+@dataclass
+class ParityReport:
+    model: str
+    reference: str  # what the engine was compared with, in words
+    engine: str  # dtype and device of the engines under test
+    min_cosine: float  # the pass threshold, per request
+    prompt_tokens: list[int]  # length of each prompt, special tokens included
+    prompt_previews: list[str]  # the first characters of each prompt
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def failures(self) -> list[Row]:
+        return [r for r in self.rows if not r.passed]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: non-finite numbers become null (strict JSON has no NaN)."""
+        return _finite(
+            {
+                "model": self.model,
+                "reference": self.reference,
+                "engine": self.engine,
+                "min_cosine": self.min_cosine,
+                "passed": self.passed,
+                "prompts": [
+                    {"index": i, "tokens": n, "preview": text}
+                    for i, (n, text) in enumerate(
+                        zip(self.prompt_tokens, self.prompt_previews, strict=True)
+                    )
+                ],
+                "rows": [{"configuration": r.config, **asdict(r)} for r in self.rows],
+            }
+        )
+
+    def header(self) -> str:
+        lengths = self.prompt_tokens
+        return (
+            f"model:     {self.model}\n"
+            f"engine:    {self.engine}\n"
+            f"reference: {self.reference}\n"
+            f"prompts:   {len(lengths)} ({min(lengths)}..{max(lengths)} tokens: "
+            f"{', '.join(map(str, lengths))})\n"
+            f"pass:      cosine >= {self.min_cosine} for every request"
+            " (every token for pooling 'all')"
+        )
+
+    def table(self) -> str:
+        """A Markdown table, readable in a terminal and pasteable into a README."""
+        cells = [_COLUMNS, *(_cells(r) for r in self.rows)]
+        widths = [max(len(row[c]) for row in cells) for c in range(len(_COLUMNS))]
+        right = {1, 2, 3, 4, 6, 7}  # numbers align right
+
+        def line(row) -> str:
+            parts = [
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ]
+            return "| " + " | ".join(parts) + " |"
+
+        rule = (
+            "|"
+            + "|".join(
+                "-" * (w + 1) + ":" if i in right else "-" * (w + 2) for i, w in enumerate(widths)
+            )
+            + "|"
+        )
+        return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+    def summary(self) -> str:
+        """One line per failed configuration (naming the worst request), then the verdict."""
+        lines = []
+        for r in self.failures():
+            if r.error is not None:
+                lines.append(f"FAIL {r.config}: {r.error}")
+            else:
+                where = f", token {r.worst_token}" if r.worst_token is not None else ""
+                lines.append(
+                    f"FAIL {r.config}: worst request #{r.worst_request} "
+                    f"({r.worst_prompt_tokens} tokens{where}) has cosine "
+                    f"{_num(r.min_cosine, 10)} < {self.min_cosine}"
+                )
+        n = len(self.rows)
+        if self.passed:
+            lines.append(f"parity OK: {n} of {n} configurations pass")
+        else:
+            lines.append(f"parity FAILED: {len(self.failures())} of {n} configurations fail")
+        return "\n".join(lines)
+
+
+def _cells(r: Row) -> tuple[str, ...]:
+    if r.error is not None:
+        dashes = ("-",) * 4
+        return (r.config, str(r.requests), str(r.chunked), *dashes, f"{r.seconds:.2f}",
+                f"ERROR {r.error}")  # fmt: skip
+    worst = f"#{r.worst_request} ({r.worst_prompt_tokens} tok)"
+    return (
+        r.config,
+        str(r.requests),
+        str(r.chunked),
+        _num(r.min_cosine, 8),
+        _num(r.mean_cosine, 8),
+        worst,
+        _num(r.max_abs_diff, 2, exp=True),
+        f"{r.seconds:.2f}",
+        "ok" if r.passed else "FAIL",
+    )
+
+
+def _num(x: float | None, digits: int, *, exp: bool = False) -> str:
+    if x is None or math.isnan(x):
+        return "nan"
+    return f"{x:.{digits}e}" if exp else f"{x:.{digits}f}"
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

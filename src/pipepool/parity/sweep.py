@@ -1,0 +1,167 @@
+"""Running a parity sweep: every (PP degree, token budget) engine, every pooling on it, each
+request scored against one reference computed up front."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import POOLING_TYPES, EngineConfig
+from ..deployment import Deployment, plan_deployment
+from ..engine import Engine
+from ..errors import InvalidInputError, PromptTooLongError
+from ..inputs import InputPreparer
+from .compare import Row, fill_row, score_request
+from .prompts import builtin_prompts
+from .reference import compute_reference
+from .report import ParityReport
+
+# DESIGN.md §3: per-request cosine against the reference.
+MIN_COSINE_FP32 = 0.99999
+MIN_COSINE_16BIT = 0.999
+DEFAULT_PPS = (1, 2)
+# Budgets that chunk at every prompt length, and one that (almost) never does.
+DEFAULT_BUDGETS = (16, 64, 8192)
+_PREVIEW_CHARS = 48
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The settings a parity run crosses: every PP degree with every budget, every pooling."""
+
+    pps: tuple[int, ...] = DEFAULT_PPS
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    poolings: tuple[str, ...] = POOLING_TYPES
+    reference: str = "transformers"  # transformers | pp1
+    min_cosine: float | None = None  # None: by dtype (see default_min_cosine)
+
+    def __post_init__(self) -> None:
+        if not self.pps or not self.budgets or not self.poolings:
+            raise InvalidInputError("parity needs at least one PP degree, budget and pooling")
+        unknown = [p for p in self.poolings if p not in POOLING_TYPES]
+        if unknown:
+            raise InvalidInputError(
+                f"unknown pooling {unknown[0]!r}; choose from {', '.join(POOLING_TYPES)}",
+                param="pooling",
+            )
+
+
+def default_min_cosine(dtype: torch.dtype) -> float:
+    return MIN_COSINE_FP32 if dtype == torch.float32 else MIN_COSINE_16BIT
+
+
+def run_parity(
+    base: EngineConfig,
+    sweep: Sweep,
+    prompts: Sequence | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ParityReport:
+    """Compare every configuration of ``sweep`` with the reference on ``prompts`` (default:
+    the built-in set). An engine that raises becomes a failed row; it does not stop the run."""
+    log = log or _stderr
+    deployment = plan_deployment(base)  # resolves dtype, device and max_model_len once
+    texts, token_ids = _prompts(deployment, prompts)
+    lengths = [len(ids) for ids in token_ids]
+    log(f"reference: {sweep.reference} on {len(texts)} prompts ({max(lengths)} tokens max)")
+    ref = compute_reference(sweep.reference, deployment, texts, token_ids, sweep.poolings)
+    threshold = sweep.min_cosine
+    if threshold is None:
+        threshold = default_min_cosine(deployment.dtype)
+    report = ParityReport(
+        model=str(deployment.folder.path),
+        reference=ref.description,
+        engine=f"pipepool, {str(deployment.dtype).removeprefix('torch.')} on "
+        f"{deployment.devices[0].split(':')[0]}",
+        min_cosine=threshold,
+        prompt_tokens=lengths,
+        prompt_previews=[_preview(t) for t in texts],
+    )
+    for pp in sweep.pps:
+        for budget in sweep.budgets:
+            log(f"pp={pp} tokens={budget}: {', '.join(sweep.poolings)}")
+            config = base.replace(pipeline_parallel_size=pp, max_num_batched_tokens=budget)
+            report.rows += _run_config(config, sweep.poolings, token_ids, ref.outputs, threshold)
+    return report
+
+
+def _run_config(
+    config: EngineConfig,
+    poolings: Sequence[str],
+    token_ids: list[np.ndarray],
+    expected: dict[str, list[np.ndarray]],
+    threshold: float,
+) -> list[Row]:
+    """All poolings on one engine. Any exception is the row's result: a dead engine fails
+    its remaining poolings with the cause in their message."""
+
+    def row(pooling: str, chunked: int = 0) -> Row:
+        return Row(
+            pp=config.pipeline_parallel_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            pooling=pooling,
+            requests=len(token_ids),
+            chunked=chunked,
+        )
+
+    try:
+        engine = Engine.from_config(config)
+    except Exception as exc:  # e.g. more stages than layers or GPUs
+        return [_failed(row(p), exc, 0.0) for p in poolings]
+    rows = []
+    with engine:
+        for pooling in poolings:
+            t0 = time.perf_counter()
+            # Counted by the scheduler, not from prompt lengths: a prompt shorter than the
+            # budget is split too when the requests ahead of it leave less room in the step.
+            chunked_before = engine.stats.chunked_requests
+            try:
+                got = engine.encode(token_ids, pooling=pooling, normalize=False)
+                scores = [
+                    score_request(i, g, e)
+                    for i, (g, e) in enumerate(zip(got, expected[pooling], strict=True))
+                ]
+            except Exception as exc:
+                chunked = engine.stats.chunked_requests - chunked_before
+                rows.append(_failed(row(pooling, chunked), exc, time.perf_counter() - t0))
+                continue
+            r = row(pooling, engine.stats.chunked_requests - chunked_before)
+            r.seconds = time.perf_counter() - t0
+            rows.append(fill_row(r, scores, [len(t) for t in token_ids], threshold))
+    return rows
+
+
+def _failed(row: Row, exc: BaseException, seconds: float) -> Row:
+    row.error = f"{type(exc).__name__}: {exc}"
+    row.seconds = seconds
+    return row
+
+
+def _prompts(deployment: Deployment, prompts: Sequence | None) -> tuple[list, list[np.ndarray]]:
+    """The prompts and the engine's token ids for them (its tokenizer, the model's default
+    prompt prefix, special tokens): what every configuration and the reference receive."""
+    preparer = InputPreparer(deployment)
+    if prompts is None:
+
+        def count(text: str) -> int:
+            try:
+                return len(preparer.prepare([text])[0])
+            except PromptTooLongError:
+                return sys.maxsize
+
+        prompts = builtin_prompts(count, deployment.max_model_len)
+    prompts = list(prompts)
+    return prompts, preparer.prepare(prompts)
+
+
+def _preview(prompt) -> str:
+    text = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+    return text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "..."
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

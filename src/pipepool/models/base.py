@@ -63,6 +63,9 @@ class StageModel(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers after the module left the meta device."""
 
+    def set_compiled(self, on: bool) -> None:
+        """Run the layer bodies through torch.compile (one graph shared by all layers)."""
+
 
 def linear_specs(
     prefix_ckpt: str, param: str, out_dim: int, in_dim: int, bias: bool, rows=None

@@ -6,12 +6,14 @@ is kept; the layers still split into pipeline stages like any other model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..layers.activation import get_activation
+from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
 from .base import StageModel, StepInputs, WeightSpec, linear_specs
 
@@ -52,11 +54,43 @@ class EncoderConfig:
         )
 
 
+class FfnWeights(NamedTuple):
+    attn_out: torch.Tensor
+    attn_out_bias: torch.Tensor
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor
+    ffn_in: torch.Tensor
+    ffn_in_bias: torch.Tensor
+    ffn_out: torch.Tensor
+    ffn_out_bias: torch.Tensor
+    ffn_norm: torch.Tensor
+    ffn_norm_bias: torch.Tensor
+
+
+def post_attention(
+    cfg: EncoderConfig, x: torch.Tensor, a: torch.Tensor, w: FfnWeights
+) -> torch.Tensor:
+    """x = norm(x + out(attn)); x = norm(x + ffn(x)). a: [T, H, D] attention output."""
+    h, eps = cfg.hidden_size, cfg.layer_norm_eps
+    x = F.layer_norm(
+        x + F.linear(a.flatten(1), w.attn_out, w.attn_out_bias),
+        (h,),
+        w.attn_norm,
+        w.attn_norm_bias,
+        eps,
+    )
+    ffn = F.linear(
+        ACTIVATIONS[cfg.hidden_act](F.linear(x, w.ffn_in, w.ffn_in_bias)), w.ffn_out, w.ffn_out_bias
+    )
+    return F.layer_norm(x + ffn, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
+
+
 class EncoderLayer(nn.Module):
     """Post-norm block: x = norm(x + attn(x)); x = norm(x + ffn(x))."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
         h = cfg.hidden_size
         self.qkv_proj = nn.Linear(h, 3 * h)
@@ -65,14 +99,19 @@ class EncoderLayer(nn.Module):
         self.ffn_in = nn.Linear(h, cfg.intermediate_size)
         self.ffn_out = nn.Linear(cfg.intermediate_size, h)
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
-        self.act = get_activation(cfg.hidden_act)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, inputs: StepInputs, kernel: str) -> torch.Tensor:
+    def ffn_weights(self) -> FfnWeights:
+        return FfnWeights(
+            self.attn_out.weight, self.attn_out.bias, self.attn_norm.weight, self.attn_norm.bias,
+            self.ffn_in.weight, self.ffn_in.bias, self.ffn_out.weight, self.ffn_out.bias,
+            self.ffn_norm.weight, self.ffn_norm.bias,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, post, kernel: str) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
         a = attend(q, k, v, inputs.attn, None, scale=self.scale, kernel=kernel)  # [T, H, D]
-        x = self.attn_norm(x + self.attn_out(a.flatten(1)))
-        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+        return post(self.cfg, x, a, self.ffn_weights())
 
 
 class EncoderStage(StageModel):
@@ -85,6 +124,7 @@ class EncoderStage(StageModel):
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
         self.attn_kernel = "portable"
+        self.post = post_attention  # or one torch.compile'd graph shared by every layer
         h = cfg.hidden_size
         if first:
             self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
@@ -103,8 +143,11 @@ class EncoderStage(StageModel):
             )
             x = self.emb_norm(x)
         for layer in self.layers.values():
-            x = layer(x, inputs, self.attn_kernel)
+            x = layer(x, inputs, self.post, self.attn_kernel)
         return x
+
+    def set_compiled(self, on: bool) -> None:
+        self.post = torch.compile(post_attention, dynamic=True) if on else post_attention
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size

@@ -4,6 +4,7 @@ e5-mistral). One implementation; the families differ only in the switches of Dec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,8 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..layers.attention import attend
-from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.norm import RMSNorm, rms_norm
+from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import KVLayout, StageModel, StepInputs, WeightSpec, linear_specs
 
 
@@ -92,6 +93,67 @@ def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None
     return (None,) * num_layers
 
 
+class AttnWeights(NamedTuple):
+    """What the block needs before attention (None where the family has no such tensor)."""
+
+    norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class MlpWeights(NamedTuple):
+    """What the block needs after attention."""
+
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def pre_attention(
+    cfg: DecoderConfig,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    w: AttnWeights,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm -> fused q|k|v projection -> (Qwen3) q/k norm -> RoPE. x: [T, hidden]."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+    k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+    v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rotary(positions, q, k, cos_sin, cfg.rotary_dim)
+    return q, k, v
+
+
+def post_attention(
+    cfg: DecoderConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
+) -> torch.Tensor:
+    """Output projection + residual, then norm -> SwiGLU MLP + residual."""
+    x = x + F.linear(attn_out.flatten(1), w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias).chunk(
+        2, -1
+    )
+    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+class LayerOps(NamedTuple):
+    """The two halves around attention: plain functions, or one torch.compile'd graph each
+    shared by every layer (weights are arguments, so layers do not recompile)."""
+
+    pre: object = pre_attention
+    post: object = post_attention
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)). q|k|v and gate|up are fused."""
 
@@ -109,33 +171,34 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
-        # The two halves around attention; the runner may swap in torch.compile'd versions.
-        self.pre_attention = self._pre_attention
-        self.post_attention = self._post_attention
 
-    def _pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
-        cfg = self.cfg
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return q, k, v
+    def attn_weights(self) -> AttnWeights:
+        qk = self.cfg.qk_norm
+        return AttnWeights(
+            self.input_layernorm.weight,
+            self.qkv_proj.weight,
+            self.qkv_proj.bias,
+            self.q_norm.weight if qk else None,
+            self.k_norm.weight if qk else None,
+        )
 
-    def _post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        x = x + self.o_proj(attn_out.flatten(1))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+    def mlp_weights(self) -> MlpWeights:
+        return MlpWeights(
+            self.o_proj.weight,
+            self.o_proj.bias,
+            self.post_attention_layernorm.weight,
+            self.gate_up_proj.weight,
+            self.gate_up_proj.bias,
+            self.down_proj.weight,
+            self.down_proj.bias,
+        )
 
-    def forward(self, x, inputs: StepInputs, kv_cache, rotary: RotaryEmbedding, kernel: str):
-        q, k, v = self.pre_attention(x, inputs.positions, rotary)
+    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str):
+        q, k, v = ops.pre(self.cfg, x, inputs.positions, cos_sin, self.attn_weights())
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
-        return self.post_attention(x, attn_out)
+        return ops.post(self.cfg, x, attn_out, self.mlp_weights())
 
 
 class DecoderStage(StageModel):
@@ -148,6 +211,7 @@ class DecoderStage(StageModel):
         self.max_positions = cfg.max_positions
         self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim)
         self.attn_kernel = "portable"
+        self.ops = LayerOps()
         if first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, cfg.windows[i]) for i in layers})
@@ -160,12 +224,20 @@ class DecoderStage(StageModel):
     def reset_buffers(self) -> None:
         self.rotary.reset_table()
 
+    def set_compiled(self, on: bool) -> None:
+        self.ops = LayerOps()
+        if on:
+            self.ops = LayerOps(
+                torch.compile(pre_attention, dynamic=True),
+                torch.compile(post_attention, dynamic=True),
+            )
+
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
         if self.is_first:
             x = self.embed_tokens(x)
         for j, layer in enumerate(self.layers.values()):
             kv = kv_caches[j] if kv_caches is not None else None
-            x = layer(x, inputs, kv, self.rotary, self.attn_kernel)
+            x = layer(x, inputs, kv, self.rotary.cos_sin, self.ops, self.attn_kernel)
         if self.is_last:
             x = self.norm(x)
         return x

@@ -140,9 +140,9 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + 5.0
         while self._failure is None and time.monotonic() < deadline:
             if not self._procs:  # torchrun: no children to watch, read the reports directly
-                failure = self._read_reports()
-                if failure is not None:
-                    self._record(failure)
+                reports = self._read_reports()
+                if reports:
+                    self._record(_first_failure(reports))
                     break
             time.sleep(0.05)
         if self._failure is None:
@@ -159,8 +159,11 @@ class MultiprocExecutor(Executor):
     def _on_stage_exit(self, rank: int) -> None:
         time.sleep(_FAILURE_GRACE_S)
         proc = self._procs[rank]
-        failure = self._read_reports()
-        if failure is None:
+        reports = self._read_reports()
+        own = reports.get(rank)
+        if own is not None and not own.secondary:
+            failure = _as_failure(own)
+        elif own is None:  # died without a word (killed, segfault): it is the first failure
             code = proc.returncode
             how = (
                 f"was killed by signal {-code}"
@@ -168,24 +171,18 @@ class MultiprocExecutor(Executor):
                 else f"exited with code {code}"
             )
             failure = StageFailure(f"stage {rank} process (pid {proc.pid}) {how}", stage=rank)
+        else:
+            failure = _first_failure(reports)
         self._record(failure)
         self._kill_all()  # unblocks every wait on the surviving ranks and in the driver
 
-    def _read_reports(self) -> BaseException | None:
-        reports: list[ErrorReport] = []
+    def _read_reports(self) -> dict[int, ErrorReport]:
+        reports: dict[int, ErrorReport] = {}
         for rank in range(1, self.num_stages):
-            try:
+            with contextlib.suppress(Exception):
                 if self._store.check([f"error/{rank}"]):
-                    reports.append(pickle.loads(self._store.get(f"error/{rank}")))
-            except Exception:
-                pass
-        if not reports:
-            return None
-        report = min(reports, key=lambda r: (r.secondary, r.stage))
-        err = report.error
-        if isinstance(err, PipepoolError):
-            return err
-        return StageFailure(f"stage {report.stage} failed: {err!r}", stage=report.stage)
+                    reports[rank] = pickle.loads(self._store.get(f"error/{rank}"))
+        return reports
 
     def _record(self, failure: BaseException) -> None:
         with self._lock:
@@ -199,7 +196,8 @@ class MultiprocExecutor(Executor):
             for rank in list(pending):
                 if self._store.check([f"loaded/{rank}"]):
                     pending.discard(rank)
-            failure = self._read_reports()
+            reports = self._read_reports()
+            failure = _first_failure(reports) if reports else None
             dead = [r for r, p in self._procs.items() if p.poll() is not None]
             if failure is not None or dead:
                 if failure is None:
@@ -242,6 +240,17 @@ class MultiprocExecutor(Executor):
                 proc.kill()
         for proc in self._procs.values():
             proc.wait()
+
+
+def _as_failure(report: ErrorReport) -> BaseException:
+    if isinstance(report.error, PipepoolError):
+        return report.error
+    return StageFailure(f"stage {report.stage} failed: {report.error!r}", stage=report.stage)
+
+
+def _first_failure(reports: dict[int, ErrorReport]) -> BaseException:
+    """A stage's own error before the errors it caused elsewhere (closed connections)."""
+    return _as_failure(min(reports.values(), key=lambda r: (r.secondary, r.stage)))
 
 
 def run_torchrun_worker(deployment: Deployment) -> int:

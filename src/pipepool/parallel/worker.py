@@ -118,10 +118,10 @@ def report_error(store, rank: int, exc: BaseException) -> None:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
+    """Transport errors (a neighbour went away) rather than this stage's own failure."""
     text = str(exc).lower()
-    return any(
-        s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out")
-    )
+    markers = ("gloo/transport", "connection closed", "connection reset", "broken pipe", "nccl")
+    return any(m in text for m in markers)
 
 
 def _die_with_parent() -> None:

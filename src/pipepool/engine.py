@@ -201,8 +201,18 @@ class Engine:
         return self.inputs.prepare(inputs, **kwargs)
 
     @property
+    def kv_blocks_free(self) -> int | None:
+        """Free KV-cache blocks now (None for encoders, which keep no KV cache).
+
+        Safe from any thread: the loop thread owns the allocator, this only reads a length.
+        """
+        blocks = self._scheduler.blocks
+        return None if blocks is None else blocks.num_free
+
+    @property
     def is_alive(self) -> bool:
-        return self._dead is None and not self._closed
+        """False once closed, or once a stage failed (even with no request in flight)."""
+        return self._dead is None and not self._closed and self._executor.failure is None
 
     def close(self) -> None:
         """Stop the loop and every stage process; pending requests fail with EngineDeadError."""
@@ -298,6 +308,8 @@ class Engine:
                 future.set_exception(exc)
 
     def _raise_if_dead(self) -> None:
+        if self._dead is None and self._executor.failure is not None:
+            self._dead = self._executor.failure  # a stage died while the engine was idle
         if self._dead is not None:
             cause = self._dead
             if isinstance(cause, PipepoolError):

@@ -9,8 +9,9 @@ Policy, in one place:
   plans in FIFO order, so the KV the next chunk reads is always written first).
 - Encoders cannot chunk (attention is bidirectional): a prompt goes whole into one step; one
   larger than the whole budget runs alone in a step of its own.
-- A causal request is admitted only when KV blocks for its whole prompt are free (pooling
-  prompts have a known length and no decode, so it never needs more and never deadlocks).
+- A causal request that will be chunked is admitted only when KV blocks for its whole
+  prompt are free (pooling prompts have a known length and no decode, so it never needs more
+  and never deadlocks). One that fits whole in its first step needs no KV cache at all.
   Blocks are returned once the plan holding its final chunk is built, or when it is
   aborted: later plans that reuse them run after the plans that used them, on every stage.
 """
@@ -113,7 +114,9 @@ class Scheduler:
             n = self._first_chunk(request, budget, step_empty=not ids)
             if n == 0:
                 break
-            if self.blocks is not None:
+            # Only a prompt split across steps needs KV blocks: later chunks read the earlier
+            # ones' K/V. A prompt that fits whole attends within its own step.
+            if self.blocks is not None and n < request.prompt_len:
                 block_ids = self.blocks.allocate(request.prompt_len)
                 if block_ids is None:
                     break  # FIFO: nobody overtakes the head of the queue

@@ -27,6 +27,7 @@ class EngineStats:
     queue_waiting: int = 0
     requests_running: int = 0
     step_time_sum: float = 0.0
+    step_time_count: int = 0
     step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     stage_busy_s: list[float] = field(default_factory=list)  # cumulative, per stage
     errors: Counter = field(default_factory=Counter)  # by exception class name
@@ -50,6 +51,7 @@ class EngineStats:
     def on_result(self, plan: StepPlan, result: StepResult, wait_s: float) -> None:
         with self._lock:
             self.step_time_sum += wait_s
+            self.step_time_count += 1
             for i, bound in enumerate(STEP_BUCKETS):
                 if wait_s <= bound:
                     self.step_time_buckets[i] += 1

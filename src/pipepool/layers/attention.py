@@ -98,14 +98,10 @@ def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _flash(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    if q.shape[1] != k.shape[1] and not _VARLEN_HAS_GQA:
-        # torch 2.11's varlen_attn has no GQA: share each KV head with its query group.
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    kwargs = {}
-    if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1]:
-        kwargs["enable_gqa"] = True
+    # Fewer KV heads than query heads (GQA) go in as they are: the flash kernel shares each KV
+    # head with its query group itself (checked on torch 2.11, where the flag does not exist
+    # yet: identical to expanding K/V first; benchmarks/gpu_probe.py).
+    kwargs = {"enable_gqa": True} if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1] else {}
     # (left, right) keys visible around each query; -1 = unlimited. Causal: right = 0.
     window_size = (-1 if window is None else window - 1, 0) if meta.causal else (-1, -1)
     return _varlen_attn(

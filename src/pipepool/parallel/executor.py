@@ -30,6 +30,11 @@ class Executor(ABC):
     def check_alive(self) -> None:  # noqa: B027 - optional hook, a no-op in one process
         """Raise StageFailure if a stage is known to have failed (polled between steps)."""
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The recorded stage failure, if any (seen even while the engine is idle)."""
+        return None
+
 
 class UniprocExecutor(Executor):
     """Every stage in this process, run one after the other for each plan.

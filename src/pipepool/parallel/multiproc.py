@@ -133,6 +133,10 @@ class MultiprocExecutor(Executor):
         if self._failure is not None:
             raise self._failure
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
     # -- failures ----------------------------------------------------------------------------
 
     def _cause(self, transport_error: BaseException) -> BaseException:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,10 @@ def worker_main(argv: list[str] | None = None) -> None:
     main script in every stage unless it is guarded by ``if __name__ == "__main__"``.
     """
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns shutdown (Ctrl-C included)
+    # The driver owns shutdown: Ctrl-C, or a SIGTERM sent to the whole process group (as
+    # systemd does), must let it finish in-flight requests before it stops the stages.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank_s, host, port_s, world_s, prefix = (argv if argv is not None else sys.argv[1:])[:5]
     rdv = Rendezvous(host, int(port_s), int(world_s), prefix, torchrun=False)
     store = engine_store(connect_store(rdv), rdv)
@@ -125,15 +129,17 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a crashed driver leaves no
-    orphaned stage behind."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os._exit(1)
-    except OSError:
-        pass
+    """Exit as soon as the driver process is gone, so a crashed driver leaves no orphaned
+    stage behind. (PR_SET_PDEATHSIG would fire when the *thread* that started us exits, which
+    kills the stages of an engine built in a short-lived thread.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pipepool-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -26,13 +26,26 @@ CHECKPOINTS = Path("/tmp/pipepool-bench")
 MODELS = {
     "0.6b": ("qwen3-embedding-0.6b.json", "Qwen3Model", []),
     "8b": ("qwen3-embedding-8b.json", "Qwen3Model", []),
-    "minilm": ("all-minilm-l6-v2.json", "BertModel", ["--max-model-len", "512"]),
+    "minilm": (
+        "all-minilm-l6-v2.json",
+        "BertModel",
+        ["--max-model-len", "512", "--peer-batch-sizes", "128,256,512"],
+    ),
 }
-# per workload: engine budget and the peer batch sizes it picks its best from
+# per workload: engine budget and the peer batch sizes it picks its best from (model flags,
+# then a run's own flags, come later on the command line and win)
 WORKLOAD_FLAGS = {
     "W1": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "64,128,256", "--e2e"],
     "W2": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "4,8"],
-    "W3": ["--max-num-batched-tokens", "8192", "--peer-batch-sizes", "1"],
+    # KV cache sized to the document: peak memory = weights + its KV + the step working set
+    "W3": [
+        "--max-num-batched-tokens",
+        "8192",
+        "--peer-batch-sizes",
+        "1",
+        "--kv-cache-tokens",
+        "32768",
+    ],
 }
 # Files copied from the all-MiniLM-L6-v2 folder: its tokenizer for every model, and for the
 # MiniLM-shaped checkpoint its sentence-transformers modules too (mean pooling + Normalize).
@@ -83,7 +96,10 @@ def build_checkpoint(key: str) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--runs", required=True, help="model:workload[:requests] list, e.g. 0.6b:W1,8b:W1:1024"
+        "--runs",
+        required=True,
+        help="model:workload[:requests[:flags]] list, flags joined by '+', "
+        "e.g. 0.6b:W1,8b:W1:1024,8b:W1:1024:--pp+2+--no-peer",
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--extra", default="", help="extra flags for every pipepool bench run")
@@ -92,11 +108,13 @@ def main() -> int:
     rows = []
     for run in args.runs.split(","):
         key, workload, *rest = run.split(":")
-        out = args.out / f"{key}-{workload}.json"
+        requests = rest[0] if rest and rest[0] else None
+        flags = rest[1].split("+") if len(rest) > 1 else []
+        out = args.out / f"{key}-{workload}-{len(rows)}.json"
         cmd = [
             sys.executable, "-m", "pipepool", "bench", "--model", str(build_checkpoint(key)),
-            "--workload", workload, "--json", str(out), *MODELS[key][2], *WORKLOAD_FLAGS[workload],
-            *(["--requests", rest[0]] if rest else []), *args.extra.split(),
+            "--workload", workload, "--json", str(out), *WORKLOAD_FLAGS[workload], *MODELS[key][2],
+            *(["--requests", requests] if requests else []), *args.extra.split(), *flags,
         ]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
         t0 = time.time()

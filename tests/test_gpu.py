@@ -78,11 +78,14 @@ def test_pp2_over_nccl_matches_reference(qwen3_path, reference, budget):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_pp2_nccl_bug_injection_is_caught(qwen3_path):
-    with pipepool.Engine(
-        str(qwen3_path),
-        device="cuda",
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=64,
-        inject_fault="skip_post_step_on_non_last_stage",
-    ) as engine, pytest.raises(pipepool.StateDivergence):
+    with (
+        pipepool.Engine(
+            str(qwen3_path),
+            device="cuda",
+            pipeline_parallel_size=2,
+            max_num_batched_tokens=64,
+            inject_fault="skip_post_step_on_non_last_stage",
+        ) as engine,
+        pytest.raises(pipepool.StateDivergence),
+    ):
         engine.embed(REPRODUCER_PROMPTS)

@@ -200,6 +200,15 @@ class Engine:
     def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
         return self.inputs.prepare(inputs, **kwargs)
 
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has spent computing so far (for idle fractions). Stages report
+        with their step results, device time only once the device got there, so a one-token
+        step brings every figure up to date first."""
+        self.submit_tokens([np.zeros(1, dtype=np.int64)], self.inputs.params("last", None, False))[
+            0
+        ].result()
+        return list(self.stats.stage_busy_s)
+
     @property
     def kv_blocks_free(self) -> int | None:
         """Free KV-cache blocks now (None for encoders, which keep no KV cache).

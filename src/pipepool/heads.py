@@ -1,6 +1,12 @@
 """Per-request heads applied on the driver to what the last stage pooled: Matryoshka
-truncation, then L2 normalisation (the order sentence-transformers uses for
-``truncate_dim`` with a Normalize module)."""
+truncation, then L2 normalisation, so a ``dimensions`` vector is a unit vector (as in vLLM and
+the OpenAI API).
+
+sentence-transformers 6 orders it the other way for a folder with a Normalize module: it
+runs every module (Normalize included), then cuts to ``truncate_dim``, so its truncated
+vectors are shorter than 1; ours equal its ``encode(..., truncate_dim=d,
+normalize_embeddings=True)`` and differ from plain ``truncate_dim=d`` only in length (cosine
+1). tests/test_sentence_transformers.py pins both facts down."""
 
 from __future__ import annotations
 

@@ -172,6 +172,13 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
     max_seq_length = (
         _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     )
+    if max_seq_length is None:
+        # sentence-transformers 6 saves no max_seq_length there: it truncates at the
+        # tokenizer's model_max_length (capped later at the model's positions, as it does).
+        tokenizer_config = path / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            limit = _read_json(tokenizer_config).get("model_max_length")
+            max_seq_length = limit if isinstance(limit, int) and limit > 0 else None
     return SentenceTransformersInfo(
         pooling=pooling,
         normalize=normalize,

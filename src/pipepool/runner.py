@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,40 @@ class _Mirror:
     num_computed_tokens: int = 0
 
 
+class BusyClock:
+    """Time a stage spends computing, excluding waits for its inputs. On CUDA it reads event
+    pairs once the device has passed them (never blocking the host); on CPU, wall time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._done_s = 0.0
+        self._t0 = 0.0
+        self._pending: deque = deque()
+
+    def start(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending.append([event, None])
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending[-1][1] = event
+        else:
+            self._done_s += time.perf_counter() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        while self._pending and self._pending[0][1] is not None and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self._done_s += start.elapsed_time(end) / 1000
+        return self._done_s
+
+
 class StageRunner:
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
         self.config, self.spec = config, spec
@@ -88,7 +123,7 @@ class StageRunner:
         self.mirror: dict[int, _Mirror] = {}
         self.token_ids: dict[int, np.ndarray] = {}  # first stage only
         self.uploader = DeviceUploader(spec.device)
-        self.busy_s = 0.0  # time spent computing (not waiting for inputs), cumulative
+        self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
 
     # -- one step -------------------------------------------------------------------------
 
@@ -111,19 +146,17 @@ class StageRunner:
         lens = plan.ends - plan.starts
 
         incoming = inbound.post(plan) if inbound is not None else None
-        t0 = time.perf_counter()
         output = None
         if plan.num_reqs:
             hidden, output = self._forward(plan, entries, starts, lens, incoming)
             if not spec.is_last:
                 outbound.send_hidden(hidden)
-        self.busy_s += time.perf_counter() - t0
 
         self._post_step(plan, ids, entries, lens)
         digest = np.array([m.num_computed_tokens for m in entries], dtype=np.int64)
         self._drop_finished(plan, ids, entries)
         busy = list(incoming.stage_busy_s()) if incoming is not None else []
-        busy.append(self.busy_s)
+        busy.append(self.clock.seconds)
         if self.config.verify_state:
             if incoming is not None:
                 self._check_digest(plan, incoming.digest(), spec.index - 1)
@@ -211,14 +244,17 @@ class StageRunner:
         )
         x = tokens_t if spec.is_first else incoming.hidden()
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
+        self.clock.start()
         with torch.inference_mode():
             hidden = model(x, inputs, kv)
             if not spec.is_last:
+                self.clock.stop()
                 return hidden, None
             vec_ids, vectors, all_ids, all_out = self.pooler.pool(
                 hidden, rows_t, seg_t, ids, starts, starts + lens, batch.cu_q,
                 prompt_lens.tolist(), poolings,
             )  # fmt: skip
+        self.clock.stop()
         return hidden, StageOutput(vec_ids, vectors, all_ids, all_out)
 
     def _post_step(

@@ -5,6 +5,7 @@ stage never holds the whole model)."""
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +126,10 @@ def _read_shapes(file: Path) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
+    # Files from PyTorch < 1.6 (the legacy, non-zip format) cannot be memory-mapped.
+    mmap = zipfile.is_zipfile(file)
     try:
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        return torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {file}: {exc}") from None
 

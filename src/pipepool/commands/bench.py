@@ -70,19 +70,23 @@ def bench_one(config, workload_name: str, args) -> dict:
     pooling = d.pooling
     # Warm-up: compile, allocator, first steps (a slice of the same workload).
     engine.encode(workload.token_ids[: min(64, len(workload.token_ids))], pooling=pooling)
+    busy_start = engine.stage_busy_s()
     ours = run_engine(engine, workload, pooling)
+    busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     ours_vectors = np.stack(
         engine.encode(workload.token_ids[:256], pooling=pooling, normalize=True)
     )
-    busy_before = list(engine.stats.stage_busy_s)
     if args.profile:
         profile(engine, workload, pooling)
     texts = None
     ours_text = None
     if args.e2e:
-        texts = [engine.inputs.tokenizer.decode(t) for t in workload.token_ids]
+        # Random ids can decode to nothing (all special tokens): keep every request non-empty.
+        texts = [engine.inputs.tokenizer.decode(t) or "empty" for t in workload.token_ids]
         ours_text = run_engine_text(engine, texts, pooling)
     weights_gib = _weights_gib(engine)
+    # Per GPU, as the driver sees it (other stages live in other processes): memory in use.
+    used_gib = [round(_device_used_gib(dev), 2) for dev in d.devices if dev.startswith("cuda")]
     kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30
     stats = engine.stats
     engine.close()
@@ -105,7 +109,9 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_kv_cache_gib": round(kv_gib, 2),
         "engine_working_set_gib": round(ours.peak_memory_gib - weights_gib - kv_gib, 2),
         "engine_steps": stats.steps,
-        "stage_busy_s": busy_before,
+        "stages": d.num_stages,
+        "gpu_used_gib_per_stage": used_gib,
+        "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
     }
     if ours_text is not None:
         row["engine_text_tokens_per_s"] = round(row["tokens"] / ours_text.seconds)
@@ -151,7 +157,13 @@ def profile(engine: Engine, workload, pooling: str) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
+def _device_used_gib(device: str) -> float:
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return (total - free) / 2**30
+
+
 def _weights_gib(engine: Engine) -> float:
+    """Weights of stage 0 (all of them with one stage)."""
     runners = getattr(engine._executor, "runners", None) or [engine._executor.runner]
     model = runners[0].model
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30

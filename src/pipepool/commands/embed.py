@@ -45,29 +45,52 @@ def add_parser(sub, help: str) -> None:
 def read_inputs(texts: list[str], path: Path | None) -> list:
     items: list = list(texts)
     if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidInputError(f"cannot read --input {path}: {exc}", param="input") from None
         if path.suffix == ".jsonl":
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
-                obj = json.loads(line)
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InvalidInputError(
+                        f"{path}:{n}: not valid JSON ({exc.msg})", param="input"
+                    ) from None
                 if isinstance(obj, dict):
                     obj = obj.get("text", obj.get("input"))
-                if obj is None:
+                if not isinstance(obj, (str, list)):
                     raise InvalidInputError(
-                        f"{path}:{n}: expected a string, a token list or {{'text': ...}}"
+                        f"{path}:{n}: expected a string, a token list or {{'text': ...}}",
+                        param="input",
                     )
                 items.append(obj)
         else:
-            items += [
-                line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-            ]
+            items += [line for line in lines if line.strip()]
     if not items:
         raise InvalidInputError("nothing to embed: give TEXT arguments or --input FILE")
     return items
 
 
+def check_output(output: Path | None) -> None:
+    """Before any work: a bad --output would otherwise fail only after embedding everything."""
+    if output is None:
+        return
+    if output.suffix not in (".npy", ".jsonl"):
+        raise InvalidInputError(
+            f"--output must end in .npy or .jsonl, got {output}", param="output"
+        )
+    if not output.parent.is_dir():
+        raise InvalidInputError(
+            f"--output {output}: folder {output.parent} does not exist", param="output"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     inputs = read_inputs(args.texts, args.input)
+    check_output(args.output)
     started = time.perf_counter()
     with Engine.from_config(engine_config(args)) as engine:
         loaded = time.perf_counter()

@@ -52,6 +52,15 @@ def add_parser(sub, help: str) -> None:
         help=f"poolings to compare, comma-separated (default: {_join(POOLING_TYPES)})",
     )
     p.add_argument(
+        "--reference-device",
+        help="run the transformers reference here (default: the engine's device)",
+    )
+    p.add_argument(
+        "--reference-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="and in this dtype (default: the engine's), e.g. float32 for bf16 engines",
+    )
+    p.add_argument(
         "--reference",
         choices=REFERENCES,
         default="transformers",
@@ -116,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         poolings=args.pooling,
         reference=args.reference,
         min_cosine=args.min_cosine,
+        reference_device=args.reference_device,
+        reference_dtype=args.reference_dtype,
     )
     prompts = read_inputs([], args.prompts) if args.prompts is not None else None
     report = run_parity(base, sweep, prompts)

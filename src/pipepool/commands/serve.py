@@ -1,13 +1,136 @@
-"""``pipepool serve``: not built yet."""
+"""``pipepool serve``: the OpenAI-compatible embedding server (FastAPI + uvicorn).
+
+Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), the command line
+winning. The server listens at once and loads the model in the background (``/health`` says
+503 until it is ready). On SIGTERM or Ctrl-C it stops accepting connections, lets the requests
+in flight finish (up to ``--shutdown-timeout``), then stops the pipeline stages.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+
+from ..engine import Engine
+from .common import _env, add_engine_args, engine_config
 
 
 def add_parser(sub, help: str) -> None:
-    sub.add_parser("serve", help=help, description=help)
+    p = sub.add_parser("serve", help=help, description=help)
+    g = p.add_argument_group("server")
+    # String defaults go through `type` at parse time, so a bad PIPEPOOL_* value is reported
+    # by this command alone instead of breaking every other one.
+    g.add_argument(
+        "--host",
+        default=_env("host", "127.0.0.1"),
+        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)",
+    )
+    g.add_argument("--port", type=int, default=_env("port", "8000"))
+    g.add_argument(
+        "--api-key",
+        default=_env("api_key"),
+        help="require 'Authorization: Bearer KEY' on the API routes (/health, /metrics, /docs "
+        "stay open)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=_env("served_model_name"),
+        help="the model name clients send and see (default: the --model value)",
+    )
+    g.add_argument(
+        "--max-inputs-per-request",
+        type=int,
+        default=_env("max_inputs_per_request", "2048"),
+        help="more inputs in one request are answered 400",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_env("max_body_bytes", str(32 << 20)),
+        help="larger request bodies are answered 413 (default 32 MiB)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_env("max_queued_requests", "16384"),
+        help="inputs in progress over all clients; a request that would exceed it gets 429",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_env("shutdown_timeout", "30"),
+        help="seconds to let requests in flight finish after SIGTERM",
+    )
+    g.add_argument(
+        "--log-level",
+        default=_env("log_level", "info"),
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    g.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=_env("access_log", "true").strip().lower() in ("1", "true", "yes", "on"),
+        help="log every request (default: on)",
+    )
+    add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("pipepool serve is not implemented yet")
+    # The server extras are imported here only: the rest of pipepool must work without them.
+    import uvicorn
+
+    from ..server.app import build_app
+    from ..server.front import AsyncEngine
+    from ..server.owner import EngineOwner
+    from ..server.settings import DEFAULT_MODEL_NAME, ServerSettings
+
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        max_inputs_per_request=args.max_inputs_per_request,
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        shutdown_timeout_s=args.shutdown_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    config = engine_config(args)  # checked now: a bad flag fails before anything starts
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(message)s")
+
+    owner = EngineOwner(lambda: Engine.from_config(config))
+    front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(settings, front),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=settings.access_log,
+            timeout_graceful_shutdown=settings.shutdown_timeout_s,
+            lifespan="off",
+        )
+    )
+
+    def stop_serving(_exc: BaseException) -> None:
+        server.should_exit = True  # uvicorn's loop checks this flag on every tick
+
+    # uvicorn re-raises SIGTERM once it has drained, with the handler it found installed;
+    # this one lets run() go on to stop the stages and exit 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    owner.start(on_failure=stop_serving)
+    try:
+        server.run()
+    finally:
+        front.close()
+        owner.close()
+        signal.signal(signal.SIGTERM, previous)
+    if owner.error is not None:
+        raise owner.error
+    if not server.started:
+        print("pipepool serve: the server did not start (see the log above)", file=sys.stderr)
+        return 1
+    return 0

@@ -75,3 +75,14 @@ def linear_specs(
     if bias:
         specs.append(WeightSpec(f"{prefix_ckpt}.bias", (out_dim,), f"{param}.bias", rows))
     return specs
+
+
+def compile_layer_fn(fn):
+    """torch.compile for a layer-body function: dynamic in the number of tokens, and rounding
+    like eager wherever eager rounds to bf16/fp16 (so compiled vectors equal eager ones, and the
+    parity contract does not hinge on inductor keeping more precision in some places only)."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        inductor_config.emulate_precision_casts = True
+    return torch.compile(fn, dynamic=True)

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
-from .base import StageModel, StepInputs, WeightSpec, linear_specs
+from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class EncoderStage(StageModel):
         return x
 
     def set_compiled(self, on: bool) -> None:
-        self.post = torch.compile(post_attention, dynamic=True) if on else post_attention
+        self.post = compile_layer_fn(post_attention) if on else post_attention
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size

@@ -14,7 +14,7 @@ from ..errors import ModelLoadError
 from ..layers.attention import attend
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
-from .base import KVLayout, StageModel, StepInputs, WeightSpec, linear_specs
+from .base import KVLayout, StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
 
 
 @dataclass(frozen=True)
@@ -115,14 +115,10 @@ class MlpWeights(NamedTuple):
     down_bias: torch.Tensor | None
 
 
-def pre_attention(
-    cfg: DecoderConfig,
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    w: AttnWeights,
+def qkv_projection(
+    cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """norm -> fused q|k|v projection -> (Qwen3) q/k norm -> RoPE. x: [T, hidden]."""
+    """norm -> fused q|k|v projection -> (Qwen3) q/k norm. x: [T, hidden]."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -131,7 +127,6 @@ def pre_attention(
     v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rotary(positions, q, k, cos_sin, cfg.rotary_dim)
     return q, k, v
 
 
@@ -147,10 +142,13 @@ def post_attention(
 
 
 class LayerOps(NamedTuple):
-    """The two halves around attention: plain functions, or one torch.compile'd graph each
-    shared by every layer (weights are arguments, so layers do not recompile)."""
+    """The pieces around attention: plain functions, or torch.compile'd graphs shared by every
+    layer (weights are arguments, so layers do not recompile). RoPE is a graph of its own:
+    fused with the q/k norm's reduction, inductor recomputed the norm per element (measured
+    1.3 ms instead of ~0.1 ms per layer on an H200 at 32k tokens)."""
 
-    pre: object = pre_attention
+    qkv: object = qkv_projection
+    rope: object = apply_rotary
     post: object = post_attention
 
 
@@ -194,7 +192,8 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str):
-        q, k, v = ops.pre(self.cfg, x, inputs.positions, cos_sin, self.attn_weights())
+        q, k, v = ops.qkv(self.cfg, x, self.attn_weights())
+        q, k = ops.rope(inputs.positions, q, k, cos_sin, self.cfg.rotary_dim)
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
@@ -227,10 +226,7 @@ class DecoderStage(StageModel):
     def set_compiled(self, on: bool) -> None:
         self.ops = LayerOps()
         if on:
-            self.ops = LayerOps(
-                torch.compile(pre_attention, dynamic=True),
-                torch.compile(post_attention, dynamic=True),
-            )
+            self.ops = LayerOps(*(compile_layer_fn(fn) for fn in LayerOps()))
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
         if self.is_first:

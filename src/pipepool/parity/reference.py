@@ -38,16 +38,23 @@ def compute_reference(
     texts: Sequence,
     token_ids: list[np.ndarray],
     poolings: Sequence[str],
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> ReferenceOutputs:
     """Reference outputs for every prompt and pooling; the reference model is released before
-    this returns, so the engines under test get the device to themselves."""
+    this returns, so the engines under test get the device to themselves. ``device`` and
+    ``dtype`` place the transformers reference (default: where the engine runs)."""
     if kind == "pp1":
         return _engine_reference(deployment.config, token_ids, poolings)
     if kind != "transformers":
         raise ParityError(f"unknown reference {kind!r}; choose one of {', '.join(REFERENCES)}")
+    import torch
+
+    where = (device or deployment.devices[0], getattr(torch, dtype) if dtype else deployment.dtype)
     if deployment.folder.st is not None:
-        return _sentence_transformers_reference(deployment, texts, poolings)
-    return _transformers_reference(deployment, token_ids, poolings)
+        return _sentence_transformers_reference(deployment, texts, poolings, *where)
+    return _transformers_reference(deployment, token_ids, poolings, *where)
 
 
 def pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
@@ -74,12 +81,11 @@ def _require(module: str, why: str):
 
 
 def _transformers_reference(
-    deployment: Deployment, token_ids: list[np.ndarray], poolings: Sequence[str]
+    deployment: Deployment, token_ids: list[np.ndarray], poolings: Sequence[str], device, dtype
 ) -> ReferenceOutputs:
     transformers = _require("transformers", "the transformers reference")
     import torch
 
-    device, dtype = deployment.devices[0], deployment.dtype
     model = transformers.AutoModel.from_pretrained(str(deployment.folder.path), dtype=dtype)
     model = model.to(device).eval()
     outputs: dict[str, list[np.ndarray]] = {p: [] for p in poolings}
@@ -99,7 +105,7 @@ def _transformers_reference(
 
 
 def _sentence_transformers_reference(
-    deployment: Deployment, texts: Sequence, poolings: Sequence[str]
+    deployment: Deployment, texts: Sequence, poolings: Sequence[str], device, dtype
 ) -> ReferenceOutputs:
     st_lib = _require("sentence_transformers", "the reference for a sentence-transformers folder")
     if not all(isinstance(t, str) for t in texts):
@@ -107,7 +113,6 @@ def _sentence_transformers_reference(
             "the sentence-transformers reference needs text prompts, not token ids "
             "(or use --reference pp1)"
         )
-    device, dtype = deployment.devices[0], deployment.dtype
     model = st_lib.SentenceTransformer(str(deployment.folder.path), device=device).to(dtype)
     # encode(normalize_embeddings=False) does not switch off a Normalize module of the
     # pipeline, and parity compares raw vectors: take Normalize out.

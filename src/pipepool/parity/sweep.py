@@ -39,6 +39,9 @@ class Sweep:
     poolings: tuple[str, ...] = POOLING_TYPES
     reference: str = "transformers"  # transformers | pp1
     min_cosine: float | None = None  # None: by dtype (see default_min_cosine)
+    # Where the transformers reference runs; None: the engine's own device / dtype.
+    reference_device: str | None = None
+    reference_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pps or not self.budgets or not self.poolings:
@@ -68,7 +71,15 @@ def run_parity(
     texts, token_ids = _prompts(deployment, prompts)
     lengths = [len(ids) for ids in token_ids]
     log(f"reference: {sweep.reference} on {len(texts)} prompts ({max(lengths)} tokens max)")
-    ref = compute_reference(sweep.reference, deployment, texts, token_ids, sweep.poolings)
+    ref = compute_reference(
+        sweep.reference,
+        deployment,
+        texts,
+        token_ids,
+        sweep.poolings,
+        device=sweep.reference_device,
+        dtype=sweep.reference_dtype,
+    )
     threshold = sweep.min_cosine
     if threshold is None:
         threshold = default_min_cosine(deployment.dtype)

@@ -1,0 +1,215 @@
+"""The routes: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling and /tokenize, and
+/health and /metrics for operators. OpenAPI docs at /docs (FastAPI's default)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from .. import __version__
+from ..errors import PipepoolError
+from . import metrics, protocol
+from .errors import RATE_LIMIT, APIError, from_engine, install_handlers, model_not_found
+from .front import AsyncEngine, QueueFullError
+from .guards import GuardMiddleware
+from .metrics import HttpMetrics, MetricsMiddleware
+from .settings import ServerSettings
+
+T = TypeVar("T")
+# (model name, outputs, tokens per input, encoding format) -> response body
+Respond = Callable[[str, list[np.ndarray], list[int], str], dict]
+
+# Status for a request whose client went away: nobody reads it, the access log and the
+# metrics do (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+_ERRORS = {
+    status: {"model": protocol.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
+}
+
+router = APIRouter()
+
+
+@dataclass
+class ServerState:
+    """What the routes share; one per app, at ``app.state.pipepool``."""
+
+    settings: ServerSettings
+    front: AsyncEngine
+    http: HttpMetrics = field(default_factory=HttpMetrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
+    state = ServerState(settings, front)
+    app = FastAPI(
+        title="pipepool",
+        version=__version__,
+        description="OpenAI-compatible embeddings from a pipeline-parallel pooling engine.",
+    )
+    app.state.pipepool = state
+    install_handlers(app, state.http.on_error)
+    # Added last = runs first: metrics count what the guards turn away.
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        on_error=state.http.on_error,
+    )
+    app.add_middleware(MetricsMiddleware, metrics=state.http)
+    app.include_router(router)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pipepool
+
+
+# -- the model routes ---------------------------------------------------------------------
+
+
+@router.post("/v1/embeddings", response_model=protocol.EmbeddingResponse, responses=_ERRORS)
+async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
+    """One vector per input (OpenAI's embeddings API)."""
+    return await _run_model(
+        request,
+        body,
+        protocol.embedding_response,
+        dimensions=body.dimensions,
+        normalize=body.normalize,
+    )
+
+
+@router.post("/pooling", response_model=protocol.PoolingResponse, responses=_ERRORS)
+async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
+    """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input."""
+    return await _run_model(
+        request, body, protocol.pooling_response, pooling="all", normalize=body.normalize
+    )
+
+
+@router.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERRORS)
+async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict:
+    """Token ids of a text, special tokens included, as the model routes see them."""
+    state = _state(request)
+    _check_model(state, body.model)
+    try:
+        ids = await state.front.tokenize(body.text)
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+    max_len = state.front.engine.deployment.max_model_len
+    return {"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len}
+
+
+async def _run_model(
+    request: Request, body: protocol.InputsRequest, respond: Respond, **options
+) -> Response:
+    state = _state(request)
+    _check_model(state, body.model)
+    inputs = body.inputs()
+    limit = state.settings.max_inputs_per_request
+    if len(inputs) > limit:
+        raise APIError(
+            400,
+            f"input has {len(inputs)} items; this server takes at most {limit} per request",
+            param="input",
+            code="too_many_inputs",
+        )
+    work = state.front.encode(inputs, truncate_prompt_tokens=body.truncate_prompt_tokens, **options)
+    try:
+        done = await _unless_client_leaves(request, work)
+    except _ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    name, fmt = state.settings.model_name, body.encoding_format
+    # Serializing thousands of floats takes a while: keep it off the event loop.
+    text = await state.front.offload(
+        lambda: json.dumps(respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":"))
+    )
+    return Response(text, media_type="application/json")
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.settings.model_name:
+        raise model_not_found(name)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await the engine; if the client disconnects first, cancel (which aborts the engine
+    requests and frees their KV blocks) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server gave up on this request (shutdown timeout)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # let it abort before we return
+        raise _ClientGone
+    try:
+        return task.result()
+    except QueueFullError as exc:
+        raise APIError(
+            429, str(exc), type=RATE_LIMIT, code="queue_full", headers={"Retry-After": "1"}
+        ) from None
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read already, so the next message is the disconnect (uvicorn sends it
+    # when the connection drops; it never comes if the response completes first).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- for operators ------------------------------------------------------------------------
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = _state(request)
+    card = {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "pipepool",
+    }
+    engine = state.front.owner.engine
+    if engine is not None:
+        card["max_model_len"] = engine.deployment.max_model_len
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once the model is loaded and every stage is alive; 503 before and after."""
+    owner = _state(request).front.owner
+    if owner.engine is None:
+        status = "failed" if owner.error is not None else "loading"
+    else:
+        status = "ok" if owner.engine.is_alive else "dead"
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus(request: Request) -> PlainTextResponse:
+    """Prometheus text format: engine counters, KV blocks, HTTP counters."""
+    state = _state(request)
+    text = metrics.render(state.front.owner.engine, state.front, state.http)
+    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)

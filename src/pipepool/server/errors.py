@@ -1,0 +1,139 @@
+"""Every error the server sends has OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``, so the official clients raise their usual
+exception classes (BadRequestError, AuthenticationError, RateLimitError, ...)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import EngineDeadError, InvalidInputError, PromptTooLongError
+
+log = logging.getLogger("pipepool.server")
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+RATE_LIMIT = "rate_limit_error"
+SERVER = "server_error"
+
+
+class APIError(Exception):
+    """An answer other than success: HTTP status plus the OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine(exc: Exception) -> APIError:
+    """The answer to an exception the engine raised for a request."""
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidInputError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type=SERVER, code="engine_unavailable")
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {exc!r}", type=SERVER, code="internal_error")
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{name}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None:
+    """Route every failure, FastAPI's own included, through the OpenAI error body.
+
+    ``on_error`` sees each error sent (for the error counters in /metrics).
+    """
+
+    def send(err: APIError) -> JSONResponse:
+        on_error(err)
+        return err.response()
+
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return send(exc)
+
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error".
+        return send(_from_validation(exc))
+
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), type=kind, code=code)
+        err.headers = getattr(exc, "headers", None)
+        return send(err)
+
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return send(from_engine(exc))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _from_validation(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return APIError(400, f"request body is not valid JSON: {why}")
+    if kind == "missing" and not loc:
+        return APIError(400, "request body is missing: send a JSON object")
+    # Only the field a client sent is worth naming; pydantic adds union branch names
+    # (e.g. "list[int]") and list indexes after it.
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    if kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {where}"
+    else:
+        message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"
+    more = len(errors) - 1
+    if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return APIError(400, message, param=param, code="invalid_value")

@@ -1,0 +1,245 @@
+"""``/metrics`` in the Prometheus text format: the engine's counters (``Engine.stats``), KV
+blocks, and what the HTTP layer sees (requests by route and status, latency, errors sent,
+aborts). Written by hand: a few dozen lines do not justify a dependency."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from ..engine import Engine
+from ..stats import STEP_BUCKETS
+from .errors import APIError
+from .front import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Routes get their own label; anything else is "other", so a scanner probing random paths
+# cannot blow up the number of series.
+ROUTES = frozenset(
+    {"/v1/embeddings", "/pooling", "/tokenize", "/v1/models", "/health", "/metrics", "/docs"}
+)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Histogram:
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * len(self.bounds)  # cumulative, as Prometheus wants
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+
+
+class HttpMetrics:
+    """What the server itself counts. Updated on the event loop thread only."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, int]] = Counter()  # (route, status)
+        self.errors: Counter[tuple[str, str]] = Counter()  # (error type, error code)
+        self.latency: dict[str, _Histogram] = {}
+        self.in_flight = 0
+
+    def on_error(self, err: APIError) -> None:
+        self.errors[(err.type, err.code or "")] += 1
+
+    def on_response(self, path: str, status: int, seconds: float) -> None:
+        route = path if path in ROUTES else "other"
+        self.requests[(route, status)] += 1
+        self.latency.setdefault(route, _Histogram(HTTP_BUCKETS)).observe(seconds)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route and status (also those the guards turned away)."""
+
+    def __init__(self, app, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # If the app raises, the error middleware outside this one answers 500; if it returns
+        # without answering, the client left before its request was read (nginx's 499).
+        status = 499
+        started = time.perf_counter()
+
+        async def send_with_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, send_with_status)
+        except BaseException:
+            status = 500
+            raise
+        finally:
+            self.metrics.in_flight -= 1
+            self.metrics.on_response(scope["path"], status, time.perf_counter() - started)
+
+
+def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
+    out = _Text()
+    out.gauge(
+        "pipepool_engine_ready", "1 when the engine is loaded and alive", engine_ready(engine)
+    )
+    if engine is not None:
+        _engine_metrics(out, engine)
+    out.gauge("pipepool_server_pending_inputs", "inputs admitted, not yet answered", front.pending)
+    out.gauge(
+        "pipepool_server_max_queued_requests",
+        "limit on pending inputs (429 above)",
+        front.max_queued,
+    )
+    out.counter(
+        "pipepool_server_aborted_http_requests_total",
+        "HTTP requests whose engine requests were aborted (client left)",
+        front.aborted_http_requests,
+    )
+    out.counter(
+        "pipepool_server_aborted_inputs_total",
+        "engine requests aborted because their HTTP request went away",
+        front.aborted_inputs,
+    )
+    out.gauge("pipepool_http_requests_in_flight", "HTTP requests being handled", http.in_flight)
+    out.family(
+        "pipepool_http_requests_total",
+        "counter",
+        "HTTP requests answered, by route and status",
+        [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http.requests.items())],
+    )
+    out.family(
+        "pipepool_http_errors_total",
+        "counter",
+        "error bodies sent, by OpenAI error type and code",
+        [({"type": t, "code": c}, n) for (t, c), n in sorted(http.errors.items())],
+    )
+    out.header("pipepool_http_request_duration_seconds", "histogram", "HTTP request latency")
+    for route, hist in sorted(http.latency.items()):
+        out.histogram_samples(
+            "pipepool_http_request_duration_seconds",
+            hist.bounds,
+            hist.counts,
+            hist.count,
+            hist.sum,
+            {"route": route},
+        )
+    return out.text()
+
+
+def engine_ready(engine: Engine | None) -> int:
+    return int(engine is not None and engine.is_alive)
+
+
+def _engine_metrics(out: _Text, engine: Engine) -> None:
+    s = engine.stats
+    out.counter(
+        "pipepool_requests_submitted_total",
+        "engine requests (inputs) submitted",
+        s.requests_submitted,
+    )
+    out.counter("pipepool_requests_finished_total", "engine requests finished", s.requests_finished)
+    out.counter("pipepool_requests_aborted_total", "engine requests aborted", s.requests_aborted)
+    out.counter(
+        "pipepool_prompt_tokens_submitted_total",
+        "prompt tokens submitted",
+        s.prompt_tokens_submitted,
+    )
+    out.counter(
+        "pipepool_prompt_tokens_finished_total",
+        "prompt tokens of finished requests",
+        s.prompt_tokens_finished,
+    )
+    out.counter("pipepool_steps_total", "step plans scheduled", s.steps)
+    out.counter(
+        "pipepool_scheduled_tokens_total", "tokens scheduled over all steps", s.scheduled_tokens
+    )
+    out.counter(
+        "pipepool_chunked_requests_total",
+        "requests whose prompt took more than one step",
+        s.chunked_requests,
+    )
+    out.gauge(
+        "pipepool_queue_waiting_requests", "engine requests waiting for admission", s.queue_waiting
+    )
+    out.gauge(
+        "pipepool_running_requests", "engine requests admitted, not finished", s.requests_running
+    )
+    buckets = list(s.step_time_buckets)
+    out.header("pipepool_step_time_seconds", "histogram", "driver wait for each step's result")
+    out.histogram_samples(
+        "pipepool_step_time_seconds", STEP_BUCKETS, buckets, s.step_time_count, s.step_time_sum, {}
+    )
+    out.family(
+        "pipepool_stage_busy_seconds_total",
+        "counter",
+        "cumulative compute time per pipeline stage",
+        [({"stage": str(k)}, busy) for k, busy in enumerate(s.stage_busy_s)],
+    )
+    out.family(
+        "pipepool_engine_errors_total",
+        "counter",
+        "engine failures, by exception class",
+        [({"kind": kind}, n) for kind, n in sorted(s.errors.items())],
+    )
+    free = engine.kv_blocks_free
+    if free is not None:  # encoders keep no KV cache
+        out.gauge("pipepool_kv_blocks_free", "KV-cache blocks free", free)
+        out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.deployment.num_kv_blocks)
+
+
+class _Text:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def header(self, name: str, kind: str, help: str) -> None:
+        self.lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+
+    def family(
+        self, name: str, kind: str, help: str, samples: Iterable[tuple[dict, float]]
+    ) -> None:
+        self.header(name, kind, help)
+        self.lines += [f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples]
+
+    def counter(self, name: str, help: str, value: float) -> None:
+        self.family(name, "counter", help, [({}, value)])
+
+    def gauge(self, name: str, help: str, value: float) -> None:
+        self.family(name, "gauge", help, [({}, value)])
+
+    def histogram_samples(self, name, bounds, cumulative, count, total, labels: dict) -> None:
+        for bound, n in zip(bounds, cumulative, strict=True):
+            self.lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(bound)})} {n}")
+        self.lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+        self.lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
+        self.lines.append(f"{name}_count{_labels(labels)} {count}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _escape(value) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))

@@ -1,0 +1,52 @@
+"""The thread that builds, holds and closes the server's engine.
+
+The server answers (``/health`` says 503) while the model loads, so the engine is built off
+the main thread. That thread must then live as long as the engine: stage processes ask Linux
+to kill them when their parent *thread* exits (PR_SET_PDEATHSIG follows the thread that
+started them), so a loader thread that returned would take the pipeline down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from ..engine import Engine
+
+log = logging.getLogger("pipepool.server")
+
+
+class EngineOwner:
+    """``engine`` is None until loaded (and after a failed load, with ``error`` set)."""
+
+    def __init__(self, build: Callable[[], Engine]) -> None:
+        self._build = build
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+        self.loaded = threading.Event()  # set when the load finished, well or not
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._own, name="pipepool-engine-owner")
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        self._on_failure = on_failure
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the engine (waits for a load in progress to finish first)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _own(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as exc:
+            self.error = exc
+            self.loaded.set()
+            self._on_failure(exc)
+            return
+        self.loaded.set()
+        log.info("engine ready: %s", self.engine.model_path)
+        self._stop.wait()
+        self.engine.close()

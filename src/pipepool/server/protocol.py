@@ -1,0 +1,189 @@
+"""Request and response bodies of the HTTP API: OpenAI's /v1/embeddings, vLLM's /pooling and
+/tokenize. Unknown fields are rejected (as OpenAI does) rather than silently ignored."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+Input = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+_INPUT_HELP = (
+    "A string, a list of strings, a list of token ids (one input), or a list of token-id lists."
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputsRequest(_Strict):
+    """Fields shared by the requests that run the model."""
+
+    input: Input = Field(description=_INPUT_HELP)
+    model: str | None = Field(None, description="The served model name (default: that one).")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: little-endian float32 bytes, as OpenAI sends them."
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None,
+        description="Keep this many tokens of longer inputs (-1: max_model_len) instead of "
+        "answering 400.",
+    )
+    user: str | None = Field(None, description="Accepted for compatibility; not used.")
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _one_clear_input_error(cls, value: Any, handler):
+        # A union reports one error per branch; a client needs one sentence.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "input must be a string, a list of strings, a list of token ids, or a list "
+                "of token-id lists"
+            ) from None
+
+    def inputs(self) -> list:
+        """The inputs as the engine takes them: a list of strings or of token-id lists."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [self.input]  # one prompt given as token ids
+        return list(self.input)
+
+
+class EmbeddingRequest(InputsRequest):
+    dimensions: StrictInt | None = Field(
+        None, description="Matryoshka: keep the first N dimensions (then normalize)."
+    )
+    normalize: bool | None = Field(
+        None, description="L2-normalize (default: what the model was trained with)."
+    )
+
+
+class PoolingRequest(InputsRequest):
+    normalize: bool = Field(False, description="L2-normalize every token embedding.")
+
+
+class TokenizeRequest(_Strict):
+    prompt: str | None = Field(None, description="The text to tokenize.")
+    input: str | None = Field(None, description="Same as prompt (give one of them).")
+    model: str | None = None
+    add_special_tokens: bool = Field(
+        True, description="Must be true: the model's special tokens are part of every prompt."
+    )
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.input is None):
+            raise ValueError("give exactly one of prompt or input")
+        if not self.add_special_tokens:
+            raise ValueError("add_special_tokens=false is not supported")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else self.input
+
+
+# -- responses (built as plain dicts for speed; the models document them in /docs) ----------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[list[float]] | str  # [num_tokens, hidden]; base64: row-major float32
+
+
+class PoolingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PoolingData]
+    model: str
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+def encode_array(array: np.ndarray, encoding_format: str) -> list | str:
+    """A vector (or matrix) as JSON: nested floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode("ascii")
+    return array.tolist()
+
+
+def embedding_response(
+    model: str, outputs: list[np.ndarray], num_tokens: list[int], encoding_format: str
+) -> dict:
+    return _list_response(model, "embedding", "embedding", outputs, num_tokens, encoding_format)
+
+
+def pooling_response(
+    model: str, outputs: list[np.ndarray], num_tokens: list[int], encoding_format: str
+) -> dict:
+    return _list_response(model, "pooling", "data", outputs, num_tokens, encoding_format)
+
+
+def _list_response(
+    model: str,
+    kind: str,
+    field: str,
+    outputs: list[np.ndarray],
+    num_tokens: list[int],
+    encoding_format: str,
+) -> dict:
+    tokens = int(sum(num_tokens))
+    return {
+        "object": "list",
+        "data": [
+            {"object": kind, "index": i, field: encode_array(out, encoding_format)}
+            for i, out in enumerate(outputs)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,261 @@
+"""Issue 2 acceptance: bad input gets a clear exception naming the problem, before anything is
+queued, and the engine keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import cosine, long_prompts
+
+import pipepool
+
+MAX_LEN = 32
+LONG = long_prompts()[3]  # hundreds of tokens with any tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(qwen3_path):
+    with pipepool.Engine(
+        str(qwen3_path), max_model_len=MAX_LEN, max_num_batched_tokens=16
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def bert_engine(bert_path):
+    with pipepool.Engine(str(bert_path), max_num_batched_tokens=64) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def st_engine(st_bert_path):
+    with pipepool.Engine(str(st_bert_path)) as engine:
+        yield engine
+
+
+def assert_still_serves(engine) -> None:
+    """A bad request must not disturb the engine: a normal one right after still works."""
+    assert engine.is_alive
+    vectors = engine.embed(["a normal sentence after the error", "and another one"])
+    assert vectors.shape[0] == 2 and np.isfinite(vectors).all()
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ([], "inputs is empty"),
+        ("", "input 0 is an empty string"),
+        (["fine", ""], "input 1 is an empty string"),
+        ([[]], "input 0 is an empty token list"),
+        ([[5, 99999, 7]], "token id 99999 at position 1, outside the vocabulary"),
+        ([[5, 6], [-1, 7]], "input 1 has token id -1 at position 0, outside the vocabulary"),
+        (["text", [1, 2, 3]], "all strings or all lists of token ids"),
+        ([[1, 2], "text"], "all strings or all lists of token ids"),
+        ([[1.5, 2.0]], "all strings or all lists of token ids"),
+        ([[[1, 2]]], "all strings or all lists of token ids"),
+        (None, "inputs must be a list of strings or of token-id lists, got NoneType"),
+        (42, "got int"),
+    ],
+)
+def test_bad_inputs_raise_invalid_input_and_engine_keeps_serving(qwen3_engine, inputs, message):
+    with pytest.raises(pipepool.InvalidInputError, match=message) as info:
+        qwen3_engine.embed(inputs)
+    assert info.value.param == "input"
+    assert_still_serves(qwen3_engine)
+
+
+def test_token_id_equal_to_vocab_size_is_out_of_vocabulary(qwen3_engine):
+    vocab = qwen3_engine.deployment.vocab_size
+    assert qwen3_engine.embed([[0, vocab - 1]]).shape == (1, 64)
+    with pytest.raises(
+        pipepool.InvalidInputError,
+        match=rf"token id {vocab} .* outside the vocabulary \[0, {vocab}\)",
+    ):
+        qwen3_engine.embed([[0, vocab]])
+    assert_still_serves(qwen3_engine)
+
+
+def test_bad_input_in_a_batch_queues_nothing(qwen3_engine):
+    submitted = qwen3_engine.stats.requests_submitted
+    with pytest.raises(pipepool.InvalidInputError, match="input 2"):
+        qwen3_engine.embed(["ok", "fine", ""])
+    assert qwen3_engine.stats.requests_submitted == submitted
+    assert_still_serves(qwen3_engine)
+
+
+def test_prompt_over_max_model_len_is_rejected_with_its_length(qwen3_engine):
+    n = len(qwen3_engine.inputs.tokenizer.encode_batch([LONG])[0])
+    assert n > MAX_LEN
+    with pytest.raises(pipepool.PromptTooLongError, match=f"input 0 has {n} tokens.*{MAX_LEN}"):
+        qwen3_engine.embed([LONG])
+    assert_still_serves(qwen3_engine)
+    with pytest.raises(pipepool.PromptTooLongError, match="max_model_len=32"):
+        qwen3_engine.embed([list(range(MAX_LEN + 1))])
+    assert_still_serves(qwen3_engine)
+    # Exactly max_model_len tokens is fine.
+    assert qwen3_engine.embed([list(range(MAX_LEN))]).shape == (1, 64)
+
+
+def test_truncate_prompt_tokens_keeps_first_or_last_tokens(qwen3_engine, reference, qwen3_path):
+    ref = reference(qwen3_path)
+    full = ref.token_ids(LONG)
+    eos = full[-1]  # the tiny Qwen3 tokenizer appends <|endoftext|>, like the real one
+    right = qwen3_engine.tokenize([LONG], truncate_prompt_tokens=MAX_LEN)[0].tolist()
+    left = qwen3_engine.tokenize([LONG], truncate_prompt_tokens=MAX_LEN, truncation_side="left")[
+        0
+    ].tolist()
+    assert right == [*full[: MAX_LEN - 1], eos]
+    assert left == full[-MAX_LEN:]
+    # -1 means max_model_len.
+    assert qwen3_engine.tokenize([LONG], truncate_prompt_tokens=-1)[0].tolist() == right
+
+    vectors = qwen3_engine.embed([LONG, LONG], truncate_prompt_tokens=MAX_LEN, normalize=False)
+    assert cosine(vectors[0], ref.pooled(right, "last")) >= 0.99999
+    left_vec = qwen3_engine.embed(
+        [LONG], truncate_prompt_tokens=MAX_LEN, truncation_side="left", normalize=False
+    )
+    assert cosine(left_vec[0], ref.pooled(left, "last")) >= 0.99999
+
+    # Token ids are cut the same way (no special tokens to keep).
+    ids = list(range(3, 3 + 50))
+    out = qwen3_engine.tokenize([ids], truncate_prompt_tokens=10, truncation_side="left")[0]
+    assert out.tolist() == ids[-10:]
+    assert qwen3_engine.tokenize([ids], truncate_prompt_tokens=10)[0].tolist() == ids[:10]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(truncate_prompt_tokens=MAX_LEN + 1), "larger than max_model_len=32"),
+        (dict(truncate_prompt_tokens=0), "positive integer or -1"),
+        (dict(truncate_prompt_tokens=-2), "positive integer or -1"),
+        (dict(truncation_side="middle"), "truncation_side must be 'right' or 'left'"),
+        (dict(dimensions=65), "dimensions=65 is larger than the model's embedding size 64"),
+        (dict(dimensions=0), "dimensions must be a positive integer"),
+        (dict(prompt_name="query"), "unknown prompt_name 'query' \\(this model has: none\\)"),
+    ],
+)
+def test_bad_options_raise_invalid_input_and_engine_keeps_serving(qwen3_engine, kwargs, message):
+    with pytest.raises(pipepool.InvalidInputError, match=message) as info:
+        qwen3_engine.embed(["some text"], **kwargs)
+    assert info.value.param == next(iter(kwargs))
+    assert_still_serves(qwen3_engine)
+
+
+def test_truncating_text_keeps_bert_cls_and_sep(bert_engine, reference, bert_path):
+    ref = reference(bert_path)
+    full = ref.token_ids(LONG * 2)
+    assert len(full) > 512
+    with pytest.raises(pipepool.PromptTooLongError, match="max_model_len=512"):
+        bert_engine.embed([LONG * 2])
+    assert_still_serves(bert_engine)
+    cls, sep = full[0], full[-1]
+    right = bert_engine.tokenize([LONG * 2], truncate_prompt_tokens=20)[0].tolist()
+    left = bert_engine.tokenize([LONG * 2], truncate_prompt_tokens=20, truncation_side="left")[
+        0
+    ].tolist()
+    assert right == [cls, *full[1:19], sep]
+    assert left == [cls, *full[-19:-1], sep]
+    vectors = bert_engine.embed([LONG * 2], truncate_prompt_tokens=-1, normalize=False)
+    expected = ref.pooled([cls, *full[1:511], sep], "cls")
+    assert cosine(vectors[0], expected) >= 0.99999
+
+
+def test_unknown_prompt_name_lists_the_model_prompts(st_engine):
+    with pytest.raises(pipepool.InvalidInputError, match=r"unknown prompt_name 'qeury'.*query"):
+        st_engine.embed(["hello"], prompt_name="qeury")
+    assert_still_serves(st_engine)
+    with pytest.raises(pipepool.InvalidInputError, match="prompt_name applies to text inputs"):
+        st_engine.embed([[101, 7592, 102]], prompt_name="query")
+    assert_still_serves(st_engine)
+
+
+def test_dimensions_limit_is_the_dense_head_output(st_engine):
+    assert st_engine.embed(["hello"], dimensions=32).shape == (1, 32)
+    with pytest.raises(pipepool.InvalidInputError, match=r"dimensions=33 is larger .* size 32"):
+        st_engine.embed(["hello"], dimensions=33)
+    assert_still_serves(st_engine)
+
+
+# -- model folders ------------------------------------------------------------------------
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(folder, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _rewrite_weights(folder, edit) -> None:
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_unknown_architecture_is_a_model_load_error(tmp_path, qwen3_path, qwen3_engine):
+    folder = _copy(qwen3_path, tmp_path / "m")
+    _edit_config(folder, architectures=["FancyNewForCausalLM"])
+    with pytest.raises(pipepool.ModelLoadError, match="unknown architecture 'FancyNewForCausalLM'"):
+        pipepool.Engine(str(folder))
+    assert_still_serves(qwen3_engine)
+
+
+def test_missing_weight_is_named(tmp_path, qwen3_path):
+    folder = _copy(qwen3_path, tmp_path / "m")
+    _rewrite_weights(folder, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(
+        pipepool.ModelLoadError, match=r"missing weights: layers\.2\.mlp\.up_proj\.weight"
+    ):
+        pipepool.Engine(str(folder))
+
+
+def test_unexpected_weight_is_named(tmp_path, bert_path):
+    folder = _copy(bert_path, tmp_path / "m")
+    _rewrite_weights(folder, lambda t: t.update({"encoder.layer.9.extra.weight": torch.ones(3)}))
+    with pytest.raises(
+        pipepool.ModelLoadError, match=r"unexpected weights: encoder\.layer\.9\.extra\.weight"
+    ):
+        pipepool.Engine(str(folder))
+
+
+def test_shape_mismatch_is_named(tmp_path, qwen3_path):
+    folder = _copy(qwen3_path, tmp_path / "m")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite_weights(folder, lambda t: t.update({name: t[name][:32].clone()}))
+    with pytest.raises(
+        pipepool.ModelLoadError,
+        match=r"shape mismatch: layers\.0\.self_attn\.q_proj\.weight: checkpoint \(32, 64\), "
+        r"model \(64, 64\)",
+    ):
+        pipepool.Engine(str(folder))
+
+
+def test_config_and_checkpoint_that_disagree_on_layers_are_rejected(tmp_path, qwen3_path):
+    folder = _copy(qwen3_path, tmp_path / "m")
+    _edit_config(folder, num_hidden_layers=3)
+    with pytest.raises(pipepool.ModelLoadError, match=r"unexpected weights: layers\.3\."):
+        pipepool.Engine(str(folder))
+
+
+def test_folder_without_config_or_weights_is_a_model_load_error(tmp_path, qwen3_path):
+    folder = _copy(qwen3_path, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(pipepool.ModelLoadError, match="holds no weights"):
+        pipepool.Engine(str(folder))
+    (folder / "config.json").unlink()
+    with pytest.raises(pipepool.ModelLoadError, match=r"has no config\.json"):
+        pipepool.Engine(str(folder))

@@ -1,0 +1,158 @@
+"""Issue 2 acceptance: ``pipepool embed`` gives what ``Engine.embed`` gives, in every input and
+output format, and a bad input is exit status 2 with a message on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import SENTENCES
+
+import pipepool
+from pipepool.cli import main
+
+TEXTS = SENTENCES[:5]
+
+
+@pytest.fixture(scope="module")
+def expected(bert_path) -> np.ndarray:
+    with pipepool.Engine(str(bert_path)) as engine:
+        return engine.embed(TEXTS)
+
+
+@pytest.fixture(scope="module")
+def expected_ids(bert_path) -> tuple[list[list[int]], np.ndarray]:
+    with pipepool.Engine(str(bert_path)) as engine:
+        ids = [x.tolist() for x in engine.tokenize(TEXTS[:2])]
+        return ids, engine.embed(ids)
+
+
+def _embed(bert_path, *args: str) -> int:
+    return main(["embed", "--model", str(bert_path), "--no-progress", *args])
+
+
+def _assert_equal_vectors(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def _read_jsonl(path: Path) -> np.ndarray:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    return np.array([r["embedding"] for r in rows], dtype=np.float32)
+
+
+def test_text_arguments_print_one_line_per_vector(bert_path, expected, capsys):
+    assert _embed(bert_path, *TEXTS) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == len(TEXTS)
+    for i, (line, vector) in enumerate(zip(lines, expected, strict=True)):
+        assert line.startswith(f"[{i}] dim=64 [")
+        head = ", ".join(f"{x:+.4f}" for x in vector[:6])
+        assert head in line
+    assert f"embedded {len(TEXTS)} inputs" in err
+
+
+def test_txt_input_to_npy_output(bert_path, expected, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join([TEXTS[0], "", *TEXTS[1:], ""]) + "\n")  # blank lines skipped
+    target = tmp_path / "out.npy"
+    assert _embed(bert_path, "--input", str(source), "--output", str(target)) == 0
+    _assert_equal_vectors(np.load(target), expected)
+    assert capsys.readouterr().out == ""  # vectors went to the file
+
+
+def test_jsonl_input_to_jsonl_output(bert_path, expected, tmp_path):
+    source = tmp_path / "in.jsonl"
+    lines = [json.dumps(TEXTS[0]), json.dumps({"text": TEXTS[1]}), json.dumps({"input": TEXTS[2]})]
+    lines += ["", *(json.dumps(t) for t in TEXTS[3:])]
+    source.write_text("\n".join(lines) + "\n")
+    target = tmp_path / "out.jsonl"
+    assert _embed(bert_path, "--input", str(source), "--output", str(target)) == 0
+    _assert_equal_vectors(_read_jsonl(target), expected)
+
+
+def test_jsonl_token_id_lists(bert_path, expected_ids, tmp_path):
+    ids, vectors = expected_ids
+    source = tmp_path / "ids.jsonl"
+    source.write_text("\n".join(json.dumps(x) for x in ids) + "\n")
+    target = tmp_path / "out.npy"
+    assert _embed(bert_path, "--input", str(source), "--output", str(target)) == 0
+    _assert_equal_vectors(np.load(target), vectors)
+
+
+def test_text_arguments_and_input_file_together(bert_path, expected, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(TEXTS[2:]))
+    target = tmp_path / "out.npy"
+    assert _embed(bert_path, *TEXTS[:2], "--input", str(source), "--output", str(target)) == 0
+    _assert_equal_vectors(np.load(target), expected)
+
+
+def test_dimensions_and_prompt_name_reach_the_engine(st_bert_path, tmp_path):
+    target = tmp_path / "out.npy"
+    options = ["--model", str(st_bert_path), "--dimensions", "8", "--prompt-name", "query"]
+    assert main(["embed", *options, "--output", str(target), *TEXTS]) == 0
+    with pipepool.Engine(str(st_bert_path)) as engine:
+        want = engine.embed(TEXTS, dimensions=8, prompt_name="query")
+    _assert_equal_vectors(np.load(target), want)
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda d: ["--dimensions", "999", "hi"], "dimensions=999 is larger"),
+        (lambda d: [], "nothing to embed"),
+        (lambda d: [""], "input 0 is an empty string"),
+        (lambda d: ["--input", str(d / "missing.txt")], "cannot read --input"),
+        (lambda d: ["--input", str(d / "bad.jsonl")], r"bad.jsonl:2: not valid JSON"),
+        (lambda d: ["--input", str(d / "number.jsonl")], r"number.jsonl:1: expected a string"),
+        (lambda d: ["--input", str(d / "mixed.jsonl")], "all strings or all lists of token ids"),
+        (lambda d: ["--output", str(d / "out.csv"), "hi"], "--output must end in .npy or .jsonl"),
+        (lambda d: ["--output", str(d / "no" / "out.npy"), "hi"], "does not exist"),
+        (lambda d: ["--prompt-name", "query", "hi"], "unknown prompt_name 'query'"),
+        (lambda d: ["--max-model-len", "4", "a rather longer sentence"], "max_model_len=4"),
+    ],
+)
+def test_bad_input_exits_2_with_message_on_stderr(bert_path, tmp_path, capsys, make_args, message):
+    (tmp_path / "bad.jsonl").write_text('"fine"\n{not json\n')
+    (tmp_path / "number.jsonl").write_text("3\n")
+    (tmp_path / "mixed.jsonl").write_text('"text"\n[101, 102]\n')
+    assert _embed(bert_path, *make_args(tmp_path)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("pipepool embed: error: ")
+    assert len(err.strip().splitlines()) == 1, "a message, not a traceback"
+    assert re.search(message, err), err
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_bad_model_exits_2(tmp_path, capsys):
+    assert main(["embed", "--model", str(tmp_path / "nowhere"), "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_readme_command_runs_end_to_end_with_the_default_model(tmp_path, minilm_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEPOOL_")}
+    env["PYTHONPATH"] = str(Path(pipepool.__file__).parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipepool", "embed", "hello"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "384-dim vectors with model" in proc.stderr
+    with pipepool.Engine(str(minilm_path)) as engine:
+        (want,) = engine.embed(["hello"])
+    head = ", ".join(f"{x:+.4f}" for x in want[:6])
+    assert proc.stdout == f"[0] dim=384 [{head}, ...]\n"

@@ -1,0 +1,468 @@
+"""Issue 5 acceptance: a real ``pipepool serve`` process (PP=1 and PP=2) called with the
+official openai client and raw HTTP; results equal Engine.embed on the same inputs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from tiny_models import SENTENCES, cosine, long_prompts
+from tokenizers import Tokenizer
+
+import pipepool
+
+MIN_COSINE = 0.99999
+MODEL = "tiny-qwen3"
+BUDGET = 32  # small, so that long prompts always take several steps
+
+
+# -- a server process -----------------------------------------------------------------------
+
+
+class ServerProcess:
+    """``python -m pipepool serve`` on a free loopback port, logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "pipepool", "serve", "--port", str(self.port), *args]
+        with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block it
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90.0) -> ServerProcess:
+        """Poll /health until 200; ``health_seen`` keeps each distinct answer on the way."""
+        self.health_seen: list[tuple[int, dict]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=1)
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            if (r.status_code, r.json()) not in self.health_seen:
+                self.health_seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                return self
+            time.sleep(0.1)
+        pytest.fail(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """``name{labels}`` -> value, from /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                samples[key] = float(value)
+        return samples
+
+    def children(self) -> list[tuple[int, str]]:
+        """(pid, start time) of each child process: a pid alone could be reused later."""
+        return [p for p in _processes() if _parent(p) == self.proc.pid]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+
+
+def _processes() -> list[tuple[int, str]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            found.append((int(entry.name), stat[19]))  # field 22 of stat: start time
+    return found
+
+
+def _parent(process: tuple[int, str]) -> int | None:
+    stat = _stat(process[0])
+    return int(stat[1]) if stat else None
+
+
+def _alive(process: tuple[int, str]) -> bool:
+    stat = _stat(process[0])
+    return stat is not None and stat[19] == process[1] and stat[0] != "Z"
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def assert_kv_blocks_all_free(server: ServerProcess) -> None:
+    def settled():
+        m = server.metrics()
+        idle = m["pipepool_server_pending_inputs"] == 0 and m["pipepool_running_requests"] == 0
+        return idle and m["pipepool_kv_blocks_free"] == m["pipepool_kv_blocks_total"]
+
+    wait_for(settled, what="every KV block free")
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(qwen3_path, tmp_path_factory):
+    """A PP=1 and a PP=2 server on the tiny Qwen3, started side by side."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    common = [
+        "--model",
+        str(qwen3_path),
+        "--served-model-name",
+        MODEL,
+        "--max-num-batched-tokens",
+        str(BUDGET),
+        "--no-access-log",
+    ]
+    started = {
+        1: ServerProcess(common, logs / "pp1.log"),
+        2: ServerProcess([*common, "--pp", "2"], logs / "pp2.log"),
+    }
+    try:
+        yield {pp: s.wait_ready() for pp, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> ServerProcess:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_path):
+    """The in-process reference: same model, same options as the servers."""
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=BUDGET) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_path) -> Tokenizer:
+    return Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+
+
+def n_tokens(tokenizer: Tokenizer, texts: list[str]) -> int:
+    return sum(len(e.ids) for e in tokenizer.encode_batch(texts))
+
+
+def client(server: ServerProcess, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+
+def decode(embedding) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+
+
+def assert_close(got, expected) -> None:
+    got, expected = np.asarray(got, dtype=np.float32), np.asarray(expected)
+    assert got.shape == expected.shape
+    assert cosine(got, expected).min() >= MIN_COSINE
+
+
+# -- /v1/embeddings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_openai_client_default_base64_matches_engine(servers, pp, engine, tokenizer):
+    sent = []
+    http = httpx.Client(event_hooks={"request": [lambda r: sent.append(json.loads(r.read()))]})
+    prompts = long_prompts()
+    result = client(servers[pp], http_client=http).embeddings.create(model=MODEL, input=prompts)
+    assert sent[0]["encoding_format"] == "base64"  # what the official client asks for
+    assert result.model == MODEL and result.object == "list"
+    assert [d.index for d in result.data] == list(range(len(prompts)))
+    expected = engine.embed(prompts)
+    for d, e in zip(result.data, expected, strict=True):
+        assert_close(d.embedding, e)
+    assert result.usage.prompt_tokens == n_tokens(tokenizer, prompts)
+    assert result.usage.total_tokens == result.usage.prompt_tokens
+
+
+def test_openai_client_float_with_dimensions(server, engine, tokenizer):
+    prompts = SENTENCES[:5]
+    result = client(server).embeddings.create(
+        model=MODEL, input=prompts, encoding_format="float", dimensions=16
+    )
+    expected = engine.embed(prompts, dimensions=16)
+    for d, e in zip(result.data, expected, strict=True):
+        assert len(d.embedding) == 16
+        assert_close(d.embedding, e)
+    assert result.usage.prompt_tokens == n_tokens(tokenizer, prompts)
+
+
+def test_raw_http_every_input_form(server, engine, tokenizer):
+    url = server.url + "/v1/embeddings"
+    ids = [e.ids for e in tokenizer.encode_batch(SENTENCES[:3])]
+    forms = {
+        "a string": (SENTENCES[0], [SENTENCES[0]]),
+        "strings": (SENTENCES[:3], SENTENCES[:3]),
+        "token ids": (ids[0], [ids[0]]),
+        "token-id lists": (ids, ids),
+    }
+    for name, (given, as_engine_input) in forms.items():
+        for fmt in ("float", "base64"):
+            r = httpx.post(url, json={"input": given, "model": MODEL, "encoding_format": fmt})
+            assert r.status_code == 200, (name, r.text)
+            body = r.json()
+            assert set(body) == {"object", "data", "model", "usage"}
+            assert body["usage"] == {
+                "prompt_tokens": sum(len(x) for x in ids[: len(as_engine_input)]),
+                "total_tokens": sum(len(x) for x in ids[: len(as_engine_input)]),
+            }
+            expected = engine.embed(as_engine_input)
+            for i, (d, e) in enumerate(zip(body["data"], expected, strict=True)):
+                assert set(d) == {"object", "index", "embedding"}
+                assert d["object"] == "embedding" and d["index"] == i
+                assert_close(decode(d["embedding"]) if fmt == "base64" else d["embedding"], e)
+
+
+def test_extensions_normalize_and_truncate(server, engine):
+    text = long_prompts()[3]
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": [text], "normalize": False, "truncate_prompt_tokens": 50, "user": "u1"},
+    )
+    assert r.status_code == 200, r.text
+    got = np.asarray(r.json()["data"][0]["embedding"])
+    expected = engine.embed([text], normalize=False, truncate_prompt_tokens=50)[0]
+    assert abs(np.linalg.norm(got) - np.linalg.norm(expected)) < 1e-3 * np.linalg.norm(expected)
+    assert_close(got, expected)
+    assert r.json()["usage"]["prompt_tokens"] == 50
+
+
+# -- the other routes -----------------------------------------------------------------------
+
+
+def test_pooling_returns_token_embeddings(server, engine, tokenizer):
+    prompts = [SENTENCES[0], long_prompts()[2]]
+    expected = engine.embed_tokens(prompts)
+    for fmt in ("float", "base64"):
+        r = httpx.post(server.url + "/pooling", json={"input": prompts, "encoding_format": fmt})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["model"] == MODEL
+        assert body["usage"]["prompt_tokens"] == n_tokens(tokenizer, prompts)
+        for i, (d, e) in enumerate(zip(body["data"], expected, strict=True)):
+            assert d["object"] == "pooling" and d["index"] == i
+            got = decode(d["data"]).reshape(e.shape) if fmt == "base64" else np.array(d["data"])
+            assert got.shape == e.shape  # [num_tokens, hidden]
+            assert_close(got, e)  # row by row
+
+
+def test_tokenize_matches_tokenizer(server, tokenizer):
+    text = SENTENCES[1]
+    for field in ("prompt", "input"):
+        r = httpx.post(server.url + "/tokenize", json={field: text, "model": MODEL})
+        assert r.status_code == 200, r.text
+        ids = tokenizer.encode(text).ids
+        assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+
+
+def test_models_health_docs(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "swagger" in httpx.get(server.url + "/docs").text.lower()
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/embeddings", "/pooling", "/tokenize", "/v1/models"} <= set(paths)
+
+
+def test_metrics_expose_engine_and_http_counters(server):
+    httpx.post(server.url + "/v1/embeddings", json={"input": "count me"})
+    r = httpx.get(server.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    m = server.metrics()
+    for name in (
+        "pipepool_engine_ready",
+        "pipepool_requests_submitted_total",
+        "pipepool_requests_finished_total",
+        "pipepool_prompt_tokens_finished_total",
+        "pipepool_queue_waiting_requests",
+        "pipepool_running_requests",
+        "pipepool_step_time_seconds_count",
+        'pipepool_stage_busy_seconds_total{stage="0"}',
+        "pipepool_kv_blocks_free",
+        "pipepool_kv_blocks_total",
+        "pipepool_server_pending_inputs",
+        'pipepool_http_requests_total{route="/v1/embeddings",status="200"}',
+    ):
+        assert name in m, name
+    assert m["pipepool_engine_ready"] == 1
+    assert m["pipepool_requests_finished_total"] >= 1
+    assert m['pipepool_step_time_seconds_bucket{le="+Inf"}'] >= 1
+
+
+# -- many clients ---------------------------------------------------------------------------
+
+
+def _mixed_requests(count: int) -> list[list[str]]:
+    """Short and long prompts, one to three per request, different for every request."""
+    pool = long_prompts() + SENTENCES
+    requests = []
+    for i in range(count):
+        n = 1 + i % 3
+        requests.append([f"{i}: {pool[(i * 7 + k) % len(pool)]}" for k in range(n)])
+    return requests
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_64_concurrent_clients_get_their_own_results(servers, pp, engine, tokenizer):
+    server = servers[pp]
+    requests = _mixed_requests(64)
+    before = server.metrics()
+    results: list = [None] * len(requests)
+    barrier = threading.Barrier(len(requests))
+
+    def call(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            barrier.wait()  # all at once: their inputs share steps
+            results[i] = http.post(server.url + "/v1/embeddings", json={"input": requests[i]})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    flat = [p for r in requests for p in r]
+    expected = iter(engine.embed(flat))
+    for prompts, r in zip(requests, results, strict=True):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == list(range(len(prompts)))
+        for d in body["data"]:
+            assert_close(d["embedding"], next(expected))
+        assert body["usage"]["prompt_tokens"] == n_tokens(tokenizer, prompts)
+    after = server.metrics()
+    assert after["pipepool_chunked_requests_total"] > before["pipepool_chunked_requests_total"]
+    assert_kv_blocks_all_free(server)
+
+
+AFTER_ABORT = ("pipepool_server_aborted_inputs_total", "pipepool_requests_aborted_total")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_client_disconnect_aborts_its_requests(servers, pp, engine):
+    server = servers[pp]
+    before = server.metrics()
+    many_long = [f"{i} {long_prompts()[3]}" for i in range(48)]  # ~30k tokens: seconds of work
+
+    with pytest.raises(httpx.ReadTimeout):
+        # The read timeout closes the connection while the server is still computing.
+        httpx.post(
+            server.url + "/v1/embeddings",
+            json={"input": many_long},
+            timeout=httpx.Timeout(30, read=0.5),
+        )
+
+    def aborted():
+        # The server asks for the abort; the engine applies it at its next step.
+        m = server.metrics()
+        return all(m[k] > before[k] for k in AFTER_ABORT) and m
+
+    m = wait_for(aborted, what="the abort")
+    finished = m["pipepool_requests_finished_total"] - before["pipepool_requests_finished_total"]
+    assert finished < len(many_long)  # the rest never ran
+    assert_kv_blocks_all_free(server)
+    # ...and the server goes on serving.
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [SENTENCES[0]]})
+    assert_close(r.json()["data"][0]["embedding"], engine.embed([SENTENCES[0]])[0])
+
+
+def test_engine_and_cli_import_without_the_server_extras():
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'starlette', 'pydantic'):\n"
+        "    sys.modules[name] = None  # importing it now raises ImportError\n"
+        "import pipepool, pipepool.cli\n"
+        "args = pipepool.cli.build_parser().parse_args(['serve', '--port', '9', '--pp', '2'])\n"
+        "assert (args.port, args.pp, args.host) == (9, 2, '127.0.0.1'), args\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEPOOL_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_server_flags_read_pipepool_environment_variables(monkeypatch):
+    from pipepool.cli import build_parser
+
+    monkeypatch.setenv("PIPEPOOL_API_KEY", "k")
+    monkeypatch.setenv("PIPEPOOL_MAX_INPUTS_PER_REQUEST", "7")
+    monkeypatch.setenv("PIPEPOOL_PORT", "81")
+    args = build_parser().parse_args(["serve", "--port", "82"])
+    assert (args.api_key, args.max_inputs_per_request) == ("k", 7)
+    assert args.port == 82  # the command line wins
+
+
+# -- shutdown (last: it stops the PP=2 server) ----------------------------------------------
+
+
+def test_sigterm_finishes_in_flight_request_then_exits_cleanly(servers, engine):
+    server = servers[2]
+    children = server.children()
+    assert children, "a PP=2 server runs its second stage in a child process"
+    prompts = [f"{i} {p}" for i in range(6) for p in long_prompts()]
+    result = {}
+
+    def in_flight() -> None:
+        result["r"] = httpx.post(server.url + "/v1/embeddings", json={"input": prompts}, timeout=60)
+        result["answered"] = time.monotonic()
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    wait_for(lambda: server.metrics()["pipepool_server_pending_inputs"] > 0, what="the request")
+    server.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    t.join()
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert result["answered"] > signalled, "the request was not in flight at SIGTERM"
+    for d, e in zip(r.json()["data"], engine.embed(prompts), strict=True):
+        assert_close(d["embedding"], e)
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    assert not [c for c in children if _alive(c)], "stage processes left behind"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)

@@ -1,0 +1,248 @@
+"""Issue 5 acceptance: every limit and bad input gets the right status and an OpenAI-style
+error body, and the server keeps serving afterwards. One server with an API key and small
+limits, PP=2 so that the last test can kill a stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from test_server import ServerProcess, _alive, assert_close, assert_kv_blocks_all_free, wait_for
+from tiny_models import SENTENCES, long_prompts
+
+import pipepool
+
+KEY = "s3cret-key"
+MODEL = "tiny"
+MAX_INPUTS = 4
+MAX_QUEUED = 6
+MAX_LEN = 128
+MAX_BODY = 16384
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_path, tmp_path_factory):
+    args = ["--model", str(qwen3_path), "--served-model-name", MODEL, "--pp", "2"]
+    args += ["--api-key", KEY, "--max-inputs-per-request", str(MAX_INPUTS)]
+    args += ["--max-queued-requests", str(MAX_QUEUED), "--max-body-bytes", str(MAX_BODY)]
+    # A tiny step budget makes a request of long prompts slow enough to fill the queue.
+    args += ["--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2"]
+    s = ServerProcess(args, tmp_path_factory.mktemp("limits-log") / "server.log")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_path):
+    with pipepool.Engine(str(qwen3_path), max_model_len=MAX_LEN) as e:
+        yield e
+
+
+def post(server, path: str = "/v1/embeddings", headers=AUTH, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, headers=headers, timeout=30, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, type: str, code=None, param=None, says=None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    err = body["error"]
+    assert err["type"] == type, err
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    if says is not None:
+        assert says in err["message"], err
+    return err
+
+
+def test_health_is_503_while_the_model_loads(server):
+    # The server listens at once; loading two stages takes seconds, so the first polls of
+    # the fixture saw the engine loading.
+    assert server.health_seen == [(503, {"status": "loading"}), (200, {"status": "ok"})]
+
+
+# -- authentication -------------------------------------------------------------------------
+
+
+def test_api_key_is_required_on_api_routes(server):
+    body = {"input": "hi"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path in ("/v1/embeddings", "/pooling", "/tokenize"):
+            r = post(server, path, headers=headers, json=body)
+            assert_error(r, 401, "authentication_error", code="invalid_api_key")
+    r = httpx.get(server.url + "/v1/models")
+    assert_error(r, 401, "authentication_error")
+    assert post(server, json=body).status_code == 200
+    # Probes, scrapers and the docs stay open.
+    for path in ("/health", "/metrics", "/docs"):
+        assert httpx.get(server.url + path).status_code == 200, path
+
+
+def test_openai_client_with_and_without_the_key(server, engine):
+    good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    result = good.embeddings.create(model=MODEL, input=SENTENCES[:2])
+    for d, e in zip(result.data, engine.embed(SENTENCES[:2]), strict=True):
+        assert_close(d.embedding, e)
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.embeddings.create(model=MODEL, input="x")
+
+
+# -- limits ---------------------------------------------------------------------------------
+
+
+def test_too_many_inputs(server):
+    r = post(server, json={"input": SENTENCES[: MAX_INPUTS + 1]})
+    assert_error(r, 400, "invalid_request_error", "too_many_inputs", "input", f"{MAX_INPUTS}")
+    assert post(server, json={"input": SENTENCES[:MAX_INPUTS]}).status_code == 200
+
+
+def test_prompt_too_long_unless_truncation_was_asked_for(server, engine):
+    text = long_prompts()[3]  # ~600 tokens
+    for path in ("/v1/embeddings", "/pooling"):
+        r = post(server, path, json={"input": [SENTENCES[0], text]})
+        err = assert_error(r, 400, "invalid_request_error", "context_length_exceeded", "input")
+        assert f"max_model_len={MAX_LEN}" in err["message"] and "input 1" in err["message"]
+    for truncate in (MAX_LEN, -1, 10):
+        r = post(server, json={"input": text, "truncate_prompt_tokens": truncate})
+        assert r.status_code == 200, r.text
+        expected_len = MAX_LEN if truncate == -1 else truncate
+        assert r.json()["usage"]["prompt_tokens"] == expected_len
+        expected = engine.embed([text], truncate_prompt_tokens=truncate)[0]
+        assert_close(r.json()["data"][0]["embedding"], expected)
+    r = post(server, json={"input": text, "truncate_prompt_tokens": MAX_LEN + 1})
+    assert_error(r, 400, "invalid_request_error", param="truncate_prompt_tokens")
+
+
+def test_body_too_large_by_content_length_and_while_reading(server):
+    big = json.dumps({"input": ["x" * (MAX_BODY // 2)] * 3}).encode()
+    r = post(server, content=big, headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 413, "invalid_request_error", "request_too_large", says=str(MAX_BODY))
+
+    def chunks():  # chunked transfer encoding: no Content-Length to check up front
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    r = post(server, content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_error(r, 413, "invalid_request_error", "request_too_large")
+    assert post(server, json={"input": "still here"}).status_code == 200
+
+
+def test_queue_full_is_429(server):
+    # Four long inputs at 2 tokens per step keep the engine busy for a while; the server
+    # admits at most MAX_QUEUED inputs at once, so three more do not fit meanwhile.
+    slow = {"input": [f"{i} {long_prompts()[3]}" for i in range(4)], "truncate_prompt_tokens": 128}
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=post(server, json=slow)))
+    t.start()
+    wait_for(lambda: server.metrics()["pipepool_server_pending_inputs"] == 4, what="queued")
+    r = post(server, json={"input": SENTENCES[:3]})
+    err = assert_error(r, 429, "rate_limit_error", "queue_full")
+    assert r.headers["retry-after"] == "1"
+    assert str(MAX_QUEUED) in err["message"]
+    assert post(server, json={"input": SENTENCES[:2]}).status_code == 200  # 4 + 2 fit
+    t.join()
+    assert first["r"].status_code == 200
+    m = server.metrics()
+    assert m['pipepool_http_errors_total{type="rate_limit_error",code="queue_full"}'] >= 1
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+BAD_EMBEDDING_BODIES = {
+    "no input": ({"model": MODEL}, "input"),
+    "input a number": ({"input": 5}, "input"),
+    "strings and ids mixed": ({"input": ["a", 1]}, "input"),
+    "nested too deep": ({"input": [[[1, 2]]]}, "input"),
+    "bool token": ({"input": [True, 2]}, "input"),
+    "empty list": ({"input": []}, "input"),
+    "empty string": ({"input": ["ok", ""]}, "input"),
+    "empty token list": ({"input": [[1], []]}, "input"),
+    "token id beyond vocab": ({"input": [[1, 10**6]]}, "input"),
+    "negative token id": ({"input": [-1, 2]}, "input"),
+    "bad encoding_format": ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    "dimensions zero": ({"input": "a", "dimensions": 0}, "dimensions"),
+    "dimensions too large": ({"input": "a", "dimensions": 65}, "dimensions"),
+    "dimensions a string": ({"input": "a", "dimensions": "8"}, "dimensions"),
+    "truncate zero": ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    "unknown field": ({"input": "a", "temperature": 1}, "temperature"),
+    "body not an object": ([1, 2], None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EMBEDDING_BODIES)
+def test_bad_embedding_requests_are_400(server, case):
+    body, param = BAD_EMBEDDING_BODIES[case]
+    r = post(server, json=body)
+    assert_error(r, 400, "invalid_request_error", param=param)
+
+
+def test_malformed_json_and_wrong_routes(server):
+    r = post(server, content=b'{"input": [', headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 400, "invalid_request_error", says="not valid JSON")
+    r = post(server, content=b"", headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 400, "invalid_request_error")
+    r = httpx.get(server.url + "/v1/embeddings", headers=AUTH)
+    assert_error(r, 405, "invalid_request_error", "method_not_allowed")
+    r = httpx.get(server.url + "/v1/nothing", headers=AUTH)
+    assert_error(r, 404, "not_found_error")
+
+
+def test_unknown_model_is_404(server):
+    for path, body in (
+        ("/v1/embeddings", {"input": "a", "model": "gpt-4"}),
+        ("/pooling", {"input": "a", "model": "gpt-4"}),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4"}),
+    ):
+        r = post(server, path, json=body)
+        assert_error(r, 404, "invalid_request_error", "model_not_found", "model", "gpt-4")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="a")
+
+
+def test_bad_tokenize_and_pooling_requests(server):
+    for body in ({}, {"prompt": "a", "input": "b"}, {"prompt": 3}, {"prompt": "a", "x": 1}):
+        assert_error(post(server, "/tokenize", json=body), 400, "invalid_request_error")
+    r = post(server, "/pooling", json={"input": "a", "dimensions": 4})  # not a pooling field
+    assert_error(r, 400, "invalid_request_error", param="dimensions")
+
+
+def test_server_still_serves_after_all_that(server, engine):
+    r = post(server, json={"input": SENTENCES[:MAX_INPUTS]})
+    assert r.status_code == 200
+    for d, e in zip(r.json()["data"], engine.embed(SENTENCES[:MAX_INPUTS]), strict=True):
+        assert_close(d["embedding"], e)
+    assert_kv_blocks_all_free(server)
+    m = server.metrics()
+    assert m['pipepool_http_requests_total{route="/v1/embeddings",status="400"}'] >= 10
+    assert m['pipepool_http_errors_total{type="authentication_error",code="invalid_api_key"}'] >= 1
+
+
+# -- a stage dies (last: it breaks the server) ----------------------------------------------
+
+
+def test_dead_stage_makes_health_503(server):
+    (stage,) = server.children()
+    os.kill(stage[0], signal.SIGKILL)
+    wait_for(lambda: not _alive(stage), what="the stage to die")
+    r = post(server, json={"input": "anyone there?"})
+    assert_error(r, 503, "server_error", "engine_unavailable", says="stage 1")
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 503 and r.json() == {"status": "dead"}
+    m = server.metrics()
+    assert m["pipepool_engine_ready"] == 0
+    assert m['pipepool_engine_errors_total{kind="StageFailure"}'] == 1
+    assert np.isfinite(m["pipepool_kv_blocks_free"])

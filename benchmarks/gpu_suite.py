@@ -85,6 +85,7 @@ def build_checkpoint(key: str) -> Path:
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(str(dest))  # sharded above 5 GB, like the real checkpoints
     del model
+    torch.cuda.empty_cache()  # the benchmarks run in other processes: give the memory back
     src = minilm_folder()
     for name in _TOKENIZER_FILES + (_ST_FILES if key == "minilm" else ()):
         (dest / name).parent.mkdir(parents=True, exist_ok=True)

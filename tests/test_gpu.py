@@ -40,6 +40,40 @@ def test_bf16_gpu_decoder_matches_fp32_reference(decoder_paths, reference, famil
             assert worst >= MIN_COSINE_BF16, f"{family} {budget} {pooling}: {worst}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_fused_qk_norm_rope_kernel_equals_torch_ops(dtype, qk_norm):
+    from pipepool.layers.norm import rms_norm
+    from pipepool.layers.qk_rope import fused_qk_norm_rope
+    from pipepool.layers.rotary import RotaryEmbedding, apply_rotary
+
+    tokens, hq, hk, d = 301, 16, 8, 128
+    rotary = RotaryEmbedding(d, d, 1e6, None, 8192).cuda()
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * d, device="cuda") * 3).to(dtype)
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    qw, kw = (
+        (torch.rand(d, device="cuda") + 0.5).to(dtype),
+        (torch.rand(d, device="cuda") + 0.5).to(dtype),
+    )
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], -1)
+    q, k = q.reshape(tokens, hq, d), k.reshape(tokens, hk, d)
+    if qk_norm:
+        q, k = rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6)
+    q_ref, k_ref = apply_rotary(positions, q, k, rotary.cos_sin, d)
+    q2, k2 = fused_qk_norm_rope(
+        qkv, positions, rotary.cos_sin, qw if qk_norm else None, kw if qk_norm else None,
+        num_heads=hq, num_kv_heads=hk, head_dim=d, eps=1e-6,
+    )  # fmt: skip
+    for got, want in ((q2, q_ref), (k2, k_ref)):
+        assert (got != want).float().mean().item() < 0.01  # rounding as the eager ops round
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-3)
+
+
+def test_decoders_use_the_fused_kernel_on_cuda(qwen3_path):
+    with pipepool.Engine(str(qwen3_path), device="cuda", compile=False) as engine:
+        assert engine._executor.runners[0].model.ops.fused_qk_rope
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_gpu_encoder_matches_reference(bert_path, reference, dtype):
     ref = reference(bert_path)

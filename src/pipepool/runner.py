@@ -296,6 +296,8 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     model.eval()
     if flash_supported(spec.device, spec.dtype):
         model.attn_kernel = "flash"
+        if not model.use_fused_qk_rope() and model.causal:
+            warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
     if compile_wanted(config, spec):
         model.set_compiled(True)
         try:

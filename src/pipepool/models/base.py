@@ -66,6 +66,10 @@ class StageModel(nn.Module):
     def set_compiled(self, on: bool) -> None:
         """Run the layer bodies through torch.compile (one graph shared by all layers)."""
 
+    def use_fused_qk_rope(self) -> bool:
+        """Use a fused q/k-norm + RoPE kernel where there is one; returns whether in use."""
+        return False
+
 
 def linear_specs(
     prefix_ckpt: str, param: str, out_dim: int, in_dim: int, bias: bool, rows=None

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..layers import qk_rope
 from ..layers.attention import attend
 from ..layers.norm import RMSNorm, rms_norm
+from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import KVLayout, StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
 
@@ -115,18 +117,27 @@ class MlpWeights(NamedTuple):
     down_bias: torch.Tensor | None
 
 
+def project_qkv(cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """norm -> fused q|k|v projection. x: [T, hidden] -> [T, (Hq + 2 Hkv) * D]."""
+    return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+
+
 def qkv_projection(
     cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm -> fused q|k|v projection -> (Qwen3) q/k norm. x: [T, hidden]."""
+    q, k, v = split_heads(cfg, project_qkv(cfg, x, w))
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    return q, k, v
+
+
+def split_heads(cfg: DecoderConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
     q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
     k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
     v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-    if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     return q, k, v
 
 
@@ -150,6 +161,8 @@ class LayerOps(NamedTuple):
     qkv: object = qkv_projection
     rope: object = apply_rotary
     post: object = post_attention
+    project: object = project_qkv  # the fused q/k-norm + RoPE kernel path starts from here
+    fused_qk_rope: bool = False  # q/k norm + RoPE in one Triton kernel (CUDA)
 
 
 class DecoderLayer(nn.Module):
@@ -192,8 +205,18 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str):
-        q, k, v = ops.qkv(self.cfg, x, self.attn_weights())
-        q, k = ops.rope(inputs.positions, q, k, cos_sin, self.cfg.rotary_dim)
+        cfg, w = self.cfg, self.attn_weights()
+        if ops.fused_qk_rope:
+            qkv = ops.project(cfg, x, w)
+            q, k = fused_qk_norm_rope(
+                qkv, inputs.positions, cos_sin, w.q_norm, w.k_norm,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            )  # fmt: skip
+            v = split_heads(cfg, qkv)[2]
+        else:
+            q, k, v = ops.qkv(cfg, x, w)
+            q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.rotary_dim)
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
@@ -224,9 +247,40 @@ class DecoderStage(StageModel):
         self.rotary.reset_table()
 
     def set_compiled(self, on: bool) -> None:
-        self.ops = LayerOps()
+        fused = self.ops.fused_qk_rope
+        self.ops = LayerOps(fused_qk_rope=fused)
         if on:
-            self.ops = LayerOps(*(compile_layer_fn(fn) for fn in LayerOps()))
+            fns = LayerOps()[:-1]
+            self.ops = LayerOps(*(compile_layer_fn(fn) for fn in fns), fused_qk_rope=fused)
+
+    def use_fused_qk_rope(self) -> bool:
+        """Switch to the Triton q/k-norm + RoPE kernel where it applies and agrees with the
+        eager ops on a random batch; returns whether it is now in use."""
+        cfg = self.cfg
+        device, dtype = self.rotary.cos_sin.device, next(self.parameters()).dtype
+        if not qk_rope.available(device, dtype) or cfg.rotary_dim != cfg.head_dim:
+            return False
+        layer = next(iter(self.layers.values()))
+        w = layer.attn_weights()
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(97, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+        positions = torch.randint(0, self.rotary.max_positions, (97,), device=device, generator=gen)
+        with torch.inference_mode():
+            q, k, _ = qkv_projection(cfg, x, w)
+            q, k = apply_rotary(positions, q, k, self.rotary.cos_sin, cfg.rotary_dim)
+            qf, kf = fused_qk_norm_rope(
+                project_qkv(cfg, x, w), positions, self.rotary.cos_sin, w.q_norm, w.k_norm,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            )  # fmt: skip
+        agree = all(
+            torch.allclose(a.float(), b.float(), rtol=2**-6, atol=1e-3)
+            and (a != b).float().mean().item() < 0.01
+            for a, b in ((q, qf), (k, kf))
+        )
+        if agree:
+            self.ops = self.ops._replace(fused_qk_rope=True)
+        return agree
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
         if self.is_first:

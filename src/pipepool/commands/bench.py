@@ -37,7 +37,12 @@ def add_parser(sub, help: str) -> None:
         "--peer-batch-sizes", default="32,64,128", help="the peer runs at its best of these"
     )
     p.add_argument("--no-peer", action="store_true", help="engine figures only")
-    p.add_argument("--e2e", action="store_true", help="also text inputs (tokenization included)")
+    p.add_argument(
+        "--e2e",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also text inputs (tokenization included)",
+    )
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
@@ -103,7 +108,10 @@ def bench_one(config, workload_name: str, args) -> dict:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_tflops": round(total_flops / ours.seconds / 1e12, 1),
-        "engine_fraction_of_peak": round(total_flops / ours.seconds / 1e12 / args.peak_tflops, 3),
+        # of the peak of every GPU the pipeline uses
+        "engine_fraction_of_peak": round(
+            total_flops / ours.seconds / 1e12 / (args.peak_tflops * d.num_stages), 3
+        ),
         "engine_peak_memory_gib": round(ours.peak_memory_gib, 2),
         "engine_weights_gib": round(weights_gib, 2),
         "engine_kv_cache_gib": round(kv_gib, 2),

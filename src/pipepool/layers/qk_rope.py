@@ -23,11 +23,18 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 _TL_DTYPES = {}
 if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    # bf16 (rounded exactly as torch rounds) and fp32; fp16 models use the torch ops.
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
     @triton.jit
     def _round(x, DTYPE: tl.constexpr):
-        return x.to(DTYPE).to(tl.float32)
+        """fp32 -> nearest-even bf16 -> fp32 in integer arithmetic: exactly torch's rounding,
+        wherever the kernel runs (the interpreter's own bf16 cast truncates)."""
+        if DTYPE == tl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        return x
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -72,7 +79,7 @@ if triton is not None:
         o1 = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
         o2 = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
         dst = out_ptr + t * nh * D + heads * D
-        tl.store(dst + cols, o1.to(DTYPE), mask=mask)
+        tl.store(dst + cols, o1.to(DTYPE), mask=mask)  # already representable: exact
         tl.store(dst + HALF + cols, o2.to(DTYPE), mask=mask)
 
 

@@ -229,7 +229,9 @@ class MultiprocExecutor(Executor):
                     )
             except RuntimeError:
                 pass
-        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        # After a failure the stages may wait forever for a message that will never come.
+        grace = _JOIN_TIMEOUT_S if self._failure is None else 0.0
+        deadline = time.monotonic() + grace
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))

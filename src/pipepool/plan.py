@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import StateDivergence
+
 
 @dataclass(frozen=True)
 class NewRequest:
@@ -75,3 +77,20 @@ class StepResult:
     outputs: dict[int, np.ndarray]
     # Seconds each stage spent computing this step (stage order), for idle-fraction metrics.
     stage_busy_s: tuple[float, ...] = ()
+
+
+def check_digest(plan: StepPlan, digest: np.ndarray, *, stage: int) -> None:
+    """A stage's post-step digest must say that every scheduled request advanced exactly to
+    its chunk end; otherwise StateDivergence names the first request that did not."""
+    if digest.shape == plan.ends.shape and np.array_equal(digest, plan.ends):
+        return
+    n = min(len(digest), len(plan.ends))
+    diff = np.nonzero(digest[:n] != plan.ends[:n])[0]
+    i = int(diff[0]) if len(diff) else n
+    raise StateDivergence(
+        step_id=plan.step_id,
+        stage=stage,
+        request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
+        expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
+        found=int(digest[i]) if i < len(digest) else -1,
+    )

@@ -29,7 +29,7 @@ from .kv_cache import KVCache
 from .layers.attention import flash_supported
 from .model_folder import ModelFolder
 from .models import StageModel, family_of
-from .plan import StepPlan
+from .plan import StepPlan, check_digest
 from .pooling import DenseHead, Pooler
 from .transport import Inbound, Outbound, StageOutput
 from .weights import Checkpoint
@@ -159,8 +159,8 @@ class StageRunner:
         busy.append(self.clock.seconds)
         if self.config.verify_state:
             if incoming is not None:
-                self._check_digest(plan, incoming.digest(), spec.index - 1)
-            self._check_digest(plan, digest, spec.index)
+                check_digest(plan, incoming.digest(), stage=spec.index - 1)
+            check_digest(plan, digest, stage=spec.index)
         if not spec.is_last:
             outbound.send_digest(plan.step_id, digest, busy)
             return None
@@ -202,21 +202,6 @@ class StageRunner:
                 expected=int(plan.starts[i]),
                 found=int(starts[i]),
             )
-
-    def _check_digest(self, plan: StepPlan, digest: np.ndarray, stage: int) -> None:
-        """A digest must say every scheduled request advanced exactly to its chunk end."""
-        if digest.shape == plan.ends.shape and np.array_equal(digest, plan.ends):
-            return
-        n = min(len(digest), len(plan.ends))
-        diff = np.nonzero(digest[:n] != plan.ends[:n])[0]
-        i = int(diff[0]) if len(diff) else n
-        raise StateDivergence(
-            step_id=plan.step_id,
-            stage=stage,
-            request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
-            expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
-            found=int(digest[i]) if i < len(digest) else -1,
-        )
 
     def _forward(self, plan, entries, starts, lens, incoming):
         """Build the batch from the mirror, upload it in one copy, forward; on the last stage

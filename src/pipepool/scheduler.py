@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import StateDivergence
 from .kv_blocks import BlockAllocator
-from .plan import NewRequest, StepPlan, StepResult
+from .plan import NewRequest, StepPlan, StepResult, check_digest
 from .request import Request, RequestStatus
 
 
@@ -188,16 +188,7 @@ class Scheduler:
                 found=result.step_id,
                 what="step id",
             )
-        digest = np.asarray(result.digest)
-        if digest.shape != plan.ends.shape or not np.array_equal(digest, plan.ends):
-            i = _first_mismatch(plan.ends, digest)
-            raise StateDivergence(
-                step_id=plan.step_id,
-                stage=last_stage,
-                request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
-                expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
-                found=int(digest[i]) if i < len(digest) else -1,
-            )
+        check_digest(plan, np.asarray(result.digest), stage=last_stage)
         finished = []
         for rid, end in zip(plan.req_ids.tolist(), plan.ends.tolist(), strict=True):
             request = self.requests.get(rid)
@@ -210,9 +201,3 @@ class Scheduler:
                 del self.requests[rid]
                 finished.append(request)
         return finished
-
-
-def _first_mismatch(expected: np.ndarray, found: np.ndarray) -> int:
-    n = min(len(expected), len(found))
-    diff = np.nonzero(expected[:n] != found[:n])[0]
-    return int(diff[0]) if len(diff) else n

@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import FAULTS, POOLING_TYPES, EngineConfig
+from ..config import FAULTS, POOLING_TYPES
 from ..parity import DEFAULT_BUDGETS, DEFAULT_PPS, REFERENCES, Sweep, run_parity
-from .common import _env
+from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
 
@@ -22,12 +22,6 @@ def add_parser(sub, help: str) -> None:
         description=help,
         epilog="Without --prompts: the five prompts of the published PP reproducer plus "
         "prompts of mixed lengths up to max_model_len (pass --max-model-len to cap them).",
-    )
-    p.add_argument(
-        "--model",
-        metavar="DIR",
-        default=_env("model"),
-        help="model folder or hub id (default: the bundled all-MiniLM-L6-v2)",
     )
     p.add_argument(
         "--pp",
@@ -75,48 +69,24 @@ def add_parser(sub, help: str) -> None:
         help=".txt (one prompt per line) or .jsonl; default: the built-in set",
     )
     p.add_argument(
-        "--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    p.add_argument("--device", default=_env("device", "auto"), help="auto | cpu | cuda")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=int(_env("max_model_len")) if _env("max_model_len") else None,
-        help="cap on prompt length (default: the model's limit)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)))
-    p.add_argument(
         "--min-cosine",
         type=float,
         metavar="X",
         help="pass threshold per request (default: 0.99999 for float32, 0.999 for 16-bit)",
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
-    p.add_argument(
-        "--no-verify-state",
-        dest="verify_state",
-        action="store_false",
-        help="skip the lockstep checks between stages (then only the cosine can catch drift)",
-    )
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the layers (default: on for CUDA)",
-    )
     # Test-only: reproduce the historical bug to show that parity catches it.
     p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
+    add_engine_args(p, skip=("pp", "max_num_batched_tokens", "pooling"))
 
 
 def run(args: argparse.Namespace) -> int:
-    base = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        verify_state=args.verify_state,
-        compile=args.compile,
+    # The swept settings (lists here) are set per configuration by run_parity.
+    base = engine_config(
+        args,
+        pipeline_parallel_size=1,
+        max_num_batched_tokens=max(args.max_num_batched_tokens),
+        pooling=None,
         inject_fault=args.inject_fault,
     )
     sweep = Sweep(

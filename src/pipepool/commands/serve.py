@@ -14,7 +14,7 @@ import signal
 import sys
 
 from ..engine import Engine
-from .common import _env, add_engine_args, engine_config
+from .common import add_engine_args, engine_config, env
 
 
 def add_parser(sub, help: str) -> None:
@@ -24,54 +24,54 @@ def add_parser(sub, help: str) -> None:
     # by this command alone instead of breaking every other one.
     g.add_argument(
         "--host",
-        default=_env("host", "127.0.0.1"),
+        default=env("host", "127.0.0.1"),
         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)",
     )
-    g.add_argument("--port", type=int, default=_env("port", "8000"))
+    g.add_argument("--port", type=int, default=env("port", "8000"))
     g.add_argument(
         "--api-key",
-        default=_env("api_key"),
+        default=env("api_key"),
         help="require 'Authorization: Bearer KEY' on the API routes (/health, /metrics, /docs "
         "stay open)",
     )
     g.add_argument(
         "--served-model-name",
-        default=_env("served_model_name"),
+        default=env("served_model_name"),
         help="the model name clients send and see (default: the --model value)",
     )
     g.add_argument(
         "--max-inputs-per-request",
         type=int,
-        default=_env("max_inputs_per_request", "2048"),
+        default=env("max_inputs_per_request", "2048"),
         help="more inputs in one request are answered 400",
     )
     g.add_argument(
         "--max-body-bytes",
         type=int,
-        default=_env("max_body_bytes", str(32 << 20)),
+        default=env("max_body_bytes", str(32 << 20)),
         help="larger request bodies are answered 413 (default 32 MiB)",
     )
     g.add_argument(
         "--max-queued-requests",
         type=int,
-        default=_env("max_queued_requests", "16384"),
+        default=env("max_queued_requests", "16384"),
         help="inputs in progress over all clients; a request that would exceed it gets 429",
     )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=_env("shutdown_timeout", "30"),
+        default=env("shutdown_timeout", "30"),
         help="seconds to let requests in flight finish after SIGTERM",
     )
     g.add_argument(
         "--log-level",
-        default=_env("log_level", "info"),
+        default=env("log_level", "info"),
         choices=["critical", "error", "warning", "info", "debug"],
     )
     g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
-        default=_env("access_log", "true").strip().lower() in ("1", "true", "yes", "on"),
+        default=env("access_log", "true").strip().lower() in ("1", "true", "yes", "on"),
         help="log every request (default: on)",
     )
     add_engine_args(p)

@@ -85,14 +85,16 @@ def run_engine(engine: Engine, workload: Workload, pooling: str) -> RunResult:
 
 
 def run_engine_text(engine: Engine, texts: list[str], pooling: str) -> RunResult:
+    """Texts in, tokenization included. The rate counts the tokens the texts became (decoded
+    random ids do not re-tokenize to the same count; both sides cut at the model's limit)."""
+    before = engine.stats.prompt_tokens_finished
     start = time.perf_counter()
-    # Decoded random ids re-tokenize a little longer or shorter; both sides cut at the limit.
     futures = engine.submit(texts, pooling=pooling, truncate_prompt_tokens=-1)
     for f in futures:
         f.result()
     seconds = time.perf_counter() - start
-    tokens = engine.stats.prompt_tokens_finished
-    return RunResult(seconds, 0.0, _peak_gib(), {"texts": len(texts), "cumulative_tokens": tokens})
+    tokens = engine.stats.prompt_tokens_finished - before
+    return RunResult(seconds, tokens / seconds, _peak_gib(), {"tokens": tokens})
 
 
 class Peer:
@@ -128,19 +130,22 @@ class Peer:
     @torch.inference_mode()
     def encode_texts(
         self, texts: list[str], pooling: str, batch_size: int, max_len: int
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, int]:
+        """Vectors and the number of (unpadded) tokens the texts became."""
         order = np.argsort([-len(t) for t in texts], kind="stable")
         outputs = []
+        tokens = 0
         for start in range(0, len(order), batch_size):
             batch = [texts[i] for i in order[start : start + batch_size]]
             enc = self.tokenizer(
                 batch, padding=True, truncation=True, max_length=max_len, return_tensors="pt"
             )
+            tokens += int(enc["attention_mask"].sum())
             outputs.append(self._forward(enc["input_ids"], enc["attention_mask"], pooling))
         pooled = torch.cat(outputs).float().cpu().numpy()
         result = np.empty_like(pooled)
         result[order] = pooled
-        return result
+        return result, tokens
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
         ids = ids.to(self.device, non_blocking=True)

@@ -122,7 +122,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
     }
     if ours_text is not None:
-        row["engine_text_tokens_per_s"] = round(row["tokens"] / ours_text.seconds)
+        row["engine_text_tokens_per_s"] = round(ours_text.tokens_per_s)
     if not args.no_peer:
         peer = Peer(str(d.folder.path), d.dtype, d.devices[0])
         sizes = [int(b) for b in args.peer_batch_sizes.split(",")]
@@ -141,8 +141,10 @@ def bench_one(config, workload_name: str, args) -> dict:
         )
         if texts is not None:
             start = time.perf_counter()
-            peer.encode_texts(texts, pooling, theirs.detail["batch_size"], d.max_model_len)
-            row["peer_text_tokens_per_s"] = round(row["tokens"] / (time.perf_counter() - start))
+            _, tokens = peer.encode_texts(
+                texts, pooling, theirs.detail["batch_size"], d.max_model_len
+            )
+            row["peer_text_tokens_per_s"] = round(tokens / (time.perf_counter() - start))
             row["text_ratio"] = round(
                 row["engine_text_tokens_per_s"] / row["peer_text_tokens_per_s"], 2
             )

@@ -13,7 +13,10 @@ import logging
 import signal
 import sys
 
+from ..deployment import plan_deployment
 from ..engine import Engine
+from ..parallel.multiproc import run_torchrun_worker
+from ..parallel.rendezvous import torchrun_env
 from .common import add_engine_args, engine_config, env
 
 
@@ -99,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
     )
     config = engine_config(args)  # checked now: a bad flag fails before anything starts
+    env_ranks = torchrun_env()
+    if env_ranks is not None and env_ranks.rank > 0:
+        # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
+        # are pipeline stages until rank 0 shuts the pipeline down.
+        return run_torchrun_worker(plan_deployment(config))
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(message)s")
 
     owner = EngineOwner(lambda: Engine.from_config(config))

@@ -1,0 +1,54 @@
+"""The fused q/k-norm + RoPE Triton kernel, run on the CPU by Triton's interpreter: it must
+round exactly as the torch ops it replaces (bf16), and be exact in fp32 without the norm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import torch
+from pipepool.layers.norm import rms_norm
+from pipepool.layers.qk_rope import fused_qk_norm_rope
+from pipepool.layers.rotary import RotaryEmbedding, apply_rotary
+
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    for norm in (True, False):
+        T, HQ, HK, D = 29, 16, 8, 128
+        rot = RotaryEmbedding(D, D, 1e6, None, 4096)
+        qkv = (torch.randn(T, (HQ + 2 * HK) * D) * 3).to(dtype)
+        pos = torch.randint(0, 4000, (T,))
+        qw, kw = (torch.rand(D) + 0.5).to(dtype), (torch.rand(D) + 0.5).to(dtype)
+        q, k, _ = qkv.split([HQ * D, HK * D, HK * D], -1)
+        q, k = q.reshape(T, HQ, D), k.reshape(T, HK, D)
+        if norm:
+            q, k = rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6)
+        want = apply_rotary(pos, q, k, rot.cos_sin, D)
+        got = fused_qk_norm_rope(
+            qkv, pos, rot.cos_sin, qw if norm else None, kw if norm else None,
+            num_heads=HQ, num_kv_heads=HK, head_dim=D, eps=1e-6,
+        )
+        for g, w in zip(got, want):
+            unequal = (g != w).float().mean().item()
+            if dtype == torch.bfloat16:
+                # Bit-equal but for the norm's fp32 sum order (one element in 10^4 or so).
+                assert unequal < 1e-3, (dtype, norm, unequal)
+            elif not norm:
+                assert unequal == 0.0, (dtype, norm, unequal)
+            torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-5)
+print("ok")
+"""
+
+
+def test_fused_kernel_rounds_like_the_torch_ops_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

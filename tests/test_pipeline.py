@@ -35,6 +35,13 @@ def _gone(pid: int) -> bool:
         return f.read().split()[2] == "Z"
 
 
+def _all_gone_within(pids: list[int], *, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(_gone(pid) for pid in pids)
+
+
 def _per_request_min_cosine(outs, refs) -> float:
     return min(float(cosine(o, r).min()) for o, r in zip(outs, refs, strict=True))
 
@@ -247,10 +254,7 @@ def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids)
+    assert _all_gone_within(pids, seconds=10)
 
 
 def test_no_stage_survives_its_driver_being_killed(qwen3_path, tmp_path):
@@ -262,10 +266,7 @@ def test_no_stage_survives_its_driver_being_killed(qwen3_path, tmp_path):
     pids = [int(p) for p in proc.stdout.readline().split()]
     proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids)
+    assert _all_gone_within(pids, seconds=10)
 
 
 def test_stage_processes_load_only_their_own_layers(qwen3_path):

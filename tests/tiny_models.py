@@ -155,7 +155,8 @@ def make_bert(path: Path, *, num_layers: int = 4, seed: int = 0, family: str = "
 def make_st_bert(path: Path) -> Path:
     """A sentence-transformers folder: tiny BERT + mean pooling + Dense(64->32, tanh) +
     Normalize, with prompts (exercises modules.json, 1_Pooling, 2_Dense, prompts)."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
 
     bert_dir = make_bert(path.with_name(path.name + "-transformer"))
     torch.manual_seed(1)

@@ -74,8 +74,3 @@ class EngineStats:
     def set_queue(self, waiting: int, unfinished: int) -> None:
         self.queue_waiting = waiting
         self.requests_running = unfinished - waiting
-
-    def idle_fractions(self) -> list[float]:
-        """Per stage: 1 - busy / wall time since the engine started."""
-        wall = time.perf_counter() - self.started_at
-        return [max(0.0, 1.0 - b / wall) for b in self.stage_busy_s] if wall > 0 else []

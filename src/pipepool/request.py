@@ -43,7 +43,6 @@ class Request:
     # Tokens the last stage confirmed (from its post-step digest).
     num_computed_tokens: int = 0
     block_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    sent_to_stages: bool = False  # stages hold a mirror of it (it appeared in a plan)
     output: np.ndarray | None = None
 
     @property

@@ -64,11 +64,12 @@ class Scheduler:
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
+            # Admitted, so the stages mirror it, but its final chunk will never reach them:
+            # they drop it with the next plan. Its blocks return now (a SCHEDULED request
+            # returned its own when its final chunk was planned).
             self.running.remove(request)
-        if request.status == RequestStatus.RUNNING:
-            self._free_blocks(request)  # SCHEDULED requests returned theirs already
-        if request.sent_to_stages and request.status == RequestStatus.RUNNING:
-            self._freed.append(request_id)  # its final chunk never reaches the stages
+            self._free_blocks(request)
+            self._freed.append(request_id)
         request.status = RequestStatus.ABORTED
         return request
 
@@ -123,7 +124,6 @@ class Scheduler:
                 request.block_ids = block_ids
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.sent_to_stages = True
             new.append(
                 NewRequest(
                     request.request_id,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -31,7 +30,6 @@ class EngineStats:
     step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     stage_busy_s: list[float] = field(default_factory=list)  # cumulative, per stage
     errors: Counter = field(default_factory=Counter)  # by exception class name
-    started_at: float = field(default_factory=time.perf_counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def on_submit(self, n: int, tokens: int) -> None:

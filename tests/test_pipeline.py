@@ -243,7 +243,8 @@ with engine:
 """
 
 
-def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
+def _start_busy_driver(qwen3_path, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    """A script driving a PP=2 engine in a loop; returns it and its stage pids."""
     script = tmp_path / "busy.py"
     script.write_text(_CTRL_C_SCRIPT)
     proc = subprocess.Popen(
@@ -251,6 +252,11 @@ def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
     )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert pids
+    return proc, pids
+
+
+def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
+    proc, pids = _start_busy_driver(qwen3_path, tmp_path)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
@@ -258,12 +264,7 @@ def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
 
 
 def test_no_stage_survives_its_driver_being_killed(qwen3_path, tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(_CTRL_C_SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(qwen3_path)], stdout=subprocess.PIPE, text=True
-    )
-    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc, pids = _start_busy_driver(qwen3_path, tmp_path)
     proc.kill()
     proc.wait(timeout=10)
     assert _all_gone_within(pids, seconds=10)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -187,12 +187,6 @@ def run_peer(peer: Peer, workload: Workload, pooling: str, batch_sizes: list[int
     return best
 
 
-def peer_vectors_match(engine_vecs: np.ndarray, peer_vecs: np.ndarray) -> float:
-    """Min cosine between the two sides' (normalised) vectors: a check that both computed the
-    same thing, in the same order."""
-    return float((engine_vecs * peer_vecs).sum(-1).min())
-
-
 def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -217,7 +211,3 @@ def _peak_gib() -> float:
 
 def write_json(rows: list[dict], path: Path) -> None:
     path.write_text(json.dumps(rows, indent=2))
-
-
-def as_row(**fields) -> dict:
-    return {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in fields.items()}

@@ -73,10 +73,6 @@ class Scheduler:
         request.status = RequestStatus.ABORTED
         return request
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_schedulable(self) -> bool:
         return bool(self.running or self.waiting or self._freed)
 

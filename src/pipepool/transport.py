@@ -90,12 +90,15 @@ class _LocalIncoming:
         return self._link.hidden.popleft()
 
     def digest(self) -> np.ndarray:
-        self._digest = self._digest or self._link.digests.popleft()
-        return self._digest[0]
+        return self._message()[0]
 
     def stage_busy_s(self) -> list[float]:
-        self._digest = self._digest or self._link.digests.popleft()
-        return self._digest[1]
+        return self._message()[1]
+
+    def _message(self) -> tuple[np.ndarray, list[float]]:
+        if self._digest is None:
+            self._digest = self._link.digests.popleft()
+        return self._digest
 
 
 class LocalLink:

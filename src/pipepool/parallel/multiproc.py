@@ -232,6 +232,8 @@ class MultiprocExecutor(Executor):
         # After a failure the stages may wait forever for a message that will never come.
         grace = _JOIN_TIMEOUT_S if self._failure is None else 0.0
         deadline = time.monotonic() + grace
+        if not self._procs and self._failure is None:
+            self._wait_stopped(deadline)
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -239,6 +241,17 @@ class MultiprocExecutor(Executor):
         if hasattr(self, "_supervisor"):
             self._stop_supervisor.set()
             self._supervisor.join(timeout=2)
+
+    def _wait_stopped(self, deadline: float) -> None:
+        """torchrun: wait until every other rank took the stop plan (or reported an error);
+        leaving earlier would close connections under a stage still reading from them."""
+        pending = {f"stopped/{rank}" for rank in range(1, self.num_stages)}
+        with contextlib.suppress(Exception):  # a store gone with its host: nothing to wait for
+            while pending and time.monotonic() < deadline:
+                pending = {key for key in pending if not self._store.check([key])}
+                if pending and self._read_reports():
+                    return
+                time.sleep(0.01)
 
     def _kill_all(self) -> None:
         for proc in self._procs.values():

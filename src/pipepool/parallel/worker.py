@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,14 @@ def run_stage(
         wait_all(result_sends)
         if outbound is not None:
             outbound.flush()
+        # Under torchrun the driver has no child process to wait for: this key tells it the
+        # stop plan arrived, so it does not exit (closing its connections) before we read it.
+        store.set(f"stopped/{rank}", b"1")
         return 0
     except BaseException as exc:
         report_error(store, rank, exc)
+        if local_rank is not None:  # torchrun: the driver may be gone; say it here as well
+            traceback.print_exc()
         return 1
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,7 +234,8 @@ def test_torchrun_launch_matches_one_stage(qwen3_path, tmp_path):
 
 
 _CTRL_C_SCRIPT = """
-import sys, time
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view into a hang
 import pipepool
 engine = pipepool.Engine(sys.argv[1], pipeline_parallel_size=2, max_num_batched_tokens=8)
 print(" ".join(str(p.pid) for p in engine._executor._procs.values()), flush=True)
@@ -248,7 +250,10 @@ def _start_busy_driver(qwen3_path, tmp_path) -> tuple[subprocess.Popen, list[int
     script = tmp_path / "busy.py"
     script.write_text(_CTRL_C_SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(qwen3_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), str(qwen3_path)],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "busy.err").open("w"),
+        text=True,
     )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert pids
@@ -259,7 +264,15 @@ def test_ctrl_c_leaves_no_stage_process_running(qwen3_path, tmp_path):
     proc, pids = _start_busy_driver(qwen3_path, tmp_path)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # dump every thread's stack, then fail with it
+        time.sleep(1.0)
+        proc.kill()
+        pytest.fail(
+            "driver still running 30 s after Ctrl-C:\n" + (tmp_path / "busy.err").read_text()
+        )
     assert _all_gone_within(pids, seconds=10)
 
 
@@ -290,3 +303,51 @@ def test_pipeline_runs_plans_in_flight(qwen3_path):
         assert engine._executor.depth == 2
         engine.embed(long_prompts())
         assert engine.stats.steps > 2
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
+    """overlap_steps (the CUDA default) forced on CPU: one plan more in flight than stages,
+    and the last stage holds each result back until the next plan or a flush arrives. Every
+    way of releasing a held result must deliver it: a long run, one single-step request, a
+    batch submitted while idle, then more requests after the pipeline drained."""
+    batches = [long_prompts(), ["tail"], REPRODUCER_PROMPTS, long_prompts()[:2]]
+    with pipepool.Engine(
+        str(qwen3_path),
+        pipeline_parallel_size=pp,
+        max_num_batched_tokens=16,
+        overlap_steps=True,
+        normalize=False,
+    ) as engine:
+        assert engine._executor.depth == pp + 1
+        got = [engine.embed(batch) for batch in batches]
+        futures = engine.submit(REPRODUCER_PROMPTS)
+        got.append([f.result(timeout=60) for f in futures])
+        assert engine.kv_blocks_free == engine._scheduler.blocks.num_blocks
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=4096, normalize=False) as ref:
+        want = [ref.embed(batch) for batch in [*batches, REPRODUCER_PROMPTS]]
+    for g, w in zip(got, want, strict=True):
+        assert _per_request_min_cosine(g, w) >= MIN_COSINE
+
+
+def _blocked_signals(native_id: int) -> set[int]:
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+    mask = int(line.split()[1], 16)
+    return {n for n in range(1, 64) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stop_signals_reach_only_the_main_thread(qwen3_path):
+    """Ctrl-C / SIGTERM are blocked in the engine's own threads (so the kernel delivers them to
+    the main thread, never into a transport thread's system call) and not in the main thread."""
+    with pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2) as engine:
+        engine.embed(["warm"])
+        stop = {signal.SIGINT, signal.SIGTERM}
+        own = {engine._thread.native_id, engine._executor._supervisor.native_id}
+        for tid in own:
+            assert stop <= _blocked_signals(tid)
+        assert not stop & _blocked_signals(threading.main_thread().native_id)
+        # gloo's I/O threads, started while the groups were made, inherited the mask
+        masked = {int(t) for t in os.listdir("/proc/self/task") if stop <= _blocked_signals(int(t))}
+        assert masked - own

@@ -40,6 +40,11 @@ class EngineConfig:
     verify_state: bool = True
     # torch.compile of the layer bodies; None: on for CUDA, off on CPU.
     compile: bool | None = None
+    # Multi-process pipeline runs ahead of the devices: one plan more in flight than stages,
+    # and the last stage sends step k's results only once step k+1 is queued on its device,
+    # so no device waits for the host between steps. None: on for CUDA. Off on CPU, where
+    # a step computes synchronously and running ahead would only hold results back.
+    overlap_steps: bool | None = None
     inject_fault: str | None = None  # test-only; one of FAULTS
     fault_stage: int = 0  # the stage that "raise_on_stage" makes fail
     fault_step: int = 0  # the step at which "raise_on_stage" fires

@@ -28,6 +28,7 @@ from .parallel.launch import start_executor
 from .plan import StepPlan
 from .request import PoolingParams, Request
 from .scheduler import Scheduler
+from .signal_mask import block_stop_signals
 from .stats import EngineStats
 
 
@@ -248,6 +249,7 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        block_stop_signals()  # Ctrl-C is the main thread's (and so are the threads we start)
         inflight: deque[StepPlan] = deque()
         try:
             while True:

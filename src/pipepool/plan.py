@@ -56,13 +56,31 @@ class StepPlan:
 
     @property
     def is_shutdown(self) -> bool:
-        return self.step_id < 0
+        return self.step_id == _SHUTDOWN
+
+    @property
+    def is_flush(self) -> bool:
+        return self.step_id == _FLUSH
+
+
+# Control plans: step ids below 0 carry no work.
+_SHUTDOWN, _FLUSH = -1, -2
 
 
 def shutdown_plan() -> StepPlan:
     """The plan that tells a stage process to exit its loop."""
+    return _control_plan(_SHUTDOWN)
+
+
+def flush_plan() -> StepPlan:
+    """The plan that tells a last stage holding a step's results back to send them now
+    (the driver is about to wait for them and has no further plan to send)."""
+    return _control_plan(_FLUSH)
+
+
+def _control_plan(step_id: int) -> StepPlan:
     empty = np.empty(0, dtype=np.int64)
-    return StepPlan(step_id=-1, req_ids=empty, starts=empty, ends=empty)
+    return StepPlan(step_id=step_id, req_ids=empty, starts=empty, ends=empty)
 
 
 @dataclass(frozen=True)

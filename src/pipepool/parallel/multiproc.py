@@ -23,8 +23,9 @@ from dataclasses import replace
 
 from ..deployment import Deployment
 from ..errors import PipepoolError, StageFailure
-from ..plan import StepPlan, StepResult, shutdown_plan
+from ..plan import StepPlan, StepResult, flush_plan, shutdown_plan
 from ..runner import StageRunner
+from ..signal_mask import block_stop_signals
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -37,7 +38,13 @@ from .dist_transport import (
 )
 from .executor import Executor
 from .rendezvous import engine_store, host_store, make_groups, torchrun_env, torchrun_store
-from .worker import ErrorReport, limit_cpu_threads, run_stage, stage_spec_for_rank
+from .worker import (
+    ErrorReport,
+    limit_cpu_threads,
+    overlaps_steps,
+    run_stage,
+    stage_spec_for_rank,
+)
 
 _JOIN_TIMEOUT_S = 10.0
 _FAILURE_GRACE_S = 0.3
@@ -48,7 +55,12 @@ class MultiprocExecutor(Executor):
     def __init__(self, deployment: Deployment, store, raw_store, rdv, procs, local_rank) -> None:
         self.deployment = deployment
         self.num_stages = deployment.num_stages
-        self.depth = self.num_stages  # N plans in flight keep N stages busy
+        # N plans in flight keep N stages busy; one more lets the host run ahead of devices.
+        self.overlap = overlaps_steps(deployment)
+        self.depth = self.num_stages + int(self.overlap)
+        self._uncollected = 0
+        self._flush_due = False  # the last stage may be holding the newest plan's result
+        self._flush_sends: list = []
         self._store, self._raw_store, self._rdv = store, raw_store, rdv
         self._procs: dict[int, subprocess.Popen] = procs
         self._failure: BaseException | None = None
@@ -111,6 +123,8 @@ class MultiprocExecutor(Executor):
                     self.groups.control, worker_plan, rank, (TAG_PLAN_LEN, TAG_PLAN)
                 )
             self._plan_sends.append(sends)
+            self._uncollected += 1
+            self._flush_due = self.overlap
             self.runner.execute(plan, None, self.outbound)
         except PipepoolError as exc:
             # Stage 0's own failure (e.g. a divergence it caught) is the cause. The other
@@ -122,10 +136,18 @@ class MultiprocExecutor(Executor):
 
     def collect(self) -> StepResult:
         self.check_alive()
+        last = self.num_stages - 1
         try:
-            return recv_object(
-                self.groups.control, self.num_stages - 1, (TAG_RESULT_LEN, TAG_RESULT)
-            )
+            if self._uncollected == 1 and self._flush_due:
+                # The result wanted is the newest plan's: no later plan will release it.
+                wait_all(self._flush_sends)
+                self._flush_sends = send_object(
+                    self.groups.control, flush_plan(), last, (TAG_PLAN_LEN, TAG_PLAN)
+                )
+                self._flush_due = False
+            result = recv_object(self.groups.control, last, (TAG_RESULT_LEN, TAG_RESULT))
+            self._uncollected -= 1
+            return result
         except RuntimeError as exc:
             raise self._cause(exc) from None
 
@@ -154,6 +176,7 @@ class MultiprocExecutor(Executor):
         return self._failure
 
     def _supervise(self) -> None:
+        block_stop_signals()
         while not self._stop_supervisor.wait(_POLL_S):
             for rank, proc in self._procs.items():
                 if proc.poll() is not None and not self._closing:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..signal_mask import stop_signals_blocked
 from .dist_transport import Groups
 
 # Failures are detected by the supervisor (process exits, error reports), not by timeouts:
@@ -83,12 +84,13 @@ def engine_store(store: dist.Store, rdv: Rendezvous) -> dist.Store:
 
 
 def make_groups(store: dist.Store, rdv: Rendezvous, rank: int, device: torch.device) -> Groups:
-    control = _gloo(dist.PrefixStore("control", store), rank, rdv)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        data = _nccl(dist.PrefixStore("data", store), rank, rdv.world)
-    else:
-        data = _gloo(dist.PrefixStore("data", store), rank, rdv)
+    with stop_signals_blocked():  # the groups' I/O threads start here and inherit the mask
+        control = _gloo(dist.PrefixStore("control", store), rank, rdv)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            data = _nccl(dist.PrefixStore("data", store), rank, rdv.world)
+        else:
+            data = _gloo(dist.PrefixStore("data", store), rank, rdv)
     return Groups(rank=rank, world=rdv.world, control=control, data=data)
 
 

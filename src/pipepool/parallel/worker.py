@@ -17,6 +17,7 @@ import torch
 
 from ..deployment import Deployment
 from ..runner import StageRunner, StageSpec
+from ..transport import StageOutput
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -91,18 +92,18 @@ def run_stage(
             groups, rank - 1, deployment.hidden_size, spec.dtype, spec.device, rank
         )
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
-        result_sends: list = []
+        results = ResultSender(groups, hold_back=overlaps_steps(deployment))
         while True:
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
             if plan.is_shutdown:
                 break
+            if plan.is_flush:
+                results.flush()
+                continue
             output = runner.execute(plan, inbound, outbound)
             if output is not None:
-                wait_all(result_sends)
-                result_sends = send_object(
-                    groups.control, output.to_result(), 0, (TAG_RESULT_LEN, TAG_RESULT)
-                )
-        wait_all(result_sends)
+                results.send(output)
+        results.close()
         if outbound is not None:
             outbound.flush()
         # Under torchrun the driver has no child process to wait for: this key tells it the
@@ -114,6 +115,50 @@ def run_stage(
         if local_rank is not None:  # torchrun: the driver may be gone; say it here as well
             traceback.print_exc()
         return 1
+
+
+def overlaps_steps(deployment: Deployment) -> bool:
+    """Whether the pipeline runs ahead of its devices (EngineConfig.overlap_steps)."""
+    wanted = deployment.config.overlap_steps
+    return wanted if wanted is not None else deployment.devices[-1].startswith("cuda")
+
+
+class ResultSender:
+    """The last stage's results on their way to the driver.
+
+    With ``hold_back``, step k's result leaves only after step k+1 was queued on the device:
+    reading it back waits for the device, and a host waiting there would leave the device idle
+    while it then receives and prepares step k+1. The driver sends a flush plan when it is
+    about to wait for a result that no further plan would release.
+    """
+
+    def __init__(self, groups, *, hold_back: bool) -> None:
+        self.groups, self.hold_back = groups, hold_back
+        self._held: StageOutput | None = None
+        self._sends: list = []
+
+    def send(self, output: StageOutput) -> None:
+        if not self.hold_back:
+            self._send(output)
+            return
+        output.start_host_copy()  # device to host, behind the step on the device's stream
+        self.flush()
+        self._held = output
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._send(held)
+
+    def close(self) -> None:
+        # A result still held at shutdown was never asked for: the driver stopped waiting.
+        wait_all(self._sends)
+
+    def _send(self, output: StageOutput) -> None:
+        wait_all(self._sends)
+        self._sends = send_object(
+            self.groups.control, output.to_result(), 0, (TAG_RESULT_LEN, TAG_RESULT)
+        )
 
 
 def report_error(store, rank: int, exc: BaseException) -> None:

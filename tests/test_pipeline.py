@@ -310,8 +310,14 @@ def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
     """overlap_steps (the CUDA default) forced on CPU: one plan more in flight than stages,
     and the last stage holds each result back until the next plan or a flush arrives. Every
     way of releasing a held result must deliver it: a long run, one single-step request, a
-    batch submitted while idle, then more requests after the pipeline drained."""
-    batches = [long_prompts(), ["tail"], REPRODUCER_PROMPTS, long_prompts()[:2]]
+    batch submitted while idle, then more requests after the pipeline drained. Poolers vary, so
+    held results include token embeddings (ALL) and running sums (MEAN) across chunks."""
+    batches = [
+        (long_prompts(), "all"),
+        (["tail"], "last"),
+        (REPRODUCER_PROMPTS, "mean"),
+        (long_prompts()[:2], "all"),
+    ]
     with pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=pp,
@@ -320,12 +326,15 @@ def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
         normalize=False,
     ) as engine:
         assert engine._executor.depth == pp + 1
-        got = [engine.embed(batch) for batch in batches]
-        futures = engine.submit(REPRODUCER_PROMPTS)
+        got = [engine.encode(batch, pooling=pooling) for batch, pooling in batches]
+        futures = engine.submit(REPRODUCER_PROMPTS, pooling="cls")
         got.append([f.result(timeout=60) for f in futures])
         assert engine.kv_blocks_free == engine._scheduler.blocks.num_blocks
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=4096, normalize=False) as ref:
-        want = [ref.embed(batch) for batch in [*batches, REPRODUCER_PROMPTS]]
+        want = [
+            ref.encode(batch, pooling=pooling)
+            for batch, pooling in [*batches, (REPRODUCER_PROMPTS, "cls")]
+        ]
     for g, w in zip(got, want, strict=True):
         assert _per_request_min_cosine(g, w) >= MIN_COSINE
 

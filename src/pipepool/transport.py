@@ -55,8 +55,8 @@ class StageOutput:
             self._host = []
             return
         device = tensors[0].device
-        if device.type != "cuda":  # a copy: the result may be read after the next step ran
-            self._host = [t.to(torch.float32, copy=True) for t in tensors]
+        if device.type != "cuda":
+            self._host = [t.float() for t in tensors]
             return
         host = []
         for t in tensors:

@@ -14,10 +14,11 @@ def env(name: str, default=None):
     return os.environ.get("PIPEPOOL_" + name.upper().replace("-", "_"), default)
 
 
-def _env_bool(name: str) -> bool | None:
+def env_bool(name: str, default: bool | None = None) -> bool | None:
+    """A yes/no ``PIPEPOOL_<NAME>``; ``default`` when it is not set."""
     value = env(name)
     if value is None:
-        return None
+        return default
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -64,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
         g.add_argument("--pooling", default=env("pooling"), choices=["last", "mean", "cls"])
     norm = g.add_mutually_exclusive_group()
     norm.add_argument(
-        "--normalize", dest="normalize", action="store_true", default=_env_bool("normalize")
+        "--normalize", dest="normalize", action="store_true", default=env_bool("normalize")
     )
     norm.add_argument("--no-normalize", dest="normalize", action="store_false")
     g.add_argument(
@@ -76,14 +77,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
         "--no-verify-state",
         dest="verify_state",
         action="store_false",
-        default=not (_env_bool("no_verify_state") or False),
+        default=not (env_bool("no_verify_state") or False),
         help="skip the lockstep checks between stages (not recommended; for measuring their cost)",
     )
     g.add_argument(
         "--compile",
         dest="compile",
         action=argparse.BooleanOptionalAction,
-        default=_env_bool("compile"),
+        default=env_bool("compile"),
         help="torch.compile the layers (default: on for CUDA)",
     )
 

@@ -17,7 +17,7 @@ from ..deployment import plan_deployment
 from ..engine import Engine
 from ..parallel.multiproc import run_torchrun_worker
 from ..parallel.rendezvous import torchrun_env
-from .common import add_engine_args, engine_config, env
+from .common import add_engine_args, engine_config, env, env_bool
 
 
 def add_parser(sub, help: str) -> None:
@@ -74,7 +74,7 @@ def add_parser(sub, help: str) -> None:
     g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
-        default=env("access_log", "true").strip().lower() in ("1", "true", "yes", "on"),
+        default=env_bool("access_log", True),
         help="log every request (default: on)",
     )
     add_engine_args(p)

@@ -419,7 +419,7 @@ def test_engine_and_cli_import_without_the_server_extras():
         "    sys.modules[name] = None  # importing it now raises ImportError\n"
         "import pipepool, pipepool.cli\n"
         "args = pipepool.cli.build_parser().parse_args(['serve', '--port', '9', '--pp', '2'])\n"
-        "assert (args.port, args.pp, args.host) == (9, 2, '127.0.0.1'), args\n"
+        "assert (args.port, args.pipeline_parallel_size, args.host) == (9, 2, '127.0.0.1'), args\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEPOOL_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

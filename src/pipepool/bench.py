@@ -1,11 +1,17 @@
 """Throughput of the engine against the peer most users run today, in the same process, on the
 same weights and device: Hugging Face ``transformers`` (SDPA attention) on padded batches sorted
-by length, which is what ``sentence-transformers.encode`` does.
+by length, which is what ``sentence-transformers.encode`` does; for text workloads,
+``sentence_transformers.SentenceTransformer.encode`` itself, tokenisation included.
 
-Workloads (token ids drawn with a fixed seed):
+Token-id workloads (drawn with a fixed seed):
 - W1: 4096 requests, lengths uniform in [16, 512]
 - W2: 512 documents, lengths uniform in [1024, 8192]
 - W3: one 32k-token document
+- W4: 8192 short queries, log-normal lengths (median 32 tokens, sigma 0.8) clipped to [4, 256]
+
+Text workloads (words of the model's own vocabulary, fixed seed):
+- T4: 8192 queries, log-normal word counts (median 28 words, sigma 0.8) clipped to [3, 200]
+- T5: 2,000 texts of 5-60 words (uniform)
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ import torch
 
 from .engine import Engine
 
-WORKLOADS = {"W1": (4096, 16, 512), "W2": (512, 1024, 8192), "W3": (1, 32768, 32768)}
+WORKLOADS = {
+    "W1": (4096, 16, 512),
+    "W2": (512, 1024, 8192),
+    "W3": (1, 32768, 32768),
+    "W4": (8192, 4, 256),
+}
+LOGNORMAL = {"W4": (32, 0.8), "T4": (28, 0.8)}  # median, sigma
+TEXT_WORKLOADS = {"T4": (8192, 3, 200), "T5": (2000, 5, 60)}  # texts, min / max words
 
 
 @dataclass
@@ -40,12 +53,37 @@ def make_workload(
     """Token ids for a named workload; lengths capped at the model's ``max_len``."""
     count, lo, hi = WORKLOADS[name]
     rng = np.random.default_rng(seed)
-    lengths = np.minimum(rng.integers(lo, hi + 1, size=count), max_len)
+    lengths = np.minimum(_lengths(name, count, lo, hi, rng), max_len)
     if requests is not None:
         lengths = lengths[:requests]
     # Ids away from the low end, where vocabularies keep their special tokens.
     low = min(1000, vocab_size // 4)
     return Workload(name, [rng.integers(low, vocab_size, size=n, dtype=np.int64) for n in lengths])
+
+
+def _lengths(name: str, count: int, lo: int, hi: int, rng) -> np.ndarray:
+    if name in LOGNORMAL:
+        median, sigma = LOGNORMAL[name]
+        drawn = np.rint(rng.lognormal(np.log(median), sigma, size=count)).astype(np.int64)
+        return np.clip(drawn, lo, hi)
+    return rng.integers(lo, hi + 1, size=count)
+
+
+def make_texts(name: str, vocabulary: list[str], *, seed: int = 0) -> list[str]:
+    """A text workload: sentences of whole words drawn from ``vocabulary``."""
+    count, lo, hi = TEXT_WORKLOADS[name]
+    rng = np.random.default_rng(seed)
+    words = np.asarray(vocabulary)
+    return [" ".join(words[rng.integers(0, len(words), size=n)]) for n in
+            _lengths(name, count, lo, hi, rng)]  # fmt: skip
+
+
+def vocabulary_words(tokenizer_json: Path, limit: int = 20000) -> list[str]:
+    """Whole words (letters only, 3+ characters) of a tokenizer's vocabulary."""
+    vocab = json.loads(tokenizer_json.read_text(encoding="utf-8"))["model"]["vocab"]
+    items = vocab.items() if isinstance(vocab, dict) else ((w, i) for i, (w, _) in enumerate(vocab))
+    words = sorted((i, w) for w, i in items if w.isascii() and w.isalpha() and len(w) >= 3)
+    return [w for _, w in words[:limit]]
 
 
 @dataclass
@@ -89,12 +127,62 @@ def run_engine_text(engine: Engine, texts: list[str], pooling: str) -> RunResult
     random ids do not re-tokenize to the same count; both sides cut at the model's limit)."""
     before = engine.stats.prompt_tokens_finished
     start = time.perf_counter()
-    futures = engine.submit(texts, pooling=pooling, truncate_prompt_tokens=-1)
-    for f in futures:
-        f.result()
+    vectors = engine.submit(texts, pooling=pooling, truncate_prompt_tokens=-1).result()
     seconds = time.perf_counter() - start
     tokens = engine.stats.prompt_tokens_finished - before
-    return RunResult(seconds, tokens / seconds, _peak_gib(), {"tokens": tokens})
+    return RunResult(seconds, tokens / seconds, _peak_gib(), {"tokens": tokens, "vectors": vectors})
+
+
+def run_sentence_transformers(
+    model_dir: str, texts: list[str], *, dtype: torch.dtype, device: str, batch_sizes: list[int]
+) -> RunResult:
+    """``SentenceTransformer.encode`` on the texts at its best batch size (each size timed over
+    all texts after a warm-up on the first batch); detail["vectors"] are the best run's."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_dir, device=device)
+    model.to(dtype)
+    best, per_size = None, {}
+    for b in batch_sizes:
+        model.encode(texts[:b], batch_size=b)  # warm-up
+        _sync()
+        start = time.perf_counter()
+        vectors = model.encode(texts, batch_size=b, convert_to_numpy=True)
+        _sync()
+        seconds = time.perf_counter() - start
+        per_size[b] = round(len(texts) / seconds, 1)
+        if best is None or seconds < best.seconds:
+            best = RunResult(seconds, 0.0, _peak_gib(), {"batch_size": b, "vectors": vectors})
+    best.detail["texts_per_s_by_batch_size"] = per_size
+    del model
+    free_device_memory()
+    return best
+
+
+def gpu_busy_fraction(run) -> float | None:
+    """Share of ``run()``'s wall time in which the GPU executes something (the union of every
+    kernel's and copy's interval, from torch.profiler's CUDA activity); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / wall_us
 
 
 class Peer:

@@ -1,9 +1,15 @@
-"""Engine configuration: what the user asked for, checked once, before any process starts."""
+"""Engine configuration: what the user asked for, checked once, before any process starts.
+
+``EngineConfig`` is the one list of engine options. ``Engine(**options)`` fills it by field
+name, and the command line derives its flags from the fields' metadata (``commands/common``),
+so an option is declared here and nowhere else. "auto" values (``None``) are resolved once,
+in ``deployment.py``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import InvalidInputError
 
@@ -13,55 +19,96 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 FAULTS = ("skip_post_step_on_non_last_stage", "raise_on_stage")
 
 
+def option(default, help: str, *, flag: str | None = None, cli: bool = True, **extra):
+    """A config field with what the command line needs to offer it."""
+    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli, **extra})
+
+
+def parse_partition(text: str | None) -> tuple[int, ...] | None:
+    """``"10,18"`` -> ``(10, 18)``: layers per stage, as given on the command line."""
+    if not text:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidInputError(
+            f"--pp-partition takes comma-separated layer counts, got {text!r}", param="pp_partition"
+        ) from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options shared by every front end (API, CLI, server). Frozen: one engine, one config."""
 
-    model: str | None = None  # local folder or hub id; None = the bundled all-MiniLM-L6-v2
-    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's 16-bit type on GPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_num_batched_tokens: int = 16384  # token budget of one step (TEI's default)
-    max_num_seqs: int = 256  # requests in one step
-    max_model_len: int | None = (
-        None  # None: from the model (sentence-transformers max_seq_length first)
+    model: str | None = option(
+        None, "model folder or hub id (default: the bundled all-MiniLM-L6-v2)"
     )
-    pipeline_parallel_size: int = 1
-    pp_partition: tuple[int, ...] | None = (
-        None  # layers per stage, e.g. (10, 18); sums to num_layers
+    dtype: str = option(
+        "auto", "auto: float32 on CPU, the checkpoint's 16-bit type on GPU", choices=DTYPES
+    )
+    device: str = option("auto", "auto | cpu | cuda (auto: cuda when available)")
+    max_num_batched_tokens: int = option(
+        16384, "token budget of one step; longer prompts are chunked to fit (TEI's default)"
+    )
+    # Pooling has no decode phase: a step's size is bounded by tokens, as in TEI, and the
+    # request count does not cap a step of short prompts below its token budget.
+    max_num_seqs: int | None = option(
+        None, "requests in one step (default: no cap beyond the token budget)"
+    )
+    max_model_len: int | None = option(
+        None, "longest prompt (default: the model's, sentence-transformers max_seq_length first)"
+    )
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages (one process and, on GPU, one device each)", flag="--pp"
+    )
+    pp_partition: tuple[int, ...] | None = option(
+        None, "layers per stage, e.g. 10,18 (sums to the model's layers)", parse=parse_partition
     )
     # How stages run when pipeline_parallel_size > 1: "mp", one process per stage (the real
     # thing); "inproc", all stages in this process, one after the other (tests, debugging).
-    pipeline_backend: str = "mp"
-    pooling: str | None = None  # override the model's pooling: last | mean | cls
-    normalize: bool | None = None  # override the model's default L2 normalisation
-    block_size: int = 16  # tokens per KV-cache block
-    kv_cache_tokens: int | None = None  # KV capacity in tokens; None: sized from memory
+    pipeline_backend: str = option("mp", "", cli=False)
+    pooling: str | None = option(None, "override the model's pooling", choices=POOLING_TYPES[:3])
+    normalize: bool | None = option(None, "override the model's default L2 normalisation")
+    block_size: int = option(16, "tokens per KV-cache block", cli=False)
+    kv_cache_tokens: int | None = option(None, "KV capacity in tokens (default: from memory)")
     # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
-    verify_state: bool = True
-    # torch.compile of the layer bodies; None: on for CUDA, off on CPU.
-    compile: bool | None = None
+    verify_state: bool = option(
+        True, "lockstep checks between stages (off only to measure their cost)"
+    )
+    compile: bool | None = option(None, "torch.compile the layers (default: on for CUDA)")
+    # CUDA graphs replay a step's kernels without launching them one by one from Python:
+    # captured per padded token count, the first time a step of that size runs.
+    cuda_graphs: bool | None = option(None, "replay steps as CUDA graphs (default: on for CUDA)")
     # Multi-process pipeline runs ahead of the devices: one plan more in flight than stages,
     # and the last stage sends step k's results only once step k+1 is queued on its device,
     # so no device waits for the host between steps. None: on for CUDA. Off on CPU, where
     # a step computes synchronously and running ahead would only hold results back.
-    overlap_steps: bool | None = None
-    inject_fault: str | None = None  # test-only; one of FAULTS
-    fault_stage: int = 0  # the stage that "raise_on_stage" makes fail
-    fault_step: int = 0  # the step at which "raise_on_stage" fires
+    overlap_steps: bool | None = option(None, "", cli=False)
+    inject_fault: str | None = option(None, "", cli=False)  # test-only; one of FAULTS
+    fault_stage: int = option(0, "", cli=False)  # the stage that "raise_on_stage" makes fail
+    fault_step: int = option(0, "", cli=False)  # the step at which "raise_on_stage" fires
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """``EngineConfig(**options)``, naming an unknown option instead of a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidInputError(
+                f"unknown engine option {unknown[0]!r}; options are: {', '.join(sorted(known))}",
+                param=unknown[0],
+            )
+        return cls(**options)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidInputError(
                 f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype"
             )
-        if self.max_num_batched_tokens < 1:
-            raise InvalidInputError(
-                "max_num_batched_tokens must be >= 1", param="max_num_batched_tokens"
-            )
-        if self.max_num_seqs < 1:
-            raise InvalidInputError("max_num_seqs must be >= 1", param="max_num_seqs")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidInputError("max_model_len must be >= 1", param="max_model_len")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidInputError(f"{name} must be >= 1", param=name)
         if self.pipeline_parallel_size < 1:
             raise InvalidInputError(
                 "pipeline_parallel_size must be >= 1", param="pipeline_parallel_size"
@@ -85,8 +132,6 @@ class EngineConfig:
             raise InvalidInputError(
                 f"pooling must be one of last, mean, cls; got {self.pooling!r}", param="pooling"
             )
-        if self.block_size < 1:
-            raise InvalidInputError("block_size must be >= 1", param="block_size")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise InvalidInputError("kv_cache_tokens must be >= 1", param="kv_cache_tokens")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:
@@ -94,18 +139,6 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
-
-
-def parse_partition(text: str | None) -> tuple[int, ...] | None:
-    """``"10,18"`` -> ``(10, 18)``: layers per stage, as given on the command line."""
-    if not text:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise InvalidInputError(
-            f"--pp-partition takes comma-separated layer counts, got {text!r}", param="pp_partition"
-        ) from None
 
 
 def split_layers(

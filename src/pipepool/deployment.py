@@ -1,5 +1,7 @@
 """Everything decided before a stage starts: model limits, default heads, devices, layer
-split, KV-cache size. Computed once on the driver and shipped (pickled) to every stage."""
+split, KV-cache size, and every "auto" option (compile, CUDA graphs, running ahead, request
+cap). Computed once on the driver and shipped (pickled) to every stage, so no process decides
+an option on its own."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import torch
 
 from .config import EngineConfig, split_layers
 from .errors import InvalidInputError, ModelLoadError
-from .kv_cache import KVCache
 from .model_folder import ModelFolder, read_model_folder
 from .models import Family, family_of
-from .runner import StageSpec
+from .stage.kv_cache import KVCache
+from .stage.runner import StageSpec
 from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
@@ -35,6 +37,10 @@ class Deployment:
     layers: tuple[range, ...]  # one per stage
     kv_cache_tokens: int  # 0 for encoders
     num_kv_blocks: int
+    max_num_seqs: int  # requests in one step
+    compile: bool  # torch.compile the layer bodies
+    graph_max_tokens: int  # largest step replayed as CUDA graphs; 0: none
+    overlap_steps: bool  # multi-process pipeline runs one plan ahead of its devices
 
     @property
     def num_stages(self) -> int:
@@ -49,6 +55,8 @@ class Deployment:
             dtype=self.dtype,
             num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,
+            compile=self.compile,
+            graph_max_tokens=self.graph_max_tokens,
         )
 
 
@@ -77,6 +85,7 @@ def plan_deployment(config: EngineConfig) -> Deployment:
     if family.causal:
         kv_tokens = _kv_cache_tokens(config, family, folder, whole, layers, dtype, devices, max_len)
     block = config.block_size
+    cuda = device_kind == "cuda"
     return Deployment(
         config=config,
         folder=folder,
@@ -92,7 +101,39 @@ def plan_deployment(config: EngineConfig) -> Deployment:
         layers=layers,
         kv_cache_tokens=kv_tokens,
         num_kv_blocks=-(-kv_tokens // block) if kv_tokens else 0,
+        max_num_seqs=config.max_num_seqs or config.max_num_batched_tokens,
+        compile=_auto(config.compile, cuda),
+        graph_max_tokens=(
+            _graph_max_tokens(config, family, folder, whole)
+            if _auto(config.cuda_graphs, cuda)
+            else 0
+        ),
+        overlap_steps=_auto(config.overlap_steps, cuda),
     )
+
+
+def _auto(wanted: bool | None, default: bool) -> bool:
+    return default if wanted is None else wanted
+
+
+# A CUDA graph saves the host a few microseconds per kernel launch but pads a step up to its
+# bucket (12% on average): worth it while a step is short enough for launches to matter.
+# Steps up to ~2 TFLOP (a few ms of an H200) are replayed; larger ones run eagerly.
+_GRAPH_STEP_FLOPS = 2e12
+_GRAPH_MIN_TOKENS = 512
+
+
+def _graph_max_tokens(config: EngineConfig, family: Family, folder: ModelFolder) -> int:
+    """Largest step (tokens) worth a CUDA graph, from the model's FLOPs per token."""
+    checkpoint = Checkpoint(folder.path, family)
+    params = sum(
+        _numel(e.shape)
+        for name, e in checkpoint.entries.items()
+        if not family.ignored.match(name) and "embed" not in name
+    )
+    tokens = _GRAPH_STEP_FLOPS / max(2 * params, 1)
+    largest = 1 << max(int(tokens).bit_length() - 1, 0)  # a power of two below
+    return min(config.max_num_batched_tokens, max(largest, _GRAPH_MIN_TOKENS))
 
 
 def _device_kind(device: str) -> str:
@@ -149,7 +190,7 @@ def _kv_cache_tokens(config, family: Family, folder, whole, layers, dtype, devic
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     elif devices[0] == "cpu":
-        tokens = min(config.max_num_seqs * max_len, _CPU_KV_BYTES // per_token)
+        tokens = _CPU_KV_BYTES // per_token
     else:
         tokens = _gpu_kv_tokens(config, folder, family, whole, layers, dtype, devices, per_token)
     if tokens < config.block_size:

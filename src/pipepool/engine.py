@@ -1,71 +1,47 @@
 """The Engine: the one object every front end (Python API, CLI, HTTP server) sits on.
 
-Requests from any thread go into an inbox; one loop thread owns the scheduler and the
-executor, keeps up to ``executor.depth`` plans in flight, and resolves each request's future
-when its result arrives. A stage failure fails every pending and later request with the cause.
+Calls from any thread tokenise in the caller's thread and put request batches into an inbox;
+one loop thread owns the scheduler and the executor, keeps up to ``executor.depth`` plans in
+flight, and writes each step's outputs into the calls' results (``Submission``). A stage
+failure fails every pending and later call with the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
 from .config import EngineConfig
+from .core.kv_blocks import BlockAllocator
+from .core.plan import StepPlan, StepResult
+from .core.request import PoolingParams, RequestBatch
+from .core.scheduler import Ledger, Scheduler
+from .core.stats import EngineStats
 from .deployment import Deployment, plan_deployment
 from .errors import EngineDeadError, InvalidInputError, PipepoolError
-from .heads import apply_heads
-from .inputs import InputPreparer
-from .kv_blocks import BlockAllocator
+from .inputs import InputPreparer, TokenSlice
 from .parallel.executor import Executor
 from .parallel.launch import start_executor
-from .plan import StepPlan
-from .request import PoolingParams, Request
-from .scheduler import Scheduler
 from .signal_mask import block_stop_signals
-from .stats import EngineStats
+from .submission import Submission
 
 
 class Engine:
     """Embeds text or token ids with a pooling model, optionally split into pipeline stages.
 
-    ``embed`` and ``embed_tokens`` are thread-safe and may be called concurrently; results come
-    back in input order. Use as a context manager, or call ``close()``.
+    Every method is thread-safe and may be called concurrently; results come back in input
+    order. Use as a context manager, or call ``close()``. Keyword options are the fields of
+    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_num_batched_tokens: int = 16384,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        pipeline_parallel_size: int = 1,
-        pooling: str | None = None,
-        normalize: bool | None = None,
-        **options,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            pipeline_parallel_size=pipeline_parallel_size,
-            pooling=pooling,
-            normalize=normalize,
-            **options,
-        )
-        self._init(config)
+    def __init__(self, model: str | None = None, **options) -> None:
+        self._init(EngineConfig.from_options(model=model, **options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -83,13 +59,13 @@ class Engine:
         blocks = BlockAllocator(d.num_kv_blocks, config.block_size) if d.causal else None
         self._scheduler = Scheduler(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=d.max_num_seqs,
             chunked=d.causal,
             blocks=blocks,
         )
         self._executor: Executor = start_executor(d)  # last: it starts processes
-        self._ids = itertools.count()
-        self._futures: dict[int, tuple[Future, PoolingParams]] = {}
+        self._next_id = 0
+        self._owners: dict[int, _Owner] = {}  # batch first id -> the call waiting for it
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._dead: BaseException | None = None
@@ -115,16 +91,14 @@ class Engine:
         prompt_name: str | None = None,
     ) -> np.ndarray:
         """One vector per input, ``[n, dim]`` float32, in input order."""
-        out = self.encode(
+        return self.submit(
             inputs,
-            pooling=self.deployment.pooling,
             dimensions=dimensions,
             normalize=normalize,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
-        )
-        return np.stack(out)
+        ).result()
 
     def embed_tokens(
         self,
@@ -146,9 +120,9 @@ class Engine:
         )
 
     def encode(self, inputs, *, pooling: str, **kwargs) -> list[np.ndarray]:
-        """Any pooling (last | mean | cls | all) for a batch of inputs; blocks until done."""
-        futures = self.submit(inputs, pooling=pooling, **kwargs)
-        return [f.result() for f in futures]
+        """Any pooling (last | mean | cls | all) for a batch of inputs; blocks until done.
+        One array per input."""
+        return list(self.submit(inputs, pooling=pooling, **kwargs).result())
 
     def submit(
         self,
@@ -160,43 +134,39 @@ class Engine:
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
-    ) -> list[Future]:
-        """Validate, tokenize and enqueue; one future per input (for async front ends).
+    ) -> Submission:
+        """Validate, tokenise and enqueue; returns at once with the call's future.
 
-        Raises InvalidInputError before anything is enqueued if any input is bad.
+        Raises InvalidInputError naming the input if any input is bad; then nothing of the
+        call stays queued. Long lists are tokenised and enqueued a slice at a time, so the
+        device starts on the first slice while this thread tokenises the next.
         """
-        prompts = self.inputs.prepare(
+        params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
+        slices = self.inputs.token_slices(
             inputs,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
         )
-        params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
-        return self.submit_tokens(prompts, params)
+        first = next(slices)  # every input is validated before anything is enqueued
+        items = 1 if isinstance(inputs, str) else len(inputs)
+        submission = self._new_submission(params, items)
+        try:
+            self._enqueue(submission, first)
+            for part in slices:
+                self._enqueue(submission, part)
+        except BaseException:
+            submission.cancel()
+            raise
+        return submission
 
-    def submit_tokens(self, prompts: list[np.ndarray], params: PoolingParams) -> list[Future]:
-        """Enqueue already validated token ids (see ``InputPreparer``)."""
-        futures = []
-        with self._wake:  # under the lock, so a request cannot slip in after the engine died
-            self._raise_if_dead()
-            requests = []
-            for ids in prompts:
-                request = Request(next(self._ids), ids, params)
-                future: Future = Future()
-                future.request_id = request.request_id
-                self._futures[request.request_id] = (future, params)
-                requests.append(request)
-                futures.append(future)
-            self._inbox.append(("add", requests))
-            self._wake.notify()
-        self.stats.on_submit(len(prompts), sum(len(p) for p in prompts))
-        return futures
-
-    def abort(self, request_ids: Sequence[int]) -> None:
-        """Cancel requests (e.g. their client went away); their KV blocks are freed."""
-        with self._wake:
-            self._inbox.append(("abort", list(request_ids)))
-            self._wake.notify()
+    def submit_tokens(
+        self, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams
+    ) -> Submission:
+        """Enqueue prompts already validated by ``self.inputs`` (back to back)."""
+        submission = self._new_submission(params, len(lengths))
+        self._enqueue(submission, TokenSlice(0, token_ids, lengths))
+        return submission
 
     def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
         return self.inputs.prepare(inputs, **kwargs)
@@ -205,9 +175,8 @@ class Engine:
         """Seconds each stage has spent computing so far (for idle fractions). Stages report
         with their step results, device time only once the device got there, so a one-token
         step brings every figure up to date first."""
-        self.submit_tokens([np.zeros(1, dtype=np.int64)], self.inputs.params("last", None, False))[
-            0
-        ].result()
+        params = self.inputs.params("last", None, False)
+        self.submit_tokens(np.zeros(1, np.int64), np.ones(1, np.int64), params).result()
         return list(self.stats.stage_busy_s)
 
     @property
@@ -225,7 +194,7 @@ class Engine:
         return self._dead is None and not self._closed and self._executor.failure is None
 
     def close(self) -> None:
-        """Stop the loop and every stage process; pending requests fail with EngineDeadError."""
+        """Stop the loop and every stage process; pending calls fail with EngineDeadError."""
         with self._wake:
             if self._closed:
                 return
@@ -245,6 +214,29 @@ class Engine:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def _new_submission(self, params: PoolingParams, num_inputs: int) -> Submission:
+        width = params.dimensions or self.inputs.output_width(params.pooling)
+        return Submission(params, num_inputs, width, on_cancel=self._cancel)
+
+    def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
+        with self._wake:  # under the lock, so a request cannot slip in after the engine died
+            self._raise_if_dead()
+            batch = RequestBatch(self._next_id, part.token_ids, part.lengths, submission.params)
+            self._next_id += len(batch)
+            submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
+            submission.batches.append(batch)
+            self._owners[batch.first_id] = _Owner(submission, part.first, len(batch))
+            self._inbox.append(("add", batch))
+            self._wake.notify()
+        self.stats.on_submit(len(batch), batch.num_tokens)
+
+    def _cancel(self, submission: Submission) -> None:
+        with self._wake:
+            self._inbox.append(("abort", submission))
+            self._wake.notify()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -273,12 +265,13 @@ class Engine:
                     t0 = time.perf_counter()
                     result = self._executor.collect()
                     plan = inflight.popleft()
-                    finished = self._scheduler.update(
+                    ledger = self._scheduler.update(
                         plan, result, last_stage=self._executor.num_stages - 1
                     )
                     self.stats.on_result(plan, result, time.perf_counter() - t0)
-                    self._deliver(finished)
-                self.stats.set_queue(len(self._scheduler.waiting), len(self._scheduler.requests))
+                    self._deliver(result, ledger)
+                s = self._scheduler
+                self.stats.set_queue(s.num_waiting, s.num_waiting + s.num_admitted)
         except BaseException as exc:  # a stage failed or diverged: nothing more can be trusted
             with self._wake:
                 self._dead = exc
@@ -289,34 +282,47 @@ class Engine:
     def _apply_inbox(self, inbox: deque) -> None:
         for kind, payload in inbox:
             if kind == "add":
-                for request in payload:
-                    self._scheduler.add(request)
-            else:
-                for rid in payload:
-                    if self._scheduler.abort(rid) is not None:
-                        self.stats.on_abort()
-                    entry = self._futures.pop(rid, None)
-                    if entry is not None:
-                        entry[0].cancel()
-
-    def _deliver(self, finished: list[Request]) -> None:
-        for request in finished:
-            entry = self._futures.pop(request.request_id, None)
-            if entry is None:
+                self._scheduler.add(payload)
                 continue
-            future, params = entry
-            if not future.cancelled():
-                future.set_result(apply_heads(request.output, params))
-            self.stats.on_finish(request.prompt_len)
+            for batch in payload.batches:  # a cancelled call: every batch of it
+                if self._owners.pop(batch.first_id, None) is not None:
+                    self._scheduler.abort(batch)
+                    self.stats.on_abort(len(batch))
+
+    def _deliver(self, result: StepResult, ledger: Ledger) -> None:
+        """Write the step's finished outputs into their calls' results, one slice per batch."""
+        for batch, sel in _by_batch(ledger.batches, result.vector_ids):
+            owner = self._finish(batch, result.vector_ids[sel])
+            if owner is not None:
+                submission, rows = owner
+                submission.put_vectors(rows, result.vectors[sel])
+        for batch, sel in _by_batch(ledger.batches, result.token_owner_ids):
+            owner = self._finish(batch, result.token_owner_ids[sel])
+            if owner is not None:
+                submission, rows = owner
+                offsets = result.token_offsets
+                values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in sel.tolist()]
+                submission.put_tokens(rows, values)
+
+    def _finish(self, batch: RequestBatch, ids: np.ndarray) -> tuple[Submission, np.ndarray] | None:
+        """(call, its rows) for finished requests of a batch; None if the call was cancelled."""
+        rows = ids - batch.first_id
+        self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
+        owner = self._owners.get(batch.first_id)
+        if owner is None:
+            return None
+        owner.remaining -= len(rows)
+        if owner.remaining == 0:
+            del self._owners[batch.first_id]
+        return owner.submission, owner.row0 + rows
 
     def _fail_pending(self, exc: BaseException) -> None:
         if not isinstance(exc, PipepoolError):
             exc = EngineDeadError(f"engine stopped: {exc!r}")
         with self._wake:
-            futures, self._futures = self._futures, {}
-        for future, _ in futures.values():
-            if not future.done():
-                future.set_exception(exc)
+            owners, self._owners = self._owners, {}
+        for owner in owners.values():
+            owner.submission.fail(exc)
 
     def _raise_if_dead(self) -> None:
         if self._dead is None and self._executor.failure is not None:
@@ -328,6 +334,30 @@ class Engine:
             raise EngineDeadError(f"engine is dead: {cause!r}") from cause
         if self._closed:
             raise EngineDeadError("engine is closed")
+
+
+@dataclass(eq=False)
+class _Owner:
+    """The call a batch's results go to: rows ``row0 ..`` of it; ``remaining`` unfinished."""
+
+    submission: Submission
+    row0: int
+    remaining: int
+
+
+def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):
+    """(batch, indices into ``ids``) for every batch holding some of ``ids``."""
+    if not len(ids):
+        return
+    if len(batches) == 1:
+        yield batches[0], np.arange(len(ids))
+        return
+    firsts = np.array([b.first_id for b in batches])
+    which = np.searchsorted(firsts, ids, side="right") - 1
+    order = np.argsort(which, kind="stable")
+    bounds = np.flatnonzero(np.diff(which[order])) + 1
+    for group in np.split(order, bounds):
+        yield batches[int(which[group[0]])], group
 
 
 __all__ = ["Engine", "InvalidInputError"]

@@ -1,21 +1,31 @@
 """Turning what a caller passed into validated prompts (token ids) and pooling parameters.
 
-Every problem is an InvalidInputError naming the field, raised before anything is queued, so
-a bad request never reaches the scheduler and never disturbs other requests.
+Every problem is an InvalidInputError naming the field and the input, so a bad request never
+reaches the scheduler and never disturbs other requests. Inputs become token ids in slices
+(``token_slices``): the engine enqueues each slice as soon as it is tokenised, so the device
+computes the first slice while the caller's thread tokenises the next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from .core.request import POOLING_NAMES, PoolingParams
 from .deployment import Deployment
 from .errors import InvalidInputError, PromptTooLongError
-from .request import PoolingParams
 from .tokenizer import Tokenizer
 
-_POOLINGS = ("last", "mean", "cls", "all")
+
+@dataclass(frozen=True)
+class TokenSlice:
+    """Prompts ``first .. first + len(lengths) - 1`` of a call, back to back."""
+
+    first: int
+    token_ids: np.ndarray  # [sum(lengths)] int64
+    lengths: np.ndarray  # [n] int64
 
 
 class InputPreparer:
@@ -28,18 +38,27 @@ class InputPreparer:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def prepare(
+    def prepare(self, inputs, **options) -> list[np.ndarray]:
+        """Token ids per input (for ``Engine.tokenize``); same options as ``token_slices``."""
+        out = []
+        for part in self.token_slices(inputs, **options):
+            out += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
+        return out
+
+    def token_slices(
         self,
         inputs,
         *,
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
-    ) -> list[np.ndarray]:
-        """Token ids per input: a list of strings, or a list of token-id lists (a single
-        string is one input)."""
+        slice_size: int = 1024,
+    ) -> Iterator[TokenSlice]:
+        """Validate every input up front (types, empties, options), then tokenise and
+        length-check ``slice_size`` inputs at a time. A list of strings, or of token-id
+        lists; a single string is one input."""
         items = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(items, Sequence) and not isinstance(items, np.ndarray):
+        if not isinstance(items, (Sequence, np.ndarray)):
             raise InvalidInputError(
                 "inputs must be a list of strings or of token-id lists, "
                 f"got {type(inputs).__name__}",
@@ -60,24 +79,57 @@ class InputPreparer:
             for i, text in enumerate(items):
                 if not text:
                     raise InvalidInputError(f"input {i} is an empty string", param="input")
-            ids = self.tokenizer.encode_batch(texts, max_tokens=limit, keep=keep)
-        elif all(_is_token_list(x) for x in items):
-            if prompt_name is not None:
-                raise InvalidInputError(
-                    "prompt_name applies to text inputs only", param="prompt_name"
+            for lo in range(0, len(texts), slice_size):
+                flat, lengths = self.tokenizer.encode_flat(
+                    texts[lo : lo + slice_size], max_tokens=limit, keep=keep
                 )
-            ids = [self._check_tokens(i, x) for i, x in enumerate(items)]
-            if limit is not None:
-                ids = [x[:limit] if keep == "first" else x[len(x) - limit :] for x in ids]
-        else:
+                self._check_lengths(lo, lengths, truncating=limit is not None)
+                yield TokenSlice(lo, flat, lengths)
+            return
+        if prompt_name is not None:
+            raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")
+        flat, lengths = self._token_lists(items)
+        if limit is not None and len(lengths) and lengths.max() > limit:
+            flat, lengths = _truncate_flat(flat, lengths, limit, keep)
+        self._check_lengths(0, lengths, truncating=limit is not None)
+        yield TokenSlice(0, flat, lengths)
+
+    def _token_lists(self, items) -> tuple[np.ndarray, np.ndarray]:
+        arrays = []
+        for i, x in enumerate(items):
+            if isinstance(x, str) or not isinstance(x, (Sequence, np.ndarray)):
+                raise InvalidInputError(
+                    "inputs must be all strings or all lists of token ids "
+                    "(not a mix, not nested deeper)",
+                    param="input",
+                )
+            try:
+                ids = np.asarray(x)
+            except (ValueError, TypeError, OverflowError):  # ragged, nested, out of range
+                ids = np.asarray(x, dtype=object)
+            if ids.size == 0:
+                raise InvalidInputError(f"input {i} is an empty token list", param="input")
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise InvalidInputError(
+                    f"input {i} is not a flat list of integer token ids: inputs must be all "
+                    "strings or all lists of token ids (not a mix, not nested deeper)",
+                    param="input",
+                )
+            arrays.append(ids)
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        flat = np.concatenate(arrays).astype(np.int64, copy=False)
+        vocab = self.deployment.vocab_size
+        bad = np.nonzero((flat < 0) | (flat >= vocab))[0]
+        if len(bad):
+            offsets = np.cumsum(lengths)
+            i = int(np.searchsorted(offsets, bad[0], side="right"))
+            position = int(bad[0] - (offsets[i - 1] if i else 0))
             raise InvalidInputError(
-                "inputs must be all strings or all lists of token ids "
-                "(not a mix, not nested deeper)",
+                f"input {i} has token id {int(flat[bad[0]])} at position {position}, "
+                f"outside the vocabulary [0, {vocab})",
                 param="input",
             )
-        for i, x in enumerate(ids):
-            self._check_length(i, len(x), truncating=limit is not None)
-        return ids
+        return flat, lengths
 
     def _limit(self, truncate: int | None) -> int | None:
         max_len = self.deployment.max_model_len
@@ -113,63 +165,58 @@ class InputPreparer:
         prefix = self.prompts[name]
         return [prefix + t for t in texts]
 
-    def _check_tokens(self, i: int, tokens) -> np.ndarray:
-        ids = np.asarray(tokens)
-        if ids.size == 0:
-            raise InvalidInputError(f"input {i} is an empty token list", param="input")
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidInputError(
-                f"input {i} must be a flat list of integer token ids", param="input"
-            )
-        vocab = self.deployment.vocab_size
-        bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
-        if len(bad):
-            raise InvalidInputError(
-                f"input {i} has token id {int(ids[bad[0]])} at position {int(bad[0])}, "
-                f"outside the vocabulary [0, {vocab})",
-                param="input",
-            )
-        return ids.astype(np.int64)
-
-    def _check_length(self, i: int, n: int, *, truncating: bool) -> None:
+    def _check_lengths(self, first: int, lengths: np.ndarray, *, truncating: bool) -> None:
         d = self.deployment
-        if n > d.max_model_len:
+        over = np.nonzero(lengths > d.max_model_len)[0]
+        if len(over):
+            i = int(over[0])
             raise PromptTooLongError(
-                f"input {i} has {n} tokens, more than max_model_len={d.max_model_len}; "
-                "shorten it or pass truncate_prompt_tokens",
+                f"input {first + i} has {int(lengths[i])} tokens, more than "
+                f"max_model_len={d.max_model_len}; shorten it or pass truncate_prompt_tokens",
                 param="input",
             )
-        if d.causal and n > d.kv_cache_tokens:
-            raise PromptTooLongError(
-                f"input {i} has {n} tokens but the KV cache holds {d.kv_cache_tokens}",
-                param="input",
-            )
+        if d.causal:
+            over = np.nonzero(lengths > d.kv_cache_tokens)[0]
+            if len(over):
+                i = int(over[0])
+                raise PromptTooLongError(
+                    f"input {first + i} has {int(lengths[i])} tokens but the KV cache holds "
+                    f"{d.kv_cache_tokens}",
+                    param="input",
+                )
 
     # -- pooling parameters -------------------------------------------------------------------
 
     def params(self, pooling: str, dimensions: int | None, normalize: bool | None) -> PoolingParams:
         d = self.deployment
-        if pooling not in _POOLINGS:
+        if pooling not in POOLING_NAMES:
             raise InvalidInputError(
-                f"pooling must be one of {_POOLINGS}, got {pooling!r}", param="pooling"
+                f"pooling must be one of {POOLING_NAMES}, got {pooling!r}", param="pooling"
             )
-        size = d.hidden_size if pooling == "all" else d.output_dim
         if dimensions is not None:
             if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
                 raise InvalidInputError("dimensions must be a positive integer", param="dimensions")
-            if dimensions > size:
+            if dimensions > self.output_width(pooling):
                 raise InvalidInputError(
-                    f"dimensions={dimensions} is larger than the model's embedding size {size}",
+                    f"dimensions={dimensions} is larger than the model's embedding size "
+                    f"{self.output_width(pooling)}",
                     param="dimensions",
                 )
         if normalize is None:
             normalize = d.normalize if pooling != "all" else False
         return PoolingParams(pooling=pooling, normalize=bool(normalize), dimensions=dimensions)
 
+    def output_width(self, pooling: str) -> int:
+        """Components of one output vector before Matryoshka truncation."""
+        d = self.deployment
+        return d.hidden_size if pooling == "all" else d.output_dim
 
-def _is_token_list(x) -> bool:
-    if isinstance(x, np.ndarray):
-        return x.ndim == 1
-    return isinstance(x, (list, tuple)) and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x
-    )
+
+def _truncate_flat(
+    flat: np.ndarray, lengths: np.ndarray, limit: int, keep: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id prompts cut to ``limit`` tokens (no special tokens to keep: ids are the
+    caller's own)."""
+    parts = np.split(flat, np.cumsum(lengths)[:-1])
+    cut = [p[:limit] if keep == "first" else p[len(p) - limit :] for p in parts]
+    return np.concatenate(cut), np.minimum(lengths, limit)

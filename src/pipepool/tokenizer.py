@@ -3,6 +3,7 @@ included: BERT's [CLS]/[SEP], the EOS that decoder embedding models append)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,30 @@ class Tokenizer:
                 )
             out.append(ids)
         return out
+
+    def encode_flat(
+        self, texts: list[str], *, max_tokens: int | None = None, keep: str = "first"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_batch`` back to back: (token ids [total] int64, lengths [n] int64), with no
+        array per text (the Rust tokenizer works on all texts at once, without the GIL)."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=True)
+        lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(texts))
+        if max_tokens is not None and len(lengths) and lengths.max() > max_tokens:
+            ids = [
+                _truncate_keeping_specials(
+                    np.asarray(e.ids, dtype=np.int64), np.asarray(e.special_tokens_mask),
+                    max_tokens, keep,
+                ) if len(e) > max_tokens else np.asarray(e.ids, dtype=np.int64)
+                for e in encodings
+            ]  # fmt: skip
+            lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+            return np.concatenate(ids), lengths
+        flat = np.fromiter(
+            itertools.chain.from_iterable(e.ids for e in encodings),
+            dtype=np.int64,
+            count=int(lengths.sum()),
+        )
+        return flat, lengths
 
     def decode(self, ids: np.ndarray) -> str:
         """Text of token ids, special tokens dropped (benchmarks make text inputs with it)."""

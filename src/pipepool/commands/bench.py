@@ -1,25 +1,32 @@
-"""``pipepool bench``: engine vs Hugging Face transformers on W1/W2/W3, same weights, same
-device, same run. Prints a table and, with --json, writes the rows."""
+"""``pipepool bench``: engine vs Hugging Face transformers on token-id workloads (W1-W4), or
+vs ``SentenceTransformer.encode`` on text workloads (T4, T5), same weights, same device, same
+run. Prints a table and, with --json, writes the rows."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..bench import (
+    TEXT_WORKLOADS,
     WORKLOADS,
     Peer,
     flops,
     free_device_memory,
+    gpu_busy_fraction,
+    make_texts,
     make_workload,
     run_engine,
     run_engine_text,
     run_peer,
+    run_sentence_transformers,
+    vocabulary_words,
     write_json,
 )
 from ..engine import Engine
@@ -31,7 +38,9 @@ DEFAULT_PEAK_TFLOPS = 792.0
 
 def add_parser(sub, help: str) -> None:
     p = sub.add_parser("bench", help=help, description=help)
-    p.add_argument("--workload", default="W1", help="comma-separated: W1,W2,W3")
+    p.add_argument(
+        "--workload", default="W1", help="comma-separated: W1,W2,W3,W4 (token ids), T4,T5 (texts)"
+    )
     p.add_argument("--requests", type=int, help="use only the first N requests of each workload")
     p.add_argument(
         "--peer-batch-sizes", default="32,64,128", help="the peer runs at its best of these"
@@ -45,17 +54,28 @@ def add_parser(sub, help: str) -> None:
     )
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument(
+        "--st-batch-sizes",
+        default="32,64,128,256,512",
+        help="SentenceTransformer.encode runs at its best of these (text workloads)",
+    )
+    p.add_argument(
+        "--gpu-busy",
+        action="store_true",
+        help="measure the share of wall time the GPU executes (torch.profiler, a second pass)",
+    )
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
     add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
-    if args.dtype == "auto" and torch.cuda.is_available():
+    if args.dtype is None and torch.cuda.is_available():
         config = config.replace(dtype="bfloat16")
     rows = []
-    for name in args.workload.split(","):
-        rows.append(bench_one(config, name.strip(), args))
+    for name in (n.strip() for n in args.workload.split(",")):
+        run_one = bench_text if name in TEXT_WORKLOADS else bench_one
+        rows.append(run_one(config, name, args))
         print_table(rows)
     if args.json:
         write_json(rows, args.json)
@@ -66,18 +86,24 @@ def bench_one(config, workload_name: str, args) -> dict:
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
         config = config.replace(kv_cache_tokens=4 * config.max_num_batched_tokens + longest)
+    started = time.perf_counter()
     engine = Engine.from_config(config)
+    start_s = time.perf_counter() - started
     d = engine.deployment
     workload = make_workload(
         workload_name, d.vocab_size, max_len=d.max_model_len, requests=args.requests
     )
     lengths = [len(t) for t in workload.token_ids]
     pooling = d.pooling
-    # Warm-up: compile, allocator, first steps (a slice of the same workload).
-    engine.encode(workload.token_ids[: min(64, len(workload.token_ids))], pooling=pooling)
+    # Warm-up: one pass of the workload (compilation, CUDA graphs of every step size the run
+    # will see, allocator): the figure is the steady state a server runs in.
+    engine.encode(workload.token_ids, pooling=pooling)
     busy_start = engine.stage_busy_s()
     ours = run_engine(engine, workload, pooling)
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
+    gpu_busy = None
+    if args.gpu_busy:
+        gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
     ours_vectors = np.stack(
         engine.encode(workload.token_ids[:256], pooling=pooling, normalize=True)
     )
@@ -117,6 +143,8 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_kv_cache_gib": round(kv_gib, 2),
         "engine_working_set_gib": round(ours.peak_memory_gib - weights_gib - kv_gib, 2),
         "engine_steps": stats.steps,
+        "engine_start_s": round(start_s, 2),
+        "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
         "stages": d.num_stages,
         "gpu_used_gib_per_stage": used_gib,
         "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
@@ -150,6 +178,53 @@ def bench_one(config, workload_name: str, args) -> dict:
             )
         del peer
         free_device_memory()
+    return row
+
+
+def bench_text(config, workload_name: str, args) -> dict:
+    """Texts in, vectors out, tokenisation included: the engine's ``embed`` against
+    ``SentenceTransformer.encode`` on the same texts (the model folder must be one that
+    sentence-transformers loads with the same pooling)."""
+    started = time.perf_counter()
+    engine = Engine.from_config(config)
+    start_s = time.perf_counter() - started
+    d = engine.deployment
+    texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
+    engine.embed(texts)  # warm-up pass (see bench_one)
+    ours = run_engine_text(engine, texts, d.pooling)
+    gpu_busy = None
+    if args.gpu_busy:
+        gpu_busy = gpu_busy_fraction(partial(run_engine_text, engine, texts, d.pooling))
+    engine.close()
+    del engine
+    free_device_memory()
+    row = {
+        "model": d.folder.path.name,
+        "workload": workload_name,
+        "requests": len(texts),
+        "tokens": ours.detail["tokens"],
+        "dtype": str(d.dtype).removeprefix("torch."),
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "engine_texts_per_s": round(len(texts) / ours.seconds, 1),
+        "engine_tokens_per_s": round(ours.tokens_per_s),
+        "engine_start_s": round(start_s, 2),
+        "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
+    }
+    if not args.no_peer:
+        sizes = [int(b) for b in args.st_batch_sizes.split(",")]
+        theirs = run_sentence_transformers(
+            str(d.folder.path), texts, dtype=d.dtype, device=d.devices[0], batch_sizes=sizes
+        )
+        a, b = ours.detail["vectors"], theirs.detail["vectors"]
+        cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+        row.update(
+            peer="SentenceTransformer.encode",
+            peer_texts_per_s=round(len(texts) / theirs.seconds, 1),
+            peer_batch_size=theirs.detail["batch_size"],
+            peer_texts_per_s_by_batch_size=theirs.detail["texts_per_s_by_batch_size"],
+            ratio=round(theirs.seconds / ours.seconds, 2),
+            min_cosine_engine_vs_peer=round(float(cos.min()), 5),
+        )
     return row
 
 
@@ -194,7 +269,11 @@ _COLUMNS = [
     ("tokens", "tokens", 9),
     ("engine_tokens_per_s", "engine tok/s", 12),
     ("peer_tokens_per_s", "peer tok/s", 11),
+    ("engine_texts_per_s", "engine txt/s", 12),
+    ("peer_texts_per_s", "peer txt/s", 11),
     ("ratio", "ratio", 6),
+    ("gpu_busy_fraction", "busy", 6),
+    ("engine_start_s", "start s", 8),
     ("engine_tflops", "TFLOP/s", 8),
     ("engine_fraction_of_peak", "of peak", 8),
     ("engine_peak_memory_gib", "GiB", 7),

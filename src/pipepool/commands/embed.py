@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -94,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with Engine.from_config(engine_config(args)) as engine:
         loaded = time.perf_counter()
-        futures = engine.submit(
+        submission = engine.submit(
             inputs,
             dimensions=args.dimensions,
             prompt_name=args.prompt_name,
             truncate_prompt_tokens=args.truncate_prompt_tokens,
         )
-        _progress(futures, disable=args.no_progress or len(inputs) < _PROGRESS_MIN_INPUTS)
-        vectors = np.stack([f.result() for f in futures])
+        _progress(submission, disable=args.no_progress or len(inputs) < _PROGRESS_MIN_INPUTS)
+        vectors = submission.result()
         done = time.perf_counter()
         stats = engine.stats
         _write(vectors, args.output)
@@ -118,22 +117,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(futures, *, disable: bool) -> None:
+def _progress(submission, *, disable: bool) -> None:
+    """A bar that moves as steps finish inputs (the engine loop reports each step)."""
     if disable:
         return
     from tqdm import tqdm
 
-    bar = tqdm(total=len(futures), unit="input", file=sys.stderr)
-    lock = threading.Lock()
+    bar = tqdm(total=submission.num_inputs, unit="input", file=sys.stderr)
 
-    def tick(_future) -> None:
-        with lock:
-            bar.update(1)
+    def catch_up(_: int) -> None:  # counts from num_done: nothing missed or counted twice
+        bar.update(submission.num_done - bar.n)
 
-    for f in futures:
-        f.add_done_callback(tick)
-    for f in futures:
-        f.exception()  # wait
+    submission.add_progress_callback(catch_up)
+    catch_up(0)  # what finished before the callback was in place
+    submission.exception()  # wait
     bar.close()
 
 

@@ -77,7 +77,7 @@ def add_parser(sub, help: str) -> None:
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
     # Test-only: reproduce the historical bug to show that parity catches it.
     p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
-    add_engine_args(p, skip=("pp", "max_num_batched_tokens", "pooling"))
+    add_engine_args(p, skip=("pipeline_parallel_size", "max_num_batched_tokens", "pooling"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _default_pps(device: str) -> tuple[int, ...]:
     """DEFAULT_PPS, less the degrees that need more GPUs than are visible (on CPU, all)."""
-    if device == "cpu":
+    if device == "cpu":  # None, like "auto": whatever torch sees
         return DEFAULT_PPS
     import torch
 

@@ -54,6 +54,9 @@ class AttentionMetadata:
     prefix_dst: torch.Tensor | None = None  # [Np] rows of packed K/V filled from the cache
     prefix_slots: torch.Tensor | None = None  # [Np] cache slots they are read from
     total_k: int = 0  # rows of packed K/V (== T when no request has a cached prefix)
+    # While a CUDA graph is captured (stage/cuda_graphs.py): attention is where the graph is
+    # cut, so ``attend`` hands its inputs to this instead of computing.
+    graph_split: object | None = None
 
 
 def attend(
@@ -69,6 +72,8 @@ def attend(
 ) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``window``: keys a query may see, itself
     included (sliding-window attention), None for unlimited."""
+    if meta.graph_split is not None:
+        return meta.graph_split(q, k, v, kv_cache, scale=scale, window=window, kernel=kernel)
     if kv_cache is not None and meta.write_slots is not None:
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))

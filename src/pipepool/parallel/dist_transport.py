@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.plan import StepPlan
 from ..errors import StateDivergence
-from ..plan import StepPlan
 
 # Message tags on the control group (gloo matches a receive by source and tag).
 TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 2, 3, 4, 5, 6

@@ -9,9 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from ..plan import StepPlan, StepResult
-from ..runner import StageRunner
-from ..transport import LocalLink, StageOutput
+from ..core.plan import StepPlan, StepResult
+from ..stage.output import PendingResult
+from ..stage.runner import StageRunner
+from ..stage.transport import LocalLink
 
 
 class Executor(ABC):
@@ -50,7 +51,7 @@ class UniprocExecutor(Executor):
         self.num_stages = len(runners)
         self.depth = depth
         self.links = [LocalLink() for _ in range(self.num_stages - 1)]
-        self._outputs: deque[StageOutput] = deque()
+        self._outputs: deque[PendingResult] = deque()
 
     def submit(self, plan: StepPlan) -> None:
         output = None
@@ -58,11 +59,10 @@ class UniprocExecutor(Executor):
             inbound = self.links[k - 1] if k > 0 else None
             outbound = self.links[k] if k < self.num_stages - 1 else None
             output = runner.execute(plan, inbound, outbound)
-        output.start_host_copy()
-        self._outputs.append(output)
+        self._outputs.append(output.start_host_copy())
 
     def collect(self) -> StepResult:
-        return self._outputs.popleft().to_result()
+        return self._outputs.popleft().result()
 
     def shutdown(self) -> None:
         self._outputs.clear()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..deployment import Deployment
-from ..runner import StageRunner
+from ..stage.runner import StageRunner
 from .executor import Executor, UniprocExecutor
 
 
@@ -14,8 +14,9 @@ def start_executor(deployment: Deployment) -> Executor:
             StageRunner(config, deployment.folder, deployment.stage_spec(k))
             for k in range(deployment.num_stages)
         ]
-        # On CUDA a second plan in flight lets the host build step k+1 during step k.
-        depth = 2 if deployment.devices[0].startswith("cuda") else 1
+        # Running ahead (CUDA): a second plan in flight lets the host build step k+1 while
+        # the device runs step k.
+        depth = 2 if deployment.overlap_steps else 1
         return UniprocExecutor(runners, depth=depth)
     from .multiproc import MultiprocExecutor, run_torchrun_worker
     from .rendezvous import torchrun_env

@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 
+from ..core.plan import StepPlan, StepResult, flush_plan, shutdown_plan
 from ..deployment import Deployment
 from ..errors import PipepoolError, StageFailure
-from ..plan import StepPlan, StepResult, flush_plan, shutdown_plan
-from ..runner import StageRunner
 from ..signal_mask import block_stop_signals
+from ..stage.runner import StageRunner
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -41,7 +40,6 @@ from .rendezvous import engine_store, host_store, make_groups, torchrun_env, tor
 from .worker import (
     ErrorReport,
     limit_cpu_threads,
-    overlaps_steps,
     run_stage,
     stage_spec_for_rank,
 )
@@ -56,7 +54,7 @@ class MultiprocExecutor(Executor):
         self.deployment = deployment
         self.num_stages = deployment.num_stages
         # N plans in flight keep N stages busy; one more lets the host run ahead of devices.
-        self.overlap = overlaps_steps(deployment)
+        self.overlap = deployment.overlap_steps
         self.depth = self.num_stages + int(self.overlap)
         self._uncollected = 0
         self._flush_due = False  # the last stage may be holding the newest plan's result
@@ -116,7 +114,7 @@ class MultiprocExecutor(Executor):
             # A plan's sends complete when its stage takes it; keep up to `depth` outstanding.
             while len(self._plan_sends) >= self.depth:
                 wait_all(self._plan_sends.popleft())
-            worker_plan = replace(plan, new_token_ids={})  # only stage 0 embeds tokens
+            worker_plan = plan.without_tokens()  # only stage 0 embeds tokens
             sends = []
             for rank in range(1, self.num_stages):
                 sends += send_object(

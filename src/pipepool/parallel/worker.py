@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..deployment import Deployment
-from ..runner import StageRunner, StageSpec
-from ..transport import StageOutput
+from ..stage.output import PendingResult, StageOutput
+from ..stage.runner import StageRunner, StageSpec
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -92,7 +92,7 @@ def run_stage(
             groups, rank - 1, deployment.hidden_size, spec.dtype, spec.device, rank
         )
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
-        results = ResultSender(groups, hold_back=overlaps_steps(deployment))
+        results = ResultSender(groups, hold_back=deployment.overlap_steps)
         while True:
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
             if plan.is_shutdown:
@@ -117,12 +117,6 @@ def run_stage(
         return 1
 
 
-def overlaps_steps(deployment: Deployment) -> bool:
-    """Whether the pipeline runs ahead of its devices (EngineConfig.overlap_steps)."""
-    wanted = deployment.config.overlap_steps
-    return wanted if wanted is not None else deployment.devices[-1].startswith("cuda")
-
-
 class ResultSender:
     """The last stage's results on their way to the driver.
 
@@ -134,16 +128,16 @@ class ResultSender:
 
     def __init__(self, groups, *, hold_back: bool) -> None:
         self.groups, self.hold_back = groups, hold_back
-        self._held: StageOutput | None = None
+        self._held: PendingResult | None = None
         self._sends: list = []
 
     def send(self, output: StageOutput) -> None:
+        pending = output.start_host_copy()  # device to host, behind the step on its stream
         if not self.hold_back:
-            self._send(output)
+            self._send(pending)
             return
-        output.start_host_copy()  # device to host, behind the step on the device's stream
         self.flush()
-        self._held = output
+        self._held = pending
 
     def flush(self) -> None:
         if self._held is not None:
@@ -154,10 +148,10 @@ class ResultSender:
         # A result still held at shutdown was never asked for: the driver stopped waiting.
         wait_all(self._sends)
 
-    def _send(self, output: StageOutput) -> None:
+    def _send(self, pending: PendingResult) -> None:
         wait_all(self._sends)
         self._sends = send_object(
-            self.groups.control, output.to_result(), 0, (TAG_RESULT_LEN, TAG_RESULT)
+            self.groups.control, pending.result(), 0, (TAG_RESULT_LEN, TAG_RESULT)
         )
 
 

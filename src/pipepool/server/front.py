@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import EngineDeadError
+from ..submission import Submission
 from .owner import EngineOwner
 
 T = TypeVar("T")
@@ -83,23 +84,27 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             submitting = loop.run_in_executor(
                 self._pool,
-                lambda: _submit(
-                    engine, inputs, pooling, dimensions, normalize, truncate_prompt_tokens
+                lambda: engine.submit(
+                    inputs,
+                    pooling=pooling,
+                    dimensions=dimensions,
+                    normalize=normalize,
+                    truncate_prompt_tokens=truncate_prompt_tokens,
                 ),
             )
             try:
-                futures, num_tokens = await asyncio.shield(submitting)
+                submission = await asyncio.shield(submitting)
             except asyncio.CancelledError:
                 # Cancelled mid-tokenization: the requests may still be enqueued; abort
                 # them as soon as they are.
                 submitting.add_done_callback(self._abort_when_submitted)
                 raise
             try:
-                outputs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+                outputs = await asyncio.wrap_future(submission)
             except BaseException:
-                self._abort(futures)
+                self._abort(submission)
                 raise
-            return Encoded(list(outputs), num_tokens)
+            return Encoded(list(outputs), submission.num_tokens.tolist())
         finally:
             self.pending -= n
 
@@ -116,28 +121,13 @@ class AsyncEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _abort(self, futures: list[Future]) -> None:
-        unanswered = [f.request_id for f in futures if f.cancelled() or not f.done()]
-        if unanswered:
+    def _abort(self, submission: Submission) -> None:
+        unanswered = submission.num_inputs - submission.num_done
+        submission.cancel()  # (wrap_future may have cancelled it already)
+        if submission.cancelled() and unanswered:
             self.aborted_http_requests += 1
-            self.aborted_inputs += len(unanswered)
-            self.owner.engine.abort(unanswered)
+            self.aborted_inputs += unanswered
 
     def _abort_when_submitted(self, submitting: asyncio.Future) -> None:
         if not submitting.cancelled() and submitting.exception() is None:
-            self._abort(submitting.result()[0])
-
-
-def _submit(
-    engine: Engine,
-    inputs: Sequence,
-    pooling: str | None,
-    dimensions: int | None,
-    normalize: bool | None,
-    truncate: int | None,
-) -> tuple[list[Future], list[int]]:
-    """Engine.submit, keeping the token counts the response reports as usage."""
-    # Parameters first: they are cheap to check, tokenizing is not.
-    params = engine.inputs.params(pooling or engine.deployment.pooling, dimensions, normalize)
-    prompts = engine.inputs.prepare(inputs, truncate_prompt_tokens=truncate)
-    return engine.submit_tokens(prompts, params), [len(p) for p in prompts]
+            self._abort(submitting.result())

@@ -8,8 +8,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from ..core.stats import STEP_BUCKETS
 from ..engine import Engine
-from ..stats import STEP_BUCKETS
 from .errors import APIError
 from .front import AsyncEngine
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layers.attention import AttentionMetadata
-from .models import StepInputs
+from ..layers.attention import AttentionMetadata
+from ..models import StepInputs
 
 
 @dataclass
@@ -39,25 +39,29 @@ def build_host_batch(
     starts: np.ndarray,
     lens: np.ndarray,
     prompt_lens: np.ndarray,
-    block_tables: list[np.ndarray] | None,
+    kv_rows: np.ndarray | None,
+    block_tables: list[np.ndarray],
     block_size: int,
 ) -> HostBatch:
-    """``block_tables`` is None for encoders (no KV cache, whole prompts)."""
+    """``kv_rows``: the requests holding KV blocks (prompts spanning several steps), with
+    ``block_tables`` in the same order; None for encoders (no KV cache, whole prompts)."""
     num_reqs = len(lens)
     cu_q = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(lens, out=cu_q[1:])
     row_req = np.repeat(np.arange(num_reqs), lens)  # [T] request index of each row
     positions = np.arange(cu_q[-1], dtype=np.int64) - cu_q[row_req] + starts[row_req]
     batch = HostBatch(starts, lens, cu_q, cu_q, positions, None, None, None, None, None)
-    if block_tables is None:
+    if kv_rows is None or not len(kv_rows):
         return batch
     table = _padded_table(block_tables)
+    kv_index = np.full(num_reqs, -1, dtype=np.int64)  # request -> row of `table`
+    kv_index[kv_rows] = np.arange(len(kv_rows))
 
     ends = starts + lens
     writes = np.nonzero((ends < prompt_lens)[row_req])[0]  # rows of non-final chunks
     if len(writes):
         batch.write_rows = writes
-        batch.write_slots = _slots(table, row_req[writes], positions[writes], block_size)
+        batch.write_slots = _slots(table, kv_index[row_req[writes]], positions[writes], block_size)
 
     if (starts > 0).any():
         cu_k = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -69,7 +73,7 @@ def build_host_batch(
         np.cumsum(starts, out=cu_p[1:])
         prefix_pos = np.arange(cu_p[-1], dtype=np.int64) - cu_p[prefix_req]
         batch.prefix_dst = cu_k[prefix_req] + prefix_pos
-        batch.prefix_slots = _slots(table, prefix_req, prefix_pos, block_size)
+        batch.prefix_slots = _slots(table, kv_index[prefix_req], prefix_pos, block_size)
     return batch
 
 
@@ -81,8 +85,10 @@ def _padded_table(block_tables: list[np.ndarray]) -> np.ndarray:
     return table
 
 
-def _slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
-    return table[req, pos // block_size] * block_size + pos % block_size
+def _slots(table: np.ndarray, kv: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat cache slots of positions ``pos`` of the requests at rows ``kv`` of ``table``."""
+    assert (kv >= 0).all(), "a chunk reads or writes the KV cache without blocks"
+    return table[kv, pos // block_size] * block_size + pos % block_size
 
 
 class DeviceUploader:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import KVLayout
+from ..models import KVLayout
 
 
 class KVCache:

@@ -22,17 +22,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import EngineConfig
+from ..core.plan import StepPlan, check_digest
+from ..errors import StateDivergence
+from ..layers.attention import flash_supported
+from ..model_folder import ModelFolder
+from ..models import StageModel, family_of
+from ..weights import Checkpoint
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
-from .config import EngineConfig
-from .errors import StateDivergence
+from .cuda_graphs import GraphedForward
+from .heads import DenseHead
 from .kv_cache import KVCache
-from .layers.attention import flash_supported
-from .model_folder import ModelFolder
-from .models import StageModel, family_of
-from .plan import StepPlan, check_digest
-from .pooling import DenseHead, Pooler
-from .transport import Inbound, Outbound, StageOutput
-from .weights import Checkpoint
+from .mirror import Mirror, StepView
+from .output import StageOutput
+from .pooling import PooledStep, Pooler
+from .transport import Inbound, Outbound
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class StageSpec:
     dtype: torch.dtype
     num_kv_blocks: int  # 0 for encoders
     max_model_len: int
+    compile: bool  # torch.compile the layer bodies
+    graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
 
     @property
     def is_first(self) -> bool:
@@ -54,16 +60,6 @@ class StageSpec:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
-
-
-@dataclass
-class _Mirror:
-    """A stage's copy of one request's progress."""
-
-    prompt_len: int
-    pooling: str
-    block_ids: np.ndarray
-    num_computed_tokens: int = 0
 
 
 class BusyClock:
@@ -120,8 +116,15 @@ class StageRunner:
             if folder.st is not None and folder.st.dense:
                 dense = DenseHead(folder.st.dense).to(spec.device)
             self.pooler = Pooler(dense)
-        self.mirror: dict[int, _Mirror] = {}
-        self.token_ids: dict[int, np.ndarray] = {}  # first stage only
+        self.forward = self.model
+        if spec.device.type == "cuda" and spec.graph_max_tokens:
+            # A stage that sends its hidden states on must not hand out the graph's buffer:
+            # the next replay would overwrite it while the send is in flight.
+            self.forward = GraphedForward(
+                self.model, max_tokens=spec.graph_max_tokens, device=spec.device,
+                copy_output=not spec.is_last,
+            )  # fmt: skip
+        self.mirror = Mirror(spec.index)
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
 
@@ -134,27 +137,21 @@ class StageRunner:
         stage returns what goes back to the driver."""
         spec = self.spec
         self._maybe_fail(plan)
-        for new in plan.new_requests:
-            self.mirror[new.request_id] = _Mirror(new.prompt_len, new.pooling, new.block_ids)
-            if spec.is_first:
-                self.token_ids[new.request_id] = plan.new_token_ids[new.request_id]
-        ids = plan.req_ids.tolist()
-        entries = [self._entry(plan.step_id, rid) for rid in ids]
-        starts = np.array([m.num_computed_tokens for m in entries], dtype=np.int64)
+        view = self.mirror.view(plan)
         if self.config.verify_state:
-            self._check_mirror(plan, starts)
-        lens = plan.ends - plan.starts
+            self._check_mirror(plan, view.starts)
 
         incoming = inbound.post(plan) if inbound is not None else None
-        output = None
+        pooled = PooledStep.empty()
         if plan.num_reqs:
-            hidden, output = self._forward(plan, entries, starts, lens, incoming)
+            hidden, pooled = self._forward(plan, view, incoming)
             if not spec.is_last:
                 outbound.send_hidden(hidden)
 
-        self._post_step(plan, ids, entries, lens)
-        digest = np.array([m.num_computed_tokens for m in entries], dtype=np.int64)
-        self._drop_finished(plan, ids, entries)
+        digest = self._post_step(view)
+        for rid in self.mirror.drop(plan, view):
+            if self.pooler is not None:
+                self.pooler.drop(rid)
         busy = list(incoming.stage_busy_s()) if incoming is not None else []
         busy.append(self.clock.seconds)
         if self.config.verify_state:
@@ -164,10 +161,7 @@ class StageRunner:
         if not spec.is_last:
             outbound.send_digest(plan.step_id, digest, busy)
             return None
-        if output is None:
-            output = StageOutput([], None, [], [])
-        output.step_id, output.digest, output.stage_busy_s = plan.step_id, digest, tuple(busy)
-        return output
+        return StageOutput(plan.step_id, digest, tuple(busy), pooled)
 
     def _maybe_fail(self, plan: StepPlan) -> None:
         """Test-only: make this stage raise at a chosen step (fault-handling tests)."""
@@ -177,19 +171,6 @@ class StageRunner:
             raise RuntimeError(
                 f"injected failure on stage {self.spec.index} at step {plan.step_id}"
             )
-
-    def _entry(self, step_id: int, rid: int) -> _Mirror:
-        entry = self.mirror.get(rid)
-        if entry is None:
-            raise StateDivergence(
-                step_id=step_id,
-                stage=self.spec.index,
-                request_id=rid,
-                expected=0,
-                found=-1,
-                what="mirror entry (request unknown to this stage)",
-            )
-        return entry
 
     def _check_mirror(self, plan: StepPlan, starts: np.ndarray) -> None:
         bad = np.nonzero(starts != plan.starts)[0]
@@ -203,67 +184,41 @@ class StageRunner:
                 found=int(starts[i]),
             )
 
-    def _forward(self, plan, entries, starts, lens, incoming):
+    def _forward(self, plan: StepPlan, view: StepView, incoming) -> tuple[torch.Tensor, PooledStep]:
         """Build the batch from the mirror, upload it in one copy, forward; on the last stage
-        also pool. Returns (hidden [T, H], StageOutput or None)."""
+        also pool. Returns (hidden [T, H], pooled outputs)."""
         model, spec = self.model, self.spec
-        prompt_lens = np.array([m.prompt_len for m in entries], dtype=np.int64)
-        tables = [m.block_ids for m in entries] if model.causal else None
-        batch = build_host_batch(starts, lens, prompt_lens, tables, self.config.block_size)
-        ids = plan.req_ids.tolist()
-        tokens = rows = seg = None
-        if spec.is_first:
-            tokens = np.concatenate(
-                [
-                    self.token_ids[rid][s : s + n]
-                    for rid, s, n in zip(ids, starts.tolist(), lens.tolist(), strict=True)
-                ]
-            )
-        poolings = [m.pooling for m in entries]
+        kv_rows = view.entry_rows if model.causal else None
+        batch = build_host_batch(
+            view.starts, view.lens, view.prompt_lens, kv_rows, view.block_tables,
+            self.config.block_size,
+        )  # fmt: skip
+        prep = None
+        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None]
         if spec.is_last:
-            rows, seg = self.pooler.index_arrays(
-                starts, starts + lens, batch.cu_q, prompt_lens, poolings
-            )
-        inputs, (tokens_t, rows_t, seg_t) = to_step_inputs(
-            batch, self.uploader, causal=model.causal, extra=[tokens, rows, seg]
-        )
-        x = tokens_t if spec.is_first else incoming.hidden()
+            prep = Pooler.prepare(plan.req_ids, view, batch.cu_q)
+            extra += prep.upload_arrays()
+        inputs, uploaded = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
+        x = uploaded[0] if spec.is_first else incoming.hidden()
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
         self.clock.start()
         with torch.inference_mode():
-            hidden = model(x, inputs, kv)
-            if not spec.is_last:
-                self.clock.stop()
-                return hidden, None
-            vec_ids, vectors, all_ids, all_out = self.pooler.pool(
-                hidden, rows_t, seg_t, ids, starts, starts + lens, batch.cu_q,
-                prompt_lens.tolist(), poolings,
-            )  # fmt: skip
+            hidden = self.forward(x, inputs, kv)
+            pooled = PooledStep.empty()
+            if spec.is_last:
+                pooled = self.pooler.pool(
+                    hidden, prep, uploaded[1:], plan.req_ids, view, batch.cu_q
+                )
         self.clock.stop()
-        return hidden, StageOutput(vec_ids, vectors, all_ids, all_out)
+        return hidden, pooled
 
-    def _post_step(
-        self, plan: StepPlan, ids: list[int], entries: list[_Mirror], lens: np.ndarray
-    ) -> None:
+    def _post_step(self, view: StepView) -> np.ndarray:
         """Advance every scheduled request by its chunk, on every stage, whatever the forward
-        returned. (The injected fault reproduces the historical bug, for tests only.)"""
+        returned; returns the digest. (The injected fault reproduces the historical bug, for
+        tests only: the mirror is left behind.)"""
         if self.config.inject_fault == "skip_post_step_on_non_last_stage" and not self.spec.is_last:
-            return
-        for entry, n in zip(entries, lens.tolist(), strict=True):
-            entry.num_computed_tokens += n
-
-    def _drop_finished(self, plan: StepPlan, ids: list[int], entries: list[_Mirror]) -> None:
-        for rid, entry in zip(ids, entries, strict=True):
-            if entry.num_computed_tokens >= entry.prompt_len:
-                self._forget(rid)
-        for rid in plan.freed_ids:
-            self._forget(rid)
-
-    def _forget(self, rid: int) -> None:
-        self.mirror.pop(rid, None)
-        self.token_ids.pop(rid, None)
-        if self.pooler is not None:
-            self.pooler.drop(rid)
+            return view.starts.copy()
+        return self.mirror.advance(view)
 
 
 def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> StageModel:
@@ -283,7 +238,7 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
         model.attn_kernel = "flash"
         if not model.use_fused_qk_rope() and model.causal:
             warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
-    if compile_wanted(config, spec):
+    if spec.compile:
         model.set_compiled(True)
         try:
             warm_up(model, spec, config.block_size)
@@ -295,16 +250,11 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     return model
 
 
-def compile_wanted(config: EngineConfig, spec: StageSpec) -> bool:
-    return config.compile if config.compile is not None else spec.device.type == "cuda"
-
-
 def warm_up(model: StageModel, spec: StageSpec, block_size: int, num_tokens: int = 64) -> None:
     """One forward of a dummy single-chunk request (no KV cache traffic), so compilation
     happens at load time rather than inside the first real step."""
     n = np.array([num_tokens])
-    tables = [np.zeros(-(-num_tokens // block_size), dtype=np.int64)] if model.causal else None
-    batch = build_host_batch(np.array([0]), n, n, tables, block_size)
+    batch = build_host_batch(np.array([0]), n, n, None, [], block_size)
     inputs, _ = to_step_inputs(batch, DeviceUploader(spec.device), causal=model.causal, extra=[])
     if spec.is_first:
         x = torch.zeros(num_tokens, dtype=torch.int64, device=spec.device)

@@ -41,10 +41,8 @@ class EngineStats:
         with self._lock:
             self.steps += 1
             self.scheduled_tokens += plan.num_tokens
-            ends = dict(zip(plan.req_ids.tolist(), plan.ends.tolist(), strict=True))
-            self.chunked_requests += sum(
-                1 for new in plan.new_requests if ends[new.request_id] < new.prompt_len
-            )
+            first_chunk_ends = plan.ends[plan.num_reqs - len(plan.new) :]
+            self.chunked_requests += int((first_chunk_ends < plan.new.prompt_lens).sum())
 
     def on_result(self, plan: StepPlan, result: StepResult, wait_s: float) -> None:
         with self._lock:
@@ -56,14 +54,14 @@ class EngineStats:
             if result.stage_busy_s:
                 self.stage_busy_s = list(result.stage_busy_s)
 
-    def on_finish(self, prompt_len: int) -> None:
+    def on_finish(self, requests: int, tokens: int) -> None:
         with self._lock:
-            self.requests_finished += 1
-            self.prompt_tokens_finished += prompt_len
+            self.requests_finished += requests
+            self.prompt_tokens_finished += tokens
 
-    def on_abort(self) -> None:
+    def on_abort(self, requests: int) -> None:
         with self._lock:
-            self.requests_aborted += 1
+            self.requests_aborted += requests
 
     def on_error(self, exc: BaseException) -> None:
         with self._lock:

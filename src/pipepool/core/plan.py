@@ -1,0 +1,183 @@
+"""The step contract between the scheduler and the stages (DESIGN.md §2).
+
+``Scheduler.schedule() -> StepPlan``; every stage applies the same plan in the same order;
+the last stage answers with a ``StepResult``; ``Scheduler.update(plan, result)``.
+
+Everything per request is an array (struct of arrays), so that the cost of building,
+sending and applying a plan grows with the number of requests only inside numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import StateDivergence
+
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+def _empty_i64() -> np.ndarray:
+    return _EMPTY_I64
+
+
+@dataclass(frozen=True)
+class NewRequests:
+    """What a stage learns once about each request a plan schedules for the first time."""
+
+    request_ids: np.ndarray  # [N] int64
+    prompt_lens: np.ndarray  # [N] int64
+    poolings: np.ndarray  # [N] int8 Pooling codes
+    normalize: np.ndarray  # [N] bool: L2-normalise the output (per token for ALL)
+    dimensions: np.ndarray  # [N] int64 Matryoshka width; 0 keeps every component
+    # KV blocks: request i holds block_ids[block_offsets[i]:block_offsets[i+1]], empty unless
+    # its prompt spans several steps (only then do later chunks read earlier chunks' K/V).
+    block_offsets: np.ndarray  # [N+1] int64
+    block_ids: np.ndarray  # [sum] int32
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        assert len(self.prompt_lens) == len(self.poolings) == n
+        assert len(self.normalize) == len(self.dimensions) == n
+        assert len(self.block_offsets) == n + 1 and self.block_offsets[-1] == len(self.block_ids)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def blocks(self, i: int) -> np.ndarray:
+        return self.block_ids[self.block_offsets[i] : self.block_offsets[i + 1]]
+
+    @classmethod
+    def none(cls) -> NewRequests:
+        return cls(
+            request_ids=_EMPTY_I64,
+            prompt_lens=_EMPTY_I64,
+            poolings=np.empty(0, dtype=np.int8),
+            normalize=np.empty(0, dtype=bool),
+            dimensions=_EMPTY_I64,
+            block_offsets=np.zeros(1, dtype=np.int64),
+            block_ids=np.empty(0, dtype=np.int32),
+        )
+
+
+_NO_NEW = NewRequests.none()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a stage needs for one step. Small and picklable.
+
+    Invariants: ``starts[i] < ends[i]``; ``num_tokens == sum(ends - starts)``; request ids are
+    unique; ``starts[i]`` is the scheduler's expected ``num_computed_tokens`` of request i at
+    step start, which each stage checks against its own mirror before computing. Requests
+    scheduled for the first time are the plan's last ``len(new)`` rows, each from token 0.
+    """
+
+    step_id: int
+    req_ids: np.ndarray  # [R] int64, batch order (the packed batch follows this order)
+    starts: np.ndarray  # [R] int64 chunk start
+    ends: np.ndarray  # [R] int64 chunk end, exclusive
+    new: NewRequests = _NO_NEW
+    # This step's prompt tokens, in batch order ([num_tokens] int64). Only the first stage
+    # embeds tokens, so the executor strips them before sending a plan to other stages.
+    token_ids: np.ndarray = field(default_factory=_empty_i64)
+    # Requests aborted before their final chunk: stages drop their mirrors after this step.
+    freed_ids: tuple[int, ...] = ()
+    num_tokens: int = 0  # == sum(ends - starts)
+
+    def __post_init__(self) -> None:
+        assert len(self.req_ids) == len(self.starts) == len(self.ends)
+        assert self.num_tokens == int((self.ends - self.starts).sum())
+        assert bool((self.starts < self.ends).all()), "empty chunk in plan"
+        n_new = len(self.new)
+        assert n_new <= len(self.req_ids)
+        tail = slice(len(self.req_ids) - n_new, None)
+        assert np.array_equal(self.req_ids[tail], self.new.request_ids), "new rows not last"
+        assert not self.starts[tail].any(), "a new request starts after token 0"
+        assert len(self.token_ids) in (0, self.num_tokens)
+        assert len(np.unique(self.req_ids)) == len(self.req_ids), "request scheduled twice"
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def is_shutdown(self) -> bool:
+        return self.step_id == _SHUTDOWN
+
+    @property
+    def is_flush(self) -> bool:
+        return self.step_id == _FLUSH
+
+    def without_tokens(self) -> StepPlan:
+        """The plan as stages after the first get it."""
+        if not len(self.token_ids):
+            return self
+        return StepPlan(
+            self.step_id, self.req_ids, self.starts, self.ends, self.new, _EMPTY_I64,
+            self.freed_ids, self.num_tokens,
+        )  # fmt: skip
+
+
+# Control plans: step ids below 0 carry no work.
+_SHUTDOWN, _FLUSH = -1, -2
+
+
+def shutdown_plan() -> StepPlan:
+    """The plan that tells a stage process to exit its loop."""
+    return _control_plan(_SHUTDOWN)
+
+
+def flush_plan() -> StepPlan:
+    """The plan that tells a last stage holding a step's results back to send them now
+    (the driver is about to wait for them and has no further plan to send)."""
+    return _control_plan(_FLUSH)
+
+
+def _control_plan(step_id: int) -> StepPlan:
+    return StepPlan(step_id=step_id, req_ids=_EMPTY_I64, starts=_EMPTY_I64, ends=_EMPTY_I64)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The last stage's answer to one plan: finished requests' outputs, as arrays.
+
+    ``vectors`` row j belongs to request ``vector_ids[j]``: the pooled vector after the Dense
+    head, Matryoshka truncation (components past the request's ``dimensions`` are 0) and
+    normalisation. Token embeddings (ALL) of request ``token_owner_ids[j]`` are
+    ``token_vectors[token_offsets[j]:token_offsets[j+1]]``.
+    """
+
+    step_id: int
+    # [R] num_computed_tokens of each scheduled request after the last stage's post-step,
+    # in plan order; the driver checks it equals plan.ends.
+    digest: np.ndarray
+    vector_ids: np.ndarray = field(default_factory=_empty_i64)  # [n] int64
+    vectors: np.ndarray | None = None  # [n, D] float32
+    token_owner_ids: np.ndarray = field(default_factory=_empty_i64)  # [m] int64
+    token_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    token_vectors: np.ndarray | None = None  # [sum of lengths, H] float32
+    # Seconds each stage spent computing so far (stage order), for idle-fraction metrics.
+    stage_busy_s: tuple[float, ...] = ()
+
+    @property
+    def finished_ids(self) -> np.ndarray:
+        return np.concatenate([self.vector_ids, self.token_owner_ids])
+
+
+def check_digest(plan: StepPlan, digest: np.ndarray, *, stage: int) -> None:
+    """A stage's post-step digest must say that every scheduled request advanced exactly to
+    its chunk end; otherwise StateDivergence names the first request that did not."""
+    if digest.shape == plan.ends.shape and np.array_equal(digest, plan.ends):
+        return
+    n = min(len(digest), len(plan.ends))
+    diff = np.nonzero(digest[:n] != plan.ends[:n])[0]
+    i = int(diff[0]) if len(diff) else n
+    raise StateDivergence(
+        step_id=plan.step_id,
+        stage=stage,
+        request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
+        expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
+        found=int(digest[i]) if i < len(digest) else -1,
+    )

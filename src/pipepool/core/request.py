@@ -1,0 +1,99 @@
+"""What the driver holds for the prompts it was given: pooling parameters and batches of
+requests submitted together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+
+class Pooling(IntEnum):
+    """Pooling kinds as the small integers plans carry (one per request, vectorised)."""
+
+    LAST = 0
+    MEAN = 1
+    CLS = 2
+    ALL = 3  # token embeddings: one vector per prompt token
+
+    @classmethod
+    def parse(cls, name: str) -> Pooling:
+        return cls[name.upper()]
+
+    @property
+    def is_vector(self) -> bool:
+        """One vector per request (LAST, MEAN, CLS), as opposed to one per token (ALL)."""
+        return self != Pooling.ALL
+
+
+POOLING_NAMES = tuple(p.name.lower() for p in Pooling)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What the last stage computes for a request (pooling, then Matryoshka truncation, then
+    L2 normalisation; per token for ALL)."""
+
+    pooling: str  # last | mean | cls | all
+    normalize: bool = False
+    dimensions: int | None = None  # keep the first `dimensions` components
+
+    @property
+    def code(self) -> Pooling:
+        return Pooling.parse(self.pooling)
+
+
+class RequestBatch:
+    """Prompts submitted together: they share pooling parameters and take consecutive request
+    ids ``first_id .. first_id + n - 1``, so a request id maps to its row by subtraction.
+
+    The scheduler admits a batch's requests in order; ``cursor`` is the first row not yet
+    admitted. Tokens live back to back in one array (``offsets[i]:offsets[i+1]`` is prompt i),
+    so a step's tokens are mostly one slice of it.
+    """
+
+    __slots__ = ("cancelled", "cursor", "first_id", "lengths", "offsets", "params", "token_ids")
+
+    def __init__(
+        self, first_id: int, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams
+    ) -> None:
+        assert len(lengths) > 0 and bool((lengths > 0).all()), "empty batch or prompt"
+        self.first_id = first_id
+        self.params = params
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        assert len(token_ids) == self.offsets[-1], "lengths do not add up to the tokens"
+        self.token_ids = np.asarray(token_ids, dtype=np.int64)
+        self.cursor = 0
+        self.cancelled = False  # aborted: nothing more is admitted, results are dropped
+
+    @classmethod
+    def from_prompts(
+        cls, first_id: int, prompts: list[np.ndarray], params: PoolingParams
+    ) -> RequestBatch:
+        lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+        return cls(first_id, np.concatenate(prompts), lengths, params)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def end_id(self) -> int:
+        """One past the last request id of the batch."""
+        return self.first_id + len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def prompt(self, row: int) -> np.ndarray:
+        return self.token_ids[self.offsets[row] : self.offsets[row + 1]]
+
+    def tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Whole prompts of ``rows`` (ascending), back to back."""
+        lo, hi = int(rows[0]), int(rows[-1])
+        if hi - lo + 1 == len(rows):  # consecutive rows: one slice, no copy
+            return self.token_ids[self.offsets[lo] : self.offsets[hi + 1]]
+        return np.concatenate([self.prompt(int(r)) for r in rows])

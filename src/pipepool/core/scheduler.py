@@ -1,0 +1,316 @@
+"""FIFO scheduling with a per-step token budget and chunked prefill. CPU only, no torch.
+
+Policy, in one place:
+- Requests are served strictly in arrival order. Admitted requests whose prompt is only
+  partly scheduled come first (they are older than anything waiting), then waiting ones.
+- A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
+- Causal models chunk: a prompt longer than the budget left in the step is split, and its
+  next chunk may be planned while the previous one is still in the pipeline (stages apply
+  plans in FIFO order, so the KV the next chunk reads is always written first). A prompt
+  that would fit whole in a step of its own is not split once the step is at least half
+  full: it waits for the next step instead, so short prompts never pay for the KV cache.
+- Encoders cannot chunk (attention is bidirectional): a prompt goes whole into one step; one
+  larger than the whole budget runs alone in a step of its own.
+- A causal request that will be chunked is admitted only when KV blocks for its whole
+  prompt are free (pooling prompts have a known length and no decode, so it never needs more
+  and never deadlocks). One that fits whole in its first step needs no KV cache at all.
+  Blocks are returned once the plan holding its final chunk is built, or when it is
+  aborted: later plans that reuse them run after the plans that used them, on every stage.
+
+Requests arrive in batches (``RequestBatch``) and are admitted as slices of them, so the
+work per step grows with the number of requests only inside numpy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import StageFailure, StateDivergence
+from .kv_blocks import BlockAllocator
+from .plan import NewRequests, StepPlan, StepResult, check_digest
+from .request import RequestBatch
+
+
+@dataclass(eq=False)
+class _Split:
+    """An admitted request whose prompt spans several steps (it holds KV blocks)."""
+
+    request_id: int
+    batch: RequestBatch
+    row: int
+    num_scheduled: int  # tokens handed to plans so far; the next chunk starts here
+    block_ids: np.ndarray
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.batch.lengths[self.row])
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the driver keeps of a plan in flight, to deliver its results."""
+
+    batches: tuple[RequestBatch, ...]  # batches with requests in the plan, by first id
+    final: np.ndarray  # [R] bool: the plan holds the request's final chunk
+
+
+class _PlanBuilder:
+    """Collects one plan's rows as array slices (each ``take`` adds one or many rows)."""
+
+    def __init__(self, budget: int, max_seqs: int) -> None:
+        self.budget, self.seqs = budget, max_seqs
+        self.ids: list[np.ndarray] = []
+        self.starts: list[np.ndarray] = []
+        self.ends: list[np.ndarray] = []
+        self.tokens: list[np.ndarray] = []
+        self.final: list[np.ndarray] = []
+        self.new: list[tuple] = []  # (ids, prompt_lens, params, block_ids or None)
+        self.batches: dict[int, RequestBatch] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.ids
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or self.seqs <= 0
+
+    def take(self, batch, ids, starts, ends, tokens, final) -> None:
+        self.ids.append(ids)
+        self.starts.append(starts)
+        self.ends.append(ends)
+        self.tokens.append(tokens)
+        self.final.append(final)
+        self.budget -= len(tokens)
+        self.seqs -= len(ids)
+        self.batches[batch.first_id] = batch
+
+    def build(self, step_id: int, freed: tuple[int, ...]) -> tuple[StepPlan, Ledger]:
+        cat = np.concatenate
+        empty = np.empty(0, dtype=np.int64)
+        req_ids = cat(self.ids) if self.ids else empty
+        starts = cat(self.starts) if self.ids else empty
+        ends = cat(self.ends) if self.ids else empty
+        plan = StepPlan(
+            step_id=step_id,
+            req_ids=req_ids,
+            starts=starts,
+            ends=ends,
+            new=_new_requests(self.new),
+            token_ids=cat(self.tokens) if self.ids else empty,
+            freed_ids=freed,
+            num_tokens=int((ends - starts).sum()),
+        )
+        batches = tuple(self.batches[k] for k in sorted(self.batches))
+        final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
+        return plan, Ledger(batches, final)
+
+
+def _new_requests(parts: list[tuple]) -> NewRequests:
+    """``parts``: (ids, prompt_lens, params, block_ids or None); only a split request (a part
+    of one row) holds blocks."""
+    if not parts:
+        return NewRequests.none()
+    cat = np.concatenate
+    counts = [len(ids) for ids, *_ in parts]
+    blocks = [b if b is not None else np.empty(0, np.int32) for *_, b in parts]
+    per_row = cat(
+        [np.full(n, len(b) if n == 1 else 0, np.int64) for n, b in zip(counts, blocks, strict=True)]
+    )
+    offsets = np.zeros(len(per_row) + 1, dtype=np.int64)
+    np.cumsum(per_row, out=offsets[1:])
+
+    def spread(value, dtype) -> np.ndarray:  # one value per part -> one per row
+        return cat([np.full(n, value(p), dtype) for n, p in zip(counts, parts, strict=True)])
+
+    return NewRequests(
+        request_ids=cat([ids for ids, *_ in parts]),
+        prompt_lens=cat([lens for _, lens, *_ in parts]),
+        poolings=spread(lambda p: p[2].code, np.int8),
+        normalize=spread(lambda p: p[2].normalize, bool),
+        dimensions=spread(lambda p: p[2].dimensions or 0, np.int64),
+        block_offsets=offsets,
+        block_ids=cat(blocks).astype(np.int32, copy=False),
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        chunked: bool,
+        blocks: BlockAllocator | None,
+    ) -> None:
+        assert chunked == (blocks is not None), "causal models chunk and need a KV cache"
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunked = chunked
+        self.blocks = blocks
+        self.waiting: deque[RequestBatch] = deque()  # batches with requests not yet admitted
+        self.running: list[_Split] = []  # split prompts with chunks left to plan; FIFO
+        self.num_waiting = 0  # requests not yet admitted
+        self.num_admitted = 0  # admitted, result not yet back (nor aborted)
+        self._ledgers: dict[int, Ledger] = {}  # plans in flight, by step id
+        self._freed: list[int] = []  # aborted ids the stages must drop, sent with the next plan
+        self._next_step = 0
+
+    # -- intake ---------------------------------------------------------------------------
+
+    def add(self, batch: RequestBatch) -> None:
+        self.waiting.append(batch)
+        self.num_waiting += len(batch)
+
+    def abort(self, batch: RequestBatch) -> None:
+        """Cancel a batch: nothing more of it is planned, blocks of its split prompts return
+        now, and results of its requests still in the pipeline will be dropped."""
+        batch.cancelled = True
+        if batch.cursor < len(batch):
+            self.num_waiting -= len(batch) - batch.cursor
+            batch.cursor = len(batch)
+            self.waiting.remove(batch)
+        for split in [s for s in self.running if s.batch is batch]:
+            # Admitted, so the stages mirror it, but its final chunk will never reach them:
+            # they drop it with the next plan.
+            self.running.remove(split)
+            self._free_blocks(split)
+            self._freed.append(split.request_id)
+            self.num_admitted -= 1
+
+    def has_schedulable(self) -> bool:
+        return bool(self.running or self.waiting or self._freed)
+
+    # -- planning -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next plan, or None when nothing can be scheduled now."""
+        step = _PlanBuilder(self.max_num_batched_tokens, self.max_num_seqs)
+        done = self._continue_splits(step)
+        self._admit(step)
+        # Only now: a block freed mid-plan could be handed to a request of this same plan,
+        # whose K/V writes would land before this plan's reads of the same block.
+        for split in done:
+            self._free_blocks(split)
+        if step.empty and not self._freed:
+            return None
+        plan, ledger = step.build(self._next_step, tuple(self._freed))
+        self._ledgers[plan.step_id] = ledger
+        self._freed.clear()
+        self._next_step += 1
+        return plan
+
+    def _continue_splits(self, step: _PlanBuilder) -> list[_Split]:
+        """Next chunks of split prompts (older than anything waiting); returns those whose
+        final chunk is now planned."""
+        done = []
+        for split in list(self.running):
+            if step.full:
+                break
+            start = split.num_scheduled
+            end = start + min(split.prompt_len - start, step.budget)
+            final = end == split.prompt_len
+            prompt = split.batch.prompt(split.row)
+            step.take(
+                split.batch, np.array([split.request_id]), np.array([start]), np.array([end]),
+                prompt[start:end], np.array([final]),
+            )  # fmt: skip
+            split.num_scheduled = end
+            if final:
+                self.running.remove(split)
+                done.append(split)
+        return done
+
+    def _admit(self, step: _PlanBuilder) -> None:
+        """First chunks of waiting requests, in arrival order, while budget and seats last."""
+        while self.waiting and not step.full:
+            batch = self.waiting[0]
+            c = batch.cursor
+            window = batch.lengths[c : c + min(len(batch) - c, step.seqs, step.budget)]
+            fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
+            if fits:  # whole prompts, one slice of the batch
+                rows = slice(c, c + fits)
+                ids = np.arange(batch.first_id + c, batch.first_id + c + fits, dtype=np.int64)
+                lens = batch.lengths[rows]
+                tokens = batch.token_ids[batch.offsets[c] : batch.offsets[c + fits]]
+                step.take(batch, ids, np.zeros(fits, np.int64), lens, tokens, np.ones(fits, bool))
+                step.new.append((ids, lens, batch.params, None))
+                self._advance(batch, fits)
+                continue
+            if not self._admit_split(step, batch):
+                return
+
+    def _admit_split(self, step: _PlanBuilder, batch: RequestBatch) -> bool:
+        """The head of the queue does not fit whole in what is left of the step: split it,
+        run it alone (an oversized encoder prompt), or leave it for the next step (False)."""
+        row = batch.cursor
+        prompt_len = int(batch.lengths[row])
+        n = self._first_chunk(prompt_len, step)
+        if n == 0:
+            return False
+        request_id = batch.first_id + row
+        blocks = None
+        if n < prompt_len:  # later chunks read this one's K/V: blocks for the whole prompt
+            blocks = self.blocks.allocate(prompt_len)
+            if blocks is None:
+                return False  # FIFO: nobody overtakes the head of the queue
+            self.running.append(_Split(request_id, batch, row, n, blocks))
+        ids = np.array([request_id], dtype=np.int64)
+        step.take(
+            batch, ids, np.zeros(1, np.int64), np.array([n]), batch.prompt(row)[:n],
+            np.array([n == prompt_len]),
+        )  # fmt: skip
+        step.new.append((ids, np.array([prompt_len]), batch.params, blocks))
+        self._advance(batch, 1)
+        return True
+
+    def _first_chunk(self, prompt_len: int, step: _PlanBuilder) -> int:
+        """Tokens of a prompt that does not fit whole in the budget left to take now."""
+        full = self.max_num_batched_tokens
+        if not self.chunked:  # an encoder prompt over the whole budget runs alone
+            return prompt_len if step.empty and prompt_len > full else 0
+        if prompt_len <= full and 2 * (full - step.budget) >= full:
+            return 0  # fits a step of its own, and this one is half full already
+        return step.budget
+
+    def _advance(self, batch: RequestBatch, n: int) -> None:
+        batch.cursor += n
+        self.num_waiting -= n
+        self.num_admitted += n
+        if batch.cursor == len(batch):
+            self.waiting.popleft()
+
+    def _free_blocks(self, split: _Split) -> None:
+        if len(split.block_ids):
+            self.blocks.free(split.block_ids)
+            split.block_ids = split.block_ids[:0]
+
+    # -- results --------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, *, last_stage: int) -> Ledger:
+        """Apply the last stage's result to the plan it answers; returns the plan's ledger
+        (its batches, and which rows finished) for delivery.
+
+        The digest must say that every scheduled request advanced to exactly its chunk end,
+        and the outputs must be exactly those of the requests the plan finished.
+        """
+        ledger = self._ledgers[plan.step_id]  # a rejected result changes nothing
+        if result.step_id != plan.step_id:
+            raise StateDivergence(
+                step_id=plan.step_id, stage=last_stage, request_id=-1,
+                expected=plan.step_id, found=result.step_id, what="step id",
+            )  # fmt: skip
+        check_digest(plan, np.asarray(result.digest), stage=last_stage)
+        finished = plan.req_ids[ledger.final]
+        if not np.array_equal(np.sort(result.finished_ids), np.sort(finished)):
+            raise StageFailure(
+                f"step {plan.step_id}: the last stage returned outputs for "
+                f"{len(result.finished_ids)} requests, the plan finished {len(finished)}",
+                stage=last_stage,
+            )
+        del self._ledgers[plan.step_id]
+        self.num_admitted -= len(finished)
+        return ledger

@@ -1,0 +1,173 @@
+"""A stage's forward replayed as CUDA graphs: one launch per piece instead of one per kernel.
+
+Piecewise, as vLLM does it: a graph cannot hold what attention needs per step (sequence
+boundaries, their maximum lengths, KV-cache slots), so each forward is captured as pieces
+cut at every attention call. Replaying a step runs piece 0 (embeddings, projections, norms,
+rotary...), then layer 0's attention eagerly on this step's metadata, then piece 1, and so
+on. Attention reads q/k/v where piece i left them and writes where piece i+1 reads.
+
+Captured per padded token count (``graph_buckets``), lazily, the first time a step of that
+size runs; steps larger than the largest bucket run eagerly. Padded rows compute on stale
+but finite inputs and are never read: attention only sees the step's real rows, and every
+other operation is row-wise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..layers.attention import AttentionMetadata, attend
+from ..models import StageModel, StepInputs
+
+
+def graph_buckets(max_tokens: int) -> list[int]:
+    """Padded step sizes: powers of two up to 256, then four per octave (a step pays at most
+    25% padding, 12% on average), up to the first size >= ``max_tokens``."""
+    sizes, size = [], 16
+    while True:
+        sizes.append(size)
+        if size >= max_tokens:
+            return sizes
+        size += size if size < 256 else 1 << (size.bit_length() - 3)
+
+
+@dataclass(eq=False)
+class _Attention:
+    """One attention call between two pieces, with the tensors the pieces share with it."""
+
+    q: torch.Tensor  # [B, Hq, D] written by the piece before
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None
+    scale: float
+    window: int | None
+    kernel: str
+    out: torch.Tensor  # [B, Hq, D] read by the piece after
+
+    def run(self, meta: AttentionMetadata, n: int) -> None:
+        a = attend(
+            self.q[:n], self.k[:n], self.v[:n], meta, self.kv_cache,
+            scale=self.scale, window=self.window, kernel=self.kernel,
+        )  # fmt: skip
+        self.out[:n].copy_(a)
+
+
+class _Captured:
+    """The pieces of one bucket's forward and the attention calls between them."""
+
+    def __init__(self) -> None:
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.attention: list[_Attention] = []
+        self.output: torch.Tensor | None = None  # [B, H], written by the last piece
+
+    def replay(self, meta: AttentionMetadata, n: int) -> torch.Tensor:
+        for i, piece in enumerate(self.pieces):
+            piece.replay()
+            if i < len(self.attention):
+                self.attention[i].run(meta, n)
+        return self.output[:n]
+
+
+class GraphedForward:
+    """Drop-in for ``model(x, inputs, kv)`` on CUDA. The returned hidden states are a view of
+    the graph's output buffer, valid until the next call (``copy_output`` returns a copy, for
+    a stage that sends them to another process)."""
+
+    def __init__(
+        self, model: StageModel, *, max_tokens: int, device: torch.device, copy_output: bool
+    ) -> None:
+        self.model = model
+        self.buckets = graph_buckets(max_tokens)
+        self.copy_output = copy_output
+        self.device = device
+        largest = self.buckets[-1]
+        if model.is_first:
+            self.static_x = torch.zeros(largest, dtype=torch.int64, device=device)
+        else:
+            dtype = next(model.parameters()).dtype
+            self.static_x = torch.zeros(largest, model.hidden_size, dtype=dtype, device=device)
+        self.static_positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.captured: dict[int, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # shared: buckets never replay at once
+        self._stream = torch.cuda.Stream(device)
+
+    def __call__(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
+        n = x.shape[0]
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None:
+            return self.model(x, inputs, kv_caches)
+        self.static_x[:n].copy_(x)
+        self.static_positions[:n].copy_(inputs.positions)
+        graphs = self.captured.get(bucket)
+        if graphs is None:
+            try:
+                graphs = self.captured[bucket] = self._capture(bucket, kv_caches)
+            except Exception as exc:  # a kernel that cannot be captured must not stop us
+                warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}", stacklevel=2)
+                self.buckets = []
+                return self.model(x, inputs, kv_caches)
+        out = graphs.replay(inputs.attn, n)
+        return out.clone() if self.copy_output else out
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def _capture(self, bucket: int, kv_caches) -> _Captured:
+        """Warm up eagerly (lazy initialisation, compilation), then capture the pieces."""
+        x = self.static_x[:bucket]
+        positions = self.static_positions[:bucket]
+        meta = _whole_sequence(bucket, self.model.causal, self.device)
+        captured = _Captured()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.model(x, StepInputs(positions, meta), kv_caches)  # warm-up
+            splitter = _Splitter(captured, meta, self._pool)
+            hooked = StepInputs(positions, replace(meta, graph_split=splitter))
+            splitter.begin()
+            try:
+                captured.output = self.model(x, hooked, kv_caches)
+            finally:
+                splitter.end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return captured
+
+
+class _Splitter:
+    """Called by ``attend`` during capture: ends the current piece, runs attention eagerly
+    once (on the capture's dummy metadata, so the output buffer holds finite values), and
+    starts the next piece."""
+
+    def __init__(self, captured: _Captured, meta: AttentionMetadata, pool) -> None:
+        self.captured, self.meta, self.pool = captured, meta, pool
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (NCCL, the host copy of results) may use CUDA meanwhile
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.captured.pieces.append(self._graph)
+
+    def __call__(self, q, k, v, kv_cache, *, scale, window, kernel) -> torch.Tensor:
+        self.end()
+        call = _Attention(q, k, v, kv_cache, scale, window, kernel, torch.empty_like(q))
+        call.run(self.meta, q.shape[0])
+        self.captured.attention.append(call)
+        self.begin()
+        return call.out
+
+
+def _whole_sequence(n: int, causal: bool, device: torch.device) -> AttentionMetadata:
+    """Attention metadata of one sequence of ``n`` tokens with no KV-cache traffic."""
+    cu_host = np.array([0, n], dtype=np.int64)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_q=n, max_k=n,
+        cu_q_host=cu_host, cu_k_host=cu_host, total_k=n,
+    )  # fmt: skip

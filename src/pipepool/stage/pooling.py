@@ -1,0 +1,208 @@
+"""Chunk-aware pooling over a whole step at once. Pooling state lives on the last stage only.
+
+- LAST reads the final token of the final chunk.
+- CLS captures the first token of the first chunk and holds it until the final chunk.
+- MEAN keeps a running fp32 sum over chunks and divides by the prompt length at the end.
+- ALL copies every chunk into one prompt-sized buffer (token embeddings).
+
+Two phases, so that nothing syncs the device mid-step: ``prepare`` (host, before the
+forward: index arrays for the step's single upload) and ``pool`` (device, after it). Requests
+whose prompt fits in the step — nearly all of them — are pooled by a few gathers and one
+segment sum for the whole step; only prompts spanning several steps keep per-request state.
+Then the heads (``heads.py``) run over the step's outputs, still on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..core.request import Pooling
+from .heads import DenseHead, HeadParams, apply_heads
+from .mirror import StepView
+
+
+@dataclass(frozen=True)
+class PoolingPrep:
+    """One step's pooling, decided on the host. Rows are request rows of the plan."""
+
+    pick_rows: np.ndarray  # token rows read directly: emitted picks first, then held CLS
+    num_emitted_picks: int  # LAST of final chunks and CLS of whole prompts
+    mean_slots: int  # requests pooling MEAN: slot j sums the tokens of mean_req[j]
+    num_whole_means: int  # the first slots are MEAN prompts whole in this step
+    seg: np.ndarray | None  # [T] slot of each token row (mean_slots = none); None: no MEAN
+    all_rows: np.ndarray  # token rows of ALL prompts whole in this step, back to back
+    partial: tuple[tuple[int, int], ...]  # (row, slot or -1) of multi-chunk requests
+    vector_ids: np.ndarray  # request ids of the output vectors, in output order
+    vector_heads: HeadParams
+    token_owner_ids: np.ndarray  # request ids of the ALL outputs, in output order
+    token_lens: np.ndarray  # their prompt lengths
+    token_heads: HeadParams  # per token row of the ALL output
+
+    def upload_arrays(self) -> list[np.ndarray | None]:
+        return [
+            self.pick_rows, self.seg, self.all_rows,
+            *self.vector_heads.upload_arrays(), *self.token_heads.upload_arrays(),
+        ]  # fmt: skip
+
+
+@dataclass
+class PooledStep:
+    """What the last stage produced for one plan, still on its device."""
+
+    vector_ids: np.ndarray  # [n] request ids
+    vectors: torch.Tensor | None  # [n, D] float32, heads applied
+    token_owner_ids: np.ndarray  # [m]
+    token_offsets: np.ndarray  # [m+1]
+    token_vectors: torch.Tensor | None  # [sum, H] float32, heads applied
+
+    @classmethod
+    def empty(cls) -> PooledStep:
+        none = np.empty(0, dtype=np.int64)
+        return cls(none, None, none, np.zeros(1, dtype=np.int64), None)
+
+
+class Pooler:
+    """Turns each step's final hidden states into finished outputs; keeps the partial state
+    of requests whose prompt spans several chunks."""
+
+    def __init__(self, dense: DenseHead | None) -> None:
+        self.dense = dense
+        self._partial: dict[int, torch.Tensor] = {}  # CLS row [H] | MEAN sum [H] | ALL [len, H]
+
+    def __len__(self) -> int:
+        return len(self._partial)
+
+    def drop(self, request_id: int) -> None:
+        self._partial.pop(request_id, None)
+
+    @staticmethod
+    def prepare(req_ids: np.ndarray, view: StepView, cu_q: np.ndarray) -> PoolingPrep:
+        kind, starts, ends = view.poolings, view.starts, view.ends
+        first, final = starts == 0, ends == view.prompt_lens
+        whole = first & final
+        is_last, is_cls = kind == Pooling.LAST, kind == Pooling.CLS
+        is_mean, is_all = kind == Pooling.MEAN, kind == Pooling.ALL
+
+        emitted = np.nonzero((is_last & final) | (is_cls & whole))[0]
+        held = np.nonzero(is_cls & first & ~final)[0]  # CLS rows kept for a later chunk
+        pick_req = np.concatenate([emitted, held])
+        pick_rows = np.where(kind[pick_req] == Pooling.LAST, cu_q[pick_req + 1] - 1, cu_q[pick_req])
+
+        mean_whole = np.nonzero(is_mean & whole)[0]
+        mean_part = np.nonzero(is_mean & ~whole)[0]
+        mean_req = np.concatenate([mean_whole, mean_part])
+        seg = None
+        if len(mean_req):
+            slot_of = np.full(len(kind), len(mean_req), dtype=np.int64)
+            slot_of[mean_req] = np.arange(len(mean_req))
+            seg = np.repeat(slot_of, view.lens)
+
+        all_whole = np.nonzero(is_all & whole)[0]
+        all_rows = _row_ranges(cu_q[all_whole], view.lens[all_whole])
+
+        multi = np.nonzero(~whole & (is_cls | is_mean | is_all))[0]
+        slot_of_mean = {int(r): len(mean_whole) + j for j, r in enumerate(mean_part.tolist())}
+        partial = tuple((int(r), slot_of_mean.get(int(r), -1)) for r in multi.tolist())
+        partial_vec = multi[final[multi] & ~is_all[multi]]  # emitted from partial state
+        partial_all = multi[final[multi] & is_all[multi]]
+
+        vec_rows = np.concatenate([emitted, mean_whole, partial_vec])
+        tok_rows = np.concatenate([all_whole, partial_all])
+        tok_lens = view.prompt_lens[tok_rows]
+        return PoolingPrep(
+            pick_rows=pick_rows,
+            num_emitted_picks=len(emitted),
+            mean_slots=len(mean_req),
+            num_whole_means=len(mean_whole),
+            seg=seg,
+            all_rows=all_rows,
+            partial=partial,
+            vector_ids=req_ids[vec_rows],
+            vector_heads=HeadParams(view.dimensions[vec_rows], view.normalize[vec_rows]),
+            token_owner_ids=req_ids[tok_rows],
+            token_lens=tok_lens,
+            token_heads=HeadParams(
+                np.repeat(view.dimensions[tok_rows], tok_lens),
+                np.repeat(view.normalize[tok_rows], tok_lens),
+            ),
+        )
+
+    def pool(
+        self,
+        hidden: torch.Tensor,  # [T, H] final hidden states of this step, batch order
+        prep: PoolingPrep,
+        uploaded: list[torch.Tensor | None],  # device copies of prep.upload_arrays()
+        req_ids: np.ndarray,
+        view: StepView,
+        cu_q: np.ndarray,
+    ) -> PooledStep:
+        pick_t, seg_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = uploaded
+        h = hidden.shape[1]
+        picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
+        sums = counts = None
+        if seg_t is not None:
+            sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
+            sums.index_add_(0, seg_t, hidden.float())  # [slots + 1, H]; the last: no slot
+            counts = torch.bincount(seg_t, minlength=prep.mean_slots + 1)
+        vectors = []
+        if prep.num_emitted_picks:
+            vectors.append(picked[: prep.num_emitted_picks])
+        if prep.num_whole_means:
+            n = prep.num_whole_means
+            vectors.append(sums[:n] / counts[:n].unsqueeze(1))
+        tokens = [hidden.index_select(0, all_rows_t).float()] if len(prep.all_rows) else []
+        held = iter(range(prep.num_emitted_picks, len(prep.pick_rows)))
+        for row, slot in prep.partial:
+            out = self._advance_partial(hidden, picked, held, sums, req_ids, view, cu_q, row, slot)
+            if out is not None:
+                (tokens if view.poolings[row] == Pooling.ALL else vectors).append(out)
+
+        vec = torch.cat(vectors) if vectors else None
+        if vec is not None and self.dense is not None:
+            vec = self.dense(vec)
+        if vec is not None:
+            vec = apply_heads(vec, prep.vector_heads, vdims_t, vnorm_t)
+        tok = torch.cat(tokens) if tokens else None
+        if tok is not None:
+            tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
+        offsets = np.zeros(len(prep.token_lens) + 1, dtype=np.int64)
+        np.cumsum(prep.token_lens, out=offsets[1:])
+        return PooledStep(prep.vector_ids, vec, prep.token_owner_ids, offsets, tok)
+
+    def _advance_partial(self, hidden, picked, held, sums, req_ids, view, cu_q, row, slot):
+        """One multi-chunk request: update its state; its output if this is its final chunk."""
+        rid = int(req_ids[row])
+        kind = int(view.poolings[row])
+        start, end = int(view.starts[row]), int(view.ends[row])
+        prompt_len = int(view.prompt_lens[row])
+        first, final = start == 0, end == prompt_len
+        if kind == Pooling.CLS:
+            if first:
+                self._partial[rid] = picked[next(held)].clone()
+                return None
+            return self._partial.pop(rid).unsqueeze(0) if final else None
+        if kind == Pooling.MEAN:
+            total = sums[slot] if first else self._partial[rid] + sums[slot]
+            if final:
+                self._partial.pop(rid, None)
+                return (total / prompt_len).unsqueeze(0)
+            self._partial[rid] = total
+            return None
+        # ALL: each chunk goes to its place in a prompt-sized buffer
+        if first:
+            self._partial[rid] = hidden.new_empty((prompt_len, hidden.shape[1]))
+        self._partial[rid][start:end] = hidden[int(cu_q[row]) : int(cu_q[row + 1])]
+        return self._partial.pop(rid).float() if final else None
+
+
+def _row_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + n)`` for each (s, n), without a Python loop."""
+    total = int(lens.sum())
+    if not total:
+        return np.empty(0, dtype=np.int64)
+    offsets = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=offsets[1:])
+    return np.arange(total, dtype=np.int64) - np.repeat(offsets - starts, lens)

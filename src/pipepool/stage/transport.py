@@ -1,0 +1,69 @@
+"""What travels between neighbouring stages (hidden states, digest). In-process links live
+here; the ``torch.distributed`` ones in ``parallel/dist_transport.py``."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..core.plan import StepPlan
+
+
+class Incoming(Protocol):
+    """One step's inputs from the previous stage; each accessor waits only when first used."""
+
+    def hidden(self) -> torch.Tensor: ...  # [T, hidden]
+
+    def digest(self) -> np.ndarray: ...  # [R] previous stage's post-step num_computed_tokens
+
+    def stage_busy_s(self) -> list[float]: ...  # cumulative busy seconds of stages 0..k-1
+
+
+class Inbound(Protocol):
+    def post(self, plan: StepPlan) -> Incoming: ...
+
+
+class Outbound(Protocol):
+    def send_hidden(self, hidden: torch.Tensor) -> None: ...
+
+    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None: ...
+
+
+class _LocalIncoming:
+    def __init__(self, link: LocalLink) -> None:
+        self._link = link
+        self._digest = None
+
+    def hidden(self) -> torch.Tensor:
+        return self._link.hidden.popleft()
+
+    def digest(self) -> np.ndarray:
+        return self._message()[0]
+
+    def stage_busy_s(self) -> list[float]:
+        return self._message()[1]
+
+    def _message(self) -> tuple[np.ndarray, list[float]]:
+        if self._digest is None:
+            self._digest = self._link.digests.popleft()
+        return self._digest
+
+
+class LocalLink:
+    """A stage boundary inside one process (PP simulated in-process, for tests and tools)."""
+
+    def __init__(self) -> None:
+        self.hidden: deque[torch.Tensor] = deque()
+        self.digests: deque[tuple[np.ndarray, list[float]]] = deque()
+
+    def post(self, plan: StepPlan) -> Incoming:
+        return _LocalIncoming(self)
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        self.hidden.append(hidden)
+
+    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
+        self.digests.append((digest, list(busy)))

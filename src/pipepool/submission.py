@@ -1,0 +1,86 @@
+"""The future of one ``Engine.submit`` call, filled in step by step by the engine loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import numpy as np
+
+from .core.request import PoolingParams
+
+
+class Submission(Future):
+    """Results of one call, in input order: an ``[n, D]`` float32 array for one vector per
+    input (LAST, MEAN, CLS), or a list of ``[len, H]`` float32 arrays (ALL).
+
+    Steps write finished rows straight into the result (no per-request objects);
+    ``num_done`` counts them and ``add_progress_callback`` hears about every step that
+    finished some. ``cancel()`` aborts whatever has not finished: the engine frees it.
+    ``num_tokens`` is each input's prompt length after truncation (usage reports).
+    """
+
+    def __init__(
+        self,
+        params: PoolingParams,
+        num_inputs: int,
+        width: int,
+        on_cancel: Callable[[Submission], None],
+    ) -> None:
+        super().__init__()
+        self.params = params
+        self.num_inputs = num_inputs
+        self.num_done = 0
+        self.num_tokens = np.zeros(num_inputs, dtype=np.int64)
+        self.batches: list = []  # the RequestBatches enqueued for it
+        self._outputs: np.ndarray | list = (
+            np.empty((num_inputs, width), dtype=np.float32)
+            if params.code.is_vector
+            else [None] * num_inputs
+        )
+        self._on_cancel = on_cancel
+        self._progress: list[Callable[[int], None]] = []
+        self._lock = threading.Lock()
+
+    def add_progress_callback(self, fn: Callable[[int], None]) -> None:
+        """``fn(n)`` after each step that finished ``n`` more of this call's inputs (called on
+        the engine's loop thread: keep it short)."""
+        self._progress.append(fn)
+
+    def cancel(self) -> bool:
+        with self._lock:
+            if self.done():
+                return False
+            cancelled = super().cancel()
+        if cancelled:
+            self._on_cancel(self)
+        return cancelled
+
+    # -- filled in by the engine loop ----------------------------------------------------------
+
+    def put_vectors(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        """Rows ``rows`` (input indices) finished with these vectors (already cut to the
+        requested dimensions on the device, or zero-padded past them: cut here)."""
+        self._outputs[rows] = vectors[:, : self._outputs.shape[1]]
+        self._count(len(rows))
+
+    def put_tokens(self, rows: np.ndarray, values: list[np.ndarray]) -> None:
+        width = self.params.dimensions
+        for row, value in zip(rows.tolist(), values, strict=True):
+            self._outputs[row] = value[:, :width] if width else value
+        self._count(len(rows))
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self.done():
+                self.set_exception(exc)
+
+    def _count(self, n: int) -> None:
+        self.num_done += n
+        for fn in self._progress:
+            fn(n)
+        if self.num_done == self.num_inputs:
+            with self._lock:
+                if not self.done():
+                    self.set_result(self._outputs)

@@ -29,7 +29,7 @@ MODELS = {
     "minilm": (
         "all-minilm-l6-v2.json",
         "BertModel",
-        ["--max-model-len", "512", "--peer-batch-sizes", "128,256,512,1024"],
+        ["--max-model-len", "512", "--peer-batch-sizes", "256,512,1024,2048,4096"],
     ),
 }
 # per workload: the peer batch sizes it picks its best from, and any engine flags (default
@@ -38,7 +38,7 @@ MODELS = {
 WORKLOAD_FLAGS = {
     "W1": ["--peer-batch-sizes", "64,128,256", "--e2e"],
     "W4": ["--peer-batch-sizes", "64,128,256,512"],
-    "T4": ["--st-batch-sizes", "64,128,256,512,1024"],
+    "T4": ["--st-batch-sizes", "128,256,512,1024,2048,4096"],
     "T5": ["--st-batch-sizes", "32,64,128,256"],
     "W2": ["--max-num-batched-tokens", "32768", "--peer-batch-sizes", "4,8"],
     # KV cache sized to the document: peak memory = weights + its KV + the step working set

@@ -104,9 +104,7 @@ def plan_deployment(config: EngineConfig) -> Deployment:
         max_num_seqs=config.max_num_seqs or config.max_num_batched_tokens,
         compile=_auto(config.compile, cuda),
         graph_max_tokens=(
-            _graph_max_tokens(config, family, folder, whole)
-            if _auto(config.cuda_graphs, cuda)
-            else 0
+            _graph_max_tokens(config, family, folder) if _auto(config.cuda_graphs, cuda) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
     )

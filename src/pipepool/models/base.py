@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +85,22 @@ def linear_specs(
 def compile_layer_fn(fn):
     """torch.compile for a layer-body function: dynamic in the number of tokens, and rounding
     like eager wherever eager rounds to bf16/fp16 (so compiled vectors equal eager ones, and the
-    parity contract does not hinge on inductor keeping more precision in some places only)."""
+    parity contract does not hinge on inductor keeping more precision in some places only).
+
+    Compiled kernels are cached in the user's cache directory (``PIPEPOOL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/pipepool`` or ``~/.cache/pipepool``), not in /tmp, so they survive reboots
+    and the next start reuses them; ``TORCHINDUCTOR_CACHE_DIR`` set by the user wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "emulate_precision_casts"):
         inductor_config.emulate_precision_casts = True
     return torch.compile(fn, dynamic=True)
+
+
+def cache_dir() -> str:
+    """Where pipepool keeps what it can reuse across runs (compiled kernels)."""
+    if os.environ.get("PIPEPOOL_CACHE_DIR"):
+        return os.environ["PIPEPOOL_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pipepool")

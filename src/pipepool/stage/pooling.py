@@ -33,6 +33,7 @@ class PoolingPrep:
     mean_slots: int  # requests pooling MEAN: slot j sums the tokens of mean_req[j]
     num_whole_means: int  # the first slots are MEAN prompts whole in this step
     seg: np.ndarray | None  # [T] slot of each token row (mean_slots = none); None: no MEAN
+    whole_mean_lens: np.ndarray  # [num_whole_means] their token counts (the divisors)
     all_rows: np.ndarray  # token rows of ALL prompts whole in this step, back to back
     partial: tuple[tuple[int, int], ...]  # (row, slot or -1) of multi-chunk requests
     vector_ids: np.ndarray  # request ids of the output vectors, in output order
@@ -43,7 +44,7 @@ class PoolingPrep:
 
     def upload_arrays(self) -> list[np.ndarray | None]:
         return [
-            self.pick_rows, self.seg, self.all_rows,
+            self.pick_rows, self.seg, self.whole_mean_lens, self.all_rows,
             *self.vector_heads.upload_arrays(), *self.token_heads.upload_arrays(),
         ]  # fmt: skip
 
@@ -118,6 +119,7 @@ class Pooler:
             mean_slots=len(mean_req),
             num_whole_means=len(mean_whole),
             seg=seg,
+            whole_mean_lens=view.lens[mean_whole],
             all_rows=all_rows,
             partial=partial,
             vector_ids=req_ids[vec_rows],
@@ -139,20 +141,21 @@ class Pooler:
         view: StepView,
         cu_q: np.ndarray,
     ) -> PooledStep:
-        pick_t, seg_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = uploaded
+        pick_t, seg_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = uploaded
         h = hidden.shape[1]
         picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
-        sums = counts = None
+        sums = None
         if seg_t is not None:
             sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
             sums.index_add_(0, seg_t, hidden.float())  # [slots + 1, H]; the last: no slot
-            counts = torch.bincount(seg_t, minlength=prep.mean_slots + 1)
         vectors = []
         if prep.num_emitted_picks:
             vectors.append(picked[: prep.num_emitted_picks])
         if prep.num_whole_means:
+            # Divisors from the host: torch.bincount would wait for the device (its output
+            # size depends on the data), and the host must never wait mid-step.
             n = prep.num_whole_means
-            vectors.append(sums[:n] / counts[:n].unsqueeze(1))
+            vectors.append(sums[:n] / mean_lens_t.unsqueeze(1))
         tokens = [hidden.index_select(0, all_rows_t).float()] if len(prep.all_rows) else []
         held = iter(range(prep.num_emitted_picks, len(prep.pick_rows)))
         for row, slot in prep.partial:

@@ -29,7 +29,7 @@ MODELS = {
     "minilm": (
         "all-minilm-l6-v2.json",
         "BertModel",
-        ["--max-model-len", "512", "--peer-batch-sizes", "256,512,1024,2048,4096"],
+        ["--max-model-len", "512", "--peer-batch-sizes", "256,512,1024,2048,4096,8192"],
     ),
 }
 # per workload: the peer batch sizes it picks its best from, and any engine flags (default

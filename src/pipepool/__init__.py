@@ -1,17 +1,28 @@
-"""pipepool: pipeline-parallel inference for pooling models, exact under chunked prefill."""
+"""pipepool: pipeline-parallel inference for pooling models, exact under chunked prefill.
 
-from .config import EngineConfig
-from .engine import Engine
-from .errors import (
-    EngineDeadError,
-    InvalidInputError,
-    ModelLoadError,
-    PipepoolError,
-    PromptTooLongError,
-    StageFailure,
-    StateDivergence,
-)
+Names are imported on first use: ``import pipepool`` stays cheap, and the driver side
+(``pipepool.core``) imports without torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "engine",
+    "EngineConfig": "config",
+    "Submission": "submission",
+    "EngineDeadError": "errors",
+    "InvalidInputError": "errors",
+    "ModelLoadError": "errors",
+    "PipepoolError": "errors",
+    "PromptTooLongError": "errors",
+    "StageFailure": "errors",
+    "StateDivergence": "errors",
+}
 __all__ = [
     "Engine",
     "EngineConfig",
@@ -22,5 +33,27 @@ __all__ = [
     "PromptTooLongError",
     "StageFailure",
     "StateDivergence",
+    "Submission",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine import Engine
+    from .errors import (
+        EngineDeadError,
+        InvalidInputError,
+        ModelLoadError,
+        PipepoolError,
+        PromptTooLongError,
+        StageFailure,
+        StateDivergence,
+    )
+    from .submission import Submission
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # next time, a plain attribute
+        return value
+    raise AttributeError(f"module 'pipepool' has no attribute {name!r}")

@@ -8,27 +8,24 @@ The one interface every model uses is :func:`attend`. It
 3. runs a variable-length attention kernel with causal masks aligned bottom-right (a chunk
    of ``q`` tokens at the end of ``k`` keys), or bidirectional for encoders.
 
-Two kernels: ``flash`` (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16) and
-``portable`` (``scaled_dot_product_attention`` per request, any device and dtype).
+Kernels (``choose_kernel`` picks one per stage, at load):
+
+- ``flash``: aten's variable-length flash-attention op, called directly (CUDA, fp16/bf16);
+- ``varlen``: the same op through ``torch.nn.attention.varlen.varlen_attn``, whose custom-op
+  wrapper costs tens of microseconds of Python per call and imports ``torch._dynamo`` (seconds
+  at start-up): only where the direct call fails its check;
+- ``portable``: ``scaled_dot_product_attention`` per request, any device and dtype.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None
-
-_VARLEN_HAS_GQA = _varlen_attn is not None and (
-    "enable_gqa" in inspect.signature(_varlen_attn).parameters
-)
 
 
 @dataclass
@@ -84,6 +81,8 @@ def attend(
         v = _with_prefix(v, kv_cache[1], meta)
     if kernel == "flash":
         return _flash(q, k, v, meta, scale, window)
+    if kernel == "varlen":
+        return _varlen(q, k, v, meta, scale, window)
     return _portable(q, k, v, meta, scale, window)
 
 
@@ -97,30 +96,73 @@ def _with_prefix(x: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) 
 def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cuda"
-        and _varlen_attn is not None
+        and hasattr(torch.ops.aten, "_flash_attention_forward")
         and dtype in (torch.float16, torch.bfloat16)
     )
 
 
+def choose_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The fastest kernel that agrees with the portable one on a small mixed batch (causal
+    with a cached prefix, sliding window, bidirectional, GQA) on this device and torch."""
+    if not flash_supported(device, dtype):
+        return "portable"
+    for kernel in ("flash", "varlen"):
+        try:
+            if _agrees_with_portable(kernel, device, dtype):
+                return kernel
+        except Exception as exc:  # a signature this torch does not have, a missing kernel
+            warnings.warn(f"attention kernel {kernel!r} unusable: {exc}", stacklevel=2)
+    warnings.warn("no flash attention kernel agrees with the reference; using portable",
+                  stacklevel=2)  # fmt: skip
+    return "portable"
+
+
+def _agrees_with_portable(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    lq, lk = np.array([0, 5, 12, 49]), np.array([0, 5, 30, 49])  # request 2 has a prefix
+    q = torch.randn(int(lq[-1]), 4, 64, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(int(lk[-1]), 2, 64, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(int(lk[-1]), 2, 64, device=device, dtype=dtype, generator=gen)
+    for causal, window in ((True, None), (True, 4), (False, None)):
+        n_q, n_k = (lq, lk) if causal else (lk, lk)
+        meta = AttentionMetadata(
+            causal=causal,
+            cu_seqlens_q=torch.tensor(n_q, dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor(n_k, dtype=torch.int32, device=device),
+            max_q=int(np.diff(n_q).max()), max_k=int(np.diff(n_k).max()),
+            cu_q_host=n_q, cu_k_host=n_k, total_k=int(n_k[-1]),
+        )  # fmt: skip
+        qq = q if causal else torch.cat([q, q[: int(lk[-1] - lq[-1])]])
+        want = _portable(qq.float(), k.float(), v.float(), meta, 0.125, window)
+        got = attend(qq, k, v, meta, None, scale=0.125, window=window, kernel=kernel).float()
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            return False
+    return True
+
+
 def _flash(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     # Fewer KV heads than query heads (GQA) go in as they are: the flash kernel shares each KV
-    # head with its query group itself (checked on torch 2.11, where the flag does not exist
-    # yet: identical to expanding K/V first; benchmarks/gpu_probe.py).
-    kwargs = {"enable_gqa": True} if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1] else {}
-    # (left, right) keys visible around each query; -1 = unlimited. Causal: right = 0.
+    # head with its query group itself.
+    # (left, right) keys visible around each query; -1 = unlimited. Causal: right = 0, with
+    # the mask aligned bottom-right (a chunk is the last queries of its keys).
+    left, right = (-1 if window is None else window - 1, 0) if meta.causal else (-1, -1)
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k, 0.0,
+        meta.causal and window is None, False,
+        scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+    return out[0]
+
+
+def _varlen(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters and q.shape[1] != k.shape[1]
     window_size = (-1 if window is None else window - 1, 0) if meta.causal else (-1, -1)
-    return _varlen_attn(
-        q,
-        k,
-        v,
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
-        meta.max_q,
-        meta.max_k,
-        scale=scale,
-        window_size=window_size,
-        **kwargs,
-    )
+    return varlen_attn(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k,
+        scale=scale, window_size=window_size, **({"enable_gqa": True} if gqa else {}),
+    )  # fmt: skip
 
 
 def _portable(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:

@@ -82,10 +82,16 @@ def linear_specs(
     return specs
 
 
-def compile_layer_fn(fn):
-    """torch.compile for a layer-body function: dynamic in the number of tokens, and rounding
-    like eager wherever eager rounds to bf16/fp16 (so compiled vectors equal eager ones, and the
-    parity contract does not hinge on inductor keeping more precision in some places only).
+def compile_layer_fn(fn, *, round_like_eager: bool):
+    """torch.compile for a layer-body function, dynamic in the number of tokens.
+
+    ``round_like_eager``: round to bf16/fp16 wherever eager does (inductor's
+    ``emulate_precision_casts``), so compiled vectors equal eager ones. The decoders need it:
+    without it a per-token ALL output fell to cosine 0.99878 against fp32 on the GPU
+    (BENCHMARKS.md). It costs: the all-MiniLM-L6-v2 shape ran W1 at 2.16M tokens/s with it and
+    2.83M without (commit 8f5b546, one H200, same call), so encoders, whose compiled part
+    (output projection, residual, LayerNorm, MLP) only gains precision from fewer roundings,
+    go without.
 
     Compiled kernels are cached in the user's cache directory (``PIPEPOOL_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/pipepool`` or ``~/.cache/pipepool``), not in /tmp, so they survive reboots
@@ -93,9 +99,10 @@ def compile_layer_fn(fn):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
     import torch._inductor.config as inductor_config
 
+    options = {}
     if hasattr(inductor_config, "emulate_precision_casts"):
-        inductor_config.emulate_precision_casts = True
-    return torch.compile(fn, dynamic=True)
+        options["emulate_precision_casts"] = round_like_eager
+    return torch.compile(fn, dynamic=True, options=options)
 
 
 def cache_dir() -> str:

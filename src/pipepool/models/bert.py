@@ -147,7 +147,9 @@ class EncoderStage(StageModel):
         return x
 
     def set_compiled(self, on: bool) -> None:
-        self.post = compile_layer_fn(post_attention) if on else post_attention
+        self.post = (
+            compile_layer_fn(post_attention, round_like_eager=False) if on else post_attention
+        )
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size

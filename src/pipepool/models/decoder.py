@@ -251,7 +251,9 @@ class DecoderStage(StageModel):
         self.ops = LayerOps(fused_qk_rope=fused)
         if on:
             fns = LayerOps()[:-1]
-            self.ops = LayerOps(*(compile_layer_fn(fn) for fn in fns), fused_qk_rope=fused)
+            self.ops = LayerOps(
+                *(compile_layer_fn(fn, round_like_eager=True) for fn in fns), fused_qk_rope=fused
+            )
 
     def use_fused_qk_rope(self) -> bool:
         """Switch to the Triton q/k-norm + RoPE kernel where it applies and agrees with the

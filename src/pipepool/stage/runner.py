@@ -25,7 +25,7 @@ import torch
 from ..config import EngineConfig
 from ..core.plan import StepPlan, check_digest
 from ..errors import StateDivergence
-from ..layers.attention import flash_supported
+from ..layers.attention import choose_kernel
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..weights import Checkpoint
@@ -234,10 +234,10 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     checkpoint.load_stage(model)
     checkpoint.close()
     model.eval()
-    if flash_supported(spec.device, spec.dtype):
-        model.attn_kernel = "flash"
-        if not model.use_fused_qk_rope() and model.causal:
-            warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
+    model.attn_kernel = choose_kernel(spec.device, spec.dtype)
+    # On CUDA in 16 bits, the fused kernel switches itself on where it agrees with torch's ops.
+    if model.attn_kernel != "portable" and not model.use_fused_qk_rope() and model.causal:
+        warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
     if spec.compile:
         model.set_compiled(True)
         try:

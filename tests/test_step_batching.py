@@ -1,0 +1,176 @@
+"""Issue 10: host work per step, not per request. Requests travel in batches, a call is one
+future, pooling and heads run over the whole step at once, tokenisation is sliced, and every
+engine option is declared once. Results are checked against transformers per request, with
+budgets small enough that prompts are chunked and steps mix calls with different heads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from tiny_models import cosine, long_prompts
+
+import pipepool
+from pipepool.config import EngineConfig
+
+MIN_COSINE = 0.99999
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(qwen3_path):
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=24, normalize=False) as engine:
+        yield engine
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_calls_with_different_heads_sharing_steps_each_get_their_own(
+    qwen3_engine, qwen3_path, reference
+):
+    """Five calls in flight at once (so steps hold several of them): each gets its pooling,
+    Matryoshka width and normalisation, computed on the device for the whole step."""
+    ref = reference(qwen3_path)
+    prompts = long_prompts()
+    calls = [
+        dict(pooling="last", dimensions=None, normalize=False),
+        dict(pooling="mean", dimensions=16, normalize=True),
+        dict(pooling="cls", dimensions=None, normalize=True),
+        dict(pooling="last", dimensions=8, normalize=False),
+        dict(pooling="all", dimensions=12, normalize=True),
+    ]
+    submissions = [qwen3_engine.submit(prompts, **c) for c in calls]
+    for c, submission in zip(calls, submissions, strict=True):
+        got = submission.result(timeout=120)
+        for p, out in zip(prompts, got, strict=True):
+            want = ref.pooled(ref.token_ids(p), c["pooling"])
+            if c["dimensions"]:
+                want = want[..., : c["dimensions"]]
+                assert out.shape[-1] == c["dimensions"]
+            if c["normalize"]:
+                want = _unit(want)
+                assert np.allclose(np.linalg.norm(out, axis=-1), 1.0, atol=1e-5)
+            assert cosine(out, want).min() >= MIN_COSINE, c
+            if not c["normalize"]:  # heads must not touch the length of a raw vector
+                assert np.allclose(out, want, rtol=1e-4, atol=1e-4)
+    assert qwen3_engine.stats.chunked_requests > 0
+
+
+def test_submission_reports_progress_and_token_counts(qwen3_engine):
+    prompts = long_prompts() * 3
+    seen = []
+    submission = qwen3_engine.submit(prompts, pooling="mean")
+    lock = threading.Lock()
+
+    def record(n: int) -> None:
+        with lock:
+            seen.append(n)
+
+    submission.add_progress_callback(record)
+    vectors = submission.result(timeout=120)
+    assert vectors.shape == (len(prompts), qwen3_engine.deployment.output_dim)
+    assert submission.num_done == len(prompts)
+    assert sum(seen) <= len(prompts)  # steps finished before the callback are not replayed
+    tokens = [len(t) for t in qwen3_engine.tokenize(prompts)]
+    assert submission.num_tokens.tolist() == tokens
+
+
+def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
+    blocks = qwen3_engine.kv_blocks_free
+    submission = qwen3_engine.submit(long_prompts() * 10, pooling="last")
+    assert submission.cancel()
+    assert submission.cancelled()
+    after = qwen3_engine.embed(long_prompts()[:2])  # the engine is idle again, and serves
+    assert after.shape[0] == 2
+    assert qwen3_engine.kv_blocks_free == blocks
+    assert qwen3_engine.stats.requests_aborted > 0
+
+
+def test_text_is_tokenised_in_slices_with_the_same_results(bert_path, reference):
+    """More texts than one tokenisation slice: enqueued slice by slice, results in order."""
+    ref = reference(bert_path)
+    texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(2500)]
+    with pipepool.Engine(str(bert_path), max_num_batched_tokens=512, normalize=False) as engine:
+        got = engine.encode(texts, pooling="cls")
+        assert engine.stats.requests_finished == len(texts)
+    for i in (0, 1023, 1024, 2047, 2048, 2499):
+        want = ref.pooled(ref.token_ids(texts[i]), "cls")
+        assert cosine(got[i], want).min() >= MIN_COSINE, i
+
+
+def test_a_bad_input_in_a_later_slice_leaves_nothing_queued(bert_path):
+    texts = ["fine"] * 1500
+    texts[1400] = "word " * 5000  # too long, found when its slice is tokenised
+    with pipepool.Engine(str(bert_path)) as engine:
+        with pytest.raises(pipepool.PromptTooLongError, match="input 1400"):
+            engine.embed(texts)
+        assert engine.embed(["still serving"]).shape[0] == 1
+        assert engine._scheduler.num_waiting == 0 and engine._scheduler.num_admitted == 0
+
+
+def test_empty_prompt_and_option_errors_name_the_problem(bert_path):
+    with pytest.raises(pipepool.InvalidInputError, match="unknown engine option 'max_num_seq'"):
+        pipepool.Engine(str(bert_path), max_num_seq=4)
+
+
+def test_every_offered_option_has_a_flag_and_an_environment_variable(monkeypatch):
+    """One source of truth: the CLI derives its engine flags from EngineConfig."""
+    from pipepool.cli import build_parser
+    from pipepool.commands.common import engine_config
+
+    parser = build_parser()
+    offered = [f for f in fields(EngineConfig) if f.metadata.get("cli")]
+    assert len(offered) >= 12
+    args = parser.parse_args(["embed", "x"])
+    assert engine_config(args) == EngineConfig()  # flags left out keep the config's defaults
+    args = parser.parse_args(
+        ["embed", "x", "--pp", "2", "--max-num-seqs", "7", "--no-cuda-graphs",
+         "--pp-partition", "1,1", "--no-verify-state"]
+    )  # fmt: skip
+    config = engine_config(args)
+    assert (config.pipeline_parallel_size, config.max_num_seqs) == (2, 7)
+    assert config.cuda_graphs is False and config.verify_state is False
+    assert config.pp_partition == (1, 1)
+    monkeypatch.setenv("PIPEPOOL_MAX_NUM_BATCHED_TOKENS", "99")
+    monkeypatch.setenv("PIPEPOOL_COMPILE", "0")
+    config = engine_config(build_parser().parse_args(["embed", "x"]))
+    assert config.max_num_batched_tokens == 99 and config.compile is False
+
+
+def test_auto_options_are_resolved_once_in_the_deployment(minilm_path):
+    from pipepool.deployment import plan_deployment
+
+    d = plan_deployment(EngineConfig(model=str(minilm_path), device="cpu"))
+    assert (d.compile, d.graph_max_tokens, d.overlap_steps) == (False, 0, False)
+    assert d.max_num_seqs == d.config.max_num_batched_tokens  # no cap below the token budget
+    # Asked for, CUDA graphs get a largest step from the model's FLOPs per token: a small
+    # encoder's whole budget.
+    d = plan_deployment(EngineConfig(model=str(minilm_path), device="cpu", cuda_graphs=True))
+    assert d.graph_max_tokens == d.config.max_num_batched_tokens
+
+
+def test_the_driver_side_imports_without_torch():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # importing torch now raises ImportError\n"
+        "from pipepool.core.scheduler import Scheduler\n"
+        "from pipepool.core.request import RequestBatch, PoolingParams\n"
+        "from pipepool.core import stats, kv_blocks, plan\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_graph_buckets_pad_large_steps_by_at_most_a_quarter():
+    from pipepool.stage.cuda_graphs import graph_buckets
+
+    buckets = graph_buckets(16384)
+    assert buckets[:5] == [16, 32, 64, 128, 256] and buckets[-1] == 16384
+    for n in range(257, 16385, 37):
+        bucket = next(b for b in buckets if b >= n)
+        assert bucket - n <= 0.25 * n, n

@@ -9,17 +9,20 @@ The one interface every model uses is :func:`attend`. It
    of ``q`` tokens at the end of ``k`` keys), or bidirectional for encoders.
 
 Two kernels: ``flash`` (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16) and
-``portable`` (``scaled_dot_product_attention`` per request, any device and dtype).
+``portable`` (``scaled_dot_product_attention``, any dtype): on the CPU over padded groups of
+equal-length requests (:mod:`.grouped_attention`), on other devices once per request.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .grouped_attention import GroupPlan, grouped_attention, plan_runs
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -54,6 +57,8 @@ class AttentionMetadata:
     prefix_dst: torch.Tensor | None = None  # [Np] rows of packed K/V filled from the cache
     prefix_slots: torch.Tensor | None = None  # [Np] cache slots they are read from
     total_k: int = 0  # rows of packed K/V (== T when no request has a cached prefix)
+    # CPU: the step's runs of equal-length requests, planned by the first layer that attends.
+    group_plan: GroupPlan | None = field(default=None, repr=False)
 
 
 def attend(
@@ -79,6 +84,10 @@ def attend(
         v = _with_prefix(v, kv_cache[1], meta)
     if kernel == "flash":
         return _flash(q, k, v, meta, scale, window)
+    if q.device.type == "cpu":
+        if meta.group_plan is None:
+            meta.group_plan = plan_runs(meta.cu_q_host, meta.cu_k_host, meta.causal)
+        return grouped_attention(q, k, v, meta.group_plan, scale, window)
     return _portable(q, k, v, meta, scale, window)
 
 

@@ -30,12 +30,10 @@ def test_plan_tiles_sorts_longest_first_and_covers_every_row():
 
 
 def test_a_tile_takes_the_requests_starting_in_its_span():
-    cu = np.arange(0, 35, 5)  # six requests of 5 tokens, sorted they start at 0, 5, ..., 25
-    assert [int(t.meta.cu_q_host[-1]) for t in cpu_tiles.plan_tiles(cu, tile_tokens=12)] == [
-        15,
-        10,
-        5,
-    ]
+    # Six requests of 5 tokens start at 0, 5, ..., 25; 30 tokens make 3 spans of 10.
+    cu = np.arange(0, 35, 5)
+    tiles = cpu_tiles.plan_tiles(cu, tile_tokens=12)
+    assert [int(t.meta.cu_q_host[-1]) for t in tiles] == [10, 10, 10]
 
 
 def test_in_row_tiles_equals_whole_computation():

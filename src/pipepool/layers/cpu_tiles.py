@@ -35,8 +35,9 @@ class Tile:
 
 def plan_tiles(cu_q: np.ndarray, tile_tokens: int | None = None) -> list[Tile]:
     """Whole-prompt requests (bidirectional, no cache) sorted by length, longest first, cut
-    into tiles of about ``tile_tokens`` (default CPU_TILE_TOKENS) tokens: a tile takes every
-    request that starts within its span, so one longer request makes a tile of its own."""
+    into tiles of at most about ``tile_tokens`` (default CPU_TILE_TOKENS) tokens: the sorted
+    step is cut into equal spans, and a tile takes every request that starts within its span
+    (so a request longer than a span makes a tile of its own)."""
     tile_tokens = tile_tokens or CPU_TILE_TOKENS
     lens = np.diff(cu_q)
     if not len(lens):
@@ -45,9 +46,12 @@ def plan_tiles(cu_q: np.ndarray, tile_tokens: int | None = None) -> list[Tile]:
     lens_sorted = lens[order]
     ends = np.cumsum(lens_sorted)
     begins = ends - lens_sorted
+    # Equal spans (no short last tile, where a GEMM of a few hundred rows is less efficient).
+    total = int(ends[-1])
+    span = -(-total // -(-total // tile_tokens))  # ceil(total / number of tiles)
     # Request i of the sorted order starts at token begins[i] of the sorted step.
     rows = np.repeat(cu_q[order] - begins, lens_sorted) + np.arange(int(cu_q[-1]))
-    tile_of = begins // tile_tokens
+    tile_of = begins // span
     cuts = np.flatnonzero(np.diff(tile_of)) + 1
     tiles = []
     for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(order)])), strict=True):

@@ -14,18 +14,21 @@ Kernels (``choose_kernel`` picks one per stage, at load):
 - ``varlen``: the same op through ``torch.nn.attention.varlen.varlen_attn``, whose custom-op
   wrapper costs tens of microseconds of Python per call and imports ``torch._dynamo`` (seconds
   at start-up): only where the direct call fails its check;
-- ``portable``: ``scaled_dot_product_attention`` per request, any device and dtype.
+- ``portable``: ``scaled_dot_product_attention``, any dtype: on the CPU over padded groups of
+  equal-length requests (:mod:`.grouped_attention`), on other devices once per request.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .grouped_attention import GroupPlan, grouped_attention, plan_runs
 
 
 @dataclass
@@ -54,6 +57,8 @@ class AttentionMetadata:
     # While a CUDA graph is captured (stage/cuda_graphs.py): attention is where the graph is
     # cut, so ``attend`` hands its inputs to this instead of computing.
     graph_split: object | None = None
+    # CPU: the step's runs of equal-length requests, planned by the first layer that attends.
+    group_plan: GroupPlan | None = field(default=None, repr=False)
 
 
 def attend(
@@ -83,6 +88,10 @@ def attend(
         return _flash(q, k, v, meta, scale, window)
     if kernel == "varlen":
         return _varlen(q, k, v, meta, scale, window)
+    if q.device.type == "cpu":
+        if meta.group_plan is None:
+            meta.group_plan = plan_runs(meta.cu_q_host, meta.cu_k_host, meta.causal)
+        return grouped_attention(q, k, v, meta.group_plan, scale, window)
     return _portable(q, k, v, meta, scale, window)
 
 

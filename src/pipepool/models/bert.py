@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..layers import cpu_linear
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
+from ..layers.cpu_tiles import plan_tiles
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
 
 
@@ -85,6 +87,19 @@ def post_attention(
     return F.layer_norm(x + ffn, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
 
 
+def post_attention_fused(
+    cfg: EncoderConfig, x: torch.Tensor, a: torch.Tensor, w: FfnWeights
+) -> torch.Tensor:
+    """post_attention on the CPU with bias, activation and residual adds fused into the GEMMs
+    (layers/cpu_linear.py); ``w`` holds packed weights for attn_out, ffn_in and ffn_out."""
+    h, eps = cfg.hidden_size, cfg.layer_norm_eps
+    x = cpu_linear.linear_add(a.flatten(1), x, w.attn_out, w.attn_out_bias)
+    x = F.layer_norm(x, (h,), w.attn_norm, w.attn_norm_bias, eps)
+    ffn_in = cpu_linear.linear(x, w.ffn_in, w.ffn_in_bias, cfg.hidden_act)
+    x = cpu_linear.linear_add(ffn_in, x, w.ffn_out, w.ffn_out_bias)
+    return F.layer_norm(x, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
+
+
 class EncoderLayer(nn.Module):
     """Post-norm block: x = norm(x + attn(x)); x = norm(x + ffn(x))."""
 
@@ -100,6 +115,7 @@ class EncoderLayer(nn.Module):
         self.ffn_out = nn.Linear(cfg.intermediate_size, h)
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.scale = self.head_dim**-0.5
+        self._packed: tuple[tuple, FfnWeights] | None = None  # see packed_ffn_weights
 
     def ffn_weights(self) -> FfnWeights:
         return FfnWeights(
@@ -112,6 +128,25 @@ class EncoderLayer(nn.Module):
         q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
         a = attend(q, k, v, inputs.attn, None, scale=self.scale, kernel=kernel)  # [T, H, D]
         return post(self.cfg, x, a, self.ffn_weights())
+
+    def forward_fused(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """CPU: the same block with the post-attention linears through oneDNN's fused ops. (The
+        q|k|v projection has no epilogue to fuse and MKL's addmm was faster there: 311 vs 298
+        GFLOP/s at 2048 rows on 2 cores.)"""
+        q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
+        a = attend(q, k, v, inputs.attn, None, scale=self.scale)  # [T, H, D]
+        return post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
+
+    def packed_ffn_weights(self) -> FfnWeights:
+        """ffn_weights() with oneDNN copies of the three projection weights, packed on first use
+        and again whenever one of them was written since (its version counter moved)."""
+        sources = (self.attn_out.weight, self.ffn_in.weight, self.ffn_out.weight)
+        key = tuple((t.data_ptr(), _version(t)) for t in sources)
+        if self._packed is None or self._packed[0] != key:
+            attn_out, ffn_in, ffn_out = (cpu_linear.pack(t) for t in sources)
+            ffn = self.ffn_weights()._replace(attn_out=attn_out, ffn_in=ffn_in, ffn_out=ffn_out)
+            self._packed = (key, ffn)
+        return self._packed[1]
 
 
 class EncoderStage(StageModel):
@@ -134,6 +169,36 @@ class EncoderStage(StageModel):
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches=None) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return self._forward_tiles(x, inputs)
+        return self._forward_rows(x, inputs)
+
+    def _forward_tiles(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """CPU: the step as cache-sized tiles of length-sorted requests (layers/cpu_tiles.py)."""
+        fused = self._fused_on_cpu()
+        if len(inputs.attn.cu_q_host) <= 2:  # at most one request: nothing to sort or cut
+            return self._forward_rows(x, inputs, fused)
+        out = x.new_empty((x.shape[0], self.hidden_size), dtype=self._param_dtype())
+        for tile in plan_tiles(inputs.attn.cu_q_host):
+            tile_inputs = StepInputs(inputs.positions.index_select(0, tile.rows), tile.meta)
+            y = self._forward_rows(x.index_select(0, tile.rows), tile_inputs, fused)
+            out.index_copy_(0, tile.rows, y)
+        return out
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _fused_on_cpu(self) -> bool:
+        """oneDNN fused linears where they apply: fp32, eager (a torch.compile'd body keeps its
+        own fusion), an activation oneDNN can fuse, ops present and checked on this build."""
+        return (
+            self.post is post_attention
+            and self._param_dtype() == torch.float32
+            and cpu_linear.fusable(self.cfg.hidden_act)
+            and cpu_linear.supported()
+        )
+
+    def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         if self.is_first:
             # Single-segment inputs: token type 0 everywhere, as sentence-transformers feeds them.
             x = (
@@ -143,7 +208,10 @@ class EncoderStage(StageModel):
             )
             x = self.emb_norm(x)
         for layer in self.layers.values():
-            x = layer(x, inputs, self.post, self.attn_kernel)
+            if fused:
+                x = layer.forward_fused(x, inputs)
+            else:
+                x = layer(x, inputs, self.post, self.attn_kernel)
         return x
 
     def set_compiled(self, on: bool) -> None:
@@ -190,6 +258,13 @@ class EncoderStage(StageModel):
             )
             specs += _norm_specs(f"{c}.output.LayerNorm", f"{p}.ffn_norm", h)
         return specs
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (made under inference_mode) has no counter
+        return -1
 
 
 def _norm_specs(ckpt: str, param: str, dim: int) -> list[WeightSpec]:

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from ..layers import qk_rope
 from ..layers.attention import attend
+from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
@@ -220,7 +221,10 @@ class DecoderLayer(nn.Module):
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
-        return ops.post(self.cfg, x, attn_out, self.mlp_weights())
+        w = self.mlp_weights()
+        if x.device.type == "cpu" and ops.post is post_attention:  # eager: keep it in cache
+            return in_row_tiles(lambda xs, a: post_attention(cfg, xs, a, w), x, attn_out)
+        return ops.post(cfg, x, attn_out, w)
 
 
 class DecoderStage(StageModel):

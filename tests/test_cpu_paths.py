@@ -1,0 +1,85 @@
+"""The CPU-only paths: length-sorted request tiles (encoders), row tiles (decoder MLPs), and
+oneDNN's fused linear ops, each against the plain computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import cosine, long_prompts
+
+import pipepool
+from pipepool.layers import cpu_linear, cpu_tiles
+
+MIN_COSINE = 0.99999
+
+
+def test_plan_tiles_sorts_longest_first_and_covers_every_row():
+    lens = np.array([5, 1, 9, 9, 3, 30, 2, 9, 4])
+    cu = np.concatenate(([0], np.cumsum(lens)))
+    tiles = cpu_tiles.plan_tiles(cu, tile_tokens=12)
+    rows = torch.cat([t.rows for t in tiles]).numpy()
+    assert sorted(rows) == list(range(cu[-1]))  # every row once
+    tile_lens = np.concatenate([np.diff(t.meta.cu_q_host) for t in tiles])
+    assert list(tile_lens) == sorted(lens, reverse=True)
+    assert all(int(t.meta.cu_q_host[-1]) < 12 + max(lens) for t in tiles)
+    for t in tiles:  # each request's rows stay contiguous and in order
+        for a, b in zip(t.meta.cu_q_host[:-1], t.meta.cu_q_host[1:], strict=True):
+            assert np.all(np.diff(t.rows.numpy()[a:b]) == 1)
+
+
+def test_a_tile_takes_the_requests_starting_in_its_span():
+    # Six requests of 5 tokens start at 0, 5, ..., 25; 30 tokens make 3 spans of 10.
+    cu = np.arange(0, 35, 5)
+    tiles = cpu_tiles.plan_tiles(cu, tile_tokens=12)
+    assert [int(t.meta.cu_q_host[-1]) for t in tiles] == [10, 10, 10]
+
+
+def test_in_row_tiles_equals_whole_computation():
+    x, y = torch.randn(1000, 8), torch.randn(1000, 3, 4)
+    fn = lambda a, b: a * 2 + b.flatten(1).sum(1, keepdim=True)  # noqa: E731
+    torch.testing.assert_close(cpu_tiles.in_row_tiles(fn, x, y, rows=128), fn(x, y))
+    torch.testing.assert_close(cpu_tiles.in_row_tiles(fn, x[:5], y[:5], rows=128), fn(x[:5], y[:5]))
+
+
+@pytest.mark.skipif(not cpu_linear.supported(), reason="oneDNN fused linear ops not available")
+@pytest.mark.parametrize("activation", ["identity", "relu", "gelu", "gelu_new"])
+def test_fused_linear_matches_eager(activation):
+    from pipepool.layers.activation import ACTIVATIONS
+
+    x, w, b, res = torch.randn(300, 64), torch.randn(96, 64), torch.randn(96), torch.randn(300, 96)
+    packed = cpu_linear.pack(w)
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, packed, b, activation)
+        added = cpu_linear.linear_add(x, res, packed, b)
+    torch.testing.assert_close(got, ACTIVATIONS[activation](F.linear(x, w, b)))
+    torch.testing.assert_close(added, F.linear(x, w, b) + res)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_encoder_in_many_tiles_matches_transformers(bert_path, reference, monkeypatch, fused):
+    # Tiles of ~40 tokens: the step splits into many tiles; repeated prompts make runs of equal
+    # lengths. Per-token pooling ("all") would catch a row landing in the wrong place.
+    monkeypatch.setattr(cpu_tiles, "CPU_TILE_TOKENS", 40)
+    if not fused:
+        monkeypatch.setattr(cpu_linear, "supported", lambda: False)
+    ref = reference(bert_path)
+    prompts = long_prompts()
+    prompts = prompts + prompts[::-1] + prompts[:3]
+    with pipepool.Engine(str(bert_path), max_num_batched_tokens=4096) as engine:
+        for pooling in ("all", "mean", "cls"):
+            outs = engine.encode(prompts, pooling=pooling, normalize=False)
+            for text, out in zip(prompts, outs, strict=True):
+                expected = ref.pooled(ref.token_ids(text), pooling)
+                assert cosine(out, expected).min() >= MIN_COSINE
+
+
+def test_decoder_mlp_row_tiles_match_transformers(qwen3_path, reference, monkeypatch):
+    monkeypatch.setattr(cpu_tiles, "CPU_MLP_TILE_ROWS", 16)
+    ref = reference(qwen3_path)
+    prompts = long_prompts()
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=256) as engine:
+        outs = engine.encode(prompts, pooling="all", normalize=False)
+    for text, out in zip(prompts, outs, strict=True):
+        assert cosine(out, ref.pooled(ref.token_ids(text), "all")).min() >= MIN_COSINE

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pipepool.batch import DeviceUploader, build_host_batch, to_step_inputs
 
 from pipepool.layers import grouped_attention as ga
 from pipepool.layers.attention import attend
+from pipepool.stage.batch import DeviceUploader, build_host_batch, to_step_inputs
 
 BLOCK = 4
 HEAD_DIM = 8
@@ -50,7 +50,9 @@ def _run_step(starts, lens, heads_q, heads_kv, *, causal, window, seed=0):
         blocks = -(-(prompt_lens) // BLOCK)
         first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
         tables = [np.arange(f, f + n, dtype=np.int64) for f, n in zip(first, blocks, strict=True)]
-    batch = build_host_batch(starts, lens, prompt_lens, tables, BLOCK)
+    # Every request holds KV blocks here (its chunk writes K/V a later chunk reads).
+    kv_rows = np.arange(len(lens)) if causal else None
+    batch = build_host_batch(starts, lens, prompt_lens, kv_rows, tables or [], BLOCK)
     inputs, _ = to_step_inputs(batch, DeviceUploader(torch.device("cpu")), causal=causal, extra=[])
     cache = None
     if causal:

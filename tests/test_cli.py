@@ -114,11 +114,24 @@ def test_dimensions_and_prompt_name_reach_the_engine(st_bert_path, tmp_path):
         (lambda d: ["--input", str(d / "missing.txt")], "cannot read --input"),
         (lambda d: ["--input", str(d / "bad.jsonl")], r"bad.jsonl:2: not valid JSON"),
         (lambda d: ["--input", str(d / "number.jsonl")], r"number.jsonl:1: expected a string"),
-        (lambda d: ["--input", str(d / "mixed.jsonl")], "all strings or all lists of token ids"),
+        (
+            lambda d: ["--input", str(d / "mixed.jsonl")],
+            "mixed.jsonl:2: input 1 is a token list but input 0 is a string",
+        ),
         (lambda d: ["--output", str(d / "out.csv"), "hi"], "--output must end in .npy or .jsonl"),
         (lambda d: ["--output", str(d / "no" / "out.npy"), "hi"], "does not exist"),
         (lambda d: ["--prompt-name", "query", "hi"], "unknown prompt_name 'query'"),
-        (lambda d: ["--max-model-len", "4", "a rather longer sentence"], "max_model_len=4"),
+        (
+            lambda d: [
+                "--long-inputs",
+                "error",
+                "--max-model-len",
+                "4",
+                "a",
+                "much longer sentence",
+            ],
+            r"TEXT argument 2: input 1 has 5 tokens, more than max_model_len=4.*--long-inputs",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_message_on_stderr(bert_path, tmp_path, capsys, make_args, message):

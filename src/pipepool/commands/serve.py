@@ -13,10 +13,6 @@ import logging
 import signal
 import sys
 
-from ..deployment import plan_deployment
-from ..engine import Engine
-from ..parallel.multiproc import run_torchrun_worker
-from ..parallel.rendezvous import torchrun_env
 from .common import add_engine_args, engine_config, env, env_bool
 
 
@@ -81,9 +77,15 @@ def add_parser(sub, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The server extras are imported here only: the rest of pipepool must work without them.
+    # The server extras are imported here only: the rest of pipepool must work without them
+    # (cli.py turns their absence into one line naming the extra); torch only now, so that
+    # `--help` is quick.
     import uvicorn
 
+    from ..deployment import plan_deployment
+    from ..engine import Engine
+    from ..parallel.multiproc import run_torchrun_worker
+    from ..parallel.rendezvous import torchrun_env
     from ..server.app import build_app
     from ..server.front import AsyncEngine
     from ..server.owner import EngineOwner

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
-from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
+from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,9 @@ class EncoderStage(StageModel):
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
         h = cfg.hidden_size
         if first:
-            self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
-            self.position_embeddings = nn.Embedding(cfg.max_positions + cfg.position_offset, h)
-            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+            self.word_embeddings = embedding(cfg.vocab_size, h)
+            self.position_embeddings = embedding(cfg.max_positions + cfg.position_offset, h)
+            self.token_type_embeddings = embedding(cfg.type_vocab_size, h)
             self.emb_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
 

@@ -154,14 +154,15 @@ def test_bad_model_exits_2(tmp_path, capsys):
 
 
 # The README's quick start installs the bundled model without its dependencies: it must not
-# need them (nor torch._dynamo, whose import cost seconds of every start).
+# need them (nor torch._dynamo or sympy, whose imports cost seconds of every start).
 _LEAN = (
     "import sys\n"
     "for name in ('transformers', 'sentence_transformers', 'scipy', 'sklearn'):\n"
     "    sys.modules[name] = None  # importing it now raises ImportError\n"
     "from pipepool.cli import main\n"
     "code = main(sys.argv[1:])\n"
-    "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    "for slow in ('torch._dynamo', 'sympy'):  # seconds of start-up, needed by neither\n"
+    "    assert slow not in sys.modules, f'{slow} was imported'\n"
     "sys.exit(code)\n"
 )
 

@@ -93,3 +93,14 @@ def test_split_windows_cuts_by_position():
     w = split_windows(np.arange(10), np.array([3, 7]), 3)
     assert w.lengths.tolist() == [3, 3, 3, 1]
     assert w.owner.tolist() == [0, 1, 1, 1]
+
+
+def test_chunk_on_a_decoder_combines_last_token_windows(qwen3_path, reference):
+    ref = reference(qwen3_path)
+    ids = ref.token_ids(LONG)
+    windows = _windows(ids, 32)
+    want = _combine([ref.pooled(w, "last") for w in windows], [len(w) for w in windows], True)
+    with pipepool.Engine(str(qwen3_path), max_model_len=32, max_num_batched_tokens=16) as engine:
+        (got,) = engine.embed([LONG], long_inputs="chunk", normalize=True)
+    assert len(windows) > 3
+    assert cosine(got, want) >= MIN_COSINE

@@ -233,7 +233,9 @@ class Engine:
         """long_inputs="chunk": inputs over max_model_len become several requests."""
         token_ids = np.concatenate([p.token_ids for p in parts])
         lengths = np.concatenate([p.lengths for p in parts])
-        windows = split_windows(token_ids, lengths, self.deployment.max_model_len)
+        d = self.deployment
+        size = min(d.max_model_len, d.kv_cache_tokens) if d.causal else d.max_model_len
+        windows = split_windows(token_ids, lengths, size)
         if len(windows.lengths) == len(lengths):  # nothing to split
             return self.submit_tokens(token_ids, lengths, params)
         inner = self.submit_tokens(token_ids, windows.lengths, window_params(params))

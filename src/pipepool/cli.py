@@ -12,10 +12,10 @@ from .errors import PipepoolError
 # name -> module under pipepool.commands with add_parser(subparsers) and run(args) -> int.
 # Imported lazily: `serve` needs the server extras, the others must not.
 SUBCOMMANDS = {
-    "embed": "embed embed texts or token ids and print or save the vectors",
-    "serve": "serve an OpenAI-compatible embedding server",
-    "parity": "parity check vectors against transformers or PP=1, per request",
-    "bench": "bench measure throughput against Hugging Face transformers",
+    "embed": "embed texts or token ids and print or save the vectors",
+    "serve": "run an OpenAI- and TEI-compatible embedding server",
+    "parity": "check vectors against transformers or PP=1, per request",
+    "bench": "measure throughput against Hugging Face transformers",
 }
 # Modules a subcommand cannot run without, and the extra that installs them.
 _EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server"}
@@ -24,11 +24,13 @@ _EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server"}
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command``, only that subcommand's module is imported (its flags
     come from it), the others are listed by name: ``pipepool --help`` imports no torch."""
-    parser = argparse.ArgumentParser(prog="pipepool", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pipepool",
+        description="Pipeline-parallel inference for pooling models (text and token embeddings).",
+    )
     parser.add_argument("--version", action="version", version=f"pipepool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, line in SUBCOMMANDS.items():
-        help = line.split(" ", 1)[1]
+    for name, help in SUBCOMMANDS.items():
         if command is None or name == command:
             importlib.import_module(f"pipepool.commands.{name}").add_parser(sub, help=help)
         else:

@@ -51,7 +51,6 @@ def assert_still_serves(engine) -> None:
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
-        ([], "inputs is empty"),
         ("", "input 0 is an empty string"),
         (["fine", ""], "input 1 is an empty string"),
         ([[]], "input 0 is an empty token list"),
@@ -94,11 +93,14 @@ def test_bad_input_in_a_batch_queues_nothing(qwen3_engine):
 def test_prompt_over_max_model_len_is_rejected_with_its_length(qwen3_engine):
     n = len(qwen3_engine.inputs.tokenizer.encode_batch([LONG])[0])
     assert n > MAX_LEN
-    with pytest.raises(pipepool.PromptTooLongError, match=f"input 0 has {n} tokens.*{MAX_LEN}"):
-        qwen3_engine.embed([LONG])
+    with pytest.raises(
+        pipepool.PromptTooLongError, match=f"input 1 has {n} tokens.*{MAX_LEN}.*--long-inputs"
+    ) as info:
+        qwen3_engine.embed(["short", LONG], long_inputs="error")
+    assert info.value.index == 1
     assert_still_serves(qwen3_engine)
     with pytest.raises(pipepool.PromptTooLongError, match="max_model_len=32"):
-        qwen3_engine.embed([list(range(MAX_LEN + 1))])
+        qwen3_engine.embed([list(range(MAX_LEN + 1))], long_inputs="error")
     assert_still_serves(qwen3_engine)
     # Exactly max_model_len tokens is fine.
     assert qwen3_engine.embed([list(range(MAX_LEN))]).shape == (1, 64)
@@ -155,7 +157,7 @@ def test_truncating_text_keeps_bert_cls_and_sep(bert_engine, reference, bert_pat
     full = ref.token_ids(LONG * 2)
     assert len(full) > 512
     with pytest.raises(pipepool.PromptTooLongError, match="max_model_len=512"):
-        bert_engine.embed([LONG * 2])
+        bert_engine.embed([LONG * 2], long_inputs="error")
     assert_still_serves(bert_engine)
     cls, sep = full[0], full[-1]
     right = bert_engine.tokenize([LONG * 2], truncate_prompt_tokens=20)[0].tolist()

@@ -3,6 +3,7 @@ output format, and a bad input is exit status 2 with a message on stderr."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -114,11 +115,24 @@ def test_dimensions_and_prompt_name_reach_the_engine(st_bert_path, tmp_path):
         (lambda d: ["--input", str(d / "missing.txt")], "cannot read --input"),
         (lambda d: ["--input", str(d / "bad.jsonl")], r"bad.jsonl:2: not valid JSON"),
         (lambda d: ["--input", str(d / "number.jsonl")], r"number.jsonl:1: expected a string"),
-        (lambda d: ["--input", str(d / "mixed.jsonl")], "all strings or all lists of token ids"),
+        (
+            lambda d: ["--input", str(d / "mixed.jsonl")],
+            "mixed.jsonl:2: input 1 is a token list but input 0 is a string",
+        ),
         (lambda d: ["--output", str(d / "out.csv"), "hi"], "--output must end in .npy or .jsonl"),
         (lambda d: ["--output", str(d / "no" / "out.npy"), "hi"], "does not exist"),
         (lambda d: ["--prompt-name", "query", "hi"], "unknown prompt_name 'query'"),
-        (lambda d: ["--max-model-len", "4", "a rather longer sentence"], "max_model_len=4"),
+        (
+            lambda d: [
+                "--long-inputs",
+                "error",
+                "--max-model-len",
+                "4",
+                "a",
+                "much longer sentence",
+            ],
+            r"TEXT argument 2: input 1 has 5 tokens, more than max_model_len=4.*--long-inputs",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_message_on_stderr(bert_path, tmp_path, capsys, make_args, message):
@@ -139,11 +153,28 @@ def test_bad_model_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+# The README's quick start installs the bundled model without its dependencies: it must not
+# need them (nor torch._dynamo or sympy, whose imports cost seconds of every start).
+_LEAN = (
+    "import sys\n"
+    "for name in ('transformers', 'sentence_transformers', 'scipy', 'sklearn'):\n"
+    "    sys.modules[name] = None  # importing it now raises ImportError\n"
+    "from pipepool.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "for slow in ('torch._dynamo', 'sympy'):  # seconds of start-up, needed by neither\n"
+    "    assert slow not in sys.modules, f'{slow} was imported'\n"
+    "sys.exit(code)\n"
+)
+
+
 def test_readme_command_runs_end_to_end_with_the_default_model(tmp_path, minilm_path):
+    from sentence_transformers import SentenceTransformer
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEPOOL_")}
     env["PYTHONPATH"] = str(Path(pipepool.__file__).parents[1])
+    texts = ["The quick brown fox", "jumps over the lazy dog"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pipepool", "embed", "hello"],
+        [sys.executable, "-c", _LEAN, "embed", *texts],
         capture_output=True,
         text=True,
         env=env,
@@ -152,7 +183,77 @@ def test_readme_command_runs_end_to_end_with_the_default_model(tmp_path, minilm_
     )
     assert proc.returncode == 0, proc.stderr
     assert "384-dim vectors with model" in proc.stderr
-    with pipepool.Engine(str(minilm_path)) as engine:
-        (want,) = engine.embed(["hello"])
-    head = ", ".join(f"{x:+.4f}" for x in want[:6])
-    assert proc.stdout == f"[0] dim=384 [{head}, ...]\n"
+    want = SentenceTransformer(str(minilm_path), device="cpu").encode(texts)
+    heads = [", ".join(f"{x:+.4f}" for x in v[:6]) for v in want]
+    assert proc.stdout == "".join(f"[{i}] dim=384 [{h}, ...]\n" for i, h in enumerate(heads))
+
+
+def test_json_array_input_and_jsonl_output_with_the_text(bert_path, expected, tmp_path):
+    source = tmp_path / "in.json"
+    source.write_text(json.dumps([TEXTS[0], {"text": TEXTS[1]}, *TEXTS[2:]], indent=2))
+    target = tmp_path / "out.jsonl"
+    assert _embed(bert_path, "--input", str(source), "--output", str(target)) == 0
+    _assert_equal_vectors(_read_jsonl(target), expected)
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r["text"] for r in rows] == TEXTS
+    assert _embed(bert_path, "--input", str(source), "--output", str(target), "--no-text") == 0
+    assert "text" not in json.loads(target.read_text().splitlines()[0])
+
+
+def test_stdin_dash_reads_one_text_per_line(bert_path, expected, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join([TEXTS[0], "", *TEXTS[1:]]) + "\n"))
+    target = tmp_path / "out.npy"
+    assert _embed(bert_path, "--input", "-", "--output", str(target)) == 0
+    _assert_equal_vectors(np.load(target), expected)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(TEXTS[2:])))
+    assert _embed(bert_path, *TEXTS[:2], "-", "--output", str(target)) == 0
+    _assert_equal_vectors(np.load(target), expected)
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        ("", "empty.txt", r"empty.txt has nothing to embed \(it is empty or has only blank"),
+        ("\n  \n", "blank.txt", "blank.txt has nothing to embed"),
+        ("[]", "empty.json", "empty.json has nothing to embed"),
+        ('{"a": 1}', "object.json", "object.json: expected a JSON array"),
+        ('["ok", 3]', "bad.json", "bad.json element 1: expected a string"),
+        ('["ok", ""]', "blank.json", "blank.json element 1: input 1 is an empty string"),
+        ("ok\n\n" + "word " * 600, "long.txt", "long.txt:3: input 1 has 602 tokens"),
+    ],
+)
+def test_input_file_errors_name_the_file_and_line(
+    bert_path, tmp_path, capsys, content, name, message
+):
+    (tmp_path / name).write_text(content)
+    args = ["--long-inputs", "error", "--input", str(tmp_path / name)]
+    assert _embed(bert_path, *args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_no_input_at_all_says_how_to_give_some(capsys):
+    assert main(["embed"]) == 2
+    assert "give TEXT arguments, --input FILE, or '-' to read stdin" in capsys.readouterr().err
+
+
+def test_progress_bar_moves_as_requests_finish(bert_path, monkeypatch):
+    import tqdm
+
+    from pipepool.progress import follow
+
+    seen = []
+    original = tqdm.tqdm.update
+
+    def update(self, n=1):
+        seen.append(self.n + n)
+        return original(self, n)
+
+    monkeypatch.setattr(tqdm.tqdm, "update", update)
+    texts = [f"{i} {SENTENCES[i % len(SENTENCES)]}" for i in range(100)]
+    with pipepool.Engine(str(bert_path), max_num_batched_tokens=64) as engine:
+        follow(engine.submit(texts), disable=False)
+        steps = engine.stats.steps
+    assert steps > 10
+    moves = sorted(set(seen) - {0})
+    assert moves[-1] == len(texts) and len(moves) > 10  # many moves, not one at the end

@@ -13,7 +13,7 @@ MIN_COSINE = 0.99999
 
 
 def _check_against_reference(engine, ref, prompts, pooling):
-    outs = engine.encode(prompts, pooling=pooling, normalize=False)
+    outs = engine.pool(prompts, pooling=pooling, normalize=False)
     worst = 1.0
     for text, out in zip(prompts, outs, strict=True):
         expected = ref.pooled(ref.token_ids(text), pooling)
@@ -38,7 +38,7 @@ def test_decoder_chunked_prefill_matches_transformers(decoder_paths, reference, 
         # A 1-token prompt (token ids in, as no text tokenizes to a single token here).
         token = [int(ref.token_ids("hello")[0])]
         for pooling in POOLINGS:
-            out = engine.encode([token], pooling=pooling, normalize=False)[0]
+            out = engine.pool([token], pooling=pooling, normalize=False)[0]
             assert cosine(out, ref.pooled(token, pooling)).min() >= MIN_COSINE
 
 

@@ -18,7 +18,7 @@ POOLINGS = ("last", "mean", "cls", "all")
 
 
 def _worst(engine, ref, prompts, pooling) -> float:
-    outs = engine.encode(prompts, pooling=pooling, normalize=False)
+    outs = engine.pool(prompts, pooling=pooling, normalize=False)
     return min(
         float(cosine(o, ref.pooled(ref.token_ids(p), pooling)).min())
         for p, o in zip(prompts, outs, strict=True)
@@ -140,7 +140,7 @@ def test_cuda_graphs_match_eager_and_the_reference(
     for graphs in (False, True):
         with pipepool.Engine(str(path), cuda_graphs=graphs, **kw) as engine:
             runner = engine._executor.runners[0]
-            got[graphs] = {p: engine.encode(prompts, pooling=p, normalize=False) for p in POOLINGS}
+            got[graphs] = {p: engine.pool(prompts, pooling=p, normalize=False) for p in POOLINGS}
             assert bool(getattr(runner.forward, "captured", None)) == graphs
     for pooling in POOLINGS:
         for o_graph, o_eager, p in zip(

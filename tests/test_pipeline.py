@@ -73,7 +73,7 @@ def test_pp_stages_match_transformers_for_every_pooler(qwen3_path, reference, pp
     ) as engine:
         assert engine.deployment.num_stages == pp
         for pooling in POOLINGS:
-            outs = engine.encode(prompts, pooling=pooling, normalize=False)
+            outs = engine.pool(prompts, pooling=pooling, normalize=False)
             refs = [ref.pooled(ref.token_ids(p), pooling) for p in prompts]
             worst = _per_request_min_cosine(outs, refs)  # per token for "all"
             assert worst >= MIN_COSINE, f"pp={pp} budget={budget} {pooling}: {worst}"
@@ -89,7 +89,7 @@ def test_pp_with_explicit_partition(decoder_paths, reference):
         str(path), pipeline_parallel_size=2, pp_partition=(1, 3), max_num_batched_tokens=16
     ) as engine:
         assert [len(r) for r in engine.deployment.layers] == [1, 3]
-        outs = engine.encode(prompts, pooling="mean", normalize=False)
+        outs = engine.pool(prompts, pooling="mean", normalize=False)
     refs = [ref.pooled(ref.token_ids(p), "mean") for p in prompts]
     assert _per_request_min_cosine(outs, refs) >= MIN_COSINE
 
@@ -198,7 +198,7 @@ def test_two_pp2_engines_at_once_on_one_host(qwen3_path, bert_path, reference):
         with pipepool.Engine(
             str(path), pipeline_parallel_size=2, max_num_batched_tokens=32, normalize=False
         ) as engine:
-            results[name] = engine.encode(long_prompts(), pooling=pooling, normalize=False)
+            results[name] = engine.pool(long_prompts(), pooling=pooling, normalize=False)
 
     threads = [
         threading.Thread(target=run, args=("qwen3", qwen3_path, "last")),
@@ -324,13 +324,13 @@ def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
         normalize=False,
     ) as engine:
         assert engine._executor.depth == pp + 1
-        got = [engine.encode(batch, pooling=pooling) for batch, pooling in batches]
+        got = [engine.pool(batch, pooling=pooling) for batch, pooling in batches]
         submission = engine.submit(REPRODUCER_PROMPTS, pooling="cls")
         got.append(list(submission.result(timeout=60)))
         assert engine.kv_blocks_free == engine._scheduler.blocks.num_blocks
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=4096, normalize=False) as ref:
         want = [
-            ref.encode(batch, pooling=pooling)
+            ref.pool(batch, pooling=pooling)
             for batch, pooling in [*batches, (REPRODUCER_PROMPTS, "cls")]
         ]
     for g, w in zip(got, want, strict=True):

@@ -134,8 +134,10 @@ def test_prompt_over_max_seq_length_truncated_like_sentence_transformers(st_bert
     text = " ".join(SENTENCES)  # far more than 256 tokens
     assert len(st_bert.tokenizer(text)["input_ids"]) > 300
     with pytest.raises(pipepool.PromptTooLongError, match="max_model_len=256"):
-        st_bert_engine.embed([text])
-    # sentence-transformers truncates silently at max_seq_length; asked to, so does pipepool.
+        st_bert_engine.embed([text], long_inputs="error")
+    # sentence-transformers truncates silently at max_seq_length; so does pipepool by default
+    # (and when asked to with truncate_prompt_tokens=-1).
     expected = st_bert.encode([text], convert_to_numpy=True)
+    assert cosine(st_bert_engine.embed([text]), expected).min() >= MIN_COSINE
     vectors = st_bert_engine.embed([text], truncate_prompt_tokens=-1)
     assert cosine(vectors, expected).min() >= MIN_COSINE

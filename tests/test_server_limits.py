@@ -30,6 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(qwen3_path, tmp_path_factory):
     args = ["--model", str(qwen3_path), "--served-model-name", MODEL, "--pp", "2"]
+    args += ["--allow-token-ids"]
     args += ["--api-key", KEY, "--max-inputs-per-request", str(MAX_INPUTS)]
     args += ["--max-queued-requests", str(MAX_QUEUED), "--max-body-bytes", str(MAX_BODY)]
     # A tiny step budget makes a request of long prompts slow enough to fill the queue.
@@ -108,12 +109,15 @@ def test_too_many_inputs(server):
     assert post(server, json={"input": SENTENCES[:MAX_INPUTS]}).status_code == 200
 
 
-def test_prompt_too_long_unless_truncation_was_asked_for(server, engine):
+def test_prompt_too_long_is_truncated_unless_told_to_refuse_it(server, engine):
     text = long_prompts()[3]  # ~600 tokens
     for path in ("/v1/embeddings", "/pooling"):
-        r = post(server, path, json={"input": [SENTENCES[0], text]})
+        r = post(server, path, json={"input": [SENTENCES[0], text], "long_inputs": "error"})
         err = assert_error(r, 400, "invalid_request_error", "context_length_exceeded", "input")
         assert f"max_model_len={MAX_LEN}" in err["message"] and "input 1" in err["message"]
+    r = post(server, json={"input": text})  # the default, as in sentence-transformers and TEI
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == MAX_LEN
+    assert_close(r.json()["data"][0]["embedding"], engine.embed([text])[0])
     for truncate in (MAX_LEN, -1, 10):
         r = post(server, json={"input": text, "truncate_prompt_tokens": truncate})
         assert r.status_code == 200, r.text
@@ -177,7 +181,7 @@ BAD_EMBEDDING_BODIES = {
     "dimensions too large": ({"input": "a", "dimensions": 65}, "dimensions"),
     "dimensions a string": ({"input": "a", "dimensions": "8"}, "dimensions"),
     "truncate zero": ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    "unknown field": ({"input": "a", "temperature": 1}, "temperature"),
+    "unknown long_inputs": ({"input": "a", "long_inputs": "split"}, "long_inputs"),
     "body not an object": ([1, 2], None),
 }
 
@@ -214,10 +218,19 @@ def test_unknown_model_is_404(server):
 
 
 def test_bad_tokenize_and_pooling_requests(server):
-    for body in ({}, {"prompt": "a", "input": "b"}, {"prompt": 3}, {"prompt": "a", "x": 1}):
+    for body in ({}, {"prompt": "a", "input": "b"}, {"prompt": 3}, {"prompt": "a", "inputs": "b"}):
         assert_error(post(server, "/tokenize", json=body), 400, "invalid_request_error")
+    r = post(server, "/pooling", json={"input": "a", "normalize": "maybe"})
+    assert_error(r, 400, "invalid_request_error", param="normalize")
+
+
+def test_unknown_fields_are_ignored_as_openai_clients_expect(server):
+    plain = post(server, json={"input": "a"}).json()["data"]
+    for extra in ({"temperature": 1}, {"dimensions_x": 3, "extra_body": {"a": 1}}):
+        r = post(server, json={"input": "a", **extra})
+        assert r.status_code == 200 and r.json()["data"] == plain
     r = post(server, "/pooling", json={"input": "a", "dimensions": 4})  # not a pooling field
-    assert_error(r, 400, "invalid_request_error", param="dimensions")
+    assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 64
 
 
 def test_server_still_serves_after_all_that(server, engine):

@@ -96,7 +96,7 @@ def test_text_is_tokenised_in_slices_with_the_same_results(bert_path, reference)
     ref = reference(bert_path)
     texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(2500)]
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=512, normalize=False) as engine:
-        got = engine.encode(texts, pooling="cls")
+        got = engine.pool(texts, pooling="cls")
         assert engine.stats.requests_finished == len(texts)
     for i in (0, 1023, 1024, 2047, 2048, 2499):
         want = ref.pooled(ref.token_ids(texts[i]), "cls")
@@ -106,7 +106,7 @@ def test_text_is_tokenised_in_slices_with_the_same_results(bert_path, reference)
 def test_a_bad_input_in_a_later_slice_leaves_nothing_queued(bert_path):
     texts = ["fine"] * 1500
     texts[1400] = "word " * 5000  # too long, found when its slice is tokenised
-    with pipepool.Engine(str(bert_path)) as engine:
+    with pipepool.Engine(str(bert_path), long_inputs="error") as engine:
         with pytest.raises(pipepool.PromptTooLongError, match="input 1400"):
             engine.embed(texts)
         assert engine.embed(["still serving"]).shape[0] == 1
@@ -147,11 +147,12 @@ def test_auto_options_are_resolved_once_in_the_deployment(minilm_path):
 
     d = plan_deployment(EngineConfig(model=str(minilm_path), device="cpu"))
     assert (d.compile, d.graph_max_tokens, d.overlap_steps) == (False, 0, False)
-    assert d.max_num_seqs == d.config.max_num_batched_tokens  # no cap below the token budget
+    assert d.max_num_batched_tokens == 2048  # the CPU's default step (see EngineConfig)
+    assert d.max_num_seqs == d.max_num_batched_tokens  # no cap below the token budget
     # Asked for, CUDA graphs get a largest step from the model's FLOPs per token: a small
     # encoder's whole budget.
     d = plan_deployment(EngineConfig(model=str(minilm_path), device="cpu", cuda_graphs=True))
-    assert d.graph_max_tokens == d.config.max_num_batched_tokens
+    assert d.graph_max_tokens == d.max_num_batched_tokens
 
 
 def test_the_driver_side_imports_without_torch():

@@ -6,31 +6,44 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
 from .errors import PipepoolError
 
 # name -> module under pipepool.commands with add_parser(subparsers) and run(args) -> int.
 # Imported lazily: `serve` needs the server extras, the others must not.
 SUBCOMMANDS = {
-    "embed": "embed embed texts or token ids and print or save the vectors",
-    "serve": "serve an OpenAI-compatible embedding server",
-    "parity": "parity check vectors against transformers or PP=1, per request",
-    "bench": "bench measure throughput against Hugging Face transformers",
+    "embed": "embed texts or token ids and print or save the vectors",
+    "serve": "run an OpenAI- and TEI-compatible embedding server",
+    "parity": "check vectors against transformers or PP=1, per request",
+    "bench": "measure throughput against Hugging Face transformers",
 }
+# Modules a subcommand cannot run without, and the extra that installs them.
+_EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipepool", description=__doc__)
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command``, only that subcommand's module is imported (its flags
+    come from it), the others are listed by name: ``pipepool --help`` imports no torch."""
+    parser = argparse.ArgumentParser(
+        prog="pipepool",
+        description="Pipeline-parallel inference for pooling models (text and token embeddings).",
+    )
+    parser.add_argument("--version", action="version", version=f"pipepool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, line in SUBCOMMANDS.items():
-        module = importlib.import_module(f"pipepool.commands.{name}")
-        module.add_parser(sub, help=line.split(" ", 1)[1])
+    for name, help in SUBCOMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f"pipepool.commands.{name}").add_parser(sub, help=help)
+        else:
+            sub.add_parser(name, help=help, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    module = importlib.import_module(f"pipepool.commands.{args.command}")
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else "").parse_args(argv)
     try:
+        module = importlib.import_module(f"pipepool.commands.{args.command}")
         return int(module.run(args) or 0)
     except PipepoolError as exc:
         print(f"pipepool {args.command}: error: {exc}", file=sys.stderr)
@@ -38,6 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pipepool {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"pipepool {args.command}: needs the {extra} extras ({exc.name} is not installed): "
+            f"pip install 'pipepool[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import EngineConfig
+from .config import EngineConfig, check_long_inputs
 from .core.kv_blocks import BlockAllocator
 from .core.plan import StepPlan, StepResult
 from .core.request import PoolingParams, RequestBatch
@@ -26,6 +26,7 @@ from .core.stats import EngineStats
 from .deployment import Deployment, plan_deployment
 from .errors import EngineDeadError, InvalidInputError, PipepoolError
 from .inputs import InputPreparer, TokenSlice
+from .long_inputs import CombinedSubmission, split_windows, window_params
 from .parallel.executor import Executor
 from .parallel.launch import start_executor
 from .signal_mask import block_stop_signals
@@ -58,7 +59,7 @@ class Engine:
         self.stats = EngineStats(d.num_stages)
         blocks = BlockAllocator(d.num_kv_blocks, config.block_size) if d.causal else None
         self._scheduler = Scheduler(
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=d.max_num_batched_tokens,
             max_num_seqs=d.max_num_seqs,
             chunked=d.causal,
             blocks=blocks,
@@ -89,8 +90,10 @@ class Engine:
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
+        long_inputs: str | None = None,
     ) -> np.ndarray:
-        """One vector per input, ``[n, dim]`` float32, in input order."""
+        """One vector per input, ``[n, dim]`` float32, in input order (``[0, dim]`` for no
+        input)."""
         return self.submit(
             inputs,
             dimensions=dimensions,
@@ -98,6 +101,7 @@ class Engine:
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
+            long_inputs=long_inputs,
         ).result()
 
     def embed_tokens(
@@ -108,21 +112,72 @@ class Engine:
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
+        long_inputs: str | None = None,
     ) -> list[np.ndarray]:
         """Token embeddings (ALL pooling): one ``[len, hidden]`` float32 array per input."""
-        return self.encode(
+        return self.pool(
             inputs,
             pooling="all",
             normalize=normalize,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
+            long_inputs=long_inputs,
         )
 
-    def encode(self, inputs, *, pooling: str, **kwargs) -> list[np.ndarray]:
+    def pool(self, inputs, *, pooling: str, **kwargs) -> list[np.ndarray]:
         """Any pooling (last | mean | cls | all) for a batch of inputs; blocks until done.
-        One array per input."""
+        One array per input; ``kwargs`` as for ``submit``."""
         return list(self.submit(inputs, pooling=pooling, **kwargs).result())
+
+    # sentence-transformers' names, so code written for SentenceTransformer runs unchanged.
+
+    def encode(
+        self,
+        sentences: str | Sequence[str],
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str = "sentence_embedding",
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+        prompt_name: str | None = None,
+        truncate_dim: int | None = None,
+    ):
+        """``SentenceTransformer.encode``: a ``[n, dim]`` array (one ``[dim]`` vector for a
+        single string), ``[0, dim]`` for an empty list. ``batch_size`` is accepted and unused:
+        the engine batches by tokens (``max_num_batched_tokens``), not by count.
+        ``normalize_embeddings=False`` keeps the model's own normalisation, as there.
+        ``output_value="token_embeddings"`` gives one ``[len, hidden]`` array per input."""
+        from .st_compat import encode
+
+        return encode(
+            self,
+            sentences,
+            show_progress_bar=show_progress_bar,
+            output_value=output_value,
+            precision=precision,
+            convert_to_numpy=convert_to_numpy,
+            convert_to_tensor=convert_to_tensor,
+            normalize_embeddings=normalize_embeddings,
+            prompt_name=prompt_name,
+            truncate_dim=truncate_dim,
+        )
+
+    def get_embedding_dimension(self) -> int:
+        """Size of one embedding (after any Dense head), as sentence-transformers says it."""
+        return self.deployment.output_dim
+
+    get_sentence_embedding_dimension = get_embedding_dimension  # its name before version 6
+
+    def similarity(self, a, b) -> np.ndarray:
+        """``[len(a), len(b)]`` similarities by the model's ``similarity_fn_name`` (cosine
+        unless its sentence-transformers config says dot, euclidean or manhattan)."""
+        from .st_compat import similarity
+
+        st = self.deployment.folder.st
+        return similarity(a, b, st.similarity_fn_name if st else None)
 
     def submit(
         self,
@@ -134,22 +189,34 @@ class Engine:
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
-    ) -> Submission:
+        long_inputs: str | None = None,
+    ) -> Submission | CombinedSubmission:
         """Validate, tokenise and enqueue; returns at once with the call's future.
 
         Raises InvalidInputError naming the input if any input is bad; then nothing of the
         call stays queued. Long lists are tokenised and enqueued a slice at a time, so the
         device starts on the first slice while this thread tokenises the next.
+        ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
+        policy = check_long_inputs(long_inputs or self.config.long_inputs)
         slices = self.inputs.token_slices(
             inputs,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
+            long_inputs=policy,
         )
+        if (
+            not isinstance(inputs, str)
+            and isinstance(inputs, (Sequence, np.ndarray))
+            and not len(inputs)
+        ):
+            return self._new_submission(params, 0)  # already done: an empty result
         first = next(slices)  # every input is validated before anything is enqueued
         items = 1 if isinstance(inputs, str) else len(inputs)
+        if policy == "chunk":
+            return self._submit_windows(params, [first, *slices])
         submission = self._new_submission(params, items)
         try:
             self._enqueue(submission, first)
@@ -160,6 +227,20 @@ class Engine:
             raise
         return submission
 
+    def _submit_windows(
+        self, params: PoolingParams, parts: list[TokenSlice]
+    ) -> Submission | CombinedSubmission:
+        """long_inputs="chunk": inputs over max_model_len become several requests."""
+        token_ids = np.concatenate([p.token_ids for p in parts])
+        lengths = np.concatenate([p.lengths for p in parts])
+        d = self.deployment
+        size = min(d.max_model_len, d.kv_cache_tokens) if d.causal else d.max_model_len
+        windows = split_windows(token_ids, lengths, size)
+        if len(windows.lengths) == len(lengths):  # nothing to split
+            return self.submit_tokens(token_ids, lengths, params)
+        inner = self.submit_tokens(token_ids, windows.lengths, window_params(params))
+        return CombinedSubmission(inner, windows, params)
+
     def submit_tokens(
         self, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams
     ) -> Submission:
@@ -169,6 +250,8 @@ class Engine:
         return submission
 
     def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
+        """Token ids per input, as ``submit`` would enqueue them (truncation included)."""
+        kwargs.setdefault("long_inputs", self.config.long_inputs)
         return self.inputs.prepare(inputs, **kwargs)
 
     def stage_busy_s(self) -> list[float]:

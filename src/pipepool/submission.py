@@ -42,6 +42,8 @@ class Submission(Future):
         self._on_cancel = on_cancel
         self._progress: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
+        if num_inputs == 0:  # nothing to wait for
+            self.set_result(self._outputs)
 
     def add_progress_callback(self, fn: Callable[[int], None]) -> None:
         """``fn(n)`` after each step that finished ``n`` more of this call's inputs (called on

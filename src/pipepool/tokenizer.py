@@ -70,6 +70,27 @@ class Tokenizer:
         )
         return flat, lengths
 
+    def describe(self, texts: list[str]) -> list[list[dict]]:
+        """Per text, its tokens as TEI's /tokenize lists them: id, text, whether special, and
+        the character span in the text (None for special tokens)."""
+        out = []
+        for text, enc in zip(texts, self._tok.encode_batch(texts), strict=True):
+            tokens = []
+            for tid, special, (start, stop) in zip(
+                enc.ids, enc.special_tokens_mask, enc.offsets, strict=True
+            ):
+                tokens.append(
+                    {
+                        "id": tid,
+                        "text": self._tok.id_to_token(tid) if special else text[start:stop],
+                        "special": bool(special),
+                        "start": None if special else start,
+                        "stop": None if special else stop,
+                    }
+                )
+            out.append(tokens)
+        return out
+
     def decode(self, ids: np.ndarray) -> str:
         """Text of token ids, special tokens dropped (benchmarks make text inputs with it)."""
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)

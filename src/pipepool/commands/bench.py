@@ -29,6 +29,7 @@ from ..bench import (
     vocabulary_words,
     write_json,
 )
+from ..deployment import step_tokens
 from ..engine import Engine
 from .common import add_engine_args, engine_config
 
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
 def bench_one(config, workload_name: str, args) -> dict:
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
-        config = config.replace(kv_cache_tokens=4 * config.max_num_batched_tokens + longest)
+        budget = step_tokens(config, cuda=config.device != "cpu" and torch.cuda.is_available())
+        config = config.replace(kv_cache_tokens=4 * budget + longest)
     started = time.perf_counter()
     engine = Engine.from_config(config)
     start_s = time.perf_counter() - started
@@ -97,16 +99,14 @@ def bench_one(config, workload_name: str, args) -> dict:
     pooling = d.pooling
     # Warm-up: one pass of the workload (compilation, CUDA graphs of every step size the run
     # will see, allocator): the figure is the steady state a server runs in.
-    engine.encode(workload.token_ids, pooling=pooling)
+    engine.pool(workload.token_ids, pooling=pooling)
     busy_start = engine.stage_busy_s()
     ours = run_engine(engine, workload, pooling)
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     gpu_busy = None
     if args.gpu_busy:
         gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
-    ours_vectors = np.stack(
-        engine.encode(workload.token_ids[:256], pooling=pooling, normalize=True)
-    )
+    ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
     if args.profile:
         profile(engine, workload, pooling)
     texts = None
@@ -131,7 +131,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "requests": len(lengths),
         "tokens": int(sum(lengths)),
         "dtype": str(d.dtype).removeprefix("torch."),
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_batched_tokens": d.max_num_batched_tokens,
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_tflops": round(total_flops / ours.seconds / 1e12, 1),
         # of the peak of every GPU the pipeline uses
@@ -204,7 +204,7 @@ def bench_text(config, workload_name: str, args) -> dict:
         "requests": len(texts),
         "tokens": ours.detail["tokens"],
         "dtype": str(d.dtype).removeprefix("torch."),
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_batched_tokens": d.max_num_batched_tokens,
         "engine_texts_per_s": round(len(texts) / ours.seconds, 1),
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_start_s": round(start_s, 2),
@@ -237,7 +237,7 @@ def profile(engine: Engine, workload, pooling: str) -> None:
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     with torch_profile(activities=activities) as prof:
-        engine.encode(workload.token_ids[:1024], pooling=pooling)
+        engine.pool(workload.token_ids[:1024], pooling=pooling)
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         reference_device=args.reference_device,
         reference_dtype=args.reference_dtype,
     )
-    prompts = read_inputs([], args.prompts) if args.prompts is not None else None
+    prompts = read_inputs([], args.prompts).items if args.prompts is not None else None
     report = run_parity(base, sweep, prompts)
     print(report.header())
     print()

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.config
 import signal
 import sys
+import threading
 
-from ..deployment import plan_deployment
-from ..engine import Engine
-from ..parallel.multiproc import run_torchrun_worker
-from ..parallel.rendezvous import torchrun_env
 from .common import add_engine_args, engine_config, env, env_bool
 
 
@@ -40,7 +38,16 @@ def add_parser(sub, help: str) -> None:
     g.add_argument(
         "--served-model-name",
         default=env("served_model_name"),
-        help="the model name clients send and see (default: the --model value)",
+        help="more names clients may send as 'model', comma-separated; the first is the one "
+        "responses carry (always accepted too: the hub id, its short name, the folder name)",
+    )
+    g.add_argument(
+        "--allow-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("allow_token_ids", False),
+        help="accept token-id inputs (read as ids of this model's tokenizer; off by default: "
+        "clients such as LangChain send ids of OpenAI's tokenizer, which would give wrong "
+        "vectors)",
     )
     g.add_argument(
         "--max-inputs-per-request",
@@ -72,6 +79,12 @@ def add_parser(sub, help: str) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
     )
     g.add_argument(
+        "--log-format",
+        default=env("log_format", "text"),
+        choices=["text", "json"],
+        help="text (timestamped lines) or json (one object per line)",
+    )
+    g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=env_bool("access_log", True),
@@ -81,24 +94,33 @@ def add_parser(sub, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The server extras are imported here only: the rest of pipepool must work without them.
+    # The server extras are imported here only: the rest of pipepool must work without them
+    # (cli.py turns their absence into one line naming the extra); torch only now, so that
+    # `--help` is quick.
     import uvicorn
 
+    from ..deployment import plan_deployment
+    from ..engine import Engine
+    from ..parallel.multiproc import run_torchrun_worker
+    from ..parallel.rendezvous import torchrun_env
     from ..server.app import build_app
     from ..server.front import AsyncEngine
+    from ..server.logs import log_config
     from ..server.owner import EngineOwner
-    from ..server.settings import DEFAULT_MODEL_NAME, ServerSettings
+    from ..server.settings import ServerSettings, served_model_names
 
     settings = ServerSettings(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        model_names=served_model_names(args.model, args.served_model_name),
+        allow_token_ids=args.allow_token_ids,
         max_inputs_per_request=args.max_inputs_per_request,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.log_level,
+        log_format=args.log_format,
         access_log=args.access_log,
     )
     config = engine_config(args)  # checked now: a bad flag fails before anything starts
@@ -107,11 +129,20 @@ def run(args: argparse.Namespace) -> int:
         # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
         # are pipeline stages until rank 0 shuts the pipeline down.
         return run_torchrun_worker(plan_deployment(config))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(message)s")
+    logs = log_config(settings.log_level, settings.log_format)
+    logging.config.dictConfig(logs)
+    url = f"http://{settings.host}:{settings.port}"
+    names = settings.model_names
+    log.info("loading %s; it will be served as %s", config.model or "the bundled model", names[0])
+    announce = _Announcer(
+        f"ready: model {names[0]} (also accepted: {', '.join(names[1:]) or 'no other name'}) "
+        f"at {url}/v1 (OpenAI base_url; TEI routes /embed, /info at {url})"
+    )
 
     owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
-    server = uvicorn.Server(
+    server = _make_server(
+        announce.server_started,
         uvicorn.Config(
             build_app(settings, front),
             host=settings.host,
@@ -120,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
             access_log=settings.access_log,
             timeout_graceful_shutdown=settings.shutdown_timeout_s,
             lifespan="off",
-        )
+            log_config=logs,
+        ),
     )
 
     def stop_serving(_exc: BaseException) -> None:
@@ -129,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM once it has drained, with the handler it found installed;
     # this one lets run() go on to stop the stages and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    owner.start(on_failure=stop_serving)
+    owner.start(on_failure=stop_serving, on_ready=announce.engine_ready)
     try:
         server.run()
     finally:
@@ -142,3 +174,43 @@ def run(args: argparse.Namespace) -> int:
         print("pipepool serve: the server did not start (see the log above)", file=sys.stderr)
         return 1
     return 0
+
+
+log = logging.getLogger("pipepool.server")
+
+
+class _Announcer:
+    """Logs ``message`` once the port is bound and the engine is loaded, whichever comes
+    last; never if either fails (a port in use must not be followed by a "ready" line)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self._lock = threading.Lock()
+        self._started = self._loaded = False
+
+    def server_started(self) -> None:
+        with self._lock:
+            self._started = True
+            self._maybe_announce(not self._loaded)
+
+    def engine_ready(self, _engine) -> None:
+        with self._lock:
+            self._loaded = True
+            self._maybe_announce(not self._started)
+
+    def _maybe_announce(self, other_missing: bool) -> None:
+        if not other_missing:
+            log.info(self.message)
+
+
+def _make_server(on_started, config):
+    """A uvicorn Server that calls ``on_started`` once its sockets are bound."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                on_started()
+
+    return Server(config)

@@ -45,14 +45,23 @@ class EngineStats:
             self.chunked_requests += int((first_chunk_ends < plan.new.prompt_lens).sum())
 
     def on_result(self, plan: StepPlan, result: StepResult, wait_s: float) -> None:
+        """``wait_s``: how long the driver waited for the result. The step's time is the
+        device time its stages report (the slowest stage's share of the step): the driver's
+        wait says little, as a one-process CPU pipeline computes while the plan is submitted
+        and the wait is then ~0."""
         with self._lock:
-            self.step_time_sum += wait_s
+            step_s = wait_s
+            if result.stage_busy_s:
+                busy = list(result.stage_busy_s)
+                same = len(self.stage_busy_s) == len(busy)
+                before = self.stage_busy_s if same else [0.0] * len(busy)
+                step_s = max(now - then for now, then in zip(busy, before, strict=True))
+                self.stage_busy_s = busy
+            self.step_time_sum += step_s
             self.step_time_count += 1
             for i, bound in enumerate(STEP_BUCKETS):
-                if wait_s <= bound:
+                if step_s <= bound:
                     self.step_time_buckets[i] += 1
-            if result.stage_busy_s:
-                self.stage_busy_s = list(result.stage_busy_s)
 
     def on_finish(self, requests: int, tokens: int) -> None:
         with self._lock:

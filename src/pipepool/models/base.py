@@ -111,3 +111,10 @@ def cache_dir() -> str:
         return os.environ["PIPEPOOL_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pipepool")
+
+
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` without its random initialisation: models are built on the meta
+    device and filled from the checkpoint, and ``normal_`` on a meta tensor goes through
+    ``torch._refs``, whose first call imports ``torch._dynamo`` (about 2 s of every start)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))

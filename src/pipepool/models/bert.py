@@ -17,7 +17,7 @@ from ..layers import cpu_linear
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
 from ..layers.cpu_tiles import plan_tiles
-from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
+from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,9 @@ class EncoderStage(StageModel):
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
         h = cfg.hidden_size
         if first:
-            self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
-            self.position_embeddings = nn.Embedding(cfg.max_positions + cfg.position_offset, h)
-            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+            self.word_embeddings = embedding(cfg.vocab_size, h)
+            self.position_embeddings = embedding(cfg.max_positions + cfg.position_offset, h)
+            self.token_type_embeddings = embedding(cfg.type_vocab_size, h)
             self.emb_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
 

@@ -17,7 +17,15 @@ from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
-from .base import KVLayout, StageModel, StepInputs, WeightSpec, compile_layer_fn, linear_specs
+from .base import (
+    KVLayout,
+    StageModel,
+    StepInputs,
+    WeightSpec,
+    compile_layer_fn,
+    embedding,
+    linear_specs,
+)
 
 
 @dataclass(frozen=True)
@@ -239,7 +247,7 @@ class DecoderStage(StageModel):
         self.attn_kernel = "portable"
         self.ops = LayerOps()
         if first:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, cfg.windows[i]) for i in layers})
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_len

@@ -172,7 +172,7 @@ def _engine_reference(
     )
     try:
         with Engine.from_config(ref_config) as engine:
-            outputs = {p: engine.encode(token_ids, pooling=p, normalize=False) for p in poolings}
+            outputs = {p: engine.pool(token_ids, pooling=p, normalize=False) for p in poolings}
             d = engine.deployment
     except PipepoolError as exc:
         raise ParityError(f"the PP=1 reference engine failed: {exc}") from exc

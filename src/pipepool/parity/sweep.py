@@ -131,7 +131,7 @@ def _run_config(
             # budget is split too when the requests ahead of it leave less room in the step.
             chunked_before = engine.stats.chunked_requests
             try:
-                got = engine.encode(token_ids, pooling=pooling, normalize=False)
+                got = engine.pool(token_ids, pooling=pooling, normalize=False)
                 scores = [
                     score_request(i, g, e)
                     for i, (g, e) in enumerate(zip(got, expected[pooling], strict=True))

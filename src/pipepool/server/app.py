@@ -1,5 +1,6 @@
-"""The routes: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling and /tokenize, and
-/health and /metrics for operators. OpenAPI docs at /docs (FastAPI's default)."""
+"""The routes: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling and /tokenize, TEI's
+/embed, /info and /tokenize (``tei.py``), and /health and /metrics for operators. API docs at
+/docs, served from here (``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import __version__
 from ..errors import PipepoolError
-from . import metrics, protocol
+from . import docs, metrics, protocol, tei
 from .errors import RATE_LIMIT, APIError, from_engine, install_handlers, model_not_found
-from .front import AsyncEngine, QueueFullError
+from .front import AsyncEngine, Encoded, QueueFullError
 from .guards import GuardMiddleware
 from .metrics import HttpMetrics, MetricsMiddleware
 from .settings import ServerSettings
@@ -54,6 +55,8 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
         title="pipepool",
         version=__version__,
         description="OpenAI-compatible embeddings from a pipeline-parallel pooling engine.",
+        docs_url=None,  # FastAPI's page loads its scripts from a CDN: blank offline
+        redoc_url=None,
     )
     app.state.pipepool = state
     install_handlers(app, state.http.on_error)
@@ -66,6 +69,8 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
     )
     app.add_middleware(MetricsMiddleware, metrics=state.http)
     app.include_router(router)
+    app.include_router(tei.router)
+    app.include_router(docs.router)
     return app
 
 
@@ -97,10 +102,12 @@ async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
 
 
 @router.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERRORS)
-async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict:
+async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict | JSONResponse:
     """Token ids of a text, special tokens included, as the model routes see them."""
     state = _state(request)
     _check_model(state, body.model)
+    if body.inputs is not None:
+        return JSONResponse(await tei.tokenize(state, body.inputs))  # TEI's shape, not ours
     try:
         ids = await state.front.tokenize(body.text)
     except PipepoolError as exc:
@@ -114,7 +121,27 @@ async def _run_model(
 ) -> Response:
     state = _state(request)
     _check_model(state, body.model)
-    inputs = body.inputs()
+    done = await _run_model_outputs(
+        request,
+        body.inputs(),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        long_inputs=body.long_inputs,
+        **options,
+    )
+    if isinstance(done, Response):
+        return done
+    name, fmt = body.model or state.settings.model_name, body.encoding_format
+    # Serializing thousands of floats takes a while: keep it off the event loop.
+    text = await state.front.offload(
+        lambda: json.dumps(respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":"))
+    )
+    return Response(text, media_type="application/json")
+
+
+async def _run_model_outputs(request: Request, inputs: list, **options) -> Encoded | Response:
+    """Checks, engine call, outputs; a bare Response (499) if the client left meanwhile."""
+    state = _state(request)
+    check_inputs(state, inputs)
     limit = state.settings.max_inputs_per_request
     if len(inputs) > limit:
         raise APIError(
@@ -123,22 +150,34 @@ async def _run_model(
             param="input",
             code="too_many_inputs",
         )
-    work = state.front.encode(inputs, truncate_prompt_tokens=body.truncate_prompt_tokens, **options)
     try:
-        done = await _unless_client_leaves(request, work)
+        return await _unless_client_leaves(request, state.front.encode(inputs, **options))
     except _ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    name, fmt = state.settings.model_name, body.encoding_format
-    # Serializing thousands of floats takes a while: keep it off the event loop.
-    text = await state.front.offload(
-        lambda: json.dumps(respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":"))
-    )
-    return Response(text, media_type="application/json")
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.settings.model_name:
-        raise model_not_found(name)
+    if name is not None and name not in state.settings.model_names:
+        raise model_not_found(name, state.settings.model_names)
+
+
+def check_inputs(state: ServerState, inputs: list) -> None:
+    """400 for an empty input list, and for token ids unless the server was told to take
+    them (``--allow-token-ids``): ids of another tokenizer would give wrong vectors silently."""
+    if not inputs:
+        raise APIError(400, "input is empty: send at least one text", param="input")
+    if isinstance(inputs[0], str) or state.settings.allow_token_ids:
+        return
+    raise APIError(
+        400,
+        "this server takes text, not token ids: ids are read as this model's own token ids, "
+        "and ids from another tokenizer give wrong vectors without any error. LangChain's "
+        "OpenAIEmbeddings sends OpenAI tokenizer ids unless you pass "
+        "check_embedding_ctx_length=False; set that (or send text). If these are ids of this "
+        "model's tokenizer, start the server with --allow-token-ids.",
+        param="input",
+        code="token_ids_not_allowed",
+    )
 
 
 class _ClientGone(Exception):
@@ -184,16 +223,14 @@ async def _disconnected(request: Request) -> None:
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     state = _state(request)
-    card = {
-        "id": state.settings.model_name,
-        "object": "model",
-        "created": state.started,
-        "owned_by": "pipepool",
-    }
     engine = state.front.owner.engine
-    if engine is not None:
-        card["max_model_len"] = engine.deployment.max_model_len
-    return {"object": "list", "data": [card]}
+    cards = []
+    for name in state.settings.model_names:
+        card = {"id": name, "object": "model", "created": state.started, "owned_by": "pipepool"}
+        if engine is not None:
+            card["max_model_len"] = engine.deployment.max_model_len
+        cards.append(card)
+    return {"object": "list", "data": cards}
 
 
 @router.get("/health")

@@ -71,10 +71,11 @@ def from_engine(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc!r}", type=SERVER, code="internal_error")
 
 
-def model_not_found(name: str) -> APIError:
+def model_not_found(name: str, served: tuple[str, ...] = ()) -> APIError:
+    known = f" This server serves: {', '.join(served)}." if served else ""
     return APIError(
         404,
-        f"The model `{name}` does not exist or you do not have access to it.",
+        f"The model `{name}` does not exist or you do not have access to it.{known}",
         param="model",
         code="model_not_found",
     )

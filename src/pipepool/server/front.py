@@ -69,6 +69,9 @@ class AsyncEngine:
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+        truncation_side: str = "right",
+        prompt_name: str | None = None,
     ) -> Encoded:
         """Tokenize, enqueue and wait; raises QueueFullError, InvalidInputError,
         EngineDeadError. Cancelling the caller aborts whatever was enqueued."""
@@ -90,6 +93,9 @@ class AsyncEngine:
                     dimensions=dimensions,
                     normalize=normalize,
                     truncate_prompt_tokens=truncate_prompt_tokens,
+                    long_inputs=long_inputs,
+                    truncation_side=truncation_side,
+                    prompt_name=prompt_name,
                 ),
             )
             try:

@@ -177,7 +177,9 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
         "pipepool_running_requests", "engine requests admitted, not finished", s.requests_running
     )
     buckets = list(s.step_time_buckets)
-    out.header("pipepool_step_time_seconds", "histogram", "driver wait for each step's result")
+    out.header(
+        "pipepool_step_time_seconds", "histogram", "device time of each step (its slowest stage)"
+    )
     out.histogram_samples(
         "pipepool_step_time_seconds", STEP_BUCKETS, buckets, s.step_time_count, s.step_time_sum, {}
     )

@@ -28,8 +28,13 @@ class EngineOwner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._own, name="pipepool-engine-owner")
 
-    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+    def start(
+        self,
+        on_failure: Callable[[BaseException], None],
+        on_ready: Callable[[Engine], None] = lambda engine: None,
+    ) -> None:
         self._on_failure = on_failure
+        self._on_ready = on_ready
         self._thread.start()
 
     def close(self) -> None:
@@ -47,6 +52,6 @@ class EngineOwner:
             self._on_failure(exc)
             return
         self.loaded.set()
-        log.info("engine ready: %s", self.engine.model_path)
+        self._on_ready(self.engine)
         self._stop.wait()
         self.engine.close()

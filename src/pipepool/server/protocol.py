@@ -1,9 +1,11 @@
 """Request and response bodies of the HTTP API: OpenAI's /v1/embeddings, vLLM's /pooling and
-/tokenize. Unknown fields are rejected (as OpenAI does) rather than silently ignored."""
+/tokenize, TEI's /embed and /tokenize. Unknown fields are ignored (logged at debug level):
+OpenAI clients and LangChain send fields of their own that change nothing here."""
 
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any, Literal
 
 import numpy as np
@@ -25,8 +27,17 @@ _INPUT_HELP = (
 )
 
 
+log = logging.getLogger("pipepool.server")
+
+LongInputs = Literal["truncate", "error", "chunk"]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.model_extra:
+            log.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
 
 
 class InputsRequest(_Strict):
@@ -41,6 +52,11 @@ class InputsRequest(_Strict):
         None,
         description="Keep this many tokens of longer inputs (-1: max_model_len) instead of "
         "answering 400.",
+    )
+    long_inputs: LongInputs | None = Field(
+        None,
+        description="Inputs over max_model_len: truncate, error (400), or chunk (embed every "
+        "window, token-weighted mean). Default: the server's --long-inputs.",
     )
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
 
@@ -81,6 +97,9 @@ class PoolingRequest(InputsRequest):
 class TokenizeRequest(_Strict):
     prompt: str | None = Field(None, description="The text to tokenize.")
     input: str | None = Field(None, description="Same as prompt (give one of them).")
+    inputs: StrictStr | list[StrictStr] | None = Field(
+        None, description="TEI's form: one text or a list; answered as TEI answers."
+    )
     model: str | None = None
     add_special_tokens: bool = Field(
         True, description="Must be true: the model's special tokens are part of every prompt."
@@ -88,8 +107,9 @@ class TokenizeRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_text(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.input is None):
-            raise ValueError("give exactly one of prompt or input")
+        given = [x for x in (self.prompt, self.input, self.inputs) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, input or inputs")
         if not self.add_special_tokens:
             raise ValueError("add_special_tokens=false is not supported")
         return self
@@ -97,6 +117,22 @@ class TokenizeRequest(_Strict):
     @property
     def text(self) -> str:
         return self.prompt if self.prompt is not None else self.input
+
+
+class TEIEmbedRequest(_Strict):
+    """Hugging Face text-embeddings-inference's ``POST /embed``."""
+
+    inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
+    normalize: bool = Field(True, description="L2-normalize (TEI's default: true).")
+    truncate: bool | None = Field(
+        None, description="Truncate inputs over max_model_len (default: the server's policy)."
+    )
+    truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
+    prompt_name: str | None = None
+    dimensions: StrictInt | None = None
+
+    def texts(self) -> list[str]:
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------

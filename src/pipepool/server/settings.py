@@ -3,12 +3,16 @@ and the limits that protect it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import InvalidInputError
 
 # What a client calls the bundled model when the server was started without --model.
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+# A folder in the Hugging Face cache: .../models--ORG--NAME/snapshots/REVISION
+_HF_CACHE_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,12 @@ class ServerSettings:
     host: str = "127.0.0.1"  # loopback unless told otherwise: no accidental exposure
     port: int = 8000
     api_key: str | None = None  # None: no authentication
-    model_name: str = DEFAULT_MODEL_NAME  # the one name clients may pass as "model"
+    # The names clients may pass as "model"; the first is the one responses carry.
+    model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME, "all-MiniLM-L6-v2")
+    # Token-id inputs are read as ids of this model's tokenizer; a client that sends ids of
+    # another tokenizer (LangChain's OpenAIEmbeddings does by default) would get wrong vectors
+    # with no error, so they are refused unless the operator says the clients' ids are right.
+    allow_token_ids: bool = False
     max_inputs_per_request: int = 2048  # OpenAI's own limit on "input" list length
     max_body_bytes: int = 32 << 20  # checked from Content-Length and while reading
     # Engine requests (one per input) admitted by the server and not yet finished; above it a
@@ -25,7 +34,12 @@ class ServerSettings:
     max_queued_requests: int = 16384
     shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     log_level: str = "info"
+    log_format: str = "text"  # text | json
     access_log: bool = True
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     def __post_init__(self) -> None:
         for name in ("max_inputs_per_request", "max_body_bytes", "max_queued_requests"):
@@ -42,5 +56,29 @@ class ServerSettings:
             raise InvalidInputError(f"port must be in 0..65535, got {self.port}", param="port")
         if self.shutdown_timeout_s <= 0:
             raise InvalidInputError("shutdown_timeout must be > 0", param="shutdown_timeout")
+        if not self.model_names or not all(self.model_names):
+            raise InvalidInputError("served model names must not be empty", param="model")
+        if self.log_format not in ("text", "json"):
+            raise InvalidInputError("log_format must be text or json", param="log_format")
         if self.api_key is not None and not self.api_key:
             raise InvalidInputError("api_key is empty", param="api_key")
+
+
+def served_model_names(model: str | None, extra: str | None = None) -> tuple[str, ...]:
+    """Every name a client may reasonably use for ``--model``: the names given with
+    ``--served-model-name`` (comma-separated; the first is the one responses carry), then the
+    hub id (``org/name``) and its short name (``name``, what OpenAI-style examples use), and a
+    local folder's name and the path as given."""
+    names = [n.strip() for n in (extra or "").split(",") if n.strip()]
+    if model is None:
+        names += [DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME.split("/")[1]]
+    else:
+        path = Path(model).expanduser()
+        cached = _HF_CACHE_FOLDER.search(path.as_posix())
+        if cached:
+            names += [f"{cached[1]}/{cached[2]}", cached[2]]
+        elif not path.is_dir() and model.count("/") == 1:  # a hub id
+            names += [model, model.split("/")[1]]
+        if path.is_dir():
+            names += [path.resolve().name, model]
+    return tuple(dict.fromkeys(names))  # no repeats, first mention first

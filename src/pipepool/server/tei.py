@@ -1,0 +1,84 @@
+"""Hugging Face text-embeddings-inference's routes, so TEI clients (``huggingface_hub``'s
+``InferenceClient.feature_extraction``, LangChain's and LlamaIndex's TEI classes) work as they
+are: ``POST /embed`` (an array of vectors back), ``GET /info``, and ``POST /tokenize`` with
+``inputs`` (token objects back). Errors keep the server's OpenAI error body."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request, Response
+
+from .. import __version__
+from ..errors import PipepoolError
+from . import protocol
+from .errors import from_engine
+
+router = APIRouter()
+
+
+@router.post("/embed", tags=["TEI"])
+async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
+    """One vector per input, as a JSON array of arrays."""
+    from .app import _run_model_outputs  # the shared path: limits, queue, disconnects
+
+    state = request.app.state.pipepool
+    done = await _run_model_outputs(
+        request,
+        body.texts(),
+        dimensions=body.dimensions,
+        normalize=body.normalize,
+        # TEI: truncate=false leaves the server's policy (its --auto-truncate) in charge.
+        long_inputs="truncate" if body.truncate else None,
+        truncation_side=body.truncation_direction.lower(),
+        prompt_name=body.prompt_name,
+    )
+    if isinstance(done, Response):
+        return done
+    text = await state.front.offload(
+        lambda: json.dumps([v.tolist() for v in done.outputs], separators=(",", ":"))
+    )
+    return Response(text, media_type="application/json")
+
+
+@router.get("/info", tags=["TEI"])
+async def info(request: Request) -> dict:
+    """What the model and the server's limits are (TEI's fields)."""
+    state = request.app.state.pipepool
+    engine = state.front.owner.engine
+    out = {
+        "model_id": state.settings.model_name,
+        "model_sha": None,
+        "model_dtype": None,
+        "model_type": {"embedding": {"pooling": None}},
+        "max_concurrent_requests": state.settings.max_queued_requests,
+        "max_input_length": None,
+        "max_batch_tokens": None,
+        "max_batch_requests": None,
+        "max_client_batch_size": state.settings.max_inputs_per_request,
+        "auto_truncate": None,
+        "tokenization_workers": None,
+        "version": __version__,
+        "served_model_names": list(state.settings.model_names),
+    }
+    if engine is not None:
+        d = engine.deployment
+        out.update(
+            model_dtype=str(d.dtype).removeprefix("torch."),
+            model_type={"embedding": {"pooling": d.pooling}},
+            max_input_length=d.max_model_len,
+            max_batch_tokens=d.max_num_batched_tokens,
+            max_batch_requests=d.config.max_num_seqs,
+            auto_truncate=d.config.long_inputs == "truncate",
+        )
+    return out
+
+
+async def tokenize(state, inputs: str | list[str]) -> list[list[dict]]:
+    """TEI's answer: per text, its tokens as ``{id, text, special, start, stop}``."""
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    try:
+        engine = state.front.engine
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+    return await state.front.offload(lambda: engine.inputs.tokenizer.describe(texts))

@@ -1,4 +1,4 @@
-"""``pipepool embed | serve | parity | bench``."""
+"""``pipepool embed | rerank | serve | parity | bench``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from .errors import PipepoolError
 # Imported lazily: `serve` needs the server extras, the others must not.
 SUBCOMMANDS = {
     "embed": "embed texts or token ids and print or save the vectors",
+    "rerank": "rank documents by relevance to a query with a cross-encoder or reranker",
     "serve": "run an OpenAI- and TEI-compatible embedding server",
     "parity": "check vectors against transformers or PP=1, per request",
     "bench": "measure throughput against Hugging Face transformers",

@@ -93,6 +93,15 @@ class PairEncoder:
         self.inputs._check_lengths(0, lengths, self.deployment.max_model_len)
         return TokenSlice(0, ids, lengths, types)
 
+    def length(self, query: str, document: str) -> int:
+        """Tokens of the pair's prompt, untruncated (built-in parity documents are sized by
+        it)."""
+        if self.template == "qwen3":
+            body = qwen3_body(QWEN3_INSTRUCTION, query, document)
+            _, lengths = self.tokenizer.encode_flat([body])
+            return int(lengths[0]) + len(self.prefix) + len(self.suffix)
+        return int(self.tokenizer.encode_pairs([query], [document])[2][0])
+
     def _qwen3(
         self,
         queries: Sequence[str],

@@ -139,6 +139,19 @@ def test_qwen3_reranker_matches_its_model_card_per_pair_chunked(
     assert [r.index for r in ranked] == np.argsort(-probs, kind="stable").tolist()
 
 
+def test_qwen3_reranker_matches_cross_encoder_with_its_chat_template(qwen3_reranker_path):
+    """sentence-transformers' CrossEncoder reads a causal reranker through a chat template with
+    query and document roles (pairs.QWEN3_CHAT_TEMPLATE in the folder): the same scores."""
+    from sentence_transformers import CrossEncoder
+
+    documents = DOCUMENTS[:6]
+    reference = CrossEncoder(str(qwen3_reranker_path), device="cpu")
+    expected = reference.predict([(QUERY, d) for d in documents], show_progress_bar=False)
+    with pipepool.Engine(str(qwen3_reranker_path), device="cpu") as engine:
+        got = engine.score(QUERY, documents)
+    assert np.abs(got - expected).max() <= TOLERANCE
+
+
 def test_qwen3_reranker_reads_only_the_yes_and_no_rows(qwen3_reranker_path):
     with pipepool.Engine(str(qwen3_reranker_path), device="cpu") as engine:
         head = engine.deployment.classifier

@@ -240,7 +240,8 @@ _RERANK_TEXT = (
 def make_qwen3_reranker(path: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
     """Qwen/Qwen3-Reranker-0.6B's config (Qwen3ForCausalLM, LM head tied to the embeddings),
     shrunk, with a small byte-level BPE tokenizer that has "yes" and "no" tokens and the chat
-    tokens of the model's prompt (<|im_start|>, <|im_end|>, <think>, </think>)."""
+    tokens of the model's prompt (<|im_start|>, <|im_end|>, <think>, </think>), and a chat
+    template of that prompt for sentence-transformers."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -286,6 +287,10 @@ def make_qwen3_reranker(path: Path, *, num_layers: int = 4, seed: int = 0) -> Pa
     )
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(config).eval().save_pretrained(str(path))
+    # What sentence-transformers' CrossEncoder needs to read the model's prompt from pairs.
+    from pipepool.pairs import QWEN3_CHAT_TEMPLATE
+
+    (path / "chat_template.jinja").write_text(QWEN3_CHAT_TEMPLATE)
     return path
 
 

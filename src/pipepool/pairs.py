@@ -34,6 +34,20 @@ QWEN3_PREFIX = (
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
+# The same prompt as a chat template with "query" and "document" roles, which is how
+# sentence-transformers' CrossEncoder (6.x) reads a causal reranker: put it in the model folder
+# as chat_template.jinja and CrossEncoder(folder).predict gives the model card's scores (the
+# benchmark's peer and a test use it). The final newlines are written out: Jinja drops a
+# template's last newline.
+QWEN3_CHAT_TEMPLATE = (
+    QWEN3_PREFIX + "<Instruct>: " + QWEN3_INSTRUCTION + "\n<Query>: "
+    '{{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}'
+    "\n<Document>: "
+    '{{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}'
+    + QWEN3_SUFFIX.removesuffix("\n\n")
+    + '{{ "\\n\\n" }}'
+)
+
 
 def qwen3_body(instruction: str, query: str, document: str) -> str:
     """The middle of Qwen3-Reranker's prompt (its ``format_instruction``)."""

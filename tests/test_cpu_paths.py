@@ -69,7 +69,7 @@ def test_encoder_in_many_tiles_matches_transformers(bert_path, reference, monkey
     prompts = prompts + prompts[::-1] + prompts[:3]
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=4096) as engine:
         for pooling in ("all", "mean", "cls"):
-            outs = engine.encode(prompts, pooling=pooling, normalize=False)
+            outs = engine.pool(prompts, pooling=pooling, normalize=False)
             for text, out in zip(prompts, outs, strict=True):
                 expected = ref.pooled(ref.token_ids(text), pooling)
                 assert cosine(out, expected).min() >= MIN_COSINE
@@ -80,6 +80,6 @@ def test_decoder_mlp_row_tiles_match_transformers(qwen3_path, reference, monkeyp
     ref = reference(qwen3_path)
     prompts = long_prompts()
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=256) as engine:
-        outs = engine.encode(prompts, pooling="all", normalize=False)
+        outs = engine.pool(prompts, pooling="all", normalize=False)
     for text, out in zip(prompts, outs, strict=True):
         assert cosine(out, ref.pooled(ref.token_ids(text), "all")).min() >= MIN_COSINE

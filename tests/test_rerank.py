@@ -277,3 +277,23 @@ def test_an_embedding_model_cannot_rerank_score_or_classify(bert_path):
         ):
             with pytest.raises(InvalidInputError, match="embedding model and cannot"):
                 call()
+
+
+def test_score_head_activates_only_the_rows_that_ask_in_a_mixed_step():
+    """Requests of one step may differ in use_activation: the head applies the activation
+    per row, with the per-row flags uploaded for the step (stage/heads.py)."""
+    from pipepool.models.score_heads import LinearScore
+    from pipepool.stage.heads import HeadParams, ScoreHead
+
+    module = LinearScore(4, 3)
+    torch.nn.init.normal_(module.score.weight)
+    head = ScoreHead(module, "softmax")
+    x = torch.randn(3, 4)
+    logits = module(x)
+    mixed = HeadParams(np.zeros(3, np.int64), np.array([True, False, True]))
+    _, use_t = (torch.from_numpy(a) for a in mixed.upload_arrays())  # (dims, activation)
+    out = head(x, mixed, use_t)
+    torch.testing.assert_close(out[1], logits[1])
+    torch.testing.assert_close(out[[0, 2]], torch.softmax(logits[[0, 2]], dim=-1))
+    uniform = HeadParams(np.zeros(3, np.int64), np.zeros(3, bool))
+    torch.testing.assert_close(head(x, uniform, None), logits)  # all raw: no upload needed

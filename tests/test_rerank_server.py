@@ -162,6 +162,13 @@ def test_bad_requests_get_a_4xx_with_an_error_body(server, path, body, status, p
     assert_error(post(server, path, body), status, "invalid_request_error", param=param, says=says)
 
 
+def test_tei_info_says_reranker(server):
+    info = httpx.get(server.url + "/info", headers=AUTH).json()
+    assert info["model_type"] == {
+        "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    }
+
+
 def test_scoring_routes_need_the_api_key(server):
     r = post(server, "/rerank", {"query": "q", "documents": ["a"]}, headers={})
     assert_error(r, 401, "authentication_error", code="invalid_api_key")

@@ -50,6 +50,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
             max_tokens_per_doc=body.max_tokens_per_doc,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         ),
+        param="texts" if body.tei else "documents",
     )
     if isinstance(done, Response):
         return done
@@ -84,6 +85,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
             instruction=body.instruction,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         ),
+        param="text_2",
     )
     if isinstance(done, Response):
         return done
@@ -107,6 +109,7 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
         lambda engine: engine.submit_classify(
             texts, use_activation=activation, truncate_prompt_tokens=body.truncate_prompt_tokens
         ),
+        param="input",
     )
     if isinstance(done, Response):
         return done
@@ -121,7 +124,12 @@ def _state(request: Request):
 
 
 async def _run(
-    request: Request, model: str | None, n: int, submit: Callable[[Engine], Submission]
+    request: Request,
+    model: str | None,
+    n: int,
+    submit: Callable[[Engine], Submission],
+    *,
+    param: str,
 ) -> Encoded | Response:
     """The shared path of the model routes: the model name, the per-request input limit, the
     queue, the engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
@@ -135,7 +143,7 @@ async def _run(
             400,
             f"the request has {n} inputs (pairs or texts); this server takes at most {limit} "
             "per request",
-            param="documents",
+            param=param,
             code="too_many_inputs",
         )
     try:

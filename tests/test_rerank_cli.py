@@ -35,9 +35,11 @@ def test_rerank_command_ranks_like_the_engine(cross_encoder_path, tmp_path, caps
     assert len(printed) == 5 and printed[0].startswith(f"  1. [{expected[0].index}] ")
 
 
-def test_rerank_command_refuses_an_embedding_model(bert_path, capsys):
+def test_rerank_command_refuses_an_embedding_model_and_no_documents(bert_path, capsys):
     assert main(["rerank", "--model", str(bert_path), "--query", QUERY, "a", "b"]) == 2
     assert "embedding model and cannot" in capsys.readouterr().err
+    assert main(["rerank", "--model", str(bert_path), "--query", QUERY]) == 2
+    assert "no documents to rank" in capsys.readouterr().err
 
 
 def test_parity_of_a_reranker_pp1_pp2_chunked(qwen3_reranker_path, tmp_path, capsys):

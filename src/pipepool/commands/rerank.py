@@ -44,6 +44,11 @@ def add_parser(sub, help: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine  # torch only now: `pipepool rerank --help` stays quick
 
+    if not args.documents and args.input is None:
+        raise InvalidInputError(
+            "no documents to rank: give DOC arguments, --input FILE, or '-' to read stdin",
+            param="input",
+        )
     inputs = read_inputs(args.documents, args.input)
     if any(not isinstance(d, str) for d in inputs.items):
         raise InvalidInputError("documents must be texts, not token ids", param="input")

@@ -22,7 +22,9 @@ from .pairs import PairEncoder
 from .submission import Submission
 
 if TYPE_CHECKING:
+    from .config import EngineConfig
     from .deployment import Deployment
+    from .inputs import InputPreparer
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class Classification:
 class ScoringMethods:
     """The classifier half of the ``Engine`` API (mixed into it). Every method is thread-safe;
     bad input raises ``InvalidInputError`` naming the problem."""
+
+    # What the methods use of the Engine (and its submit_tokens).
+    config: EngineConfig
+    deployment: Deployment
+    inputs: InputPreparer
 
     def score(
         self,

@@ -49,6 +49,25 @@ def st_bert_path(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cross_encoder_path(model_dir) -> Path:
+    """ms-marco-MiniLM-L6-v2's shape (BERT cross-encoder, token types, raw-logit scores)."""
+    return tiny_models.make_cross_encoder(model_dir / "ms-marco-minilm")
+
+
+@pytest.fixture(scope="session")
+def xlmr_reranker_path(model_dir) -> Path:
+    """bge-reranker-v2-m3's shape (XLM-R cross-encoder, sigmoid scores)."""
+    return tiny_models.make_xlmr_reranker(model_dir / "bge-reranker")
+
+
+@pytest.fixture(scope="session")
+def qwen3_reranker_path(model_dir) -> Path:
+    """Qwen3-Reranker-0.6B's shape (causal LM, yes/no logits, tied LM head); the folder name
+    says Reranker, as the hub id does."""
+    return tiny_models.make_qwen3_reranker(model_dir / "Qwen3-Reranker-tiny")
+
+
+@pytest.fixture(scope="session")
 def minilm_path() -> Path:
     return tiny_models.minilm_path()
 

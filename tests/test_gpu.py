@@ -162,3 +162,21 @@ def test_pp2_nccl_with_cuda_graphs_matches_reference(qwen3_path, reference):
     ) as engine:  # fmt: skip
         for pooling in POOLINGS:
             assert _worst(engine, ref, prompts, pooling) >= MIN_COSINE_BF16
+
+
+@pytest.mark.parametrize("model", ["cross_encoder_path", "qwen3_reranker_path"])
+def test_gpu_graphed_rerank_scores_equal_cpu_fp32(request, model):
+    """Issue 13: pair token types reach an encoder replayed as CUDA graphs (they are copied
+    into the graphs' buffer), and the heads run on the GPU's last stage; fp32 on both sides."""
+    from test_rerank import DOCUMENTS, QUERY
+
+    path = str(request.getfixturevalue(model))
+    options = {"max_num_batched_tokens": 256, "max_model_len": 480}
+    with pipepool.Engine(path, device="cpu", **options) as cpu:
+        expected = cpu.score(QUERY, DOCUMENTS, use_activation=False)
+    with pipepool.Engine(path, device="cuda", dtype="float32", cuda_graphs=True, **options) as gpu:
+        assert gpu._executor.runners[0].forward is not gpu._executor.runners[0].model  # graphed
+        got = gpu.score(QUERY, DOCUMENTS, use_activation=False)
+        again = gpu.score(QUERY, DOCUMENTS, use_activation=False)  # replays the captured graphs
+    assert abs(got - expected).max() <= 1e-3
+    assert (got == again).all()

@@ -1,4 +1,4 @@
-"""``pipepool embed | serve | parity | bench``."""
+"""``pipepool embed | rerank | serve | parity | bench``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .errors import PipepoolError
 # Imported lazily: `serve` needs the server extras, the others must not.
 SUBCOMMANDS = {
     "embed": "embed texts or token ids and print or save the vectors",
-    "serve": "run an OpenAI- and TEI-compatible embedding server",
+    "rerank": "rank documents by relevance to a query with a cross-encoder or reranker",
+    "serve": "run an OpenAI-, TEI- and Cohere-compatible embedding and rerank server",
     "parity": "check vectors against transformers or PP=1, per request",
     "bench": "measure throughput against Hugging Face transformers",
 }
@@ -26,7 +27,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     come from it), the others are listed by name: ``pipepool --help`` imports no torch."""
     parser = argparse.ArgumentParser(
         prog="pipepool",
-        description="Pipeline-parallel inference for pooling models (text and token embeddings).",
+        description="Pipeline-parallel inference for pooling models (text and token embeddings, "
+        "rerankers, classifiers).",
     )
     parser.add_argument("--version", action="version", version=f"pipepool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .classifier import RERANKERS
 from .errors import InvalidInputError
 
 POOLING_TYPES = ("last", "mean", "cls", "all")
@@ -84,6 +85,14 @@ class EngineConfig:
     pipeline_backend: str = option("mp", "", cli=False)
     pooling: str | None = option(None, "override the model's pooling", choices=POOLING_TYPES[:3])
     normalize: bool | None = option(None, "override the model's default L2 normalisation")
+    # How causal-LM checkpoints rerank (classifier.py): Qwen3-Reranker's prompt and yes/no
+    # logits, or not at all; auto: by the checkpoint's name (Qwen3 checkpoints named *Reranker*).
+    reranker: str = option(
+        "auto",
+        "causal-LM rerankers: qwen3 (Qwen3-Reranker's prompt and yes/no logits), none, or auto "
+        "(qwen3 for Qwen3 checkpoints whose name contains 'reranker')",
+        choices=RERANKERS,
+    )
     block_size: int = option(16, "tokens per KV-cache block", cli=False)
     kv_cache_tokens: int | None = option(None, "KV capacity in tokens (default: from memory)")
     # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
@@ -147,6 +156,11 @@ class EngineConfig:
         if self.pooling is not None and self.pooling not in POOLING_TYPES[:3]:
             raise InvalidInputError(
                 f"pooling must be one of last, mean, cls; got {self.pooling!r}", param="pooling"
+            )
+        if self.reranker not in RERANKERS:
+            raise InvalidInputError(
+                f"reranker must be one of {', '.join(RERANKERS)}; got {self.reranker!r}",
+                param="reranker",
             )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise InvalidInputError("kv_cache_tokens must be >= 1", param="kv_cache_tokens")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .classifier import ClassifierHead, read_classifier
 from .config import EngineConfig, split_layers
 from .errors import InvalidInputError, ModelLoadError
 from .model_folder import ModelFolder, read_model_folder
@@ -46,6 +47,9 @@ class Deployment:
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs; 0: none
     overlap_steps: bool  # multi-process pipeline runs one plan ahead of its devices
+    # A classifier's head (cross-encoders, rerankers; classifier.py); None: an embedding model.
+    # Its outputs are num_labels scores (output_dim), its pooling the head's own token.
+    classifier: ClassifierHead | None = None
 
     @property
     def num_stages(self) -> int:
@@ -62,6 +66,7 @@ class Deployment:
             max_model_len=self.max_model_len,
             compile=self.compile,
             graph_max_tokens=self.graph_max_tokens,
+            classifier=self.classifier,
         )
 
 
@@ -71,9 +76,18 @@ def plan_deployment(config: EngineConfig) -> Deployment:
     hf = folder.hf_config
     device_kind = _device_kind(config.device)
     dtype = _dtype(config.dtype, hf, device_kind)
+    checkpoint = Checkpoint(folder.path, family)
+    classifier = read_classifier(
+        folder,
+        family=family.name,
+        causal=family.causal,
+        reranker=config.reranker,
+        checkpoint_names=checkpoint.entries,
+        model_name=config.model,
+    )
     with torch.device("meta"):
-        whole = family.build(hf, range(family.num_layers(hf)), True, True, 1)
-    Checkpoint(folder.path, family).verify(whole.weight_specs())
+        whole = family.build(hf, range(family.num_layers(hf)), True, True, 1, classifier)
+    checkpoint.verify(whole.weight_specs())
 
     max_len = _max_model_len(config, folder, whole.max_positions)
     st = folder.st
@@ -81,6 +95,17 @@ def plan_deployment(config: EngineConfig) -> Deployment:
     pooling = pooling or ("last" if family.causal else "cls")
     normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
     output_dim = st.dense[-1].out_features if st and st.dense else whole.hidden_size
+    if classifier is not None:
+        if config.pooling is not None:
+            raise InvalidInputError(
+                f"{folder.architecture} pools the token its head reads; pooling cannot be set",
+                param="pooling",
+            )
+        # The head reads the [CLS] / <s> row of an encoder and the last token of a decoder;
+        # "normalize" is its activation, on unless switched off.
+        pooling = "last" if family.causal else "cls"
+        normalize = config.normalize if config.normalize is not None else True
+        output_dim = classifier.num_labels
 
     layers = tuple(
         split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
@@ -116,6 +141,7 @@ def plan_deployment(config: EngineConfig) -> Deployment:
             _graph_max_tokens(budget, family, folder) if _auto(config.cuda_graphs, cuda) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
+        classifier=classifier,
     )
 
 

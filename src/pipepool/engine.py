@@ -29,12 +29,14 @@ from .inputs import InputPreparer, TokenSlice
 from .long_inputs import CombinedSubmission, split_windows, window_params
 from .parallel.executor import Executor
 from .parallel.launch import start_executor
+from .scoring import ScoringMethods, refuse_embedding
 from .signal_mask import block_stop_signals
 from .submission import Submission
 
 
-class Engine:
-    """Embeds text or token ids with a pooling model, optionally split into pipeline stages.
+class Engine(ScoringMethods):
+    """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
+    scores, reranks and classifies with a classifier (``ScoringMethods``).
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
@@ -198,6 +200,7 @@ class Engine:
         device starts on the first slice while this thread tokenises the next.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
+        refuse_embedding(self.deployment)
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
         policy = check_long_inputs(long_inputs or self.config.long_inputs)
         slices = self.inputs.token_slices(
@@ -242,11 +245,16 @@ class Engine:
         return CombinedSubmission(inner, windows, params)
 
     def submit_tokens(
-        self, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams
+        self,
+        token_ids: np.ndarray,
+        lengths: np.ndarray,
+        params: PoolingParams,
+        type_ids: np.ndarray | None = None,
     ) -> Submission:
-        """Enqueue prompts already validated by ``self.inputs`` (back to back)."""
+        """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
+        type ids of pair inputs if any."""
         submission = self._new_submission(params, len(lengths))
-        self._enqueue(submission, TokenSlice(0, token_ids, lengths))
+        self._enqueue(submission, TokenSlice(0, token_ids, lengths, type_ids))
         return submission
 
     def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
@@ -307,7 +315,9 @@ class Engine:
     def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
         with self._wake:  # under the lock, so a request cannot slip in after the engine died
             self._raise_if_dead()
-            batch = RequestBatch(self._next_id, part.token_ids, part.lengths, submission.params)
+            batch = RequestBatch(
+                self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids
+            )
             self._next_id += len(batch)
             submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
             submission.batches.append(batch)

@@ -27,6 +27,7 @@ class TokenSlice:
     first: int
     token_ids: np.ndarray  # [sum(lengths)] int64
     lengths: np.ndarray  # [n] int64
+    type_ids: np.ndarray | None = None  # [sum(lengths)] int64 token types of pairs; None: all 0
 
 
 class InputPreparer:

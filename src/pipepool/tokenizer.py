@@ -70,6 +70,50 @@ class Tokenizer:
         )
         return flat, lengths
 
+    def encode_pairs(
+        self, firsts: list[str], seconds: list[str], *, max_tokens: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Text pairs through the tokenizer's own pair template ([CLS] a [SEP] b [SEP] for
+        BERT, <s> a </s></s> b </s> for XLM-R): (token ids, token type ids, lengths), back to
+        back. A pair over ``max_tokens`` is truncated as Hugging Face tokenizers truncate pairs
+        by default (longest_first, what sentence-transformers' CrossEncoder uses): the longer
+        text loses tokens from its end until both fit, the special tokens stay."""
+        pairs = list(zip(firsts, seconds, strict=True))
+        encodings = self._tok.encode_batch(pairs, add_special_tokens=True)
+        if max_tokens is not None:
+            for i, enc in enumerate(encodings):
+                if len(enc) > max_tokens:
+                    encodings[i] = self._truncated_pair(firsts[i], seconds[i], max_tokens)
+        lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
+        total = int(lengths.sum())
+        chain = itertools.chain.from_iterable
+        ids = np.fromiter(chain(e.ids for e in encodings), dtype=np.int64, count=total)
+        types = np.fromiter(chain(e.type_ids for e in encodings), dtype=np.int64, count=total)
+        return ids, types, lengths
+
+    def _truncated_pair(self, first: str, second: str, max_tokens: int):
+        a = self._tok.encode(first, add_special_tokens=False)
+        b = self._tok.encode(second, add_special_tokens=False)
+        processor = self._tok.post_processor
+        specials = processor.num_special_tokens_to_add(True) if processor is not None else 0
+        n1, n2 = longest_first(len(a), len(b), max(max_tokens - specials, 0))
+        a.truncate(n1)
+        b.truncate(n2)
+        return self._tok.post_process(a, b, add_special_tokens=True)
+
+    def encode_plain(self, text: str) -> np.ndarray:
+        """Token ids of a text without the post-processor's special tokens (prompt parts)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
+        """Each text cut after its first ``max_tokens`` tokens (special tokens not counted), at
+        the character where that token ends: Cohere's ``max_tokens_per_doc``."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [
+            text if len(enc) <= max_tokens else text[: enc.offsets[max_tokens - 1][1]]
+            for text, enc in zip(texts, encodings, strict=True)
+        ]
+
     def describe(self, texts: list[str]) -> list[list[dict]]:
         """Per text, its tokens as TEI's /tokenize lists them: id, text, whether special, and
         the character span in the text (None for special tokens)."""
@@ -107,3 +151,20 @@ def _truncate_keeping_specials(
         return ids[:limit] if keep == "first" else ids[len(ids) - limit :]
     content = content[:room] if keep == "first" else content[len(content) - room :]
     return np.concatenate([ids[:lead], content, ids[len(ids) - trail :]])
+
+
+def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """Lengths two texts of ``n1`` and ``n2`` tokens keep within ``room`` tokens, by the
+    longest_first rule of Hugging Face tokenizers (its Rust ``truncate_encodings``): only the
+    longer one is cut while the shorter fits in its half; otherwise both are cut to half the
+    room (the longer one gets the odd token)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > room else max(n1, room - n1)
+    if n1 + n2 > room:
+        n1 = room // 2
+        n2 = n1 + room % 2
+    return (n2, n1) if swap else (n1, n2)

@@ -74,23 +74,29 @@ class Checkpoint:
                 target = params[spec.param]
                 if spec.rows is not None:
                     target = target[spec.rows[0] : spec.rows[1]]
-                target.copy_(self.read(spec.checkpoint_name))
+                target.copy_(self.read(spec.checkpoint_name, spec.source_rows))
                 filled[spec.param] += target.shape[0] if target.dim() else 1
         unfilled = [n for n, p in params.items() if filled[n] != (p.shape[0] if p.dim() else 1)]
         if unfilled:
             raise ModelLoadError(f"parameters left unloaded: {_short_list(unfilled)}")
 
-    def read(self, canonical: str) -> torch.Tensor:
+    def read(self, canonical: str, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A tensor, or only ``rows`` of it (in that order): a safetensors file reads just
+        those rows, so two rows of a 150k-token LM head cost two rows."""
         entry = self.entries[canonical]
         if entry.file.suffix == ".safetensors":
             handle = self._handles.get(entry.file)
             if handle is None:
                 handle = self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
+            if rows is not None:
+                part = handle.get_slice(entry.name)
+                return torch.cat([part[r : r + 1] for r in rows])
             return handle.get_tensor(entry.name)
         handle = self._handles.get(entry.file)
         if handle is None:
             handle = self._handles[entry.file] = _torch_load(entry.file)
-        return handle[entry.name]
+        tensor = handle[entry.name]
+        return tensor[list(rows)] if rows is not None else tensor
 
     def close(self) -> None:
         self._handles.clear()

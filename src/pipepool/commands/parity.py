@@ -21,7 +21,9 @@ def add_parser(sub, help: str) -> None:
         help=help,
         description=help,
         epilog="Without --prompts: the five prompts of the published PP reproducer plus "
-        "prompts of mixed lengths up to max_model_len (pass --max-model-len to cap them).",
+        "prompts of mixed lengths up to max_model_len (pass --max-model-len to cap them). "
+        "Classifiers (cross-encoders, rerankers) are compared per pair of a built-in query with "
+        "each prompt, on raw logits (sentence-transformers' CrossEncoder or transformers).",
     )
     p.add_argument(
         "--pp",
@@ -74,6 +76,13 @@ def add_parser(sub, help: str) -> None:
         metavar="X",
         help="pass threshold per request (default: 0.99999 for float32, 0.999 for 16-bit)",
     )
+    p.add_argument(
+        "--max-score-diff",
+        type=float,
+        metavar="X",
+        help="classifiers: pass threshold per pair's raw logit (default: 1e-4 for float32, "
+        "5e-2 for 16-bit)",
+    )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
     # Test-only: reproduce the historical bug to show that parity catches it.
     p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         min_cosine=args.min_cosine,
         reference_device=args.reference_device,
         reference_dtype=args.reference_dtype,
+        max_score_diff=args.max_score_diff,
     )
     prompts = read_inputs([], args.prompts).items if args.prompts is not None else None
     report = run_parity(base, sweep, prompts)

@@ -85,6 +85,10 @@ class StepPlan:
     # Requests aborted before their final chunk: stages drop their mirrors after this step.
     freed_ids: tuple[int, ...] = ()
     num_tokens: int = 0  # == sum(ends - starts)
+    # Token type ids of this step's tokens ([num_tokens] int64), for encoders fed pair inputs
+    # (cross-encoders); empty when every token is type 0. Per token like token_ids, and like
+    # them needed by the first stage only.
+    token_type_ids: np.ndarray = field(default_factory=_empty_i64)
 
     def __post_init__(self) -> None:
         assert len(self.req_ids) == len(self.starts) == len(self.ends)
@@ -96,6 +100,7 @@ class StepPlan:
         assert np.array_equal(self.req_ids[tail], self.new.request_ids), "new rows not last"
         assert not self.starts[tail].any(), "a new request starts after token 0"
         assert len(self.token_ids) in (0, self.num_tokens)
+        assert len(self.token_type_ids) in (0, self.num_tokens)
         assert len(np.unique(self.req_ids)) == len(self.req_ids), "request scheduled twice"
 
     @property
@@ -112,7 +117,7 @@ class StepPlan:
 
     def without_tokens(self) -> StepPlan:
         """The plan as stages after the first get it."""
-        if not len(self.token_ids):
+        if not len(self.token_ids) and not len(self.token_type_ids):
             return self
         return StepPlan(
             self.step_id, self.req_ids, self.starts, self.ends, self.new, _EMPTY_I64,

@@ -53,10 +53,17 @@ class RequestBatch:
     so a step's tokens are mostly one slice of it.
     """
 
-    __slots__ = ("cancelled", "cursor", "first_id", "lengths", "offsets", "params", "token_ids")
+    __slots__ = (
+        "cancelled", "cursor", "first_id", "lengths", "offsets", "params", "token_ids", "type_ids",
+    )  # fmt: skip
 
     def __init__(
-        self, first_id: int, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams
+        self,
+        first_id: int,
+        token_ids: np.ndarray,
+        lengths: np.ndarray,
+        params: PoolingParams,
+        type_ids: np.ndarray | None = None,
     ) -> None:
         assert len(lengths) > 0 and bool((lengths > 0).all()), "empty batch or prompt"
         self.first_id = first_id
@@ -66,6 +73,9 @@ class RequestBatch:
         np.cumsum(self.lengths, out=self.offsets[1:])
         assert len(token_ids) == self.offsets[-1], "lengths do not add up to the tokens"
         self.token_ids = np.asarray(token_ids, dtype=np.int64)
+        # Token type (segment) ids of pair inputs, parallel to token_ids; None: type 0 throughout.
+        self.type_ids = None if type_ids is None else np.asarray(type_ids, dtype=np.int64)
+        assert self.type_ids is None or len(self.type_ids) == len(self.token_ids)
         self.cursor = 0
         self.cancelled = False  # aborted: nothing more is admitted, results are dropped
 
@@ -90,6 +100,11 @@ class RequestBatch:
 
     def prompt(self, row: int) -> np.ndarray:
         return self.token_ids[self.offsets[row] : self.offsets[row + 1]]
+
+    def span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens ``lo:hi`` of the flat token array, and their type ids (None: all type 0)."""
+        types = self.type_ids[lo:hi] if self.type_ids is not None else None
+        return self.token_ids[lo:hi], types
 
     def tokens(self, rows: np.ndarray) -> np.ndarray:
         """Whole prompts of ``rows`` (ascending), back to back."""

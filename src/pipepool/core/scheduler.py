@@ -66,6 +66,7 @@ class _PlanBuilder:
         self.starts: list[np.ndarray] = []
         self.ends: list[np.ndarray] = []
         self.tokens: list[np.ndarray] = []
+        self.types: list[np.ndarray | None] = []  # None: the slice's tokens are all type 0
         self.final: list[np.ndarray] = []
         self.new: list[tuple] = []  # (ids, prompt_lens, params, block_ids or None)
         self.batches: dict[int, RequestBatch] = {}
@@ -78,11 +79,14 @@ class _PlanBuilder:
     def full(self) -> bool:
         return self.budget <= 0 or self.seqs <= 0
 
-    def take(self, batch, ids, starts, ends, tokens, final) -> None:
+    def take(self, batch, ids, starts, ends, span, final) -> None:
+        """``span``: (tokens, type ids or None) of the rows taken, back to back."""
+        tokens, types = span
         self.ids.append(ids)
         self.starts.append(starts)
         self.ends.append(ends)
         self.tokens.append(tokens)
+        self.types.append(types)
         self.final.append(final)
         self.budget -= len(tokens)
         self.seqs -= len(ids)
@@ -103,10 +107,23 @@ class _PlanBuilder:
             token_ids=cat(self.tokens) if self.ids else empty,
             freed_ids=freed,
             num_tokens=int((ends - starts).sum()),
+            token_type_ids=self._type_ids(),
         )
         batches = tuple(self.batches[k] for k in sorted(self.batches))
         final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
         return plan, Ledger(batches, final)
+
+    def _type_ids(self) -> np.ndarray:
+        """The step's token type ids: empty unless some slice carries them (pair inputs), then
+        zeros for the slices that do not."""
+        if all(t is None for t in self.types):
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(
+            [
+                t if t is not None else np.zeros(len(tok), np.int64)
+                for tok, t in zip(self.tokens, self.types, strict=True)
+            ]
+        )
 
 
 def _new_requests(parts: list[tuple]) -> NewRequests:
@@ -213,10 +230,10 @@ class Scheduler:
             start = split.num_scheduled
             end = start + min(split.prompt_len - start, step.budget)
             final = end == split.prompt_len
-            prompt = split.batch.prompt(split.row)
+            offset = int(split.batch.offsets[split.row])
             step.take(
                 split.batch, np.array([split.request_id]), np.array([start]), np.array([end]),
-                prompt[start:end], np.array([final]),
+                split.batch.span(offset + start, offset + end), np.array([final]),
             )  # fmt: skip
             split.num_scheduled = end
             if final:
@@ -235,8 +252,8 @@ class Scheduler:
                 rows = slice(c, c + fits)
                 ids = np.arange(batch.first_id + c, batch.first_id + c + fits, dtype=np.int64)
                 lens = batch.lengths[rows]
-                tokens = batch.token_ids[batch.offsets[c] : batch.offsets[c + fits]]
-                step.take(batch, ids, np.zeros(fits, np.int64), lens, tokens, np.ones(fits, bool))
+                span = batch.span(batch.offsets[c], batch.offsets[c + fits])
+                step.take(batch, ids, np.zeros(fits, np.int64), lens, span, np.ones(fits, bool))
                 step.new.append((ids, lens, batch.params, None))
                 self._advance(batch, fits)
                 continue
@@ -259,8 +276,9 @@ class Scheduler:
                 return False  # FIFO: nobody overtakes the head of the queue
             self.running.append(_Split(request_id, batch, row, n, blocks))
         ids = np.array([request_id], dtype=np.int64)
+        offset = int(batch.offsets[row])
         step.take(
-            batch, ids, np.zeros(1, np.int64), np.array([n]), batch.prompt(row)[:n],
+            batch, ids, np.zeros(1, np.int64), np.array([n]), batch.span(offset, offset + n),
             np.array([n == prompt_len]),
         )  # fmt: skip
         step.new.append((ids, np.array([prompt_len]), batch.params, blocks))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
@@ -30,9 +31,18 @@ class Family:
     def num_layers(self, hf: dict) -> int:
         return int(hf["num_hidden_layers"])
 
-    def build(self, hf: dict, layers: range, first: bool, last: bool, max_len: int) -> StageModel:
+    def build(
+        self,
+        hf: dict,
+        layers: range,
+        first: bool,
+        last: bool,
+        max_len: int,
+        head: ClassifierHead | None = None,
+    ) -> StageModel:
+        """A stage's modules; ``head``: a classifier's head, built on the last stage."""
         stage_cls = DecoderStage if self.causal else EncoderStage
-        return stage_cls(self.config(hf), layers, first, last, max_len)
+        return stage_cls(self.config(hf), layers, first, last, max_len, head)
 
     def canonical_name(self, name: str) -> str:
         for prefix in self.prefixes:
@@ -73,6 +83,14 @@ _ARCHITECTURES = {
     "RobertaForMaskedLM": "roberta",
     "XLMRobertaModel": "roberta",
     "XLMRobertaForMaskedLM": "roberta",
+    # Classifiers (cross-encoders, rerankers): the same stages plus a head (score_heads.py).
+    "BertForSequenceClassification": "bert",
+    "RobertaForSequenceClassification": "roberta",
+    "XLMRobertaForSequenceClassification": "roberta",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
 }
 
 

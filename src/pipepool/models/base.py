@@ -23,6 +23,9 @@ class WeightSpec:
     shape: tuple[int, ...]
     param: str  # name in this stage module's state_dict
     rows: tuple[int, int] | None = None
+    # Rows of the checkpoint tensor to read, in this order, when the parameter keeps only a
+    # few (the "yes" and "no" rows of an LM head); None: the whole tensor.
+    source_rows: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -31,6 +34,9 @@ class StepInputs:
 
     positions: torch.Tensor  # [T] int64 absolute position of each token in its prompt
     attn: AttentionMetadata
+    # [T] int64 token type (segment) of each token: pair inputs of encoders (cross-encoders)
+    # on the first stage; None: type 0 throughout. Decoders have no token types.
+    token_type_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,16 @@ class StageModel(nn.Module):
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         self.layer_range, self.is_first, self.is_last = layers, first, last
+        # A classifier's head on the last stage (models/score_heads.py), applied to the pooled
+        # rows by the stage's pooler; None for embedding models and other stages.
+        self.score_head: nn.Module | None = None
 
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
+
+    def head_specs(self) -> list[WeightSpec]:
+        """The score head's checkpoint tensors (none without one)."""
+        return self.score_head.weight_specs("score_head") if self.score_head is not None else []
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers after the module left the meta device."""

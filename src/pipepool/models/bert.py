@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import cpu_linear
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import attend
 from ..layers.cpu_tiles import plan_tiles
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
+from .score_heads import build_score_head
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,15 @@ class EncoderStage(StageModel):
     causal = False
     kv_layout = None
 
-    def __init__(self, cfg: EncoderConfig, layers: range, first: bool, last: bool, max_len: int):
+    def __init__(
+        self,
+        cfg: EncoderConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        max_len: int,
+        head: ClassifierHead | None = None,
+    ):
         super().__init__(layers, first, last)
         self.cfg = cfg
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
@@ -167,6 +177,8 @@ class EncoderStage(StageModel):
             self.token_type_embeddings = embedding(cfg.type_vocab_size, h)
             self.emb_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
+        if last and head is not None:
+            self.score_head = build_score_head(head, h, cfg.vocab_size)
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches=None) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -180,7 +192,12 @@ class EncoderStage(StageModel):
             return self._forward_rows(x, inputs, fused)
         out = x.new_empty((x.shape[0], self.hidden_size), dtype=self._param_dtype())
         for tile in plan_tiles(inputs.attn.cu_q_host):
-            tile_inputs = StepInputs(inputs.positions.index_select(0, tile.rows), tile.meta)
+            types = inputs.token_type_ids
+            tile_inputs = StepInputs(
+                inputs.positions.index_select(0, tile.rows),
+                tile.meta,
+                types.index_select(0, tile.rows) if types is not None else None,
+            )
             y = self._forward_rows(x.index_select(0, tile.rows), tile_inputs, fused)
             out.index_copy_(0, tile.rows, y)
         return out
@@ -200,11 +217,17 @@ class EncoderStage(StageModel):
 
     def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         if self.is_first:
-            # Single-segment inputs: token type 0 everywhere, as sentence-transformers feeds them.
+            # Single texts are token type 0 throughout, as sentence-transformers feeds them;
+            # pairs (cross-encoders) carry the types their tokenizer gave each token.
+            types = inputs.token_type_ids
             x = (
                 self.word_embeddings(x)
                 + self.position_embeddings(inputs.positions + self.cfg.position_offset)
-                + self.token_type_embeddings.weight[0]
+                + (
+                    self.token_type_embeddings(types)
+                    if types is not None
+                    else self.token_type_embeddings.weight[0]
+                )
             )
             x = self.emb_norm(x)
         for layer in self.layers.values():
@@ -257,7 +280,7 @@ class EncoderStage(StageModel):
                 f"{c}.output.dense", f"{p}.ffn_out", h, cfg.intermediate_size, True
             )
             specs += _norm_specs(f"{c}.output.LayerNorm", f"{p}.ffn_norm", h)
-        return specs
+        return specs + self.head_specs()
 
 
 def _version(t: torch.Tensor) -> int:

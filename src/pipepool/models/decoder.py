@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import qk_rope
 from ..layers.attention import attend
@@ -26,6 +27,7 @@ from .base import (
     embedding,
     linear_specs,
 )
+from .score_heads import build_score_head
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,15 @@ class DecoderLayer(nn.Module):
 class DecoderStage(StageModel):
     causal = True
 
-    def __init__(self, cfg: DecoderConfig, layers: range, first: bool, last: bool, max_len: int):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        max_len: int,
+        head: ClassifierHead | None = None,
+    ):
         super().__init__(layers, first, last)
         self.cfg = cfg
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
@@ -254,6 +264,8 @@ class DecoderStage(StageModel):
         )
         if last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if head is not None:
+                self.score_head = build_score_head(head, cfg.hidden_size, cfg.vocab_size)
 
     def reset_buffers(self) -> None:
         self.rotary.reset_table()
@@ -356,4 +368,4 @@ class DecoderStage(StageModel):
             specs += linear_specs(f"{c}.mlp.down_proj", f"{p}.down_proj", h, inter, cfg.mlp_bias)
         if self.is_last:
             specs.append(WeightSpec("norm.weight", (h,), "norm.weight"))
-        return specs
+        return specs + self.head_specs()

@@ -70,25 +70,8 @@ class ParityReport:
 
     def table(self) -> str:
         """A Markdown table, readable in a terminal and pasteable into a README."""
-        cells = [_COLUMNS, *(_cells(r) for r in self.rows)]
-        widths = [max(len(row[c]) for row in cells) for c in range(len(_COLUMNS))]
         right = {1, 2, 3, 4, 6, 7}  # numbers align right
-
-        def line(row) -> str:
-            parts = [
-                c.rjust(w) if i in right else c.ljust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            ]
-            return "| " + " | ".join(parts) + " |"
-
-        rule = (
-            "|"
-            + "|".join(
-                "-" * (w + 1) + ":" if i in right else "-" * (w + 2) for i, w in enumerate(widths)
-            )
-            + "|"
-        )
-        return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+        return markdown_table([_COLUMNS, *(_cells(r) for r in self.rows)], right)
 
     def summary(self) -> str:
         """One line per failed configuration (naming the worst request), then the verdict."""
@@ -109,6 +92,23 @@ class ParityReport:
         else:
             lines.append(f"parity FAILED: {len(self.failures())} of {n} configurations fail")
         return "\n".join(lines)
+
+
+def markdown_table(cells: list[tuple[str, ...]], right: set[int]) -> str:
+    """``cells[0]`` is the header; columns in ``right`` (numbers) align right."""
+    widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
+
+    def line(row) -> str:
+        parts = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "| " + " | ".join(parts) + " |"
+
+    rule = "|" + "|".join(
+        "-" * (w + 1) + ":" if i in right else "-" * (w + 2) for i, w in enumerate(widths)
+    )
+    return "\n".join([line(cells[0]), rule + "|", *(line(r) for r in cells[1:])])
 
 
 def _cells(r: Row) -> tuple[str, ...]:

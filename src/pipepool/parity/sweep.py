@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from .compare import Row, fill_row, score_request
 from .prompts import builtin_prompts
 from .reference import compute_reference
 from .report import ParityReport
+
+if TYPE_CHECKING:
+    from .score_sweep import ScoreReport
 
 # DESIGN.md §3: per-request cosine against the reference.
 MIN_COSINE_FP32 = 0.99999
@@ -42,6 +46,8 @@ class Sweep:
     # Where the transformers reference runs; None: the engine's own device / dtype.
     reference_device: str | None = None
     reference_dtype: str | None = None
+    # Classifiers: largest |engine - reference| per raw logit (None: by dtype, score_sweep.py).
+    max_score_diff: float | None = None
 
     def __post_init__(self) -> None:
         if not self.pps or not self.budgets or not self.poolings:
@@ -63,11 +69,15 @@ def run_parity(
     sweep: Sweep,
     prompts: Sequence | None = None,
     log: Callable[[str], None] | None = None,
-) -> ParityReport:
+) -> ParityReport | ScoreReport:
     """Compare every configuration of ``sweep`` with the reference on ``prompts`` (default:
     the built-in set). An engine that raises becomes a failed row; it does not stop the run."""
     log = log or _stderr
     deployment = plan_deployment(base)  # resolves dtype, device and max_model_len once
+    if deployment.classifier is not None:  # scores, not vectors: compared per pair
+        from .score_sweep import run_score_parity
+
+        return run_score_parity(base, deployment, sweep, prompts, log)
     texts, token_ids = _prompts(deployment, prompts)
     lengths = [len(ids) for ids in token_ids]
     log(f"reference: {sweep.reference} on {len(texts)} prompts ({max(lengths)} tokens max)")

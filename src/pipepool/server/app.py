@@ -1,6 +1,7 @@
 """The routes: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling and /tokenize, TEI's
-/embed, /info and /tokenize (``tei.py``), and /health and /metrics for operators. API docs at
-/docs, served from here (``docs.py``: no CDN, so they load offline)."""
+/embed, /info and /tokenize (``tei.py``), a classifier's /rerank, /score and /classify
+(``scoring.py``), and /health and /metrics for operators. API docs at /docs, served from here
+(``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import __version__
 from ..errors import PipepoolError
-from . import docs, metrics, protocol, tei
+from . import docs, metrics, protocol, scoring, tei
 from .errors import RATE_LIMIT, APIError, from_engine, install_handlers, model_not_found
 from .front import AsyncEngine, Encoded, QueueFullError
 from .guards import GuardMiddleware
@@ -70,6 +71,7 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=state.http)
     app.include_router(router)
     app.include_router(tei.router)
+    app.include_router(scoring.router)
     app.include_router(docs.router)
     return app
 

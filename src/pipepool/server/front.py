@@ -75,8 +75,24 @@ class AsyncEngine:
     ) -> Encoded:
         """Tokenize, enqueue and wait; raises QueueFullError, InvalidInputError,
         EngineDeadError. Cancelling the caller aborts whatever was enqueued."""
+        return await self.run(
+            len(inputs),
+            lambda engine: engine.submit(
+                inputs,
+                pooling=pooling,
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                long_inputs=long_inputs,
+                truncation_side=truncation_side,
+                prompt_name=prompt_name,
+            ),
+        )
+
+    async def run(self, n: int, submit: Callable[[Engine], Submission]) -> Encoded:
+        """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on the thread
+        pool, then wait for its results; the queue limit, errors and aborts as for encode."""
         engine = self.engine
-        n = len(inputs)
         if self.pending + n > self.max_queued:
             raise QueueFullError(
                 f"the server has {self.pending} inputs in progress; this request's {n} would "
@@ -85,19 +101,7 @@ class AsyncEngine:
         self.pending += n
         try:
             loop = asyncio.get_running_loop()
-            submitting = loop.run_in_executor(
-                self._pool,
-                lambda: engine.submit(
-                    inputs,
-                    pooling=pooling,
-                    dimensions=dimensions,
-                    normalize=normalize,
-                    truncate_prompt_tokens=truncate_prompt_tokens,
-                    long_inputs=long_inputs,
-                    truncation_side=truncation_side,
-                    prompt_name=prompt_name,
-                ),
-            )
+            submitting = loop.run_in_executor(self._pool, lambda: submit(engine))
             try:
                 submission = await asyncio.shield(submitting)
             except asyncio.CancelledError:

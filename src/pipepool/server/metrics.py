@@ -19,6 +19,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # cannot blow up the number of series.
 ROUTES = frozenset(
     {"/v1/embeddings", "/pooling", "/tokenize", "/v1/models", "/health", "/metrics", "/docs"}
+    | {"/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/classify", "/v1/classify"}
 )
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

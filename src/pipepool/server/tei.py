@@ -63,9 +63,19 @@ async def info(request: Request) -> dict:
     }
     if engine is not None:
         d = engine.deployment
+        model_type = {"embedding": {"pooling": d.pooling}}
+        if d.classifier is not None:  # TEI names a one-label classifier a reranker
+            kind = "reranker" if d.classifier.can_rerank else "classifier"
+            labels = d.classifier.labels
+            model_type = {
+                kind: {
+                    "id2label": {str(i): name for i, name in enumerate(labels)},
+                    "label2id": {name: i for i, name in enumerate(labels)},
+                }
+            }
         out.update(
             model_dtype=str(d.dtype).removeprefix("torch."),
-            model_type={"embedding": {"pooling": d.pooling}},
+            model_type=model_type,
             max_input_length=d.max_model_len,
             max_batch_tokens=d.max_num_batched_tokens,
             max_batch_requests=d.config.max_num_seqs,

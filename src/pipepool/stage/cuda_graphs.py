@@ -91,6 +91,11 @@ class GraphedForward:
             dtype = next(model.parameters()).dtype
             self.static_x = torch.zeros(largest, model.hidden_size, dtype=dtype, device=device)
         self.static_positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        # An encoder's first stage reads token types (pairs of cross-encoders), so its graphs
+        # are captured reading them from a buffer: zeros for steps of single texts.
+        self.static_types = None
+        if model.is_first and not model.causal:
+            self.static_types = torch.zeros(largest, dtype=torch.int64, device=device)
         self.captured: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # shared: buckets never replay at once
         self._stream = torch.cuda.Stream(device)
@@ -102,6 +107,11 @@ class GraphedForward:
             return self.model(x, inputs, kv_caches)
         self.static_x[:n].copy_(x)
         self.static_positions[:n].copy_(inputs.positions)
+        if self.static_types is not None:
+            if inputs.token_type_ids is not None:
+                self.static_types[:n].copy_(inputs.token_type_ids)
+            else:
+                self.static_types[:n].zero_()
         graphs = self.captured.get(bucket)
         if graphs is None:
             try:
@@ -119,14 +129,15 @@ class GraphedForward:
         """Warm up eagerly (lazy initialisation, compilation), then capture the pieces."""
         x = self.static_x[:bucket]
         positions = self.static_positions[:bucket]
+        types = self.static_types[:bucket] if self.static_types is not None else None
         meta = _whole_sequence(bucket, self.model.causal, self.device)
         captured = _Captured()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.model(x, StepInputs(positions, meta), kv_caches)  # warm-up
+            self.model(x, StepInputs(positions, meta, types), kv_caches)  # warm-up
             splitter = _Splitter(captured, meta, self._pool)
-            hooked = StepInputs(positions, replace(meta, graph_split=splitter))
+            hooked = StepInputs(positions, replace(meta, graph_split=splitter), types)
             splitter.begin()
             try:
                 captured.output = self.model(x, hooked, kv_caches)

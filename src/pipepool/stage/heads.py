@@ -1,6 +1,7 @@
 """Heads on the last stage, over a whole step's pooled outputs at once, on the device:
 sentence-transformers ``Dense`` modules, then Matryoshka truncation, then L2 normalisation,
-so a ``dimensions`` vector is a unit vector (as in vLLM and the OpenAI API).
+so a ``dimensions`` vector is a unit vector (as in vLLM and the OpenAI API). A classifier's
+rows go through its score head and activation instead (``ScoreHead``).
 
 sentence-transformers 6 orders it the other way for a folder with a Normalize module: it
 runs every module (Normalize included), then cuts to ``truncate_dim``, so its truncated
@@ -50,6 +51,10 @@ class DenseHead(nn.Module):
 class HeadParams:
     """Per-row Matryoshka width (0 = all) and normalisation, for the rows of one output.
 
+    ``normalize`` is the model's own finishing step, on unless a request asks for raw values:
+    L2 normalisation of an embedding, the activation of a classifier's logits (as vLLM's
+    ``use_activation`` covers both).
+
     Built on the host before the forward. When every row asks the same (the usual case: a
     step's requests come from a few batches) the values are plain scalars; otherwise the
     per-row arrays ride in the step's single upload (``dims_t`` / ``norm_t``).
@@ -92,3 +97,34 @@ def apply_heads(
     x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
     normed = F.normalize(x, dim=-1, eps=1e-12)
     return torch.where(norm_t.bool().unsqueeze(1), normed, x)
+
+
+# A classifier's activation over its labels (classifier.SCORE_ACTIVATIONS).
+_SCORE_ACTIVATIONS = {
+    "identity": lambda x: x,
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "tanh": torch.tanh,
+    "relu": F.relu,
+}
+
+
+class ScoreHead:
+    """A classifier's head over a step's pooled rows: logits from the model's head module
+    (``models/score_heads.py``), then its activation on the rows whose request wants it (all
+    but those asking for raw logits)."""
+
+    def __init__(self, module: nn.Module, activation: str) -> None:
+        self.module = module
+        self.activation = _SCORE_ACTIVATIONS[activation]
+
+    def __call__(
+        self, x: torch.Tensor, params: HeadParams, use_t: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x: [n, hidden] pooled rows -> [n, num_labels] float32."""
+        logits = self.module(x.float())
+        if not len(logits):
+            return logits
+        if params.uniform:
+            return self.activation(logits) if bool(params.normalize[0]) else logits
+        return torch.where(use_t.bool().unsqueeze(1), self.activation(logits), logits)

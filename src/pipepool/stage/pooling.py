@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core.request import Pooling
-from .heads import DenseHead, HeadParams, apply_heads
+from .heads import DenseHead, HeadParams, ScoreHead, apply_heads
 from .mirror import StepView
 
 
@@ -69,8 +69,9 @@ class Pooler:
     """Turns each step's final hidden states into finished outputs; keeps the partial state
     of requests whose prompt spans several chunks."""
 
-    def __init__(self, dense: DenseHead | None) -> None:
+    def __init__(self, dense: DenseHead | None, score: ScoreHead | None = None) -> None:
         self.dense = dense
+        self.score = score  # a classifier's head: vectors become its (activated) logits
         self._partial: dict[int, torch.Tensor] = {}  # CLS row [H] | MEAN sum [H] | ALL [len, H]
 
     def __len__(self) -> int:
@@ -166,7 +167,9 @@ class Pooler:
         vec = torch.cat(vectors) if vectors else None
         if vec is not None and self.dense is not None:
             vec = self.dense(vec)
-        if vec is not None:
+        if vec is not None and self.score is not None:
+            vec = self.score(vec, prep.vector_heads, vnorm_t)
+        elif vec is not None:
             vec = apply_heads(vec, prep.vector_heads, vdims_t, vnorm_t)
         tok = torch.cat(tokens) if tokens else None
         if tok is not None:

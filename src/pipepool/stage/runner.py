@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..classifier import ClassifierHead
 from ..config import EngineConfig
 from ..core.plan import StepPlan, check_digest
 from ..errors import StateDivergence
@@ -31,7 +32,7 @@ from ..models import StageModel, family_of
 from ..weights import Checkpoint
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
-from .heads import DenseHead
+from .heads import DenseHead, ScoreHead
 from .kv_cache import KVCache
 from .mirror import Mirror, StepView
 from .output import StageOutput
@@ -52,6 +53,7 @@ class StageSpec:
     max_model_len: int
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
+    classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
 
     @property
     def is_first(self) -> bool:
@@ -115,7 +117,10 @@ class StageRunner:
             dense = None
             if folder.st is not None and folder.st.dense:
                 dense = DenseHead(folder.st.dense).to(spec.device)
-            self.pooler = Pooler(dense)
+            score = None
+            if spec.classifier is not None:
+                score = ScoreHead(self.model.score_head, spec.classifier.activation)
+            self.pooler = Pooler(dense, score)
         self.forward = self.model
         if spec.device.type == "cuda" and spec.graph_max_tokens:
             # A stage that sends its hidden states on must not hand out the graph's buffer:
@@ -194,11 +199,13 @@ class StageRunner:
             self.config.block_size,
         )  # fmt: skip
         prep = None
-        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None]
+        types = plan.token_type_ids if spec.is_first and len(plan.token_type_ids) else None
+        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
         if spec.is_last:
             prep = Pooler.prepare(plan.req_ids, view, batch.cu_q)
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
+        inputs.token_type_ids = uploaded[1]
         x = uploaded[0] if spec.is_first else incoming.hidden()
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
         self.clock.start()
@@ -207,7 +214,7 @@ class StageRunner:
             pooled = PooledStep.empty()
             if spec.is_last:
                 pooled = self.pooler.pool(
-                    hidden, prep, uploaded[1:], plan.req_ids, view, batch.cu_q
+                    hidden, prep, uploaded[2:], plan.req_ids, view, batch.cu_q
                 )
         self.clock.stop()
         return hidden, pooled
@@ -240,8 +247,9 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     family = family_of(folder.architecture)
     with torch.device("meta"):
         model = family.build(
-            folder.hf_config, spec.layers, spec.is_first, spec.is_last, spec.max_model_len
-        )
+            folder.hf_config, spec.layers, spec.is_first, spec.is_last, spec.max_model_len,
+            spec.classifier,
+        )  # fmt: skip
     model = model.to(dtype=spec.dtype)
     _allocate(model, spec.device)
     model.reset_buffers()

@@ -1,0 +1,100 @@
+"""Classifier heads (see ``classifier.py``): modules of the last stage that turn a step's pooled
+rows into logits. They hold checkpoint tensors like any layer (named and shape-checked by the
+weight loader) but run on the pooled rows only, after the pooler picked them, in float32:
+``[n, hidden]`` in, ``[n, num_labels]`` out, for the whole step at once."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..classifier import ClassifierHead
+from .base import WeightSpec, linear_specs
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` in float32 whatever the stage's dtype (the head is a few rows' work)."""
+    bias = layer.bias.float() if layer.bias is not None else None
+    return F.linear(x, layer.weight.float(), bias)
+
+
+class BertClassifier(nn.Module):
+    """BERT: the pooler (dense + tanh on the [CLS] row), then ``classifier``."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(torch.tanh(_linear(x, self.pooler)), self.classifier)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.pooler.in_features, self.classifier.out_features
+        return linear_specs("pooler.dense", f"{param}.pooler", h, h, True) + linear_specs(
+            "classifier", f"{param}.classifier", n, h, True
+        )
+
+
+class RobertaClassifier(nn.Module):
+    """RoBERTa / XLM-R: ``classifier.dense`` + tanh + ``classifier.out_proj`` on the <s> row."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(torch.tanh(_linear(x, self.dense)), self.out_proj)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.dense.in_features, self.out_proj.out_features
+        return linear_specs("classifier.dense", f"{param}.dense", h, h, True) + linear_specs(
+            "classifier.out_proj", f"{param}.out_proj", n, h, True
+        )
+
+
+class LinearScore(nn.Module):
+    """Decoders' ``score``: one linear layer without bias on the last token."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.score = nn.Linear(hidden, num_labels, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.score)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.score.in_features, self.score.out_features
+        return linear_specs("score", f"{param}.score", n, h, False)
+
+
+class YesNoScore(nn.Module):
+    """Qwen3-Reranker: the LM head's "yes" and "no" rows; logit(yes) - logit(no), one column.
+
+    Both logits are computed in float32 and then subtracted (not one difference row), as the
+    model card computes them from the full logits."""
+
+    def __init__(self, hidden: int, head: ClassifierHead, vocab_size: int) -> None:
+        super().__init__()
+        self.source, self.token_rows, self.vocab_size = head.rows_from, head.token_rows, vocab_size
+        self.rows = nn.Parameter(torch.empty(len(head.token_rows), hidden))  # [yes, no]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.rows.float())  # [n, 2]
+        return (logits[:, 0] - logits[:, 1]).unsqueeze(1)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        shape = (self.vocab_size, self.rows.shape[1])
+        return [WeightSpec(self.source, shape, f"{param}.rows", source_rows=self.token_rows)]
+
+
+def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> nn.Module:
+    if head.kind == "bert":
+        return BertClassifier(hidden, head.num_labels)
+    if head.kind == "roberta":
+        return RobertaClassifier(hidden, head.num_labels)
+    if head.kind == "linear":
+        return LinearScore(hidden, head.num_labels)
+    return YesNoScore(hidden, head, vocab_size)

@@ -1,0 +1,140 @@
+"""Query-document pairs as one prompt each, the way the classifier was trained to read them
+(``ClassifierHead.template``):
+
+- "pair": the tokenizer's own pair template ([CLS] q [SEP] d [SEP] with token types 0 then 1
+  for BERT; <s> q </s></s> d </s> for XLM-R), truncated longest-first as Hugging Face
+  tokenizers (and so sentence-transformers' CrossEncoder) truncate pairs.
+- "qwen3": Qwen3-Reranker's published prompt, tokenized as its model card does: a fixed system
+  prefix and assistant suffix around ``<Instruct>: {instruction}\\n<Query>: {query}\\n
+  <Document>: {document}``; prefix and suffix tokenized apart, the middle cut to fit.
+
+Token types ride with the token ids (``TokenSlice.type_ids``) only where the model reads them:
+BERT-family encoders with more than one token type. RoBERTa / XLM-R tokenizers give the model
+no token types (transformers feeds zeros), and decoders have none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .classifier import ClassifierHead
+from .deployment import Deployment
+from .errors import InvalidInputError
+from .inputs import InputPreparer, TokenSlice
+from .models import family_of
+
+# Qwen3-Reranker's prompt (its model card, 2025-06): the model answers "yes" or "no" after it.
+QWEN3_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n"
+)
+QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+# The same prompt as a chat template with "query" and "document" roles, which is how
+# sentence-transformers' CrossEncoder (6.x) reads a causal reranker: put it in the model folder
+# as chat_template.jinja and CrossEncoder(folder).predict gives the model card's scores (the
+# benchmark's peer and a test use it). The final newlines are written out: Jinja drops a
+# template's last newline.
+QWEN3_CHAT_TEMPLATE = (
+    QWEN3_PREFIX + "<Instruct>: " + QWEN3_INSTRUCTION + "\n<Query>: "
+    '{{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}'
+    "\n<Document>: "
+    '{{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}'
+    + QWEN3_SUFFIX.removesuffix("\n\n")
+    + '{{ "\\n\\n" }}'
+)
+
+
+def qwen3_body(instruction: str, query: str, document: str) -> str:
+    """The middle of Qwen3-Reranker's prompt (its ``format_instruction``)."""
+    return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+
+
+class PairEncoder:
+    """Token ids (and token types) of query-document pairs for the deployment's classifier."""
+
+    def __init__(self, deployment: Deployment, inputs: InputPreparer) -> None:
+        head: ClassifierHead = deployment.classifier
+        self.deployment, self.inputs, self.template = deployment, inputs, head.template
+        self.tokenizer = inputs.tokenizer
+        hf = deployment.folder.hf_config
+        family = family_of(deployment.folder.architecture).name
+        self.use_types = family == "bert" and int(hf.get("type_vocab_size", 2)) > 1
+        if self.template == "qwen3":
+            self.prefix = self.tokenizer.encode_plain(QWEN3_PREFIX)
+            self.suffix = self.tokenizer.encode_plain(QWEN3_SUFFIX)
+
+    def encode(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        limit: int | None,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+    ) -> TokenSlice:
+        """Pair i is (queries[i], documents[i]). ``limit``: longest prompt kept (longer pairs
+        are truncated); None: none is truncated, and one over max_model_len is refused."""
+        if instruction is not None and self.template != "qwen3":
+            raise InvalidInputError(
+                "instruction applies to Qwen3-Reranker models only; this model reads plain "
+                "query-document pairs",
+                param="instruction",
+            )
+        if max_tokens_per_doc is not None:
+            if not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1:
+                raise InvalidInputError(
+                    "max_tokens_per_doc must be a positive integer", param="max_tokens_per_doc"
+                )
+            documents = self.tokenizer.cut_texts(list(documents), max_tokens_per_doc)
+        if self.template == "qwen3":
+            ids, lengths = self._qwen3(queries, documents, limit, instruction)
+            types = None
+        else:
+            ids, types, lengths = self.tokenizer.encode_pairs(
+                list(queries), list(documents), max_tokens=limit
+            )
+            if not self.use_types or not types.any():
+                types = None
+        empty = np.nonzero(lengths == 0)[0]
+        if len(empty):
+            i = int(empty[0])
+            raise InvalidInputError(f"pair {i} has no tokens", param="documents", index=i)
+        self.inputs._check_lengths(0, lengths, self.deployment.max_model_len)
+        return TokenSlice(0, ids, lengths, types)
+
+    def length(self, query: str, document: str) -> int:
+        """Tokens of the pair's prompt, untruncated (built-in parity documents are sized by
+        it)."""
+        if self.template == "qwen3":
+            body = qwen3_body(QWEN3_INSTRUCTION, query, document)
+            _, lengths = self.tokenizer.encode_flat([body])
+            return int(lengths[0]) + len(self.prefix) + len(self.suffix)
+        return int(self.tokenizer.encode_pairs([query], [document])[2][0])
+
+    def _qwen3(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        limit: int | None,
+        instruction: str | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        instruction = QWEN3_INSTRUCTION if instruction is None else instruction
+        bodies = [qwen3_body(instruction, q, d) for q, d in zip(queries, documents, strict=True)]
+        fixed = len(self.prefix) + len(self.suffix)
+        room = None if limit is None else limit - fixed
+        if room is not None and room < 1:
+            raise InvalidInputError(
+                f"the Qwen3-Reranker prompt takes {fixed} tokens by itself; a limit of {limit} "
+                "tokens leaves no room for query and document",
+                param="truncate_prompt_tokens",
+            )
+        body_ids, body_lengths = self.tokenizer.encode_flat(bodies, max_tokens=room, keep="first")
+        parts = []
+        for body in np.split(body_ids, np.cumsum(body_lengths)[:-1]):
+            parts += [self.prefix, body, self.suffix]
+        return np.concatenate(parts), body_lengths + fixed

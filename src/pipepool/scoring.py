@@ -1,0 +1,289 @@
+"""``Engine.score``, ``rerank`` and ``classify``: a classifier's head (cross-encoders,
+Qwen3-Reranker, sequence classifiers) through the same engine as embeddings.
+
+Each call is ordinary requests whose pooled row the last stage turns into scores (the head
+and its activation run there, over the whole step: ``stage/heads.ScoreHead``). Pairs are
+tokenized by ``pairs.PairEncoder``; results come back in input order, and rerank sorts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .config import check_long_inputs
+from .core.request import PoolingParams
+from .errors import InvalidInputError
+from .pairs import PairEncoder
+from .submission import Submission
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .deployment import Deployment
+    from .inputs import InputPreparer
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """One document of a ranking: its position in the call's list and its score."""
+
+    index: int
+    relevance_score: float
+    document: str | None = None  # with return_documents=True
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Scores of a classifier for each input, and its label names."""
+
+    probs: np.ndarray  # [n, num_labels] float32: the activation's output (logits if raw)
+    label_names: tuple[str, ...]  # id2label, in label order
+
+    @property
+    def labels(self) -> list[str]:
+        """The label with the highest score, per input."""
+        return [self.label_names[i] for i in self.probs.argmax(axis=1).tolist()]
+
+
+class ScoringMethods:
+    """The classifier half of the ``Engine`` API (mixed into it). Every method is thread-safe;
+    bad input raises ``InvalidInputError`` naming the problem."""
+
+    # What the methods use of the Engine (and its submit_tokens).
+    config: EngineConfig
+    deployment: Deployment
+    inputs: InputPreparer
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> np.ndarray:
+        """One score per pair, ``[n]`` float32, as vLLM's ``score``: one ``text_1`` against
+        every ``text_2`` (one-to-many), or ``text_1[i]`` with ``text_2[i]`` (pairwise).
+        ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's."""
+        queries, documents = pair_up(text_1, text_2)
+        submission = self.submit_pairs(
+            queries,
+            documents,
+            use_activation=use_activation,
+            instruction=instruction,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            long_inputs=long_inputs,
+        )
+        return submission.result()[:, 0]
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> list[RerankResult]:
+        """``documents`` by relevance to ``query``, most relevant first (ties: input order);
+        the first ``top_n`` of them (None or 0: all). ``max_tokens_per_doc`` cuts each document
+        first, as Cohere's API does."""
+        check_top_n(top_n)
+        if not isinstance(query, str):
+            raise InvalidInputError("query must be a string", param="query")
+        queries, docs = pair_up([query], documents, name_1="query", name_2="documents")
+        scores = self.submit_pairs(
+            queries,
+            docs,
+            use_activation=use_activation,
+            instruction=instruction,
+            max_tokens_per_doc=max_tokens_per_doc,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            long_inputs=long_inputs,
+        ).result()[:, 0]
+        return [
+            RerankResult(i, float(scores[i]), docs[i] if return_documents else None)
+            for i in ranking(scores, top_n).tolist()
+        ]
+
+    def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> Classification:
+        """Label scores per text (``[n, num_labels]``; a single string is one text): the
+        model's activation (softmax for several labels, sigmoid for one, unless its
+        sentence-transformers config names another), or raw logits."""
+        submission = self.submit_classify(
+            texts,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            long_inputs=long_inputs,
+        )
+        return Classification(submission.result(), self.deployment.classifier.labels)
+
+    # -- futures, for callers that wait their own way (the server) ----------------------------
+
+    def submit_pairs(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> Submission:
+        """Enqueue pairs ``(queries[i], documents[i])``; the future's result is ``[n, 1]``."""
+        need_classifier(self.deployment, "scoring pairs", one_label=True)
+        limit = self._limit(truncate_prompt_tokens, long_inputs)
+        part = self._pair_encoder.encode(
+            queries,
+            documents,
+            limit=limit,
+            instruction=instruction,
+            max_tokens_per_doc=max_tokens_per_doc,
+        )
+        params = self._score_params(use_activation)
+        return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
+
+    def submit_classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> Submission:
+        """Enqueue texts to classify; the future's result is ``[n, num_labels]``."""
+        need_classifier(self.deployment, "classification")
+        policy = self._policy(long_inputs)
+        parts = list(
+            self.inputs.token_slices(
+                texts, truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=policy
+            )
+        )
+        token_ids = np.concatenate([p.token_ids for p in parts])
+        lengths = np.concatenate([p.lengths for p in parts])
+        return self.submit_tokens(token_ids, lengths, self._score_params(use_activation))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @cached_property
+    def _pair_encoder(self) -> PairEncoder:
+        return PairEncoder(self.deployment, self.inputs)
+
+    def _score_params(self, use_activation: bool) -> PoolingParams:
+        if not isinstance(use_activation, bool):
+            raise InvalidInputError("use_activation must be true or false", param="use_activation")
+        return PoolingParams(pooling=self.deployment.pooling, normalize=use_activation)
+
+    def _policy(self, long_inputs: str | None) -> str:
+        """Over-long inputs are truncated or refused; chunked windows have no meaning for a
+        score, so an engine that chunks embeddings truncates what it scores."""
+        if long_inputs == "chunk":
+            raise InvalidInputError(
+                "long_inputs='chunk' combines windows of an embedding; a score is computed on "
+                "the whole input: use 'truncate' or 'error'",
+                param="long_inputs",
+            )
+        policy = check_long_inputs(long_inputs or self.config.long_inputs)
+        return "truncate" if policy == "chunk" else policy
+
+    def _limit(self, truncate_prompt_tokens: int | None, long_inputs: str | None) -> int | None:
+        policy = self._policy(long_inputs)
+        limit = self.inputs._limit(truncate_prompt_tokens)
+        if limit is None and policy == "truncate":
+            limit = self.deployment.max_model_len
+        return limit
+
+
+def refuse_embedding(deployment: Deployment) -> None:
+    """A classifier's hidden states are not embeddings it was trained to give: say what it
+    does instead."""
+    head = deployment.classifier
+    if head is not None:
+        raise InvalidInputError(
+            f"this model ({deployment.folder.architecture}) is a classifier with "
+            f"{head.num_labels} label(s), not an embedding model: use score, rerank or classify "
+            "(/score, /rerank, /classify)",
+            param="model",
+        )
+
+
+def need_classifier(deployment: Deployment, task: str, *, one_label: bool = False) -> None:
+    head = deployment.classifier
+    if head is None:
+        raise InvalidInputError(
+            f"this model ({deployment.folder.architecture}) is an embedding model and cannot "
+            f"do {task}: that needs a cross-encoder or reranker (a *ForSequenceClassification "
+            "checkpoint, or Qwen3-Reranker)",
+            param="model",
+        )
+    if one_label and not head.can_rerank:
+        raise InvalidInputError(
+            f"this classifier has {head.num_labels} labels; {task} needs one score per pair "
+            "(a model with one label): use classify",
+            param="model",
+        )
+
+
+def pair_up(
+    text_1: str | Sequence[str],
+    text_2: str | Sequence[str],
+    *,
+    name_1: str = "text_1",
+    name_2: str = "text_2",
+) -> tuple[list[str], list[str]]:
+    """vLLM's score inputs as pairs: one first text against every second one, or pairwise."""
+    firsts = _texts(text_1, name_1)
+    seconds = _texts(text_2, name_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise InvalidInputError(
+            f"{name_1} has {len(firsts)} texts and {name_2} {len(seconds)}: give one {name_1} "
+            f"(scored against every {name_2}) or as many as {name_2}",
+            param=name_1,
+        )
+    return firsts, seconds
+
+
+def _texts(value: str | Sequence[str], name: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, (Sequence, np.ndarray)) or not all(isinstance(t, str) for t in texts):
+        raise InvalidInputError(f"{name} must be a string or a list of strings", param=name)
+    if not len(texts):
+        raise InvalidInputError(f"{name} is empty: give at least one text", param=name)
+    return list(texts)
+
+
+def check_top_n(top_n: int | None) -> None:
+    if top_n is None:
+        return
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+        raise InvalidInputError(
+            f"top_n must be a non-negative integer (0: all documents), got {top_n!r}",
+            param="top_n",
+        )
+
+
+def ranking(scores: np.ndarray, top_n: int | None) -> np.ndarray:
+    """Indices by descending score, ties in input order (sentence-transformers' ``rank``
+    sorts the same way); the first ``top_n`` (None or 0: all)."""
+    order = np.argsort(-scores, kind="stable")
+    return order[:top_n] if top_n else order

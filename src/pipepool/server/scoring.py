@@ -1,0 +1,156 @@
+"""The scoring routes of a classifier (cross-encoder, reranker): Cohere v2 / Jina ``POST
+/rerank`` (also ``/v1/rerank``, ``/v2/rerank``; TEI's body form too), vLLM's ``/score`` and
+``/classify``. The same limits, errors, metrics and API key as ``/v1/embeddings``: a request's
+pairs (or texts) are engine requests like any inputs, sharing steps with other clients."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from ..engine import Engine
+from ..errors import InvalidInputError
+from ..scoring import check_top_n, pair_up, ranking
+from ..submission import Submission
+from . import scoring_protocol as sp
+from .errors import APIError, from_engine
+from .front import Encoded
+from .protocol import ErrorResponse
+
+router = APIRouter(tags=["rerank, score, classify"])
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+
+
+@router.post("/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
+@router.post("/v1/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
+@router.post("/v2/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
+async def rerank(body: sp.RerankRequest, request: Request) -> Response:
+    """Documents by relevance to the query, most relevant first (Cohere v2 / Jina; with
+    ``texts`` instead of ``documents``, TEI's request and answer)."""
+    documents = body.document_texts()
+    if not documents:
+        raise APIError(400, "documents is empty: send at least one document", param="documents")
+    try:
+        check_top_n(body.top_n)
+    except InvalidInputError as exc:
+        raise from_engine(exc) from None
+    n = len(documents)
+    done = await _run(
+        request,
+        body.model,
+        n,
+        lambda engine: engine.submit_pairs(
+            [body.query] * n,
+            documents,
+            use_activation=body.activation(),
+            instruction=body.instruction,
+            max_tokens_per_doc=body.max_tokens_per_doc,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        ),
+        param="texts" if body.tei else "documents",
+    )
+    if isinstance(done, Response):
+        return done
+    scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
+    order = ranking(scores, body.top_n)
+    if body.tei:
+        return _json(sp.tei_rerank_response(documents, scores, order, return_text=body.return_text))
+    keep = body.return_documents if body.return_documents is not None else True
+    name = body.model or _state(request).settings.model_name
+    return _json(
+        sp.rerank_response(name, documents, scores, order, done.num_tokens, return_documents=keep)
+    )
+
+
+@router.post("/score", response_model=sp.ScoreResponse, responses=_ERRORS)
+@router.post("/v1/score", response_model=sp.ScoreResponse, responses=_ERRORS)
+async def score(body: sp.ScoreRequest, request: Request) -> Response:
+    """One score per pair: text_1 against every text_2, or text_1[i] with text_2[i] (vLLM)."""
+    try:
+        firsts, seconds = pair_up(body.text_1, body.text_2)
+    except InvalidInputError as exc:
+        raise from_engine(exc) from None
+    activation = body.use_activation if body.use_activation is not None else True
+    done = await _run(
+        request,
+        body.model,
+        len(firsts),
+        lambda engine: engine.submit_pairs(
+            firsts,
+            seconds,
+            use_activation=activation,
+            instruction=body.instruction,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        ),
+        param="text_2",
+    )
+    if isinstance(done, Response):
+        return done
+    scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
+    name = body.model or _state(request).settings.model_name
+    return _json(sp.score_response(name, scores, done.num_tokens))
+
+
+@router.post("/classify", response_model=sp.ClassifyResponse, responses=_ERRORS)
+@router.post("/v1/classify", response_model=sp.ClassifyResponse, responses=_ERRORS)
+async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
+    """Label probabilities and the top label per input (vLLM)."""
+    texts = body.texts()
+    if not texts:
+        raise APIError(400, "input is empty: send at least one text", param="input")
+    activation = body.use_activation if body.use_activation is not None else True
+    done = await _run(
+        request,
+        body.model,
+        len(texts),
+        lambda engine: engine.submit_classify(
+            texts, use_activation=activation, truncate_prompt_tokens=body.truncate_prompt_tokens
+        ),
+        param="input",
+    )
+    if isinstance(done, Response):
+        return done
+    labels = _state(request).front.engine.deployment.classifier.labels
+    name = body.model or _state(request).settings.model_name
+    probs = np.stack(done.outputs).astype(np.float32, copy=False)
+    return _json(sp.classify_response(name, probs, labels, done.num_tokens))
+
+
+def _state(request: Request):
+    return request.app.state.pipepool
+
+
+async def _run(
+    request: Request,
+    model: str | None,
+    n: int,
+    submit: Callable[[Engine], Submission],
+    *,
+    param: str,
+) -> Encoded | Response:
+    """The shared path of the model routes: the model name, the per-request input limit, the
+    queue, the engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
+    from .app import CLIENT_CLOSED, _check_model, _ClientGone, _unless_client_leaves
+
+    state = _state(request)
+    _check_model(state, model)
+    limit = state.settings.max_inputs_per_request
+    if n > limit:
+        raise APIError(
+            400,
+            f"the request has {n} inputs (pairs or texts); this server takes at most {limit} "
+            "per request",
+            param=param,
+            code="too_many_inputs",
+        )
+    try:
+        return await _unless_client_leaves(request, state.front.run(n, submit))
+    except _ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def _json(body) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")

@@ -142,15 +142,15 @@ class Engine:
         device starts on the first slice while this thread tokenises the next.
         """
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
+        items = self.inputs.items(inputs)
         slices = self.inputs.token_slices(
-            inputs,
+            items,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
         )
         first = next(slices)  # every input is validated before anything is enqueued
-        items = 1 if isinstance(inputs, str) else len(inputs)
-        submission = self._new_submission(params, items)
+        submission = self._new_submission(params, len(items))
         try:
             self._enqueue(submission, first)
             for part in slices:

@@ -3,7 +3,9 @@
 Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), the command line
 winning. The server listens at once and loads the model in the background (``/health`` says
 503 until it is ready). On SIGTERM or Ctrl-C it stops accepting connections, lets the requests
-in flight finish (up to ``--shutdown-timeout``), then stops the pipeline stages.
+in flight finish (up to ``--shutdown-timeout``, then answers what is left 503), then stops the
+pipeline stages. If the engine fails for good (a stage died more often than it may be
+restarted), the server stops too and exits non-zero, so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,22 @@ def add_parser(sub, help: str) -> None:
         "--shutdown-timeout",
         type=float,
         default=env("shutdown_timeout", "30"),
-        help="seconds to let requests in flight finish after SIGTERM",
+        help="seconds to let requests in flight finish after SIGTERM; those still running then "
+        "are answered 503",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=env("timeout_keep_alive", "75"),
+        help="seconds an idle keep-alive connection stays open (default 75: longer than "
+        "common clients' and load balancers' idle expiry, so none sends on a connection the "
+        "server is closing)",
+    )
+    g.add_argument(
+        "--backlog",
+        type=int,
+        default=env("backlog", "2048"),
+        help="connections the kernel queues while the server is busy accepting",
     )
     g.add_argument(
         "--log-level",
@@ -88,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from ..server.front import AsyncEngine
     from ..server.owner import EngineOwner
     from ..server.settings import DEFAULT_MODEL_NAME, ServerSettings
+    from ..server.uvicorn_server import Server
 
     settings = ServerSettings(
         host=args.host,
@@ -98,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        backlog=args.backlog,
         log_level=args.log_level,
         access_log=args.access_log,
     )
@@ -111,16 +131,19 @@ def run(args: argparse.Namespace) -> int:
 
     owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
-    server = uvicorn.Server(
+    server = Server(
         uvicorn.Config(
             build_app(settings, front),
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
-            timeout_graceful_shutdown=settings.shutdown_timeout_s,
+            timeout_keep_alive=settings.timeout_keep_alive_s,
+            backlog=settings.backlog,
             lifespan="off",
-        )
+        ),
+        front,
+        timeout_s=settings.shutdown_timeout_s,
     )
 
     def stop_serving(_exc: BaseException) -> None:

@@ -25,10 +25,14 @@ class EngineStats:
     chunked_requests: int = 0  # requests whose prompt took more than one step
     queue_waiting: int = 0
     requests_running: int = 0
+    pipeline_restarts: int = 0  # failed pipelines started again
+    requests_retried: int = 0  # unfinished requests run again after a restart
     step_time_sum: float = 0.0
     step_time_count: int = 0
     step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     stage_busy_s: list[float] = field(default_factory=list)  # cumulative, per stage
+    # What stages had computed before the last restart: a restarted stage counts from zero.
+    _busy_before: list[float] = field(default_factory=list, repr=False)
     errors: Counter = field(default_factory=Counter)  # by exception class name
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -44,15 +48,19 @@ class EngineStats:
             first_chunk_ends = plan.ends[plan.num_reqs - len(plan.new) :]
             self.chunked_requests += int((first_chunk_ends < plan.new.prompt_lens).sum())
 
-    def on_result(self, plan: StepPlan, result: StepResult, wait_s: float) -> None:
+    def on_result(self, plan: StepPlan, result: StepResult, step_s: float) -> None:
+        """``step_s``: from the plan's submission to its result (the step's latency)."""
         with self._lock:
-            self.step_time_sum += wait_s
+            self.step_time_sum += step_s
             self.step_time_count += 1
             for i, bound in enumerate(STEP_BUCKETS):
-                if wait_s <= bound:
+                if step_s <= bound:
                     self.step_time_buckets[i] += 1
             if result.stage_busy_s:
-                self.stage_busy_s = list(result.stage_busy_s)
+                before = self._busy_before or [0.0] * len(result.stage_busy_s)
+                self.stage_busy_s = [
+                    b + s for b, s in zip(before, result.stage_busy_s, strict=True)
+                ]
 
     def on_finish(self, requests: int, tokens: int) -> None:
         with self._lock:
@@ -66,6 +74,15 @@ class EngineStats:
     def on_error(self, exc: BaseException) -> None:
         with self._lock:
             self.errors[type(exc).__name__] += 1
+
+    def on_restart(self) -> None:
+        with self._lock:
+            self.pipeline_restarts += 1
+            self._busy_before = list(self.stage_busy_s)
+
+    def on_retry(self, requests: int) -> None:
+        with self._lock:
+            self.requests_retried += requests
 
     def set_queue(self, waiting: int, unfinished: int) -> None:
         self.queue_waiting = waiting

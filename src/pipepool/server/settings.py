@@ -24,6 +24,12 @@ class ServerSettings:
     # server accepts can run once the queue has drained.
     max_queued_requests: int = 16384
     shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    # An idle keep-alive connection is closed after this long. A client that sends on it just
+    # as the server closes it sees a connection reset, so the server must outlast every
+    # client's and proxy's own idle expiry (httpx/openai 5 s, aiohttp 15 s, nginx upstream and
+    # AWS ALB 60 s): 75 s, nginx's own keepalive_timeout.
+    timeout_keep_alive_s: float = 75.0
+    backlog: int = 2048  # connections the kernel queues before accept (bursts of clients)
     log_level: str = "info"
     access_log: bool = True
 
@@ -42,5 +48,9 @@ class ServerSettings:
             raise InvalidInputError(f"port must be in 0..65535, got {self.port}", param="port")
         if self.shutdown_timeout_s <= 0:
             raise InvalidInputError("shutdown_timeout must be > 0", param="shutdown_timeout")
+        if self.timeout_keep_alive_s <= 0:
+            raise InvalidInputError("timeout_keep_alive must be > 0", param="timeout_keep_alive")
+        if self.backlog < 1:
+            raise InvalidInputError("backlog must be >= 1", param="backlog")
         if self.api_key is not None and not self.api_key:
             raise InvalidInputError("api_key is empty", param="api_key")

@@ -256,6 +256,20 @@ def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3
             engine.embed(["later request"])
 
 
+def test_a_stage_killed_while_idle_is_replaced_before_any_request(qwen3_path):
+    with pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2) as engine:
+        engine._restarts.first_delay_s = 0.01
+        engine.embed(["warm"])
+        (old,) = _stage_pids(engine)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (engine.stats.pipeline_restarts and engine.health == "ok"):
+            assert time.monotonic() < deadline, engine.health
+            time.sleep(0.05)
+        assert _stage_pids(engine) != [old]
+        assert engine.embed(["after the restart"]).shape == (1, 64)
+
+
 def test_health_is_degraded_while_restarting_and_close_interrupts_the_restart(qwen3_path):
     engine = pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2)
     engine._restarts.first_delay_s = 120.0  # the restart waits: health can be read meanwhile

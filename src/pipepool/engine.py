@@ -38,6 +38,7 @@ from .errors import (
     StateDivergence,
 )
 from .inputs import InputPreparer, TokenSlice
+from .memory import bound_heap_growth
 from .owners import Owners
 from .parallel.executor import Executor
 from .parallel.launch import start_executor
@@ -66,6 +67,7 @@ class Engine:
 
     def _init(self, config: EngineConfig) -> None:
         self._closed = True  # until fully started, close() has nothing to stop
+        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
         self.config = config
         self.deployment: Deployment = plan_deployment(config)
         d = self.deployment
@@ -340,9 +342,6 @@ class Engine:
                 ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
                 self.stats.on_result(plan, result, time.perf_counter() - submitted)
                 self._deliver(result, ledger)
-                if self._restarting:
-                    with self._wake:
-                        self._restarting = False  # healed: a step went through
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
@@ -379,7 +378,9 @@ class Engine:
                 continue
             executor.set_failure_listener(self._wake_loop)
             self.stats.on_restart()
-            self._executor = executor
+            with self._wake:
+                self._executor = executor
+                self._restarting = False  # every stage loaded and connected again
             log.warning("pipeline restarted; %d requests to run again", self._owners.num_unfinished)
             return None
         return failure

@@ -4,7 +4,9 @@ queued, and the engine keeps serving afterwards."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import cosine, long_prompts
 
 import pipepool
+from pipepool.inputs import MAX_CHARS_PER_TOKEN
 
 MAX_LEN = 32
 LONG = long_prompts()[3]  # hundreds of tokens with any tiny tokenizer
@@ -131,6 +134,72 @@ def test_truncate_prompt_tokens_keeps_first_or_last_tokens(qwen3_engine, referen
     out = qwen3_engine.tokenize([ids], truncate_prompt_tokens=10, truncation_side="left")[0]
     assert out.tolist() == ids[-10:]
     assert qwen3_engine.tokenize([ids], truncate_prompt_tokens=10)[0].tolist() == ids[:10]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "bad", "where"),
+    [
+        (["fine", "bad \ud800 text"], 1, "character 4 is U+D800"),
+        (["\udfff"], 0, "character 0 is U+DFFF"),
+        ("caf\u00e9 then \ud83d alone", 0, "character 10 is U+D83D"),
+    ],
+)
+def test_lone_surrogate_is_invalid_input_naming_input_and_character(
+    qwen3_engine, inputs, bad, where
+):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which UTF-8 cannot encode and no
+    tokenizer takes (it used to surface as a bare TypeError from the tokenizer)."""
+    for call in (qwen3_engine.embed, qwen3_engine.tokenize):
+        with pytest.raises(
+            pipepool.InvalidInputError, match=f"input {bad} .*{re.escape(where)}"
+        ) as info:
+            call(inputs)
+        assert info.value.param == "input"
+    assert_still_serves(qwen3_engine)
+    # A proper surrogate pair (one astral character) is fine.
+    assert qwen3_engine.embed(["emoji \U0001f600 ok"]).shape == (1, 64)
+
+
+def test_text_over_the_character_bound_is_refused_before_tokenisation(qwen3_engine):
+    bound = MAX_LEN * MAX_CHARS_PER_TOKEN
+    huge = "word " * 2_000_000  # 10 MB: seconds of tokenising, were it tokenised
+    started = time.perf_counter()
+    with pytest.raises(
+        pipepool.PromptTooLongError, match=f"input 1 has 10000000 characters.*{bound}"
+    ):
+        qwen3_engine.embed(["short", huge])
+    assert time.perf_counter() - started < 0.5
+    assert_still_serves(qwen3_engine)
+    # At the bound itself the text is tokenised (and then over max_model_len in tokens).
+    with pytest.raises(pipepool.PromptTooLongError, match="tokens, more than max_model_len"):
+        qwen3_engine.embed([("x " * bound)[:bound]])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_truncating_a_huge_text_equals_truncating_its_tokens(qwen3_engine, side):
+    """With truncation asked for, a text over the character bound is cut to the bound before
+    tokenising: the kept tokens lie far inside the cut, so they are those of the whole text."""
+    huge = " ".join(f"w{i % 997}" for i in range(400_000))  # ~2.4 M characters
+    assert len(huge) > MAX_LEN * MAX_CHARS_PER_TOKEN
+    ids = qwen3_engine.inputs.tokenizer.encode_batch(
+        [huge], max_tokens=MAX_LEN, keep="first" if side == "right" else "last"
+    )[0]
+    got = qwen3_engine.tokenize([huge], truncate_prompt_tokens=MAX_LEN, truncation_side=side)
+    assert got[0].tolist() == ids.tolist()
+    from_text = qwen3_engine.embed([huge], truncate_prompt_tokens=MAX_LEN, truncation_side=side)
+    assert np.array_equal(from_text, qwen3_engine.embed([ids.tolist()]))
+
+
+def test_flat_token_id_list_is_one_input_as_in_the_http_api(qwen3_engine):
+    ids = [5, 17, 99, 3]
+    expected = qwen3_engine.embed([ids])
+    for one in (ids, np.array(ids), np.array(ids, dtype=np.int32)):
+        got = qwen3_engine.embed(one)
+        assert got.shape == (1, 64)
+        assert np.array_equal(got, expected)
+    assert [t.tolist() for t in qwen3_engine.tokenize(ids)] == [ids]
+    with pytest.raises(pipepool.InvalidInputError, match="all strings or all lists of token ids"):
+        qwen3_engine.embed([True, False])  # booleans are not token ids
 
 
 @pytest.mark.parametrize(

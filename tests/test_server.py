@@ -26,6 +26,7 @@ import pipepool
 MIN_COSINE = 0.99999
 MODEL = "tiny-qwen3"
 BUDGET = 32  # small, so that long prompts always take several steps
+SHUTDOWN_S = 1.0  # --shutdown-timeout of the PP=1 server
 
 
 # -- a server process -----------------------------------------------------------------------
@@ -145,7 +146,8 @@ def assert_kv_blocks_all_free(server: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def servers(qwen3_path, tmp_path_factory):
-    """A PP=1 and a PP=2 server on the tiny Qwen3, started side by side."""
+    """A PP=1 and a PP=2 server on the tiny Qwen3, started side by side. The PP=1 server waits
+    only a second for requests in flight when told to stop (the last test needs that)."""
     logs = tmp_path_factory.mktemp("server-logs")
     common = [
         "--model",
@@ -158,7 +160,7 @@ def servers(qwen3_path, tmp_path_factory):
         "--allow-token-ids",
     ]
     started = {
-        1: ServerProcess(common, logs / "pp1.log"),
+        1: ServerProcess([*common, "--shutdown-timeout", str(SHUTDOWN_S)], logs / "pp1.log"),
         2: ServerProcess([*common, "--pp", "2"], logs / "pp2.log"),
     }
     try:
@@ -417,6 +419,38 @@ def test_client_disconnect_aborts_its_requests(servers, pp, engine):
     assert_close(r.json()["data"][0]["embedding"], engine.embed([SENTENCES[0]])[0])
 
 
+def test_one_word_is_answered_promptly_while_10mb_bodies_are_handled(server, engine):
+    """Texts are checked against a character bound before they are tokenised, and large
+    requests tokenise in a lane of their own: two 10 MB bodies (refused), and one asking for
+    truncation (tokenised up to the bound), do not hold up a one-word request."""
+    huge = "word " * 2_000_000
+    big = [{"input": huge}, {"input": huge}, {"input": huge, "truncate_prompt_tokens": -1}]
+    answers: dict = {}
+
+    def send(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            answers[i] = http.post(server.url + "/v1/embeddings", json=big[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(big))]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.metrics()["pipepool_http_requests_in_flight"] >= 2, what="uploads")
+    sent = time.monotonic()
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "word"}, timeout=60)
+    waited = time.monotonic() - sent
+    for t in threads:
+        t.join()
+    assert r.status_code == 200
+    assert_close(r.json()["data"][0]["embedding"], engine.embed(["word"])[0])
+    assert waited < 2, f"one word waited {waited:.1f} s"
+    for i in (0, 1):
+        assert answers[i].status_code == 400, answers[i].text
+        err = answers[i].json()["error"]
+        assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    assert answers[2].status_code == 200, answers[2].text
+    assert answers[2].json()["usage"]["prompt_tokens"] == 4096
+
+
 def test_engine_and_cli_import_without_the_server_extras():
     code = (
         "import sys\n"
@@ -442,7 +476,51 @@ def test_server_flags_read_pipepool_environment_variables(monkeypatch):
     assert args.port == 82  # the command line wins
 
 
-# -- shutdown (last: it stops the PP=2 server) ----------------------------------------------
+# -- a stage dies, and the pipeline heals --------------------------------------------------
+
+
+def test_killed_stage_heals_under_load_and_no_client_sees_it(servers, engine):
+    server = servers[2]
+    before = server.metrics()
+    requests = _mixed_requests(24)
+    results: list = [None] * len(requests)
+
+    def call(i: int) -> None:
+        with httpx.Client(timeout=180) as http:
+            results[i] = http.post(server.url + "/v1/embeddings", json={"input": requests[i]})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    wait_for(
+        lambda: (
+            server.metrics()["pipepool_requests_finished_total"]
+            > before["pipepool_requests_finished_total"]
+        ),
+        what="the first results",
+    )
+    (stage,) = server.children()
+    os.kill(stage[0], signal.SIGKILL)
+    for t in threads:
+        t.join()
+    expected = iter(engine.embed([p for r in requests for p in r]))
+    for prompts, r in zip(requests, results, strict=True):
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == len(prompts)
+        for d in r.json()["data"]:
+            assert_close(d["embedding"], next(expected))
+    m = server.metrics()
+    assert m["pipepool_pipeline_restarts_total"] == before["pipepool_pipeline_restarts_total"] + 1
+    assert m["pipepool_requests_retried_total"] > before["pipepool_requests_retried_total"]
+    assert m['pipepool_engine_errors_total{kind="StageFailure"}'] == 1
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "restarting its stages" in server.log()
+    assert_kv_blocks_all_free(server)
+    (new_stage,) = server.children()
+    assert new_stage != stage and not _alive(stage)
+
+
+# -- shutdown (last: it stops both servers) -------------------------------------------------
 
 
 def test_sigterm_finishes_in_flight_request_then_exits_cleanly(servers, engine):
@@ -471,3 +549,31 @@ def test_sigterm_finishes_in_flight_request_then_exits_cleanly(servers, engine):
     assert not [c for c in children if _alive(c)], "stage processes left behind"
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_requests_past_the_shutdown_timeout_get_503_and_no_traceback(servers):
+    """Past --shutdown-timeout the requests still running are answered 503 with an OpenAI
+    error body by their own routes (uvicorn would cancel them into a plain-text 500 and a
+    traceback each)."""
+    server = servers[1]
+    many_long = [f"{i} {long_prompts()[3]}" for i in range(96)]  # ~60k tokens: many seconds
+    result = {}
+
+    def in_flight() -> None:
+        result["r"] = httpx.post(
+            server.url + "/v1/embeddings", json={"input": many_long}, timeout=120
+        )
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    wait_for(lambda: server.metrics()["pipepool_requests_finished_total"] > 0, what="work")
+    server.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    t.join()
+    r = result["r"]
+    assert r.status_code == 503, r.text
+    body = r.json()
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "shutting_down"
+    assert SHUTDOWN_S <= time.monotonic() - signalled < SHUTDOWN_S + 10
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    assert "Traceback" not in server.log()

@@ -1,16 +1,17 @@
 """Issue 5 acceptance: every limit and bad input gets the right status and an OpenAI-style
 error body, and the server keeps serving afterwards. One server with an API key and small
-limits, PP=2 so that the last test can kill a stage."""
+limits, PP=2 with stage restarts off so that the last test can kill a stage for good."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import threading
+import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from test_server import ServerProcess, _alive, assert_close, assert_kv_blocks_all_free, wait_for
@@ -24,6 +25,7 @@ MAX_INPUTS = 4
 MAX_QUEUED = 6
 MAX_LEN = 128
 MAX_BODY = 16384
+KEEP_ALIVE_S = 2
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -35,6 +37,7 @@ def server(qwen3_path, tmp_path_factory):
     args += ["--max-queued-requests", str(MAX_QUEUED), "--max-body-bytes", str(MAX_BODY)]
     # A tiny step budget makes a request of long prompts slow enough to fill the queue.
     args += ["--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2"]
+    args += ["--stage-restarts", "0", "--timeout-keep-alive", str(KEEP_ALIVE_S)]
     s = ServerProcess(args, tmp_path_factory.mktemp("limits-log") / "server.log")
     try:
         yield s.wait_ready()
@@ -233,6 +236,52 @@ def test_unknown_fields_are_ignored_as_openai_clients_expect(server):
     assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 64
 
 
+# Lone surrogates as JSON writes them ("\ud800" escapes): once a 500 whose error body could not
+# be encoded, which broke the connection for the next request on it.
+SURROGATE_BODIES = [
+    ("/v1/embeddings", r'{"input": ["fine", "bad \ud800 text"]}', 400, "input 1", "U+D800"),
+    ("/pooling", r'{"input": "\udfff"}', 400, "input 0", "U+DFFF"),
+    ("/tokenize", r'{"prompt": "x\ud800"}', 400, "input 0", "U+D800"),
+    ("/v1/embeddings", r'{"input": "a", "model": "m\ud800"}', 404, "model", "does not exist"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "names", "says"), SURROGATE_BODIES)
+def test_lone_surrogate_is_a_4xx_and_the_connection_serves_the_next_request(
+    server, path, body, status, names, says
+):
+    with httpx.Client(headers={**AUTH, "Content-Type": "application/json"}, timeout=30) as http:
+        r = http.post(server.url + path, content=body.encode())
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert names in err["message"] + str(err["param"]) and says in err["message"], err
+        assert r.headers.get("connection") != "close"
+        again = http.post(server.url + "/v1/embeddings", json={"input": "fine"})
+        assert again.status_code == 200, again.text
+    assert "Traceback" not in server.log()
+
+
+def test_json_sent_as_text_plain_is_400_saying_which_content_type(server):
+    r = post(server, content=b'{"input": "a"}', headers={**AUTH, "Content-Type": "text/plain"})
+    assert_error(r, 400, "invalid_request_error", "invalid_content_type", says="application/json")
+    assert "text/plain" in r.json()["error"]["message"]
+
+
+def test_idle_keep_alive_connection_closes_after_the_configured_timeout(server):
+    """--timeout-keep-alive reaches uvicorn: an idle connection is closed after it, no sooner
+    (its default of 5 s is shorter than many clients keep idle connections)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+        response = b""
+        while b"\r\n\r\n" not in response or not response.endswith(b"}"):
+            response += sock.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200")
+        answered = time.monotonic()
+        assert sock.recv(1) == b""  # blocks until the server closes the idle connection
+        idle = time.monotonic() - answered
+    assert KEEP_ALIVE_S - 0.5 < idle < KEEP_ALIVE_S + 5
+
+
 def test_server_still_serves_after_all_that(server, engine):
     r = post(server, json={"input": SENTENCES[:MAX_INPUTS]})
     assert r.status_code == 200
@@ -244,18 +293,23 @@ def test_server_still_serves_after_all_that(server, engine):
     assert m['pipepool_http_errors_total{type="authentication_error",code="invalid_api_key"}'] >= 1
 
 
-# -- a stage dies (last: it breaks the server) ----------------------------------------------
+# -- a stage dies (last: it stops the server) ------------------------------------------------
 
 
-def test_dead_stage_makes_health_503(server):
+def test_stage_death_without_restarts_fails_requests_503_and_the_server_exits_non_zero(server):
+    """With --stage-restarts 0 a dead stage cannot be replaced: requests in flight get 503 and
+    the server exits non-zero, so that an orchestrator restarts it (it used to answer 503
+    forever and exit 0 on a later SIGTERM)."""
+    slow = {"input": [f"{i} {long_prompts()[3]}" for i in range(4)], "truncate_prompt_tokens": 128}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(server, json=slow)))
+    t.start()
+    wait_for(lambda: server.metrics()["pipepool_server_pending_inputs"] == 4, what="in flight")
     (stage,) = server.children()
     os.kill(stage[0], signal.SIGKILL)
-    wait_for(lambda: not _alive(stage), what="the stage to die")
-    r = post(server, json={"input": "anyone there?"})
-    assert_error(r, 503, "server_error", "engine_unavailable", says="stage 1")
-    r = httpx.get(server.url + "/health")
-    assert r.status_code == 503 and r.json() == {"status": "dead"}
-    m = server.metrics()
-    assert m["pipepool_engine_ready"] == 0
-    assert m['pipepool_engine_errors_total{kind="StageFailure"}'] == 1
-    assert np.isfinite(m["pipepool_kv_blocks_free"])
+    t.join()
+    assert_error(result["r"], 503, "server_error", "engine_unavailable", says="stage 1")
+    assert server.proc.wait(timeout=60) != 0
+    log = server.log()
+    assert "cannot recover" in log and "stage 1" in log
+    assert not _alive(stage)

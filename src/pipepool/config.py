@@ -95,6 +95,12 @@ class EngineConfig:
     )
     block_size: int = option(16, "tokens per KV-cache block", cli=False)
     kv_cache_tokens: int | None = option(None, "KV capacity in tokens (default: from memory)")
+    # A pipeline that heals: when a stage process dies, the engine starts the stages again and
+    # runs the requests that were in flight once more (pooling is a pure function of a prompt,
+    # so no caller sees the failure). More failures than this within 5 minutes: give up.
+    stage_restarts: int = option(
+        5, "restart the stage processes after one dies, up to N times in 5 minutes (0: fail)"
+    )
     # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"
@@ -162,6 +168,8 @@ class EngineConfig:
                 f"reranker must be one of {', '.join(RERANKERS)}; got {self.reranker!r}",
                 param="reranker",
             )
+        if self.stage_restarts < 0:
+            raise InvalidInputError("stage_restarts must be >= 0", param="stage_restarts")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise InvalidInputError("kv_cache_tokens must be >= 1", param="kv_cache_tokens")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:

@@ -2,18 +2,23 @@
 
 Calls from any thread tokenise in the caller's thread and put request batches into an inbox;
 one loop thread owns the scheduler and the executor, keeps up to ``executor.depth`` plans in
-flight, and writes each step's outputs into the calls' results (``Submission``). A stage
-failure fails every pending and later call with the cause.
+flight, and writes each step's outputs into the calls' results (``Submission``).
+
+When a stage process dies, the loop heals the pipeline: it starts the stages again and runs
+every unfinished request once more (pooling is a pure function of a prompt, so callers see a
+delay, not an error), within ``RestartPolicy``'s bounds. A failure it cannot heal (a divergence,
+a stage in this process, too many restarts) fails every pending and later call with the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -21,17 +26,28 @@ from .config import EngineConfig, check_long_inputs
 from .core.kv_blocks import BlockAllocator
 from .core.plan import StepPlan, StepResult
 from .core.request import PoolingParams, RequestBatch
+from .core.restarts import RestartPolicy
 from .core.scheduler import Ledger, Scheduler
 from .core.stats import EngineStats
 from .deployment import Deployment, plan_deployment
-from .errors import EngineDeadError, InvalidInputError, PipepoolError
+from .errors import (
+    EngineDeadError,
+    InvalidInputError,
+    PipepoolError,
+    StageFailure,
+    StateDivergence,
+)
 from .inputs import InputPreparer, TokenSlice
 from .long_inputs import CombinedSubmission, split_windows, window_params
+from .memory import bound_heap_growth
+from .owners import Owners
 from .parallel.executor import Executor
 from .parallel.launch import start_executor
 from .scoring import ScoringMethods, refuse_embedding
 from .signal_mask import block_stop_signals
 from .submission import Submission
+
+log = logging.getLogger("pipepool")
 
 
 class Engine(ScoringMethods):
@@ -54,28 +70,37 @@ class Engine(ScoringMethods):
 
     def _init(self, config: EngineConfig) -> None:
         self._closed = True  # until fully started, close() has nothing to stop
+        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
         self.config = config
         self.deployment: Deployment = plan_deployment(config)
         d = self.deployment
         self.inputs = InputPreparer(d)
         self.stats = EngineStats(d.num_stages)
-        blocks = BlockAllocator(d.num_kv_blocks, config.block_size) if d.causal else None
-        self._scheduler = Scheduler(
+        self._scheduler = self._new_scheduler()
+        self._executor: Executor = start_executor(d)  # last: it starts processes
+        self._restarts = RestartPolicy(config.stage_restarts)
+        self._next_id = 0
+        self._owners = Owners()  # which call each batch's results go to
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._dead: BaseException | None = None
+        self._restarting = False  # the loop is starting a failed pipeline again
+        self._on_death: list[Callable[[BaseException], None]] = []
+        self._closed = False
+        self._stop = False
+        self._executor.set_failure_listener(self._wake_loop)
+        self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
+        self._thread.start()
+
+    def _new_scheduler(self) -> Scheduler:
+        d = self.deployment
+        blocks = BlockAllocator(d.num_kv_blocks, self.config.block_size) if d.causal else None
+        return Scheduler(
             max_num_batched_tokens=d.max_num_batched_tokens,
             max_num_seqs=d.max_num_seqs,
             chunked=d.causal,
             blocks=blocks,
         )
-        self._executor: Executor = start_executor(d)  # last: it starts processes
-        self._next_id = 0
-        self._owners: dict[int, _Owner] = {}  # batch first id -> the call waiting for it
-        self._inbox: deque = deque()
-        self._wake = threading.Condition()
-        self._dead: BaseException | None = None
-        self._closed = False
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
-        self._thread.start()
 
     # -- public API -------------------------------------------------------------------------
 
@@ -203,8 +228,9 @@ class Engine(ScoringMethods):
         refuse_embedding(self.deployment)
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
         policy = check_long_inputs(long_inputs or self.config.long_inputs)
+        items = self.inputs.items(inputs)
         slices = self.inputs.token_slices(
-            inputs,
+            items,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
             prompt_name=prompt_name,
@@ -217,10 +243,9 @@ class Engine(ScoringMethods):
         ):
             return self._new_submission(params, 0)  # already done: an empty result
         first = next(slices)  # every input is validated before anything is enqueued
-        items = 1 if isinstance(inputs, str) else len(inputs)
         if policy == "chunk":
             return self._submit_windows(params, [first, *slices])
-        submission = self._new_submission(params, items)
+        submission = self._new_submission(params, len(items))
         try:
             self._enqueue(submission, first)
             for part in slices:
@@ -281,17 +306,43 @@ class Engine(ScoringMethods):
 
     @property
     def is_alive(self) -> bool:
-        """False once closed, or once a stage failed (even with no request in flight)."""
-        return self._dead is None and not self._closed and self._executor.failure is None
+        """False once closed, or once the pipeline failed for good (even with no request in
+        flight); True while a failed pipeline is being restarted."""
+        return self.health in ("ok", "degraded")
+
+    @property
+    def health(self) -> str:
+        """ok | degraded (a stage died; the pipeline is being restarted, calls wait) | dead |
+        closed."""
+        if self._closed:
+            return "closed"
+        if self._dead is not None:
+            return "dead"
+        if self._restarting or self._executor.failure is not None:
+            return "degraded" if self._may_heal() else "dead"
+        return "ok"
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        """``fn(cause)`` once the engine fails for good (not on ``close()``); called on the
+        loop thread, or at once if it is dead already."""
+        with self._wake:
+            dead = self._dead
+            if dead is None:
+                self._on_death.append(fn)
+        if dead is not None:
+            fn(dead)
 
     def close(self) -> None:
-        """Stop the loop and every stage process; pending calls fail with EngineDeadError."""
+        """Stop the loop and every stage process now; pending calls fail with EngineDeadError.
+        Stage processes are killed rather than asked to finish the steps in flight: nothing
+        they would still compute is wanted."""
         with self._wake:
             if self._closed:
                 return
             self._closed = True
             self._stop = True
             self._wake.notify()
+        self._executor.abort()  # a loop waiting on a stage's answer fails over at once
         self._thread.join(timeout=30)
         self._fail_pending(EngineDeadError("engine closed"))
         self._executor.shutdown()
@@ -321,7 +372,7 @@ class Engine(ScoringMethods):
             self._next_id += len(batch)
             submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
             submission.batches.append(batch)
-            self._owners[batch.first_id] = _Owner(submission, part.first, len(batch))
+            self._owners.add(submission, part.first, batch)
             self._inbox.append(("add", batch))
             self._wake.notify()
         self.stats.on_submit(len(batch), batch.num_tokens)
@@ -335,42 +386,127 @@ class Engine(ScoringMethods):
 
     def _loop(self) -> None:
         block_stop_signals()  # Ctrl-C is the main thread's (and so are the threads we start)
-        inflight: deque[StepPlan] = deque()
-        try:
-            while True:
-                with self._wake:
-                    while not (
-                        self._inbox or self._stop or inflight or self._scheduler.has_schedulable()
-                    ):
-                        self._wake.wait()
-                    if self._stop:
-                        return
-                    inbox, self._inbox = self._inbox, deque()
-                self._apply_inbox(inbox)
-                while len(inflight) < self._executor.depth:
-                    plan = self._scheduler.schedule()
-                    if plan is None:
-                        break
-                    self._executor.submit(plan)
-                    inflight.append(plan)
-                    self.stats.on_plan(plan)
-                if inflight:
-                    t0 = time.perf_counter()
-                    result = self._executor.collect()
-                    plan = inflight.popleft()
-                    ledger = self._scheduler.update(
-                        plan, result, last_stage=self._executor.num_stages - 1
-                    )
-                    self.stats.on_result(plan, result, time.perf_counter() - t0)
-                    self._deliver(result, ledger)
-                s = self._scheduler
-                self.stats.set_queue(s.num_waiting, s.num_waiting + s.num_admitted)
-        except BaseException as exc:  # a stage failed or diverged: nothing more can be trusted
+        while True:
+            try:
+                self._serve()
+                return  # closed
+            except BaseException as exc:
+                if self._stop:
+                    return  # close() killed the stages under us; it fails what is pending
+                cause = self._heal(exc)
+                if cause is not None:  # nothing more can be trusted
+                    self._die(cause)
+                    return
+            # Healed. The failed pipeline's sockets and threads hang in a reference cycle (the
+            # failure's traceback holds the frames that used them): free them now, not at
+            # some later collection.
+            gc.collect()
+
+    def _serve(self) -> None:
+        """Schedule, execute and deliver until closed; raises what failed the pipeline."""
+        inflight: deque[tuple[StepPlan, float]] = deque()  # (plan, when it was submitted)
+        executor, scheduler = self._executor, self._scheduler
+        while True:
             with self._wake:
-                self._dead = exc
-            self.stats.on_error(exc)
-            self._fail_pending(exc)
-            self._executor.shutdown()
+                while not (
+                    self._inbox
+                    or self._stop
+                    or inflight
+                    or scheduler.has_schedulable()
+                    or executor.failure is not None
+                ):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, deque()
+            executor.check_alive()
+            self._apply_inbox(inbox)
+            while len(inflight) < executor.depth:
+                plan = scheduler.schedule()
+                if plan is None:
+                    break
+                submitted = time.perf_counter()
+                executor.submit(plan)
+                inflight.append((plan, submitted))
+                self.stats.on_plan(plan)
+            if inflight:
+                result = executor.collect()
+                plan, submitted = inflight.popleft()
+                ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
+                self.stats.on_result(plan, result, time.perf_counter() - submitted)
+                self._deliver(result, ledger)
+            self.stats.set_queue(
+                scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
+            )
+
+    def _heal(self, failure: BaseException) -> BaseException | None:
+        """Start the failed pipeline again and queue every unfinished request once more.
+        Returns None when healed (or closing), else the cause to die of."""
+        while self._may_heal() and isinstance(failure, StageFailure):
+            if isinstance(failure, StateDivergence):
+                return failure  # a logic error: a fresh pipeline would diverge again
+            delay = self._restarts.on_failure(time.monotonic())
+            if delay is None:
+                log.error("pipeline failed again (%s); giving up after %d restarts", failure,
+                          self._restarts.limit)  # fmt: skip
+                return failure
+            with self._wake:
+                self._restarting = True
+            self.stats.on_error(failure)
+            log.warning("pipeline failed (%s); restarting its stages in %.1f s", failure, delay)
+            old = self._executor
+            old.shutdown()
+            self._requeue()
+            with self._wake:
+                if self._wake.wait_for(lambda: self._stop, timeout=delay):
+                    return None
+            try:
+                executor = start_executor(
+                    self.deployment, replacing=old, cancelled=lambda: self._stop
+                )
+            except BaseException as exc:
+                if self._stop:
+                    return None
+                failure = exc
+                continue
+            executor.set_failure_listener(self._wake_loop)
+            self.stats.on_restart()
+            with self._wake:
+                self._executor = executor
+                self._restarting = False  # every stage loaded and connected again
+            log.warning("pipeline restarted; %d requests to run again", self._owners.num_unfinished)
+            return None
+        return failure
+
+    def _may_heal(self) -> bool:
+        return self._restarts.limit > 0 and self._executor.can_restart
+
+    def _requeue(self) -> None:
+        """A fresh scheduler (every KV block free) holding the unfinished requests of every
+        pending call, in their order (``Owners.requeue``)."""
+        with self._wake:  # no call may slip a batch in between
+            inbox, self._inbox = self._inbox, deque()
+            self._apply_inbox(inbox)  # aborts apply; additions are taken over below
+            batches, self._next_id = self._owners.requeue(self._next_id)
+            self._scheduler = self._new_scheduler()
+            for batch in batches:
+                self._scheduler.add(batch)
+                self.stats.on_retry(len(batch))
+
+    def _die(self, cause: BaseException) -> None:
+        with self._wake:
+            self._dead = cause
+            self._restarting = False
+            callbacks, self._on_death = self._on_death, []
+        self.stats.on_error(cause)
+        self._fail_pending(cause)
+        self._executor.shutdown()
+        for fn in callbacks:
+            fn(cause)
+
+    def _wake_loop(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def _apply_inbox(self, inbox: deque) -> None:
         for kind, payload in inbox:
@@ -378,9 +514,10 @@ class Engine(ScoringMethods):
                 self._scheduler.add(payload)
                 continue
             for batch in payload.batches:  # a cancelled call: every batch of it
-                if self._owners.pop(batch.first_id, None) is not None:
+                owner = self._owners.pop(batch.first_id)
+                if owner is not None:
                     self._scheduler.abort(batch)
-                    self.stats.on_abort(len(batch))
+                    self.stats.on_abort(owner.remaining)
 
     def _deliver(self, result: StepResult, ledger: Ledger) -> None:
         """Write the step's finished outputs into their calls' results, one slice per batch."""
@@ -401,24 +538,18 @@ class Engine(ScoringMethods):
         """(call, its rows) for finished requests of a batch; None if the call was cancelled."""
         rows = ids - batch.first_id
         self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
-        owner = self._owners.get(batch.first_id)
-        if owner is None:
-            return None
-        owner.remaining -= len(rows)
-        if owner.remaining == 0:
-            del self._owners[batch.first_id]
-        return owner.submission, owner.row0 + rows
+        return self._owners.finish(batch, ids)
 
     def _fail_pending(self, exc: BaseException) -> None:
         if not isinstance(exc, PipepoolError):
             exc = EngineDeadError(f"engine stopped: {exc!r}")
         with self._wake:
-            owners, self._owners = self._owners, {}
-        for owner in owners.values():
+            owners = self._owners.take_all()
+        for owner in owners:
             owner.submission.fail(exc)
 
     def _raise_if_dead(self) -> None:
-        if self._dead is None and self._executor.failure is not None:
+        if self._dead is None and self._executor.failure is not None and not self._may_heal():
             self._dead = self._executor.failure  # a stage died while the engine was idle
         if self._dead is not None:
             cause = self._dead
@@ -427,15 +558,6 @@ class Engine(ScoringMethods):
             raise EngineDeadError(f"engine is dead: {cause!r}") from cause
         if self._closed:
             raise EngineDeadError("engine is closed")
-
-
-@dataclass(eq=False)
-class _Owner:
-    """The call a batch's results go to: rows ``row0 ..`` of it; ``remaining`` unfinished."""
-
-    submission: Submission
-    row0: int
-    remaining: int
 
 
 def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):

@@ -1,9 +1,11 @@
 """Turning what a caller passed into validated prompts (token ids) and pooling parameters.
 
 Every problem is an InvalidInputError naming the field and the input, so a bad request never
-reaches the scheduler and never disturbs other requests. Inputs become token ids in slices
-(``token_slices``): the engine enqueues each slice as soon as it is tokenised, so the device
-computes the first slice while the caller's thread tokenises the next.
+reaches the scheduler and never disturbs other requests. Cheap checks come before the tokenizer
+sees a text: emptiness, a length bound in characters, and whether the text is valid Unicode at
+all. Inputs become token ids in slices (``token_slices``): the engine enqueues each slice as
+soon as it is tokenised, so the device computes the first slice while the caller's thread
+tokenises the next.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from .core.request import POOLING_NAMES, PoolingParams
 from .deployment import Deployment
 from .errors import InvalidInputError, PromptTooLongError
 from .tokenizer import Tokenizer
+
+# A text longer than this many characters per token of the limit is refused (or, when
+# truncation was asked for, cut to it) before it is tokenised: tokenising is the expensive part,
+# and a 10 MB body would otherwise keep a worker busy for seconds only to be refused. TEI's
+# bound: a token of more than 250 characters on average does not occur in real text.
+MAX_CHARS_PER_TOKEN = 250
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,23 @@ class InputPreparer:
             out += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
         return out
 
+    def items(self, inputs) -> list:
+        """The call's inputs as a list: a string is one input, and so is a flat list of token
+        ids (as in OpenAI's API); otherwise a list of strings or of token-id lists."""
+        if isinstance(inputs, str):
+            return [inputs]
+        if isinstance(inputs, np.ndarray) and inputs.ndim == 1 and inputs.dtype.kind in "iu":
+            return [inputs]
+        if not isinstance(inputs, (Sequence, np.ndarray)):
+            raise InvalidInputError(
+                "inputs must be a list of strings or of token-id lists, "
+                f"got {type(inputs).__name__}",
+                param="input",
+            )
+        if len(inputs) and all(_is_int(x) for x in inputs):
+            return [inputs]
+        return list(inputs)
+
     def token_slices(
         self,
         inputs,
@@ -57,18 +82,12 @@ class InputPreparer:
         long_inputs: str = "error",
         slice_size: int = 1024,
     ) -> Iterator[TokenSlice]:
-        """Validate every input up front (types, empties, options), then tokenise and
-        length-check ``slice_size`` inputs at a time. A list of strings, or of token-id
-        lists; a single string is one input. ``long_inputs`` (see ``EngineConfig``):
-        "truncate" cuts inputs to max_model_len, "chunk" lets them through whole (the engine
-        splits them into windows), "error" refuses them."""
-        items = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(items, (Sequence, np.ndarray)):
-            raise InvalidInputError(
-                "inputs must be a list of strings or of token-id lists, "
-                f"got {type(inputs).__name__}",
-                param="input",
-            )
+        """Validate every input up front (types, empties, lengths in characters, options),
+        then tokenise and length-check ``slice_size`` inputs at a time. Inputs as ``items``
+        takes them. ``long_inputs`` (see ``EngineConfig``): "truncate" cuts inputs to
+        max_model_len, "chunk" lets them through whole (the engine splits them into windows),
+        "error" refuses them."""
+        items = self.items(inputs)
         if len(items) == 0:
             raise InvalidInputError(
                 "inputs is empty: give at least one text or token list", param="input"
@@ -83,10 +102,8 @@ class InputPreparer:
             )
         keep = "first" if truncation_side == "right" else "last"
         if all(isinstance(x, str) for x in items):
-            texts = self._with_prompt(list(items), prompt_name)
-            for i, text in enumerate(items):
-                if not text:
-                    raise InvalidInputError(f"input {i} is an empty string", param="input", index=i)
+            checked = self.checked_texts(items, limit, longest, keep)
+            texts = self._with_prompt(checked, prompt_name)
             for lo in range(0, len(texts), slice_size):
                 flat, lengths = self.tokenizer.encode_flat(
                     texts[lo : lo + slice_size], max_tokens=limit, keep=keep
@@ -106,6 +123,44 @@ class InputPreparer:
                 flat, lengths = _truncate_flat(flat, lengths, limit, keep)
             self._check_lengths(lo, lengths, longest)
             yield TokenSlice(lo, flat, lengths)
+
+    def checked_texts(
+        self,
+        texts: list[str],
+        limit: int | None,
+        longest: int | None,
+        keep: str = "first",
+        param: str = "input",
+        allow_empty: bool = False,
+    ) -> list[str]:
+        """Texts that may go to the tokenizer: not empty, valid Unicode (JSON's ``"\\ud800"``
+        escape makes a lone surrogate, which no tokenizer takes) and, unless long inputs are
+        chunked (``longest`` None), at most ``MAX_CHARS_PER_TOKEN`` per token of the limit
+        (longer ones cut to that when truncating, else refused)."""
+        bound = limit or longest
+        max_chars = bound * MAX_CHARS_PER_TOKEN if bound is not None else None
+        out = []
+        for i, text in enumerate(texts):
+            if not text and not allow_empty:
+                raise InvalidInputError(f"{param} {i} is an empty string", param=param, index=i)
+            if max_chars is not None and len(text) > max_chars:
+                if limit is None:
+                    raise PromptTooLongError(
+                        f"{param} {i} has {len(text)} characters, more than the {max_chars} that "
+                        f"max_model_len={self.deployment.max_model_len} tokens allow "
+                        f"({MAX_CHARS_PER_TOKEN} per token); shorten it, or let long inputs be "
+                        "truncated or chunked (long_inputs='truncate' or 'chunk'; command "
+                        "line: --long-inputs)",
+                        param=param,
+                        index=i,
+                    )
+                # Far more characters than the kept tokens can come from: the cut is never
+                # near them.
+                text = text[:max_chars] if keep == "first" else text[len(text) - max_chars :]
+            if not text.isascii():
+                _check_unicode(i, text, param)
+            out.append(text)
+        return out
 
     def _token_arrays(self, items) -> list[np.ndarray]:
         """Every input as a 1-D integer array, or an error naming the first bad one. Arrays
@@ -243,6 +298,24 @@ class InputPreparer:
         """Components of one output vector before Matryoshka truncation."""
         d = self.deployment
         return d.hidden_size if pooling == "all" else d.output_dim
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_unicode(i: int, text: str, param: str = "input") -> None:
+    """InvalidInputError naming the first character UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise InvalidInputError(
+            f"{param} {i} is not valid Unicode: character {exc.start} is U+{code:04X}, a lone "
+            "surrogate (half of a UTF-16 pair); send the text as valid UTF-8",
+            param=param,
+            index=i,
+        ) from None
 
 
 def _truncate_flat(

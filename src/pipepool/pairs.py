@@ -85,6 +85,11 @@ class PairEncoder:
                 "query-document pairs",
                 param="instruction",
             )
+        # Valid Unicode, and no text far longer than any prompt could hold, before tokenising.
+        longest = self.deployment.max_model_len
+        check = self.inputs.checked_texts  # (an empty text is half of a valid pair)
+        queries = check(list(queries), limit, longest, param="query", allow_empty=True)
+        documents = check(list(documents), limit, longest, param="documents", allow_empty=True)
         if max_tokens_per_doc is not None:
             if not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1:
                 raise InvalidInputError(

@@ -3,7 +3,9 @@
 Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), the command line
 winning. The server listens at once and loads the model in the background (``/health`` says
 503 until it is ready). On SIGTERM or Ctrl-C it stops accepting connections, lets the requests
-in flight finish (up to ``--shutdown-timeout``), then stops the pipeline stages.
+in flight finish (up to ``--shutdown-timeout``, then answers what is left 503), then stops the
+pipeline stages. If the engine fails for good (a stage died more often than it may be
+restarted), the server stops too and exits non-zero, so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,22 @@ def add_parser(sub, help: str) -> None:
         "--shutdown-timeout",
         type=float,
         default=env("shutdown_timeout", "30"),
-        help="seconds to let requests in flight finish after SIGTERM",
+        help="seconds to let requests in flight finish after SIGTERM; those still running then "
+        "are answered 503",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=env("timeout_keep_alive", "75"),
+        help="seconds an idle keep-alive connection stays open (default 75: longer than "
+        "common clients' and load balancers' idle expiry, so none sends on a connection the "
+        "server is closing)",
+    )
+    g.add_argument(
+        "--backlog",
+        type=int,
+        default=env("backlog", "2048"),
+        help="connections the kernel queues while the server is busy accepting",
     )
     g.add_argument(
         "--log-level",
@@ -108,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from ..server.logs import log_config
     from ..server.owner import EngineOwner
     from ..server.settings import ServerSettings, served_model_names
+    from ..server.uvicorn_server import Server
 
     settings = ServerSettings(
         host=args.host,
@@ -119,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        backlog=args.backlog,
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=args.access_log,
@@ -141,18 +161,21 @@ def run(args: argparse.Namespace) -> int:
 
     owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
-    server = _make_server(
-        announce.server_started,
+    server = Server(
         uvicorn.Config(
             build_app(settings, front),
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
-            timeout_graceful_shutdown=settings.shutdown_timeout_s,
+            timeout_keep_alive=settings.timeout_keep_alive_s,
+            backlog=settings.backlog,
             lifespan="off",
             log_config=logs,
         ),
+        front,
+        timeout_s=settings.shutdown_timeout_s,
+        on_started=announce.server_started,
     )
 
     def stop_serving(_exc: BaseException) -> None:
@@ -201,16 +224,3 @@ class _Announcer:
     def _maybe_announce(self, other_missing: bool) -> None:
         if not other_missing:
             log.info(self.message)
-
-
-def _make_server(on_started, config):
-    """A uvicorn Server that calls ``on_started`` once its sockets are bound."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:
-                on_started()
-
-    return Server(config)

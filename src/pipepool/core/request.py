@@ -89,6 +89,12 @@ class RequestBatch:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def rows(self, first_id: int, lo: int, hi: int) -> RequestBatch:
+        """Rows ``lo .. hi - 1`` as a batch of their own, with ids from ``first_id`` (a
+        restarted pipeline runs unfinished requests again under new ids)."""
+        tokens, types = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
+        return RequestBatch(first_id, tokens, self.lengths[lo:hi], self.params, types)
+
     @property
     def end_id(self) -> int:
         """One past the last request id of the batch."""

@@ -25,10 +25,15 @@ class EngineStats:
     chunked_requests: int = 0  # requests whose prompt took more than one step
     queue_waiting: int = 0
     requests_running: int = 0
+    pipeline_restarts: int = 0  # failed pipelines started again
+    requests_retried: int = 0  # unfinished requests run again after a restart
     step_time_sum: float = 0.0
     step_time_count: int = 0
     step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     stage_busy_s: list[float] = field(default_factory=list)  # cumulative, per stage
+    # What stages had computed before the last restart: a restarted stage counts from zero.
+    _busy_before: list[float] = field(default_factory=list, repr=False)
+    _raw_busy: list[float] = field(default_factory=list, repr=False)  # as last reported
     errors: Counter = field(default_factory=Counter)  # by exception class name
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -52,11 +57,13 @@ class EngineStats:
         with self._lock:
             step_s = wait_s
             if result.stage_busy_s:
-                busy = list(result.stage_busy_s)
-                same = len(self.stage_busy_s) == len(busy)
-                before = self.stage_busy_s if same else [0.0] * len(busy)
-                step_s = max(now - then for now, then in zip(busy, before, strict=True))
-                self.stage_busy_s = busy
+                raw = list(result.stage_busy_s)  # each stage's busy time since it started
+                same = len(self._raw_busy) == len(raw)
+                last = self._raw_busy if same else [0.0] * len(raw)
+                step_s = max(now - then for now, then in zip(raw, last, strict=True))
+                self._raw_busy = raw
+                before = self._busy_before or [0.0] * len(raw)
+                self.stage_busy_s = [b + s for b, s in zip(before, raw, strict=True)]
             self.step_time_sum += step_s
             self.step_time_count += 1
             for i, bound in enumerate(STEP_BUCKETS):
@@ -75,6 +82,16 @@ class EngineStats:
     def on_error(self, exc: BaseException) -> None:
         with self._lock:
             self.errors[type(exc).__name__] += 1
+
+    def on_restart(self) -> None:
+        with self._lock:
+            self.pipeline_restarts += 1
+            self._busy_before = list(self.stage_busy_s)
+            self._raw_busy = []
+
+    def on_retry(self, requests: int) -> None:
+        with self._lock:
+            self.requests_retried += requests
 
     def set_queue(self, waiting: int, unfinished: int) -> None:
         self.queue_waiting = waiting

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 
 from ..core.plan import StepPlan, StepResult
 from ..stage.output import PendingResult
@@ -18,6 +19,9 @@ from ..stage.transport import LocalLink
 class Executor(ABC):
     num_stages: int
     depth: int  # how many plans may be in flight at once
+    # Whether a failed pipeline can be replaced by a fresh one (stage processes this process
+    # started); stages in this process or under torchrun cannot be restarted from here.
+    can_restart: bool = False
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> None: ...
@@ -35,6 +39,14 @@ class Executor(ABC):
     def failure(self) -> BaseException | None:
         """The recorded stage failure, if any (seen even while the engine is idle)."""
         return None
+
+    def set_failure_listener(self, listener: Callable[[], None]) -> None:  # noqa: B027
+        """``listener()`` once a stage failure is recorded by a thread of the executor's own
+        (so an idle engine hears of it)."""
+
+    def abort(self) -> None:  # noqa: B027 - nothing to interrupt in one process
+        """Stop now, from any thread: stages this process started are killed, so whatever
+        waits on them fails at once. ``shutdown()`` still follows."""
 
 
 class UniprocExecutor(Executor):

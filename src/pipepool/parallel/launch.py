@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..deployment import Deployment
 from ..stage.runner import StageRunner
 from .executor import Executor, UniprocExecutor
 
 
-def start_executor(deployment: Deployment) -> Executor:
+def start_executor(
+    deployment: Deployment,
+    *,
+    replacing: Executor | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> Executor:
+    """The executor the deployment asks for. ``replacing``: a failed one whose stages are
+    restarted (the driver's own stage is reused, its requests forgotten); ``cancelled()``
+    aborts a start that waits for stage processes to load."""
     config = deployment.config
     if deployment.num_stages == 1 or config.pipeline_backend == "inproc":
         runners = [
@@ -26,4 +36,8 @@ def start_executor(deployment: Deployment) -> Executor:
         # Under torchrun every rank runs the same program; ranks > 0 serve as stages and
         # leave when the driver (rank 0) shuts the pipeline down.
         raise SystemExit(run_torchrun_worker(deployment))
-    return MultiprocExecutor.start(deployment)
+    stage0 = None
+    if isinstance(replacing, MultiprocExecutor):
+        stage0 = replacing.runner
+        stage0.forget_requests()
+    return MultiprocExecutor.start(deployment, stage0=stage0, cancelled=cancelled)

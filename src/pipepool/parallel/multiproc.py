@@ -6,7 +6,14 @@ TCPStore and read the pickled Deployment from it; torch.distributed connects the
 Failure handling: a supervisor thread watches the stage processes. When one exits
 unexpectedly (or reports an error), the supervisor records the cause, kills every other stage
 process, and so every wait the driver is blocked in fails at once; the executor then raises
-the recorded cause (the stage that failed first, by name) instead of a transport error.
+the recorded cause (the stage that failed first, by name) instead of a transport error. The
+engine may then start a fresh executor in its place (``can_restart``), reusing the driver's
+own stage.
+
+Stopping: stage processes this process started hold nothing worth saving, so ``abort`` and
+``shutdown`` kill them at once (a graceful stop would wait for them to finish the steps in
+flight and hand over results nobody reads any more). Under torchrun the other ranks are not
+ours to kill: the driver collects what is in flight, then sends each rank the stop plan.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ..core.plan import StepPlan, StepResult, flush_plan, shutdown_plan
 from ..deployment import Deployment
@@ -50,9 +58,21 @@ _POLL_S = 0.05  # after a stage dies, time for the others' error reports to land
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, deployment: Deployment, store, raw_store, rdv, procs, local_rank) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        store,
+        raw_store,
+        rdv,
+        procs,
+        local_rank,
+        *,
+        stage0: StageRunner | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
         self.deployment = deployment
         self.num_stages = deployment.num_stages
+        self.can_restart = bool(procs)  # torchrun ranks are not ours to start again
         # N plans in flight keep N stages busy; one more lets the host run ahead of devices.
         self.overlap = deployment.overlap_steps
         self.depth = self.num_stages + int(self.overlap)
@@ -64,12 +84,13 @@ class MultiprocExecutor(Executor):
         self._failure: BaseException | None = None
         self._closing = False
         self._lock = threading.Lock()
+        self._listener: Callable[[], None] | None = None
         self._plan_sends: deque[list] = deque()
         spec = stage_spec_for_rank(deployment, 0, local_rank)
         try:
             limit_cpu_threads(deployment, spec)
-            self.runner = StageRunner(deployment.config, deployment.folder, spec)
-            self._wait_loaded()
+            self.runner = stage0 or StageRunner(deployment.config, deployment.folder, spec)
+            self._wait_loaded(cancelled or (lambda: False))
             self.groups = make_groups(store, rdv, 0, spec.device)
         except BaseException:
             self._kill_all()
@@ -82,7 +103,15 @@ class MultiprocExecutor(Executor):
         self._supervisor.start()
 
     @classmethod
-    def start(cls, deployment: Deployment) -> MultiprocExecutor:
+    def start(
+        cls,
+        deployment: Deployment,
+        *,
+        stage0: StageRunner | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> MultiprocExecutor:
+        """Start the stage processes (or join torchrun's ranks) and wait until they loaded.
+        ``stage0``: the driver's stage runner of a failed executor, reused."""
         env = torchrun_env()
         if env is not None:  # launched by torchrun: the other ranks run the same command
             if env.world != deployment.num_stages:
@@ -104,7 +133,7 @@ class MultiprocExecutor(Executor):
             procs[rank] = subprocess.Popen(
                 [sys.executable, "-m", "pipepool.parallel.worker", *args], env=env
             )
-        return cls(deployment, store, raw, rdv, procs, None)
+        return cls(deployment, store, raw, rdv, procs, None, stage0=stage0, cancelled=cancelled)
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -157,10 +186,15 @@ class MultiprocExecutor(Executor):
     def failure(self) -> BaseException | None:
         return self._failure
 
+    def set_failure_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
     # -- failures ----------------------------------------------------------------------------
 
     def _cause(self, transport_error: BaseException) -> BaseException:
         """The recorded stage failure behind a transport error (waits briefly for it)."""
+        if self._closing:  # we killed the stages ourselves
+            return StageFailure("the pipeline was stopped")
         deadline = time.monotonic() + 5.0
         while self._failure is None and time.monotonic() < deadline:
             if not self._procs:  # torchrun: no children to watch, read the reports directly
@@ -200,6 +234,8 @@ class MultiprocExecutor(Executor):
             failure = _first_failure(reports)
         self._record(failure)
         self._kill_all()  # unblocks every wait on the surviving ranks and in the driver
+        if self._listener is not None:
+            self._listener()
 
     def _read_reports(self) -> dict[int, ErrorReport]:
         reports: dict[int, ErrorReport] = {}
@@ -214,10 +250,13 @@ class MultiprocExecutor(Executor):
             if self._failure is None:
                 self._failure = failure
 
-    def _wait_loaded(self) -> None:
-        """Wait until every stage process loaded its weights, failing fast if one died."""
+    def _wait_loaded(self, cancelled: Callable[[], bool]) -> None:
+        """Wait until every stage process loaded its weights, failing fast if one died or the
+        engine is closing."""
         pending = set(range(1, self.num_stages))
         while pending:
+            if cancelled():
+                raise StageFailure("start-up cancelled: the engine is closing")
             for rank in list(pending):
                 if self._store.check([f"loaded/{rank}"]):
                     pending.discard(rank)
@@ -236,29 +275,40 @@ class MultiprocExecutor(Executor):
 
     # -- shutdown --------------------------------------------------------------------------
 
+    def abort(self) -> None:
+        if self._procs:
+            self._closing = True
+            self._kill_all()
+
     def shutdown(self) -> None:
+        if self._procs:  # ours: nothing to wait for
+            self.abort()
+            self._stop_supervising()
+            return
         if self._closing:
             return
         self._closing = True
-        if self._failure is None:
+        if self._failure is None:  # after a failure the ranks cannot take a stop plan anyway
             try:
+                self._drain()
                 stop = shutdown_plan()
                 for rank in range(1, self.num_stages):
                     # Keep the handles: a send whose buffers are collected never arrives.
                     self._plan_sends.append(
                         send_object(self.groups.control, stop, rank, (TAG_PLAN_LEN, TAG_PLAN))
                     )
-            except RuntimeError:
+                self._wait_stopped(time.monotonic() + _JOIN_TIMEOUT_S)
+            except (RuntimeError, PipepoolError):
                 pass
-        # After a failure the stages may wait forever for a message that will never come.
-        grace = _JOIN_TIMEOUT_S if self._failure is None else 0.0
-        deadline = time.monotonic() + grace
-        if not self._procs and self._failure is None:
-            self._wait_stopped(deadline)
-        for proc in self._procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        self._kill_all()
+        self._stop_supervising()
+
+    def _drain(self) -> None:
+        """torchrun: receive the results of plans still in flight, so that no rank is left
+        blocked handing one over when the stop plan comes."""
+        while self._uncollected:
+            self.collect()
+
+    def _stop_supervising(self) -> None:
         if hasattr(self, "_supervisor"):
             self._stop_supervisor.set()
             self._supervisor.join(timeout=2)

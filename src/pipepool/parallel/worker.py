@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..deployment import Deployment
+from ..memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
 from ..stage.runner import StageRunner, StageSpec
 from .dist_transport import (
@@ -82,6 +83,7 @@ def run_stage(
     rank: int, rdv: Rendezvous, deployment: Deployment, store, *, local_rank: int | None
 ) -> int:
     """Load the stage, then apply plans until the shutdown plan; returns an exit code."""
+    bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
     try:
         spec = stage_spec_for_rank(deployment, rank, local_rank)
         limit_cpu_threads(deployment, spec)

@@ -19,7 +19,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from .. import __version__
 from ..errors import PipepoolError
 from . import docs, metrics, protocol, scoring, tei
-from .errors import RATE_LIMIT, APIError, from_engine, install_handlers, model_not_found
+from .errors import (
+    RATE_LIMIT,
+    SERVER,
+    APIError,
+    from_engine,
+    install_handlers,
+    model_not_found,
+)
 from .front import AsyncEngine, Encoded, QueueFullError
 from .guards import GuardMiddleware
 from .metrics import HttpMetrics, MetricsMiddleware
@@ -135,7 +142,10 @@ async def _run_model(
     name, fmt = body.model or state.settings.model_name, body.encoding_format
     # Serializing thousands of floats takes a while: keep it off the event loop.
     text = await state.front.offload(
-        lambda: json.dumps(respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":"))
+        lambda: json.dumps(
+            respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":")
+        ),
+        size=sum(out.size for out in done.outputs),
     )
     return Response(text, media_type="application/json")
 
@@ -188,19 +198,30 @@ class _ClientGone(Exception):
 
 async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """Await the engine; if the client disconnects first, cancel (which aborts the engine
-    requests and frees their KV blocks) and raise _ClientGone."""
+    requests and frees their KV blocks) and raise _ClientGone. If the server stops waiting
+    first (shutdown timeout), cancel and answer 503."""
+    abandoned = _state(request).front.abandoned
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
+    giving_up = asyncio.ensure_future(abandoned.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server gave up on this request (shutdown timeout)
+        await asyncio.wait({task, watcher, giving_up}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # cancelled from outside (uvicorn's own last resort)
         task.cancel()
         raise
     finally:
         watcher.cancel()
+        giving_up.cancel()
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)  # let it abort before we return
+        if abandoned.is_set():
+            raise APIError(
+                503,
+                "the server is shutting down and stopped waiting for this request; retry it",
+                type=SERVER,
+                code="shutting_down",
+            )
         raise _ClientGone
     try:
         return task.result()
@@ -237,12 +258,15 @@ async def models(request: Request) -> dict:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 once the model is loaded and every stage is alive; 503 before and after."""
+    """200 ``ok`` once the model is loaded and every stage is alive. 503 otherwise: ``loading``,
+    ``degraded`` (a stage died and the pipeline is being restarted: requests wait, and are
+    answered once it is back), ``dead`` or ``failed`` (the server is about to exit non-zero),
+    ``closed`` (shutting down)."""
     owner = _state(request).front.owner
     if owner.engine is None:
         status = "failed" if owner.error is not None else "loading"
     else:
-        status = "ok" if owner.engine.is_alive else "dead"
+        status = owner.engine.health
     return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 

@@ -4,6 +4,7 @@ exception classes (BadRequestError, AuthenticationError, RateLimitError, ...).""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,16 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII characters escaped. An error message may quote what a client sent,
+    and a lone surrogate in it (JSON's ``"\\ud800"``) cannot be encoded as UTF-8: starlette's
+    JSONResponse would raise while answering and break the connection."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def from_engine(exc: Exception) -> APIError:
@@ -94,9 +104,9 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
         return send(exc)
 
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error".
-        return send(_from_validation(exc))
+        return send(_wrong_content_type(request, exc) or _from_validation(exc))
 
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
@@ -112,6 +122,22 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def _wrong_content_type(request: Request, exc: RequestValidationError) -> APIError | None:
+    """FastAPI parses a body as JSON only when its Content-Type says JSON (or is absent); any
+    other type reaches validation as raw bytes. Say so, instead of "not an object"."""
+    kind = request.headers.get("content-type")
+    if kind is None or "json" in kind.lower():
+        return None
+    if not any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+        return None
+    return APIError(
+        400,
+        "the request body must be JSON sent with the header 'Content-Type: application/json'; "
+        f"this request said 'Content-Type: {kind}'",
+        code="invalid_content_type",
+    )
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:

@@ -1,9 +1,10 @@
 """The engine seen from the event loop: many HTTP requests, one scheduler.
 
 Each HTTP request's inputs become ordinary engine requests, so inputs of different clients
-share steps (continuous batching). Tokenization runs on a small thread pool so the loop keeps
-answering; the engine's futures are awaited with ``asyncio.wrap_future``. A request whose
-client left is aborted in the engine, which frees its KV blocks at once.
+share steps (continuous batching). Tokenization runs on thread pools so the loop keeps
+answering, in two lanes: requests with little text to tokenise never wait behind one with a
+lot. The engine's futures are awaited with ``asyncio.wrap_future``. A request whose client left
+is aborted in the engine, which frees its KV blocks at once.
 
 All methods are called from the event loop thread; the counters are only touched there.
 """
@@ -41,16 +42,28 @@ class Encoded:
     num_tokens: list[int]  # prompt tokens per input, after truncation
 
 
+# Characters (or token ids) of a request above which it takes the large lane: ~64k characters
+# tokenise in a few milliseconds; a request up to the character bound of a long-context model
+# may take seconds.
+LARGE_REQUEST = 1 << 16
+
+
 class AsyncEngine:
     def __init__(self, owner: EngineOwner, *, max_queued: int, threads: int | None = None) -> None:
         self.owner = owner
         self.max_queued = max_queued
         # Tokenizers release the GIL; more threads than cores would only queue up.
         workers = threads or max(1, min(4, os.cpu_count() or 1))
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
+        self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
+        self._large = ThreadPoolExecutor(
+            max(1, workers // 2), thread_name_prefix="pipepool-tokenize-large"
+        )
         self.pending = 0  # engine requests admitted here and not yet answered
         self.aborted_http_requests = 0  # HTTP requests cancelled (client left, shutdown)
         self.aborted_inputs = 0  # engine requests aborted on their behalf
+        # Set when the server stops waiting for requests in flight (shutdown timeout): routes
+        # answer 503 then, rather than being cancelled mid-request.
+        self.abandoned = asyncio.Event()
 
     @property
     def engine(self) -> Engine:
@@ -87,11 +100,15 @@ class AsyncEngine:
                 truncation_side=truncation_side,
                 prompt_name=prompt_name,
             ),
+            inputs,
         )
 
-    async def run(self, n: int, submit: Callable[[Engine], Submission]) -> Encoded:
-        """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on the thread
-        pool, then wait for its results; the queue limit, errors and aborts as for encode."""
+    async def run(
+        self, n: int, submit: Callable[[Engine], Submission], texts: Sequence = ()
+    ) -> Encoded:
+        """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on a tokenising
+        lane chosen by the size of ``texts`` (what it will tokenise), then wait for its
+        results; the queue limit, errors and aborts as for encode."""
         engine = self.engine
         if self.pending + n > self.max_queued:
             raise QueueFullError(
@@ -101,7 +118,7 @@ class AsyncEngine:
         self.pending += n
         try:
             loop = asyncio.get_running_loop()
-            submitting = loop.run_in_executor(self._pool, lambda: submit(engine))
+            submitting = loop.run_in_executor(self._lane(texts), lambda: submit(engine))
             try:
                 submission = await asyncio.shield(submitting)
             except asyncio.CancelledError:
@@ -121,15 +138,31 @@ class AsyncEngine:
     async def tokenize(self, text: str) -> np.ndarray:
         engine = self.engine
         loop = asyncio.get_running_loop()
-        (ids,) = await loop.run_in_executor(self._pool, lambda: engine.tokenize([text]))
+        (ids,) = await loop.run_in_executor(self._lane([text]), lambda: engine.tokenize([text]))
         return ids
 
-    async def offload(self, fn: Callable[[], T]) -> T:
-        """Run CPU work (e.g. serializing a large response) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
+        """Run CPU work (e.g. serializing a large response, ``size`` values) off the event
+        loop."""
+        pool = self._large if size > LARGE_REQUEST else self._small
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    def abandon_after(self, seconds: float) -> None:
+        """Shutdown began: requests still in flight in ``seconds`` get 503 (see ``abandoned``)."""
+        asyncio.get_running_loop().call_later(seconds, self.abandoned.set)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._small, self._large):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _lane(self, inputs: Sequence) -> ThreadPoolExecutor:
+        """The pool for a request: by how much there is to tokenise (or to check)."""
+        size = 0
+        for x in inputs:
+            size += len(x) if isinstance(x, (str, Sequence)) else 1
+            if size > LARGE_REQUEST:
+                return self._large
+        return self._small
 
     def _abort(self, submission: Submission) -> None:
         unanswered = submission.num_inputs - submission.num_done

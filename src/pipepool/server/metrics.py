@@ -140,7 +140,8 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
 
 
 def engine_ready(engine: Engine | None) -> int:
-    return int(engine is not None and engine.is_alive)
+    """1 when the engine serves at full health (0 while loading, restarting, or dead)."""
+    return int(engine is not None and engine.health == "ok")
 
 
 def _engine_metrics(out: _Text, engine: Engine) -> None:
@@ -176,6 +177,16 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
     )
     out.gauge(
         "pipepool_running_requests", "engine requests admitted, not finished", s.requests_running
+    )
+    out.counter(
+        "pipepool_pipeline_restarts_total",
+        "times a failed pipeline (a stage process died) was started again",
+        s.pipeline_restarts,
+    )
+    out.counter(
+        "pipepool_requests_retried_total",
+        "unfinished engine requests run again after a pipeline restart",
+        s.requests_retried,
     )
     buckets = list(s.step_time_buckets)
     out.header(

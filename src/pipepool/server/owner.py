@@ -18,7 +18,9 @@ log = logging.getLogger("pipepool.server")
 
 
 class EngineOwner:
-    """``engine`` is None until loaded (and after a failed load, with ``error`` set)."""
+    """``engine`` is None until loaded (and after a failed load, with ``error`` set).
+    ``on_failure(cause)`` hears of a failed load, and of an engine that failed for good later
+    (``error`` is set then too): the server stops, and exits non-zero."""
 
     def __init__(self, build: Callable[[], Engine]) -> None:
         self._build = build
@@ -52,6 +54,12 @@ class EngineOwner:
             self._on_failure(exc)
             return
         self.loaded.set()
+        self.engine.add_death_callback(self._died)
         self._on_ready(self.engine)
         self._stop.wait()
         self.engine.close()
+
+    def _died(self, cause: BaseException) -> None:
+        log.error("the engine failed and cannot recover: %s", cause)
+        self.error = cause
+        self._on_failure(cause)

@@ -6,7 +6,7 @@ pairs (or texts) are engine requests like any inputs, sharing steps with other c
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -51,6 +51,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         ),
         param="texts" if body.tei else "documents",
+        texts=[body.query, *documents],
     )
     if isinstance(done, Response):
         return done
@@ -86,6 +87,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         ),
         param="text_2",
+        texts=[*firsts, *seconds],
     )
     if isinstance(done, Response):
         return done
@@ -110,6 +112,7 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
             texts, use_activation=activation, truncate_prompt_tokens=body.truncate_prompt_tokens
         ),
         param="input",
+        texts=texts,
     )
     if isinstance(done, Response):
         return done
@@ -130,9 +133,11 @@ async def _run(
     submit: Callable[[Engine], Submission],
     *,
     param: str,
+    texts: Sequence,
 ) -> Encoded | Response:
     """The shared path of the model routes: the model name, the per-request input limit, the
-    queue, the engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
+    tokenising lane (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx,
+    and a 499 if the client leaves meanwhile."""
     from .app import CLIENT_CLOSED, _check_model, _ClientGone, _unless_client_leaves
 
     state = _state(request)
@@ -147,7 +152,7 @@ async def _run(
             code="too_many_inputs",
         )
     try:
-        return await _unless_client_leaves(request, state.front.run(n, submit))
+        return await _unless_client_leaves(request, state.front.run(n, submit, texts))
     except _ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 

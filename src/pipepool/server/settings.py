@@ -33,6 +33,12 @@ class ServerSettings:
     # server accepts can run once the queue has drained.
     max_queued_requests: int = 16384
     shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    # An idle keep-alive connection is closed after this long. A client that sends on it just
+    # as the server closes it sees a connection reset, so the server must outlast every
+    # client's and proxy's own idle expiry (httpx/openai 5 s, aiohttp 15 s, nginx upstream and
+    # AWS ALB 60 s): 75 s, nginx's own keepalive_timeout.
+    timeout_keep_alive_s: float = 75.0
+    backlog: int = 2048  # connections the kernel queues before accept (bursts of clients)
     log_level: str = "info"
     log_format: str = "text"  # text | json
     access_log: bool = True
@@ -60,6 +66,10 @@ class ServerSettings:
             raise InvalidInputError("served model names must not be empty", param="model")
         if self.log_format not in ("text", "json"):
             raise InvalidInputError("log_format must be text or json", param="log_format")
+        if self.timeout_keep_alive_s <= 0:
+            raise InvalidInputError("timeout_keep_alive must be > 0", param="timeout_keep_alive")
+        if self.backlog < 1:
+            raise InvalidInputError("backlog must be >= 1", param="backlog")
         if self.api_key is not None and not self.api_key:
             raise InvalidInputError("api_key is empty", param="api_key")
 

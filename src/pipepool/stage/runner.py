@@ -133,6 +133,14 @@ class StageRunner:
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
 
+    def forget_requests(self) -> None:
+        """Drop every request's state: the pipeline was restarted and its requests start over
+        (the KV cache needs no clearing: a slot is always written before it is read)."""
+        self.mirror = Mirror(self.spec.index)
+        if self.pooler is not None:
+            self.pooler = Pooler(self.pooler.dense)
+        self.clock = BusyClock(self.spec.device)  # counts from zero, as the new stages do
+
     # -- one step -------------------------------------------------------------------------
 
     def execute(

@@ -1,0 +1,44 @@
+"""uvicorn's server, with a start that says when its sockets are bound and a shutdown that
+answers every request.
+
+On SIGTERM uvicorn stops accepting connections and waits for the requests in flight; when its
+``timeout_graceful_shutdown`` runs out it cancels them, and each is answered a plain-text 500
+with a traceback in the log. Here, requests still running when the shutdown timeout ends are
+answered by their own routes instead: 503 with an OpenAI error body (``AsyncEngine.abandoned``).
+uvicorn's own timeout comes a little later, as a last resort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import uvicorn
+
+from .front import AsyncEngine
+
+# Time the routes get to send their 503s before uvicorn cancels what is left.
+ANSWER_GRACE_S = 5.0
+
+
+class Server(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        front: AsyncEngine,
+        timeout_s: float,
+        on_started: Callable[[], None] = lambda: None,
+    ) -> None:
+        config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S
+        super().__init__(config)
+        self.front = front
+        self.timeout_s = timeout_s
+        self.on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # False when the port could not be bound
+            self.on_started()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.front.abandon_after(self.timeout_s)
+        await super().shutdown(sockets)

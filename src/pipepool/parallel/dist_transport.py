@@ -25,6 +25,7 @@ from ..errors import StateDivergence
 
 # Message tags on the control group (gloo matches a receive by source and tag).
 TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 2, 3, 4, 5, 6
+TAG_CLOCK, TAG_TRACE_LEN, TAG_TRACE = 7, 8, 9  # tracing: clock pings, then the spans
 _DIGEST_HEADER = 1  # [step_id] before the per-request counts
 
 

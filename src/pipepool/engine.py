@@ -378,7 +378,8 @@ class Engine(ScoringMethods):
         steps in flight finish first and the trace is written (its summary logged)."""
         if self._trace is not None and not self._trace_written and self.is_alive:
             try:
-                log.info("%s", self.write_trace().text())
+                summary = self.write_trace()
+                log.info("%s\ntrace written to %s", summary.text(), self.config.trace)
             except Exception as exc:  # the trace must not keep the engine from closing
                 log.warning("could not write the trace: %r", exc)
         with self._wake:

@@ -74,13 +74,32 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype is None and torch.cuda.is_available():
         config = config.replace(dtype="bfloat16")
     rows = []
-    for name in (n.strip() for n in args.workload.split(",")):
+    names = [n.strip() for n in args.workload.split(",")]
+    for name in names:
         run_one = bench_text if name in TEXT_WORKLOADS else bench_one
-        rows.append(run_one(config, name, args))
+        rows.append(run_one(_trace_per_workload(config, name, len(names)), name, args))
         print_table(rows)
     if args.json:
         write_json(rows, args.json)
     return 0
+
+
+def _trace_per_workload(config, workload: str, count: int):
+    """Several workloads, one trace file each (``t.json`` -> ``t-W1.json``, ...)."""
+    if not config.trace or count == 1:
+        return config
+    path = Path(config.trace)
+    return config.replace(trace=str(path.with_name(f"{path.stem}-{workload}{path.suffix}")))
+
+
+def _write_trace(engine: Engine, since_ns: int, until_ns: int) -> dict | None:
+    """The timed pass's timeline: written to the trace file, summary printed, and its
+    figures for the row (None without tracing)."""
+    if not engine.config.trace:
+        return None
+    summary = engine.write_trace(since_ns=since_ns, until_ns=until_ns)
+    print(f"{summary.text()}\ntrace of the timed pass written to {engine.config.trace}")
+    return summary.as_dict()
 
 
 def bench_one(config, workload_name: str, args) -> dict:
@@ -101,8 +120,11 @@ def bench_one(config, workload_name: str, args) -> dict:
     # will see, allocator): the figure is the steady state a server runs in.
     engine.pool(workload.token_ids, pooling=pooling)
     busy_start = engine.stage_busy_s()
+    since = time.monotonic_ns()  # the trace's clock
     ours = run_engine(engine, workload, pooling)
+    until = time.monotonic_ns()
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
+    trace = _write_trace(engine, since, until)
     gpu_busy = None
     if args.gpu_busy:
         gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
@@ -148,6 +170,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "stages": d.num_stages,
         "gpu_used_gib_per_stage": used_gib,
         "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
+        "trace": trace,
     }
     if ours_text is not None:
         row["engine_text_tokens_per_s"] = round(ours_text.tokens_per_s)
@@ -191,7 +214,9 @@ def bench_text(config, workload_name: str, args) -> dict:
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
     engine.embed(texts)  # warm-up pass (see bench_one)
+    since = time.monotonic_ns()
     ours = run_engine_text(engine, texts, d.pooling)
+    trace = _write_trace(engine, since, time.monotonic_ns())
     gpu_busy = None
     if args.gpu_busy:
         gpu_busy = gpu_busy_fraction(partial(run_engine_text, engine, texts, d.pooling))
@@ -209,6 +234,7 @@ def bench_text(config, workload_name: str, args) -> dict:
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_start_s": round(start_s, 2),
         "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
+        "trace": trace,
     }
     if not args.no_peer:
         sizes = [int(b) for b in args.st_batch_sizes.split(",")]

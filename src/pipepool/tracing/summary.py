@@ -7,6 +7,7 @@ in between, each instant counts once, in this order: **busy** (the device comput
 **wait_send** (the device, or on CPU the stage, waits for its previous send to complete),
 **wait_input** (it waits for the previous stage's hidden states or digest, or for the plan),
 and **host** (none of these: the device waits for its own host). The six fractions add up to 1.
+A window's edges count as the edges of the periods they cut.
 """
 
 from __future__ import annotations

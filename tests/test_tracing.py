@@ -1,0 +1,204 @@
+"""The step timeline (issue 12): a Chrome trace with one track per process and the expected
+spans of every step, clocks aligned across processes, and a summary whose fractions add up."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from pipepool import Engine, InvalidInputError
+from pipepool.cli import main
+from pipepool.tracing import ProcessTrace, Span, summarize
+from pipepool.tracing.chrome import chrome_events
+from pipepool.tracing.clock import estimate_offset, offset_for
+from pipepool.tracing.intervals import intersect, length, subtract, union
+
+STAGE0 = {"prepare", "compute", "forward", "send", "wait send", "post-step"}
+LAST = {"wait plan", "receive", "wait input", "compute", "forward", "pool", "post-step",
+        "wait digest", "result"}  # fmt: skip
+DRIVER = {"schedule", "submit", "wait result", "deliver"}
+
+
+def _prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 200, size=k).tolist() for k in rng.integers(3, 90, size=n)]
+
+
+def _load(path) -> tuple[dict[int, str], dict[tuple[int, int], str], list[dict]]:
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["name"] == "thread_name"}  # fmt: skip
+    spans = [e for e in events if e["ph"] == "X"]
+    return processes, threads, spans
+
+
+@pytest.fixture(scope="module")
+def pp2_trace(qwen3_path, tmp_path_factory):
+    """A real two-process pipeline over gloo, budget 32 so that prompts are chunked."""
+    path = tmp_path_factory.mktemp("trace") / "pp2.json"
+    with Engine(
+        str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=32, trace=str(path)
+    ) as engine:
+        engine.embed(_prompts())
+        steps = engine.stats.steps
+        summary = engine.write_trace()
+    return path, steps, summary
+
+
+def test_pp2_trace_has_a_track_per_process_and_every_steps_spans(pp2_trace):
+    path, steps, _ = pp2_trace
+    processes, threads, spans = _load(path)
+    assert sorted(processes.values()) == ["driver", "stage 0", "stage 1"]
+    pid = {name: p for p, name in processes.items()}
+    for stage in ("stage 0", "stage 1"):
+        assert {threads[(pid[stage], t)] for t in (1, 2)} == {"host", "device"}
+    names = defaultdict(lambda: defaultdict(set))  # process -> step -> span names
+    for e in spans:
+        assert e["dur"] >= 0
+        if "args" in e:
+            names[processes[e["pid"]]][e["args"]["step"]].add(e["name"])
+    assert len(names["driver"]) == steps
+    for step in names["driver"]:
+        assert names["driver"][step] >= DRIVER
+        assert names["stage 0"][step] >= STAGE0
+        assert names["stage 1"][step] >= LAST
+    # Every span of a step carries the same labels as the driver's plan.
+    plans = {e["args"]["step"]: e["args"] for e in spans if e["name"] == "schedule"}
+    assert all(e["args"] == plans[e["args"]["step"]] for e in spans
+               if "args" in e and e["args"]["step"] in plans)  # fmt: skip
+    assert sum(a["tokens"] for a in plans.values()) == sum(len(p) for p in _prompts())
+
+
+def test_pp2_trace_clocks_respect_causality_across_processes(pp2_trace):
+    path, _, _ = pp2_trace
+    processes, _, spans = _load(path)
+    by = {(processes[e["pid"]], e["name"], e["args"]["step"]): e for e in spans if "args" in e}
+    for (process, name, step), e in by.items():
+        if process != "stage 1" or name != "wait input":
+            continue
+        send = by[("stage 0", "wait send", step)]
+        assert e["ts"] + e["dur"] >= send["ts"]  # received only after the send began
+        # stage 1 computes a step only after stage 0 computed it
+        first, second = by[("stage 0", "forward", step)], by[("stage 1", "forward", step)]
+        assert second["ts"] >= first["ts"] + first["dur"]
+        # and the driver gets its result only after the last stage pooled it
+        pooled, result = by[("stage 1", "pool", step)], by[("driver", "wait result", step)]
+        assert result["ts"] + result["dur"] >= pooled["ts"] + pooled["dur"]
+
+
+def test_pp2_summary_fractions_add_up(pp2_trace):
+    _, steps, summary = pp2_trace
+    assert [s.stage for s in summary.stages] == ["stage 0", "stage 1"]
+    for s in summary.stages:
+        parts = (s.busy, s.wait_input, s.wait_send, s.host, s.fill, s.drain)
+        assert all(p >= 0 for p in parts)
+        assert sum(parts) == pytest.approx(1.0, abs=1e-9)
+        assert s.steps == steps and s.busy > 0
+    assert summary.stages[0].wait_input == 0  # stage 0 waits for nothing but its own host
+    row = summary.as_dict()
+    assert row["stages"][1]["bubble"] == pytest.approx(summary.stages[1].bubble, abs=1e-4)
+    assert "busy" in summary.text() and "bubble" in summary.text()
+
+
+def test_inproc_trace_is_written_on_close(qwen3_path, tmp_path):
+    path = tmp_path / "t.json"
+    engine = Engine(str(qwen3_path), pipeline_parallel_size=2, pipeline_backend="inproc",
+                    max_num_batched_tokens=32, trace=str(path))  # fmt: skip
+    engine.embed(_prompts(4))
+    engine.close()
+    processes, _, spans = _load(path)
+    assert sorted(processes.values()) == ["driver", "stage 0", "stage 1"]
+    assert {e["name"] for e in spans} >= STAGE0 | DRIVER | {"pool", "wait input"}
+
+
+def test_tracing_off_records_nothing(qwen3_path):
+    with Engine(str(qwen3_path)) as engine:
+        engine.embed(_prompts(2))
+        assert engine._trace is None
+        assert all(r.trace is None for r in engine._executor.runners)
+        with pytest.raises(InvalidInputError, match="tracing is off"):
+            engine.write_trace()
+
+
+def test_embed_trace_flag_writes_the_file_and_prints_the_summary(bert_path, tmp_path, capsys):
+    path = tmp_path / "embed.json"
+    code = main(["embed", "--model", str(bert_path), "--no-progress", "--trace", str(path),
+                 "hello", "world"])  # fmt: skip
+    assert code == 0
+    assert "pipeline timeline: 1 stage(s)" in capsys.readouterr().err
+    processes, _, spans = _load(path)
+    assert sorted(processes.values()) == ["driver", "stage 0"]
+    assert {"forward", "pool", "schedule"} <= {e["name"] for e in spans}
+
+
+# -- the pieces, with figures derived by hand ---------------------------------------------------
+
+
+def test_interval_algebra():
+    a = union([(5, 7), (0, 2), (1, 3), (9, 9)])
+    assert a == [(0, 3), (5, 7)]
+    assert intersect(a, [(2, 6)]) == [(2, 3), (5, 6)]
+    assert subtract([(0, 10)], [(1, 2), (4, 6), (9, 12)]) == [(0, 1), (2, 4), (6, 9)]
+    assert length(a) == 5
+
+
+def _span(track, name, a, b, step=0):
+    return Span(track, name, a, b, step, 8, 1)
+
+
+def test_summary_by_hand():
+    """One period 0..100: the stage computes 10..40 and 60..80, waits for input 40..55 (and
+    during its compute, which counts as busy), waits to send 80..85 and is idle otherwise."""
+    driver = ProcessTrace("driver", 0, "h", [_span("pipeline", "in flight", 0, 100, -1)])
+    stage = ProcessTrace("stage 0", 1, "h", [
+        _span("device", "forward", 10, 30, 0), _span("device", "pool", 30, 40, 0),
+        _span("device", "wait input", 35, 55, 1), _span("device", "forward", 60, 80, 1),
+        _span("device", "wait send", 80, 85, 1), _span("host", "prepare", 55, 60, 1),
+    ])  # fmt: skip
+    s = summarize([driver, stage]).stages[0]
+    assert (s.busy, s.wait_input, s.wait_send, s.fill, s.drain) == (0.5, 0.15, 0.0, 0.1, 0.2)
+    assert s.host == pytest.approx(0.05)  # 55..60: the device waits for its host
+    assert s.steps == 2 and s.busy_ms_per_step == 25 / 1e6
+    # A window's edge is a period's edge: 50..100 is 10 fill, 20 busy, 20 drain.
+    w = summarize([driver, stage], since_ns=50).stages[0]
+    assert (w.fill, w.busy, w.drain, w.wait_input, w.host) == (0.2, 0.4, 0.4, 0.0, 0.0)
+
+
+def test_clock_offsets_from_pings():
+    # The remote clock runs 1,000,000 ns ahead; answers arrive after 10..50 us round trips.
+    truth = -1_000_000
+    samples = [(t, t + rtt // 3 - truth, t + rtt) for t, rtt in
+               [(0, 50_000), (100_000, 10_000), (200_000, 30_000)]]  # fmt: skip
+    offset, error = estimate_offset(samples)
+    assert abs(offset - truth) <= error == 5_000
+    assert offset_for("host-a", "host-a", samples) == 0  # one host: one clock, no estimate
+    assert offset_for("host-a", "host-b", samples) == offset
+
+
+def test_chrome_events_keep_the_newest_within_a_window():
+    trace = ProcessTrace("stage 0", 1, "h", [_span("device", "forward", 1000 * i, 1000 * i + 500, i)
+                                            for i in range(10)], offset_ns=7)  # fmt: skip
+    events = [e for e in chrome_events([trace], since_ns=4000, until_ns=6600) if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in events] == [4, 5, 6]
+    assert events[0]["ts"] == 0 and events[1]["ts"] == 1.0 and events[0]["dur"] == 0.5
+
+
+def test_bench_trace_covers_the_timed_pass_and_lands_in_the_json(qwen3_path, tmp_path):
+    path, out = tmp_path / "bench.json", tmp_path / "rows.json"
+    args = ["bench", "--model", str(qwen3_path), "--workload", "W1", "--requests", "6",
+            "--no-peer", "--max-num-batched-tokens", "512", "--trace", str(path),
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    row = json.loads(out.read_text())[0]
+    stages = row["trace"]["stages"]
+    assert [s["stage"] for s in stages] == ["stage 0"]
+    for s in stages:
+        total = s["busy"] + s["wait_input"] + s["wait_send"] + s["host"] + s["fill"] + s["drain"]
+        assert total == pytest.approx(1.0, abs=1e-3)
+    # Only the timed pass: its steps, not the warm-up's.
+    _, _, spans = _load(path)
+    assert sum(e["args"]["tokens"] for e in spans if e["name"] == "schedule") == row["tokens"]

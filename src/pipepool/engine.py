@@ -468,9 +468,10 @@ class Engine(ScoringMethods):
                 inbox, self._inbox = self._inbox, deque()
             executor.check_alive()
             self._apply_inbox(inbox)
-            tr = self._trace
+            tr = self._trace  # None unless tracing: then nothing below records anything
             # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
-            while len(inflight) < executor.depth and not self._trace_wanted:
+            gathering = tr is not None and bool(self._trace_wanted)
+            while len(inflight) < executor.depth and not gathering:
                 t0 = now() if tr is not None else 0
                 plan = scheduler.schedule()
                 if plan is None:
@@ -497,7 +498,7 @@ class Engine(ScoringMethods):
                     end = tr.span("deliver", t0, plan)
                     if not inflight:
                         tr.drained(end)
-            elif self._trace_wanted:
+            elif gathering:
                 self._answer_trace()
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted

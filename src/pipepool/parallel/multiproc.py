@@ -48,6 +48,7 @@ from .rendezvous import engine_store, host_store, make_groups, torchrun_env, tor
 from .trace_link import gather_stage_trace
 from .worker import (
     ErrorReport,
+    bind_device,
     limit_cpu_threads,
     run_stage,
     stage_spec_for_rank,
@@ -89,6 +90,7 @@ class MultiprocExecutor(Executor):
         self._plan_sends: deque[list] = deque()
         spec = stage_spec_for_rank(deployment, 0, local_rank)
         try:
+            bind_device(spec)
             limit_cpu_threads(deployment, spec)
             self.runner = stage0 or StageRunner(deployment.config, deployment.folder, spec)
             self._wait_loaded(cancelled or (lambda: False))

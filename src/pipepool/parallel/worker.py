@@ -59,6 +59,15 @@ def limit_cpu_threads(deployment: Deployment, spec: StageSpec) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // deployment.num_stages))
 
 
+def bind_device(spec: StageSpec) -> None:
+    """Make the stage's GPU the current device before the stage is built: Triton launches a
+    kernel on the current device, not on its tensors' one, so the fused q/k-norm + RoPE
+    self-check at load time ran on GPU 0 with another GPU's tensors in every stage process
+    but the first (until ``make_groups`` set the device, after loading)."""
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+
+
 def worker_main(argv: list[str] | None = None) -> None:
     """Entry point of a stage process the driver started:
     ``python -m pipepool.parallel.worker RANK HOST PORT WORLD PREFIX``.
@@ -88,6 +97,7 @@ def run_stage(
     bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
     try:
         spec = stage_spec_for_rank(deployment, rank, local_rank)
+        bind_device(spec)
         limit_cpu_threads(deployment, spec)
         runner = StageRunner(deployment.config, deployment.folder, spec)
         store.set(f"loaded/{rank}", b"1")

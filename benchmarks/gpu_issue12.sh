@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 12: where PP=2 loses against PP=1. Qwen3-8B shape (random bf16 weights from the real
+# config), W1 (4096 requests of 16-512 tokens), engine only: PP=1 traced, PP=2 traced, PP=2
+# untraced (the cost of tracing, same call). About 6 minutes on the two-H200 machine, most of
+# it building the checkpoint and starting engines.
+#
+# Run from the repository root, with .gpu/minilm holding all-MiniLM-L6-v2's tokenizer files
+# (BENCHMARKS.md, "How to reproduce"). Everything lands in $OUT (default /tmp/res12): the
+# bench logs, suite.json (rows with each traced run's summary under "trace"), pp1.json and
+# pp2.json (Chrome traces of the timed pass: open them in ui.perfetto.dev), report.txt.
+set -u
+export PYTHONPATH=$PWD/src PIPEPOOL_MINILM_DIR=$PWD/.gpu/minilm NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=true
+OUT=${OUT:-/tmp/res12}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
+    > "$OUT/gpus-before.csv" 2>&1
+FLAGS="--no-peer+--no-e2e"
+python3 benchmarks/gpu_suite.py --out "$OUT/suite" --runs \
+"8b:W1::$FLAGS+--trace+$OUT/pp1.json,8b:W1::--pp+2+$FLAGS+--trace+$OUT/pp2.json,8b:W1::--pp+2+$FLAGS" \
+    > "$OUT/suite.log" 2>&1
+echo "suite exit $?; log tail:"
+grep -v "^\s*$" "$OUT/suite.log" | grep -iv "warn" | tail -40
+nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpus-after.csv" 2>&1
+python3 benchmarks/trace_report.py --suite "$OUT/suite/suite.json" "$OUT/pp1.json" "$OUT/pp2.json" \
+    > "$OUT/report.txt" 2>&1
+ls -la "$OUT"
+cat "$OUT/report.txt"

@@ -62,6 +62,50 @@ def compute_rates(names: dict[int, str], spans: list[dict]) -> list[str]:
     return lines
 
 
+def transfer_overlap(names: dict[int, str], spans: list[dict]) -> list[str]:
+    """CUDA: how much of each stage's compute ran beside one of its NCCL transfers (a send
+    waiting for the next stage to take it spins on the GPU for that long)."""
+    lines = []
+    for pid, stage in sorted(names.items()):
+        forward = _merge([(e["ts"], e["ts"] + e["dur"]) for e in spans
+                          if e["pid"] == pid and e["name"] == "forward"])  # fmt: skip
+        transfers = _merge([(e["ts"], e["ts"] + e["dur"]) for e in spans
+                            if e["pid"] == pid and e["name"].startswith("nccl ")])  # fmt: skip
+        if not forward or not transfers:
+            continue
+        both = _overlap(forward, transfers)
+        total = sum(b - a for a, b in forward)
+        moving = sum(d - c for c, d in transfers)
+        lines.append(
+            f"{stage:<9} compute beside an NCCL transfer: {both / 1e3:.1f} of {total / 1e3:.1f}"
+            f" ms ({100 * both / total:.1f}%); transfers in flight {moving / 1e3:.1f} ms"
+        )
+    return lines
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def suite_lines(rows: list[dict]) -> list[str]:
     lines = []
     traced = {(r["stages"], bool(r.get("trace"))): r for r in rows}
@@ -104,6 +148,7 @@ def main() -> None:
         print(f"\n== {path} ({path.stat().st_size / 2**20:.1f} MiB, {len(spans)} spans)")
         print("\n".join(span_table(names, spans)))
         print("\n".join(compute_rates(names, spans)))
+        print("\n".join(transfer_overlap(names, spans)))
 
 
 if __name__ == "__main__":

@@ -202,3 +202,102 @@ def test_bench_trace_covers_the_timed_pass_and_lands_in_the_json(qwen3_path, tmp
     # Only the timed pass: its steps, not the warm-up's.
     _, _, spans = _load(path)
     assert sum(e["args"]["tokens"] for e in spans if e["name"] == "schedule") == row["tokens"]
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for CudaClock: events take the device timer's reading when
+    recorded (the device is never behind), and the timer runs 0.05% fast against the host."""
+
+    DRIFT = 1.0005
+
+    def __init__(self) -> None:
+        import time
+
+        self.base = time.monotonic_ns()
+        self.created = 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t_ms = None
+                fake.created += 1
+
+            def record(self, stream=None):
+                self.t_ms = (time.monotonic_ns() - fake.base) * fake.DRIFT / 1e6
+                self.stream = stream
+
+            def query(self):
+                return True
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return other.t_ms - self.t_ms
+
+        class Stream:
+            def __init__(self, device=None):
+                self.waited = []
+
+            def synchronize(self):
+                pass
+
+        self.Event, self.Stream = Event, Stream
+        self.main = Stream()
+        self.current = self.main
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def synchronize(self, device=None):
+        pass
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def switch():
+            before, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = before
+
+        return switch()
+
+
+def test_cuda_device_spans_map_onto_the_host_clock_drift_corrected():
+    from types import SimpleNamespace
+
+    from pipepool.tracing.device import CudaClock
+    from pipepool.tracing.recorder import now
+
+    fake = _FakeCuda()
+    clock = CudaClock("cuda:0")
+    clock._torch = SimpleNamespace(cuda=fake)
+    windows = []
+    for step in range(50):
+        h0 = now()
+        mark = clock.begin()
+        sum(range(20000))  # some host time between the events
+        clock.end(mark, "forward", step, 8, 1)
+        h1 = now()
+        windows.append((h0, h1))
+
+    class Work:
+        def wait(self):
+            fake.current.waited.append(self)
+
+    mark = clock.begin()
+    clock.transfer(mark, "nccl send", Work(), 50, 8, 1)
+    assert fake.current is fake.main and fake.main.waited == []  # waited on the side stream
+    assert clock._side.waited
+    assert fake.created < 12  # 5 for the anchor; the 102 marks reuse finished events
+    spans = clock.export()
+    forwards = [s for s in spans if s.name == "forward"]
+    assert [s.step for s in forwards] == list(range(50))
+    for s, (h0, h1) in zip(forwards, windows, strict=True):
+        # within 20 us of where the host saw it, after 0.05% of drift was taken out
+        assert h0 - 20_000 <= s.start_ns <= s.end_ns <= h1 + 20_000
+    (send,) = [s for s in spans if s.name == "nccl send"]
+    assert send.track == "transfer" and send.step == 50

@@ -16,12 +16,13 @@ from .summary import BUSY, WAIT_INPUT, WAIT_SEND
 
 # Events kept in one file: ~110 bytes each, so about 13 MB at most; the newest are kept.
 MAX_EVENTS = 120_000
-_TRACKS = {"loop": 1, "pipeline": 2, "host": 1, "device": 2}
+_TRACKS = {"loop": 1, "pipeline": 2, "host": 1, "device": 2, "transfer": 3}
 _TRACK_NAMES = {
     "loop": "engine loop",
     "pipeline": "plans in flight",
     "host": "host",
     "device": "device",
+    "transfer": "transfers (NCCL stream)",
 }
 
 
@@ -32,6 +33,8 @@ def _category(name: str) -> str:
         return "wait_input"
     if name in WAIT_SEND:
         return "wait_send"
+    if name.startswith("nccl "):
+        return "transfer"
     return "host"
 
 

@@ -16,7 +16,10 @@ from .recorder import MAX_SPANS, Recorder, Span, now
 
 
 class HostClock:
-    """CPU stages: the device clock is the host clock."""
+    """CPU stages: the device clock is the host clock. Transfers (gloo) run on threads of
+    their own; the stage's waits for them are its spans."""
+
+    watches_transfers = False
 
     def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
@@ -32,16 +35,25 @@ class HostClock:
 
 
 class CudaClock:
-    """CUDA stages: event pairs on the current stream of ``device``."""
+    """CUDA stages: event pairs on the current stream of ``device``.
+
+    NCCL sends and receives run on NCCL's own stream, beside the compute: ``transfer`` spans
+    them from the compute stream's position when they were queued (NCCL starts no earlier)
+    to their completion, seen by an event on a side stream that waits for them and does
+    nothing else. A send that spins for long beside the compute shows there."""
+
+    watches_transfers = True
 
     def __init__(self, device) -> None:
         import torch
 
         self._torch, self._device = torch, device
         self._free: list = []  # events whose time was read, ready for reuse
-        self._pending: deque = deque()  # (name, start event, end event, step, tokens, reqs)
+        # (track, name, start event, end event, step, tokens, reqs), in the order recorded
+        self._pending: deque = deque()
         self._done: deque = deque(maxlen=MAX_SPANS)  # the same with times in ms from the anchor
         self._anchor = None  # (event, host ns): made on first use, once the device is set
+        self._side = None  # the stream that waits for transfers (made on first use)
 
     def begin(self):
         if self._anchor is None:
@@ -49,8 +61,18 @@ class CudaClock:
         return self._record()
 
     def end(self, start, name: str, step: int, tokens: int, reqs: int) -> None:
-        self._pending.append((name, start, self._record(), step, tokens, reqs))
+        self._pending.append(("device", name, start, self._record(), step, tokens, reqs))
         self._poll()
+
+    def transfer(self, start, name: str, work, step: int, tokens: int, reqs: int) -> None:
+        """``work`` (a torch.distributed handle) ends the span ``start`` began."""
+        torch = self._torch
+        if self._side is None:
+            self._side = torch.cuda.Stream(self._device)
+        with torch.cuda.stream(self._side):
+            work.wait()  # on NCCL: this stream waits for the transfer, the host does not
+            end = self._record()
+        self._pending.append(("transfer", name, start, end, step, tokens, reqs))
 
     def export(self) -> list[Span]:
         """Every span so far on the host clock (waits for the device to finish its work)."""
@@ -66,25 +88,26 @@ class CudaClock:
         if abs(scale / 1e6 - 1) > 1e-3:
             scale = 1e6
         return [
-            Span("device", name, ns0 + round(a * scale), ns0 + round(b * scale), step, tok, req)
-            for name, a, b, step, tok, req in self._done
+            Span(track, name, ns0 + round(a * scale), ns0 + round(b * scale), step, tok, req)
+            for track, name, a, b, step, tok, req in self._done
         ]
 
     def _record(self):
+        """An event on the current stream (the side stream inside ``transfer``)."""
         torch = self._torch
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self._device))
         return event
 
     def _poll(self) -> None:
-        """Read the spans the device has finished (in stream order) and recycle their events."""
+        """Read the spans the device has finished (in the order recorded) and recycle their
+        events."""
         anchor = self._anchor[0]
         pending = self._pending
-        while pending and pending[0][2].query():
-            name, e0, e1, step, tokens, reqs = pending.popleft()
-            self._done.append(
-                (name, anchor.elapsed_time(e0), anchor.elapsed_time(e1), step, tokens, reqs)
-            )
+        while pending and pending[0][3].query():
+            track, name, e0, e1, step, tokens, reqs = pending.popleft()
+            a, b = anchor.elapsed_time(e0), anchor.elapsed_time(e1)
+            self._done.append((track, name, a, b, step, tokens, reqs))
             self._free += (e0, e1)
 
     def _make_anchor(self):

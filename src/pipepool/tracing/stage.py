@@ -49,6 +49,13 @@ class StageTrace:
     def end_device(self, mark, name: str) -> None:
         self.clock.end(mark, name, self.step, self.tokens, self.reqs)
 
+    def watch_transfer(self, name: str, work) -> None:
+        """On CUDA, a span of the transfer ``work`` on the stage's "transfer" track, from the
+        compute stream's position now; a no-op on the CPU, or for links without handles."""
+        if work is None or not self.clock.watches_transfers:
+            return
+        self.clock.transfer(self.clock.begin(), name, work, self.step, self.tokens, self.reqs)
+
     def export(self) -> ProcessTrace:
         return self.recorder.export(self.clock.export())
 
@@ -87,7 +94,9 @@ class _TracedInbound:
         self._inbound, self._trace = inbound, trace
 
     def post(self, plan):
-        return _TracedIncoming(self._inbound.post(plan), self._trace)
+        incoming = self._inbound.post(plan)
+        self._trace.watch_transfer("nccl receive", getattr(incoming, "receive_work", None))
+        return _TracedIncoming(incoming, self._trace)
 
 
 class _TracedOutbound:
@@ -99,8 +108,9 @@ class _TracedOutbound:
 
     def send_hidden(self, hidden) -> None:
         mark = self._trace.begin_device()
-        self._outbound.send_hidden(hidden)
+        work = self._outbound.send_hidden(hidden)
         self._trace.end_device(mark, "wait send")
+        self._trace.watch_transfer("nccl send", work)
 
     def send_digest(self, step_id, digest, busy) -> None:
         self._outbound.send_digest(step_id, digest, busy)

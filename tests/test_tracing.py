@@ -98,7 +98,8 @@ def test_pp2_summary_fractions_add_up(pp2_trace):
         assert all(p >= 0 for p in parts)
         assert sum(parts) == pytest.approx(1.0, abs=1e-9)
         assert s.steps == steps and s.busy > 0
-    assert summary.stages[0].wait_input == 0  # stage 0 waits for nothing but its own host
+    # Stage 0 waits for input only while the driver holds its next plan back for a result.
+    assert 0 < summary.stages[0].wait_input <= summary.driver["wait result"]
     row = summary.as_dict()
     assert row["stages"][1]["bubble"] == pytest.approx(summary.stages[1].bubble, abs=1e-4)
     assert "busy" in summary.text() and "bubble" in summary.text()
@@ -163,6 +164,11 @@ def test_summary_by_hand():
     assert (s.busy, s.wait_input, s.wait_send, s.fill, s.drain) == (0.5, 0.15, 0.0, 0.1, 0.2)
     assert s.host == pytest.approx(0.05)  # 55..60: the device waits for its host
     assert s.steps == 2 and s.busy_ms_per_step == 25 / 1e6
+    # Stage 0's plan waits while the driver waits for a result: input, not host, for it.
+    driver.spans.append(_span("loop", "wait result", 54, 58, 0))
+    held = summarize([driver, stage]).stages[0]
+    assert (held.wait_input, held.host) == pytest.approx((0.18, 0.02))
+    driver.spans.pop()
     # A window's edge is a period's edge: 50..100 is 10 fill, 20 busy, 20 drain.
     w = summarize([driver, stage], since_ns=50).stages[0]
     assert (w.fill, w.busy, w.drain, w.wait_input, w.host) == (0.2, 0.4, 0.4, 0.0, 0.0)

@@ -496,8 +496,8 @@ class Engine(ScoringMethods):
                 self._deliver(result, ledger)
                 if tr is not None:
                     end = tr.span("deliver", t0, plan)
-                    if not inflight:
-                        tr.drained(end)
+                    if not inflight and not scheduler.has_schedulable():
+                        tr.drained(end)  # the pipeline ran dry: a busy period ends
             elif gathering:
                 self._answer_trace()
             self.stats.set_queue(

@@ -1,6 +1,7 @@
 """What the engine's loop records: its own work per step on the "loop" track (schedule,
-submit, wait for the result, deliver it), and on the "pipeline" track the periods in which
-plans were in flight, the window that the summary divides the stages' time over."""
+submit, wait for the result, deliver it), and on the "pipeline" track the busy periods, from
+a plan entering an empty pipeline until the pipeline has nothing in flight and nothing to
+schedule: the window that the summary divides the stages' time over."""
 
 from __future__ import annotations
 

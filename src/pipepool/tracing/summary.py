@@ -6,8 +6,12 @@ compute is **fill** and the time after its last compute is **drain** (the pipeli
 in between, each instant counts once, in this order: **busy** (the device computes or pools),
 **wait_send** (the device, or on CPU the stage, waits for its previous send to complete),
 **wait_input** (it waits for the previous stage's hidden states or digest, or for the plan),
-and **host** (none of these: the device waits for its own host). The six fractions add up to 1.
-A window's edges count as the edges of the periods they cut.
+and **host** (none of these: the device waits for its own host, or the driver's). The six
+fractions add up to 1. A window's edges count as the edges of the periods they cut.
+
+Stage 0 runs in the driver's loop: its plan waits while the driver waits for a result (it
+holds a plan back until one frees a place in the pipeline), so the driver's "wait result"
+spans are stage 0's waits for input, as "wait plan" is for a stage process.
 """
 
 from __future__ import annotations
@@ -91,8 +95,9 @@ def summarize(
     hi = until_ns if until_ns is not None else 2**63
     periods = intersect(periods, [(lo, hi)])
     total = length(periods)
+    holding = [] if driver is None else [s for s in driver.spans if s.name == "wait result"]
     stages = tuple(
-        _stage_time(t, periods, total)
+        _stage_time(t, periods, total, holding if t.sort == 1 else [])
         for t in sorted(traces, key=lambda t: t.sort)
         if t.name != "driver"
     )
@@ -104,11 +109,15 @@ def summarize(
     return TraceSummary(total / 1e9, len(periods), stages, loop)
 
 
-def _stage_time(trace: ProcessTrace, periods: Intervals, total: int) -> StageTime:
+def _stage_time(trace: ProcessTrace, periods: Intervals, total: int, plan_waits: list) -> StageTime:
+    """``plan_waits``: spans (on the driver's clock) in which the stage's next plan waited."""
     off = trace.offset_ns
 
     def spans_of(names: frozenset) -> Intervals:
-        return union((s.start_ns + off, s.end_ns + off) for s in trace.spans if s.name in names)
+        mine = [(s.start_ns + off, s.end_ns + off) for s in trace.spans if s.name in names]
+        if names is WAIT_INPUT:
+            mine += [(s.start_ns, s.end_ns) for s in plan_waits]
+        return union(mine)
 
     busy = intersect(spans_of(BUSY), periods)
     inner: Intervals = []  # from the first to the last compute of every period

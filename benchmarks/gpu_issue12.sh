@@ -15,14 +15,15 @@ OUT=${OUT:-/tmp/res12}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
     > "$OUT/gpus-before.csv" 2>&1
+python3 benchmarks/gpu_matmul.py > "$OUT/matmul.txt" 2>&1
 FLAGS="--no-peer+--no-e2e"
 python3 benchmarks/gpu_suite.py --out "$OUT/suite" --runs \
 "8b:W1::$FLAGS+--trace+$OUT/pp1.json,8b:W1::--pp+2+$FLAGS+--trace+$OUT/pp2.json,8b:W1::--pp+2+$FLAGS" \
     > "$OUT/suite.log" 2>&1
 echo "suite exit $?; log tail:"
-grep -v "^\s*$" "$OUT/suite.log" | grep -iv "warn" | tail -40
+grep -E "fused|Error|Traceback|exit|timeline|^stage|bubble|driver:|^8b|^model" "$OUT/suite.log" | tail -40
 nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpus-after.csv" 2>&1
 python3 benchmarks/trace_report.py --suite "$OUT/suite/suite.json" "$OUT/pp1.json" "$OUT/pp2.json" \
     > "$OUT/report.txt" 2>&1
 ls -la "$OUT"
-cat "$OUT/report.txt"
+cat "$OUT/matmul.txt" "$OUT/gpus-before.csv" "$OUT/gpus-after.csv" "$OUT/report.txt"

@@ -7,6 +7,8 @@ wrapped (``traced``) so that waits are recorded where they happen.
 
 from __future__ import annotations
 
+import warnings
+
 from .device import device_clock
 from .recorder import ProcessTrace, Recorder, now
 
@@ -54,7 +56,11 @@ class StageTrace:
         compute stream's position now; a no-op on the CPU, or for links without handles."""
         if work is None or not self.clock.watches_transfers:
             return
-        self.clock.transfer(self.clock.begin(), name, work, self.step, self.tokens, self.reqs)
+        try:
+            self.clock.transfer(self.clock.begin(), name, work, self.step, self.tokens, self.reqs)
+        except Exception as exc:  # a timeline must never take the pipeline down
+            self.clock.watches_transfers = False
+            warnings.warn(f"not tracing NCCL transfers any more: {exc!r}", stacklevel=2)
 
     def export(self) -> ProcessTrace:
         return self.recorder.export(self.clock.export())

@@ -376,9 +376,9 @@ class Engine(ScoringMethods):
         Stage processes are killed rather than asked to finish the steps in flight: nothing
         they would still compute is wanted. With tracing on and no trace written yet, the
         steps in flight finish first and the trace is written (its summary logged)."""
-        if self._trace is not None and not self._trace_written and self.is_alive:
+        if getattr(self, "_trace", None) is not None and not self._trace_written and self.is_alive:
             try:
-                summary = self.write_trace()
+                summary = self.write_trace(timeout=60)
                 log.info("%s\ntrace written to %s", summary.text(), self.config.trace)
             except Exception as exc:  # the trace must not keep the engine from closing
                 log.warning("could not write the trace: %r", exc)

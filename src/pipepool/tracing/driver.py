@@ -5,15 +5,22 @@ schedule: the window that the summary divides the stages' time over."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .recorder import ProcessTrace, Recorder, Span, now
+
+if TYPE_CHECKING:
+    from ..core.plan import StepPlan
 
 
 class DriverTrace:
+    """The engine loop's recorder (its thread only)."""
+
     def __init__(self) -> None:
         self.recorder = Recorder("driver", sort=0)
         self._period_start: int | None = None
 
-    def span(self, name: str, start_ns: int, plan, end_ns: int | None = None) -> int:
+    def span(self, name: str, start_ns: int, plan: StepPlan, end_ns: int | None = None) -> int:
         """Record ``name`` from ``start_ns`` to now for ``plan``; returns now (the next span's
         start)."""
         end = now() if end_ns is None else end_ns

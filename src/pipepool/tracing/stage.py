@@ -8,13 +8,22 @@ wrapped (``traced``) so that waits are recorded where they happen.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from .device import device_clock
 from .recorder import ProcessTrace, Recorder, now
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..core.plan import StepPlan
+
 
 class StageTrace:
-    def __init__(self, index: int, device) -> None:
+    """One stage's recorder. Its step labels (step id, tokens, requests) are the plan's being
+    applied, and go on every span until the next plan."""
+
+    def __init__(self, index: int, device: torch.device) -> None:
         self.recorder = Recorder(f"stage {index}", sort=index + 1)
         self.clock = device_clock(device, self.recorder)
         self._phase: str | None = None
@@ -23,7 +32,7 @@ class StageTrace:
 
     # -- host phases -------------------------------------------------------------------------
 
-    def begin_step(self, plan, phase: str = "prepare") -> None:
+    def begin_step(self, plan: StepPlan, phase: str = "prepare") -> None:
         self.step, self.tokens, self.reqs = plan.step_id, plan.num_tokens, plan.num_reqs
         self._phase, self._since = phase, now()
 
@@ -34,7 +43,7 @@ class StageTrace:
             self.host(self._phase, self._since, t)
         self._phase, self._since = name, t
 
-    def waited_plan(self, start_ns: int, plan) -> None:
+    def waited_plan(self, start_ns: int, plan: StepPlan) -> None:
         """A stage process waited from ``start_ns`` for ``plan`` to arrive."""
         self.step, self.tokens, self.reqs = plan.step_id, plan.num_tokens, plan.num_reqs
         self.host("wait plan", start_ns)
@@ -51,7 +60,7 @@ class StageTrace:
     def end_device(self, mark, name: str) -> None:
         self.clock.end(mark, name, self.step, self.tokens, self.reqs)
 
-    def watch_transfer(self, name: str, work) -> None:
+    def watch_transfer(self, name: str, work: object | None) -> None:
         """On CUDA, a span of the transfer ``work`` on the stage's "transfer" track, from the
         compute stream's position now; a no-op on the CPU, or for links without handles."""
         if work is None or not self.clock.watches_transfers:

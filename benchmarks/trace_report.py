@@ -139,11 +139,14 @@ def suite_lines(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("traces", nargs="*", type=Path)
-    parser.add_argument("--suite", type=Path, help="gpu_suite.py's suite.json")
+    parser.add_argument(
+        "--suite", type=Path, action="append", default=[], help="gpu_suite.py's suite.json"
+    )
     args = parser.parse_args()
-    if args.suite:
-        print("\n".join(suite_lines(json.loads(args.suite.read_text()))))
-    for path in args.traces:
+    rows = [row for path in args.suite if path.exists() for row in json.loads(path.read_text())]
+    if rows:
+        print("\n".join(suite_lines(rows)))
+    for path in (p for p in args.traces if p.exists()):
         names, spans = load(path)
         print(f"\n== {path} ({path.stat().st_size / 2**20:.1f} MiB, {len(spans)} spans)")
         print("\n".join(span_table(names, spans)))

@@ -29,7 +29,7 @@ from ..bench import (
     vocabulary_words,
     write_json,
 )
-from ..deployment import step_tokens
+from ..deployment import plan_deployment
 from ..engine import Engine
 from .common import add_engine_args, engine_config
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def bench_one(config, workload_name: str, args) -> dict:
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
-        budget = step_tokens(config, cuda=config.device != "cpu" and torch.cuda.is_available())
+        budget = plan_deployment(config).max_num_batched_tokens
         config = config.replace(kv_cache_tokens=4 * budget + longest)
     started = time.perf_counter()
     engine = Engine.from_config(config)

@@ -1,0 +1,114 @@
+"""Where each replica runs: its GPUs (replica-major), or its share of the CPU cores.
+
+GPU: replica r of a PP-stage pipeline takes devices ``g*PP .. g*PP+PP-1`` with
+``g = r // replicas_per_gpu`` — replica-major, so each pipeline's stages sit on neighbouring
+devices (NVLink peers on most hosts). The replica process sees only those devices
+(``CUDA_VISIBLE_DEVICES``), so everything inside it is the ordinary one-pipeline engine, and
+replicas sharing GPUs budget their share of the free memory for the KV cache.
+
+CPU: the host's cores (this process's affinity) are split into one contiguous share per
+replica; a replica and its stage processes are pinned to its share, so N replicas never
+oversubscribe the cores between them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    index: int
+    devices: tuple[str, ...]  # one per stage, as this host names them (cuda:3, cpu)
+    visible_devices: str | None  # CUDA_VISIBLE_DEVICES of the replica process; None on CPU
+    cores: tuple[int, ...] | None  # CPU cores it is pinned to; None on GPU
+    config: EngineConfig  # what the replica builds: one pipeline
+
+    def describe(self) -> str:
+        stages = len(self.devices)
+        where = ", ".join(f"stage {k} -> {dev}" for k, dev in enumerate(self.devices))
+        cores = f" (cores {_ranges(self.cores)})" if self.cores is not None else ""
+        return f"replica {self.index}: {stages} stage(s): {where}{cores}"
+
+
+def plan_placement(config: EngineConfig) -> list[ReplicaPlacement]:
+    """One placement per replica; raises InvalidInputError naming what is missing."""
+    dp, pp = config.data_parallel_size, config.pipeline_parallel_size
+    share = config.replicas_per_gpu
+    one = config.replace(data_parallel_size=1, replicas_per_gpu=1)
+    if _device_kind(config.device) == "cpu":
+        one = one.replace(device="cpu")
+        cores = _cpu_shares(dp)
+        return [ReplicaPlacement(r, ("cpu",) * pp, None, cores[r], one) for r in range(dp)]
+    physical = _visible_gpus()
+    groups = -(-dp // share)  # GPU groups of PP devices
+    if groups * pp > len(physical):
+        raise InvalidInputError(
+            f"data_parallel_size={dp} x pipeline_parallel_size={pp} with replicas_per_gpu="
+            f"{share} needs {groups * pp} GPUs, {len(physical)} visible",
+            param="data_parallel_size",
+        )
+    out = []
+    for r in range(dp):
+        g = r // share
+        mine = physical[g * pp : g * pp + pp]
+        sharing = min(share, dp - g * share)  # replicas on this group of devices
+        cfg = one.replace(device="cuda", gpu_memory_share=1.0 / sharing)
+        out.append(ReplicaPlacement(r, tuple(f"cuda:{d}" for d in mine), ",".join(mine), None, cfg))
+    return out
+
+
+def _device_kind(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise InvalidInputError(f"device must be auto, cpu or cuda, got {device!r}", param="device")
+    return kind
+
+
+def _visible_gpus() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES names them (the front end's own restriction
+    is kept: replica devices are picked among those)."""
+    import torch
+
+    count = torch.cuda.device_count()  # counts devices without creating a context on one
+    if count == 0:
+        raise InvalidInputError(
+            "device cuda was asked for but CUDA is not available", param="device"
+        )
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        names = [x.strip() for x in listed.split(",") if x.strip()]
+        return names[:count]
+    return [str(k) for k in range(count)]
+
+
+def _cpu_shares(dp: int) -> list[tuple[int, ...]]:
+    """Contiguous core shares, one per replica (replicas share cores when there are fewer
+    cores than replicas)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    else:
+        cores = list(range(os.cpu_count() or 1))
+    if len(cores) < dp:
+        return [(cores[r % len(cores)],) for r in range(dp)]
+    base, extra = divmod(len(cores), dp)
+    shares, start = [], 0
+    for r in range(dp):
+        size = base + (1 if r < extra else 0)
+        shares.append(tuple(cores[start : start + size]))
+        start += size
+    return shares
+
+
+def _ranges(cores: tuple[int, ...]) -> str:
+    if len(cores) > 1 and cores[-1] - cores[0] == len(cores) - 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))

@@ -98,7 +98,7 @@ def reference(qwen3_path):
 
 
 @pytest.fixture(scope="module")
-def replicated(qwen3_path):
+def replicated(qwen3_path, server_process):
     engine = pipepool.Engine(
         str(qwen3_path), data_parallel_size=2, pipeline_parallel_size=2, **OPTIONS
     )
@@ -156,14 +156,21 @@ def test_close_leaves_no_replica_or_stage_process(replicated):
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_path, tmp_path_factory):
+def server_process(qwen3_path, tmp_path_factory):
+    """The DP=2 x PP=2 server, started before the API engine so that the two start-ups
+    overlap (each is mostly five interpreters importing torch)."""
     log = tmp_path_factory.mktemp("dp-server") / "serve.log"
     args = ["--model", str(qwen3_path), "--dp", "2", "--pp", "2", "--no-access-log"]
     proc = ServerProcess([*args, "--max-num-batched-tokens", str(BUDGET)], log)
     try:
-        yield proc.wait_ready(timeout=180)
+        yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process.wait_ready(timeout=240)
 
 
 def _replica_pids(server: ServerProcess) -> list[int]:

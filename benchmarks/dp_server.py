@@ -221,15 +221,14 @@ def main() -> int:
     )
     args = p.parse_args()
     bodies = build_bodies(args.model, args.workload, args.inputs_per_request, args.requests)
-    print(f"{args.workload}: {len(bodies)} requests of {args.inputs_per_request} inputs", flush=True)
+    per = args.inputs_per_request
+    print(f"{args.workload}: {len(bodies)} requests of {per} inputs", flush=True)
     outcomes = []
     for spec in args.variant:
         name, env_text, flags = spec.split("|")
         env_extra = dict(kv.split("=", 1) for kv in env_text.split())
-        outcomes.append(
-            run_variant(name, args.model, args.flags.split() + flags.split(), env_extra, bodies,
-                        args)  # fmt: skip
-        )
+        flags = args.flags.split() + flags.split()
+        outcomes.append(run_variant(name, args.model, flags, env_extra, bodies, args))
     base = outcomes[0]
     print(f"\n{args.model.name} {args.workload} through the server ({args.concurrency} in flight)")
     print(f"{'variant':10}{'tok/s':>14}{'ratio':>8}{'failed':>8}{'front CPU':>11}  cos vs base")

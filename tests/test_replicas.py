@@ -85,6 +85,10 @@ def test_bad_replica_options_are_refused_before_anything_starts():
         pipepool.Engine(data_parallel_size=0)
     with pytest.raises(InvalidInputError, match="replicas_per_gpu"):
         pipepool.EngineConfig(replicas_per_gpu=0)
+    with pytest.raises(InvalidInputError, match="more than the data_parallel_size=1 replicas"):
+        pipepool.EngineConfig(replicas_per_gpu=2)
+    with pytest.raises(pipepool.ModelLoadError, match="does not exist"):  # before any process
+        pipepool.Engine("/no/such/model", data_parallel_size=2)
 
 
 # -- through the API -------------------------------------------------------------------------

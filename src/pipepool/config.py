@@ -163,6 +163,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidInputError(f"{name} must be an integer >= 1", param=name)
+        if self.replicas_per_gpu > self.data_parallel_size:
+            raise InvalidInputError(
+                f"replicas_per_gpu={self.replicas_per_gpu} is more than the "
+                f"data_parallel_size={self.data_parallel_size} replicas there are (--dp)",
+                param="replicas_per_gpu",
+            )
         if not 0.0 < self.gpu_memory_share <= 1.0:
             raise InvalidInputError("gpu_memory_share must be in (0, 1]", param="gpu_memory_share")
         if self.pp_partition is not None:

@@ -29,6 +29,7 @@ from ..engine import Engine
 from ..errors import EngineDeadError, PipepoolError
 from ..inputs import InputPreparer, TokenSlice
 from ..memory import bound_heap_growth
+from ..model_folder import read_model_folder
 from ..owners import Owner
 from ..submission import Submission
 from .handle import Listener, ReplicaProcess, start_error
@@ -51,6 +52,9 @@ class ReplicatedEngine(Engine):
         bound_heap_growth()
         self.config = config
         self.placements = plan_placement(config)
+        # A missing or malformed folder is reported now, not after N interpreters started (and
+        # a hub id is downloaded once, not by every replica at the same time).
+        read_model_folder(config.model)
         self._lock = threading.Condition()
         self._slots = [Slot(p, RestartPolicy(config.stage_restarts)) for p in self.placements]
         self._listener = Listener(self._on_report, self._on_lost)

@@ -187,6 +187,8 @@ def test_server_dp2_pp2_matches_one_pipeline_and_reports_each_replica(server, re
     assert r.status_code == 200, r.text
     got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
     assert cosine(got, reference.embed(prompts)).min() >= MIN_COSINE
+    health = httpx.get(server.url + "/health")
+    assert health.json() == {"status": "ok", "replicas": ["ok", "ok"]}
     log = server.log()
     assert "replica 0: 2 stage(s): stage 0 -> cpu, stage 1 -> cpu" in log
     assert "replica 1: 2 stage(s)" in log
@@ -225,7 +227,8 @@ def test_stage_killed_under_64_clients_fails_no_request_and_comes_back(server, r
     os.kill(stage[0], signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: httpx.get(server.url + "/health").status_code == 503, what="degraded")
-    assert httpx.get(server.url + "/health").json() == {"status": "degraded"}
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "degraded" and health["replicas"][1] == "ok", health
     wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=30,
              what="the replica back")  # fmt: skip
     recovered_s = time.monotonic() - killed

@@ -56,7 +56,9 @@ class Engine(ScoringMethods):
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
-    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...).
+    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...);
+    ``data_parallel_size=N`` gives the same API over N replica pipelines
+    (``replicas.engine.ReplicatedEngine``).
     """
 
     def __new__(cls, model: str | None = None, **options) -> Engine:

@@ -31,6 +31,7 @@ from ..inputs import InputPreparer, TokenSlice
 from ..memory import bound_heap_growth
 from ..model_folder import read_model_folder
 from ..owners import Owner
+from ..signal_mask import block_stop_signals
 from ..submission import Submission
 from .handle import Listener, ReplicaProcess, start_error
 from .messages import Abort, Report, Work
@@ -311,6 +312,7 @@ class ReplicatedEngine(Engine):
                 threading.Thread(target=self._die, name="pipepool-replicas-dead").start()
             return
         slot.state = State.RESTARTING
+        self._restarting = [t for t in self._restarting if t.is_alive()]
         thread = threading.Thread(
             target=self._restart, args=(slot, delay), name=f"replica-{slot.index}-restart"
         )
@@ -318,6 +320,7 @@ class ReplicatedEngine(Engine):
         thread.start()
 
     def _restart(self, slot: Slot, delay: float) -> None:
+        block_stop_signals()
         with self._lock:
             if self._lock.wait_for(lambda: self._stop, timeout=delay):
                 return

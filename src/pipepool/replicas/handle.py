@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..errors import EngineDeadError, PipepoolError
+from ..signal_mask import block_stop_signals
 from .messages import Ready, Report, Snapshot, Start, StartFailed, Stop, receive, send
 from .placement import ReplicaPlacement
 
@@ -92,6 +93,7 @@ class ReplicaProcess:
             self._wake.notify()
 
     def _send(self) -> None:
+        block_stop_signals()  # Ctrl-C and SIGTERM are the main thread's
         while True:
             with self._wake:
                 while not self._outbox and not self._closing:
@@ -105,6 +107,7 @@ class ReplicaProcess:
                 return  # the reader sees the same and reports the replica lost
 
     def _read(self) -> None:
+        block_stop_signals()
         try:
             while True:
                 for message in receive(self._conn):

@@ -79,7 +79,12 @@ async def _drive(url, bodies, indices, concurrency, go) -> tuple[int, int, dict]
         nonlocal tokens, failed
         while not queue.empty():
             i = queue.get_nowait()
-            r = await http.post(url + "/v1/embeddings", content=bodies[i], headers=headers)
+            try:
+                r = await http.post(url + "/v1/embeddings", content=bodies[i], headers=headers)
+            except httpx.HTTPError as exc:  # counted, never a hung benchmark
+                print(f"request {i}: {exc!r}", flush=True)
+                failed += 1
+                continue
             if r.status_code != 200:
                 failed += 1
                 continue
@@ -115,7 +120,7 @@ def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int):
     tokens = failed = 0
     samples: dict[int, list] = {}
     for _ in procs:
-        t, f, s = out.get()
+        t, f, s = out.get(timeout=900)
         tokens, failed = tokens + t, failed + f
         samples.update(s)
     seconds = time.perf_counter() - start

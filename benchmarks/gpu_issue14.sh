@@ -19,7 +19,7 @@ python3 -c "import sys; sys.path.insert(0,'benchmarks'); import gpu_suite; [gpu_
 B=/tmp/pipepool-bench
 # MiniLM W4 (8192 queries, median 32 tokens): 64 queries per request, 64 requests in flight.
 timeout 250 python3 benchmarks/dp_server.py --model $B/minilm-shape --workload W4 \
-    --inputs-per-request 64 --passes 4 --flags "--max-model-len 512" \
+    --inputs-per-request 64 --passes 10 --flags "--max-model-len 512" \
     --variant 'dp1|CUDA_VISIBLE_DEVICES=0|' \
     --variant 'dp2||--dp 2' \
     --variant 'rpg2|CUDA_VISIBLE_DEVICES=0|--dp 2 --replicas-per-gpu 2'

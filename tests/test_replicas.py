@@ -80,7 +80,7 @@ def test_gpu_placement_is_replica_major_or_shared(monkeypatch):
         placement_mod.plan_placement(config.replace(data_parallel_size=3))
 
 
-def test_bad_replica_options_are_refused_before_anything_starts():
+def test_bad_replica_options_are_refused_before_anything_starts(monkeypatch):
     with pytest.raises(InvalidInputError, match="data_parallel_size must be an integer >= 1"):
         pipepool.Engine(data_parallel_size=0)
     with pytest.raises(InvalidInputError, match="replicas_per_gpu"):
@@ -89,6 +89,10 @@ def test_bad_replica_options_are_refused_before_anything_starts():
         pipepool.EngineConfig(replicas_per_gpu=2)
     with pytest.raises(pipepool.ModelLoadError, match="does not exist"):  # before any process
         pipepool.Engine("/no/such/model", data_parallel_size=2)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidInputError, match="under torchrun run one pipeline across hosts"):
+        pipepool.Engine(data_parallel_size=2)
 
 
 # -- through the API -------------------------------------------------------------------------

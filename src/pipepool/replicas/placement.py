@@ -37,6 +37,13 @@ class ReplicaPlacement:
 
 def plan_placement(config: EngineConfig) -> list[ReplicaPlacement]:
     """One placement per replica; raises InvalidInputError naming what is missing."""
+    if _under_torchrun():
+        raise InvalidInputError(
+            "data_parallel_size > 1 runs replicas on this host; under torchrun run one pipeline "
+            "across hosts (--pp) and, for more throughput, one server per host behind a load "
+            "balancer",
+            param="data_parallel_size",
+        )
     dp, pp = config.data_parallel_size, config.pipeline_parallel_size
     share = config.replicas_per_gpu
     one = config.replace(data_parallel_size=1, replicas_per_gpu=1)
@@ -60,6 +67,11 @@ def plan_placement(config: EngineConfig) -> list[ReplicaPlacement]:
         cfg = one.replace(device="cuda", gpu_memory_share=1.0 / sharing)
         out.append(ReplicaPlacement(r, tuple(f"cuda:{d}" for d in mine), ",".join(mine), None, cfg))
     return out
+
+
+def _under_torchrun() -> bool:
+    env = os.environ
+    return "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env
 
 
 def _device_kind(device: str) -> str:

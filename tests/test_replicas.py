@@ -16,6 +16,7 @@ from test_server import ServerProcess, _alive, _parent, _processes, wait_for
 from tiny_models import SENTENCES, cosine, long_prompts
 
 import pipepool
+from pipepool.core.restarts import RestartPolicy
 from pipepool.errors import InvalidInputError
 from pipepool.replicas import placement as placement_mod
 from pipepool.replicas.engine import ReplicatedEngine
@@ -147,17 +148,34 @@ def test_killed_replica_process_loses_nothing_and_is_restarted(replicated, refer
     assert cosine(replicated.embed(prompts[:8]), want[:8]).min() >= MIN_COSINE
 
 
-def test_close_leaves_no_replica_or_stage_process(replicated):
-    """(Last of the API tests: it closes the shared engine.)"""
-    pids = {s.pid for s in replicated.replica_status()}
+def test_calls_fail_only_once_every_replica_is_gone_and_no_process_is_left(replicated):
+    """(Last of the API tests: it ends the shared engine.) With no restarts left (as
+    stage_restarts=0 would give), a killed replica is given up on; its work moves on; only when
+    the last one goes do calls fail, naming every replica's cause."""
+    for slot in replicated._slots:
+        slot.policy = RestartPolicy(0)
+    deaths = []
+    replicated.add_death_callback(deaths.append)
+    pids = [s.pid for s in replicated.replica_status()]
     family = [p for p in _processes() if p[0] in pids]
     family += [p for pid in pids for p in _descendants(pid)]
     assert len(family) == 4
+    submission = replicated.submit(_prompts(120))
+    wait_for(lambda: submission.num_done > 0, what="the first results")
+    os.kill(pids[0], signal.SIGKILL)
+    wait_for(lambda: replicated.replica_status()[0].state == "failed", what="replica 0 given up")
+    assert replicated.health == "degraded" and not submission.done()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(pipepool.EngineDeadError, match="all 2 replicas failed") as failed:
+        submission.result(timeout=60)
+    assert f"pid {pids[0]}" in str(failed.value) and f"pid {pids[1]}" in str(failed.value)
+    assert replicated.health == "dead" and len(deaths) == 1
+    with pytest.raises(pipepool.EngineDeadError, match="engine is dead: all 2 replicas"):
+        replicated.embed(["x"])
     replicated.close()
     assert replicated.health == "closed"
-    with pytest.raises(pipepool.EngineDeadError, match="closed"):
-        replicated.embed(["x"])
-    assert not [p for p in family if _alive(p)], "processes left behind"
+    # The killed replicas' stage processes follow their parent on their own.
+    wait_for(lambda: not [p for p in family if _alive(p)], what="every process gone")
 
 
 # -- through the server ----------------------------------------------------------------------

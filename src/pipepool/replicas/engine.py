@@ -276,7 +276,9 @@ class ReplicatedEngine(Engine):
             slot.proc = None
             self.front_stats.on_error(cause)
             unfinished = sum(o.remaining for o in map(slot.owners.get, slot.owners.first_ids()))
-            log.warning("%s; %d unfinished inputs run on the other replicas", cause, unfinished)
+            others = any(s.state == State.OK for s in self._slots)
+            where = "run on the other replicas" if others else "wait for a replica to come back"
+            log.warning("%s; its %d unfinished inputs %s", cause, unfinished, where)
             self._move(slot, abort=False)
             self._schedule_restart(slot)
 
@@ -304,10 +306,12 @@ class ReplicatedEngine(Engine):
         delay = slot.policy.on_failure(time.monotonic())
         if delay is None:
             slot.state = State.FAILED
-            log.error(
-                "replica %d failed again (%s); giving up on it after %d restarts",
-                slot.index, slot.error, slot.policy.limit,
-            )  # fmt: skip
+            why = (
+                f"after {slot.policy.limit} restarts in {slot.policy.window_s:.0f} s"
+                if slot.policy.limit
+                else "(restarts are off: stage_restarts=0)"
+            )
+            log.error("replica %d failed (%s); giving up on it %s", slot.index, slot.error, why)
             if all(s.state == State.FAILED for s in self._slots):
                 threading.Thread(target=self._die, name="pipepool-replicas-dead").start()
             return

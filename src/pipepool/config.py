@@ -95,6 +95,9 @@ class EngineConfig:
     # A replica's share of its GPUs' free memory for the KV cache (set per replica from
     # replicas_per_gpu; 1.0: all of it).
     gpu_memory_share: float = option(1.0, "", cli=False)
+    # CPU threads this pipeline's stages split between them (a replica's share of the host's
+    # cores, so N replicas do not oversubscribe them); None: every core.
+    cpu_threads: int | None = option(None, "", cli=False)
     # How stages run when pipeline_parallel_size > 1: "mp", one process per stage (the real
     # thing); "inproc", all stages in this process, one after the other (tests, debugging).
     pipeline_backend: str = option("mp", "", cli=False)
@@ -150,7 +153,9 @@ class EngineConfig:
             raise InvalidInputError(
                 f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype"
             )
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+        for name in (
+            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "cpu_threads",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)

@@ -64,7 +64,7 @@ class ReplicaProcess:
         finally:
             child.close()
         self.pid = self._proc.pid
-        send(self._conn, [Start(placement.index, placement.config, placement.cores)])
+        send(self._conn, [Start(placement.index, placement.config)])
         self._reader = threading.Thread(
             target=self._read, name=f"replica-{self.index}-reader", daemon=True
         )

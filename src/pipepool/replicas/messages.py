@@ -26,7 +26,6 @@ class Start:
 
     index: int  # the replica's number, for its log lines
     config: EngineConfig  # data_parallel_size 1: one pipeline
-    cores: tuple[int, ...] | None  # CPU cores to pin to (None: leave the affinity alone)
 
 
 @dataclass(frozen=True)

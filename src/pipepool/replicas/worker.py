@@ -165,13 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s replica {start.index}: %(message)s"
     )
-    if start.cores is not None and hasattr(os, "sched_setaffinity"):
-        # Our share of the host's cores; the stage processes we start inherit it.
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, start.cores)
+    if start.config.cpu_threads is not None:
         import torch
 
-        torch.set_num_threads(len(start.cores))  # one pipeline stage: all of our share
+        # Our share of the host's cores (a pipeline of stage processes splits it further).
+        torch.set_num_threads(start.config.cpu_threads)
     try:
         engine = Engine.from_config(start.config)
     except BaseException as exc:

@@ -8,8 +8,8 @@ replicas sharing GPUs budget their share of the free memory for the KV cache.
 
 CPU: each replica's stages split its share of the host's cores as threads (``cpu_threads``),
 so N replicas do not oversubscribe the cores between them. They are not pinned: on a host
-shared with other work, a pinned replica waits for its core while another one idles (measured:
-a tiny encoder at DP=2 on two busy cores ran 24k tokens/s pinned, 80k unpinned).
+shared with other work, a pinned replica waits for its core while another one idles (a tiny
+encoder at DP=2 on two cores busy with other jobs ran 2-4x slower pinned than unpinned).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from pipepool.core.restarts import RestartPolicy
 from pipepool.errors import InvalidInputError
 from pipepool.replicas import placement as placement_mod
 from pipepool.replicas.engine import ReplicatedEngine
+from pipepool.replicas.handle import Rates
+from pipepool.replicas.messages import Snapshot
 from pipepool.replicas.routing import split_rows
 
 MIN_COSINE = 0.99999
@@ -57,6 +59,17 @@ def test_large_batches_fill_replicas_to_one_level_in_contiguous_ranges():
     assert split_rows(lengths, np.array([500, 0]), 64) == [(1, 0, 75), (0, 75, 100)]
     # A replica above the common level gets nothing.
     assert split_rows(lengths, np.array([5000, 0, 0]), 64) == [(1, 0, 50), (2, 50, 100)]
+
+
+def test_replica_rates_come_from_its_cumulative_counters():
+    rates = Rates(window_s=10.0)
+    rates.add(Snapshot("ok", prompt_tokens_finished=0, stage_busy_s=(0.0, 0.0)), now=0.0)
+    rates.add(Snapshot("ok", prompt_tokens_finished=500, stage_busy_s=(1.0, 0.5)), now=1.0)
+    rates.add(Snapshot("ok", prompt_tokens_finished=1000, stage_busy_s=(1.5, 1.0)), now=2.0)
+    assert rates.tokens_per_s() == 500.0
+    assert rates.busy_fraction() == (2.5 / 2) / 2.0  # mean over its two stages
+    rates.add(Snapshot("ok", prompt_tokens_finished=1000, stage_busy_s=(1.5, 1.0)), now=30.0)
+    assert rates.tokens_per_s() < 500.0  # old samples leave the window
 
 
 def test_gpu_placement_is_replica_major_or_shared(monkeypatch):

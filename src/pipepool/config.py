@@ -82,6 +82,24 @@ class EngineConfig:
     pp_partition: tuple[int, ...] | None = option(
         None, "layers per stage, e.g. 10,18 (sums to the model's layers)", parse=parse_partition
     )
+    # Data parallelism: independent replicas of the whole pipeline, each with its own scheduler
+    # in its own processes (replicas/), behind one front end that tokenises and routes. On GPU
+    # replica r takes devices r*PP .. r*PP+PP-1, or shares them with replicas_per_gpu - 1 others.
+    data_parallel_size: int = option(
+        1,
+        "replicas of the whole pipeline, each in its own processes (GPUs replica-major: "
+        "replica r uses devices r*PP .. r*PP+PP-1)",
+        flag="--dp",
+    )
+    replicas_per_gpu: int = option(
+        1, "replicas sharing each GPU (small models: more host threads per device)"
+    )
+    # A replica's share of its GPUs' free memory for the KV cache (set per replica from
+    # replicas_per_gpu; 1.0: all of it).
+    gpu_memory_share: float = option(1.0, "", cli=False)
+    # CPU threads this pipeline's stages split between them (a replica's share of the host's
+    # cores, so N replicas do not oversubscribe them); None: every core.
+    cpu_threads: int | None = option(None, "", cli=False)
     # How stages run when pipeline_parallel_size > 1: "mp", one process per stage (the real
     # thing); "inproc", all stages in this process, one after the other (tests, debugging).
     pipeline_backend: str = option("mp", "", cli=False)
@@ -137,7 +155,9 @@ class EngineConfig:
             raise InvalidInputError(
                 f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype"
             )
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+        for name in (
+            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "cpu_threads",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
@@ -146,6 +166,18 @@ class EngineConfig:
             raise InvalidInputError(
                 "pipeline_parallel_size must be >= 1", param="pipeline_parallel_size"
             )
+        for name in ("data_parallel_size", "replicas_per_gpu"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInputError(f"{name} must be an integer >= 1", param=name)
+        if self.replicas_per_gpu > self.data_parallel_size:
+            raise InvalidInputError(
+                f"replicas_per_gpu={self.replicas_per_gpu} is more than the "
+                f"data_parallel_size={self.data_parallel_size} replicas there are (--dp)",
+                param="replicas_per_gpu",
+            )
+        if not 0.0 < self.gpu_memory_share <= 1.0:
+            raise InvalidInputError("gpu_memory_share must be in (0, 1]", param="gpu_memory_share")
         if self.pp_partition is not None:
             if len(self.pp_partition) != self.pipeline_parallel_size:
                 raise InvalidInputError(

@@ -281,7 +281,9 @@ def _gpu_kv_tokens(
     inter = getattr(whole.cfg, "intermediate_size", 4 * hidden)
     activations = step_tokens * (8 * hidden + 4 * inter) * itemsize * 2
     free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
-    budget = free * _GPU_MEMORY_UTILIZATION - stage_weights - activations - (1 << 30)
+    # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
+    usable = free * _GPU_MEMORY_UTILIZATION * config.gpu_memory_share
+    budget = usable - stage_weights - activations - (1 << 30)
     if budget < per_token * config.block_size:
         raise ModelLoadError(
             f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free, weights "

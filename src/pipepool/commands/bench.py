@@ -107,10 +107,10 @@ def bench_one(config, workload_name: str, args) -> dict:
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     gpu_busy = None
-    if args.gpu_busy:
+    if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
         gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
     ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
-    if args.profile:
+    if args.profile and config.data_parallel_size == 1:
         profile(engine, workload, pooling)
     texts = None
     ours_text = None
@@ -118,10 +118,15 @@ def bench_one(config, workload_name: str, args) -> dict:
         # Random ids can decode to nothing (all special tokens): keep every request non-empty.
         texts = [engine.inputs.tokenizer.decode(t) or "empty" for t in workload.token_ids]
         ours_text = run_engine_text(engine, texts, pooling)
-    weights_gib = _weights_gib(engine)
+    # Memory figures are the driver's own: replicas (--dp) hold theirs in other processes.
+    replicas = config.data_parallel_size
+    local = replicas == 1
+    weights_gib = _weights_gib(engine) if local else 0.0
     # Per GPU, as the driver sees it (other stages live in other processes): memory in use.
-    used_gib = [round(_device_used_gib(dev), 2) for dev in d.devices if dev.startswith("cuda")]
-    kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30
+    used_gib = [
+        round(_device_used_gib(dev), 2) for dev in d.devices if local and dev.startswith("cuda")
+    ]
+    kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30 if local else 0.0
     stats = engine.stats
     engine.close()
     del engine
@@ -139,7 +144,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_tflops": round(total_flops / ours.seconds / 1e12, 1),
         # of the peak of every GPU the pipeline uses
         "engine_fraction_of_peak": round(
-            total_flops / ours.seconds / 1e12 / (args.peak_tflops * d.num_stages), 3
+            total_flops / ours.seconds / 1e12 / (args.peak_tflops * d.num_stages * replicas), 3
         ),
         "engine_peak_memory_gib": round(ours.peak_memory_gib, 2),
         "engine_weights_gib": round(weights_gib, 2),
@@ -149,6 +154,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_start_s": round(start_s, 2),
         "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
         "stages": d.num_stages,
+        "replicas": replicas,
         "gpu_used_gib_per_stage": used_gib,
         "stage_idle_fraction": [round(max(0.0, 1 - b / timed_s), 3) for b in busy],
     }

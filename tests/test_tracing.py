@@ -307,3 +307,10 @@ def test_cuda_device_spans_map_onto_the_host_clock_drift_corrected():
         assert h0 - 20_000 <= s.start_ns <= s.end_ns <= h1 + 20_000
     (send,) = [s for s in spans if s.name == "nccl send"]
     assert send.track == "transfer" and send.step == 50
+
+
+def test_trace_with_replicas_is_refused_by_name():
+    from pipepool import EngineConfig
+
+    with pytest.raises(InvalidInputError, match="data_parallel_size 1"):
+        EngineConfig(trace="t.json", data_parallel_size=2)

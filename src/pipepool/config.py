@@ -52,13 +52,15 @@ class EngineConfig:
         "auto", "auto: float32 on CPU, the checkpoint's 16-bit type on GPU", choices=DTYPES
     )
     device: str = option("auto", "auto | cpu | cuda (auto: cuda when available)")
-    # None: 16384 on CUDA (TEI's default); 2048 on the CPU, where smaller steps run faster
+    # None (decided in deployment.step_tokens): 16384 on CUDA (TEI's default), 32768 for
+    # models small enough that a 16384-token step leaves the device waiting for the host;
+    # 2048 on the CPU, where smaller steps run faster
     # (measured 1.4x texts/s on all-MiniLM with 2 cores: their activations stay in cache) and
     # results come back often enough for a progress bar to move.
     max_num_batched_tokens: int | None = option(
         None,
         "token budget of one step; longer prompts are chunked to fit (default: 16384 on CUDA, "
-        "2048 on the CPU)",
+        "32768 for small models such as all-MiniLM; 2048 on the CPU)",
     )
     # Pooling has no decode phase: a step's size is bounded by tokens, as in TEI, and the
     # request count does not cap a step of short prompts below its token budget.
@@ -80,6 +82,24 @@ class EngineConfig:
     pp_partition: tuple[int, ...] | None = option(
         None, "layers per stage, e.g. 10,18 (sums to the model's layers)", parse=parse_partition
     )
+    # Data parallelism: independent replicas of the whole pipeline, each with its own scheduler
+    # in its own processes (replicas/), behind one front end that tokenises and routes. On GPU
+    # replica r takes devices r*PP .. r*PP+PP-1, or shares them with replicas_per_gpu - 1 others.
+    data_parallel_size: int = option(
+        1,
+        "replicas of the whole pipeline, each in its own processes (GPUs replica-major: "
+        "replica r uses devices r*PP .. r*PP+PP-1)",
+        flag="--dp",
+    )
+    replicas_per_gpu: int = option(
+        1, "replicas sharing each GPU (small models: more host threads per device)"
+    )
+    # A replica's share of its GPUs' free memory for the KV cache (set per replica from
+    # replicas_per_gpu; 1.0: all of it).
+    gpu_memory_share: float = option(1.0, "", cli=False)
+    # CPU threads this pipeline's stages split between them (a replica's share of the host's
+    # cores, so N replicas do not oversubscribe them); None: every core.
+    cpu_threads: int | None = option(None, "", cli=False)
     # How stages run when pipeline_parallel_size > 1: "mp", one process per stage (the real
     # thing); "inproc", all stages in this process, one after the other (tests, debugging).
     pipeline_backend: str = option("mp", "", cli=False)
@@ -144,7 +164,9 @@ class EngineConfig:
             raise InvalidInputError(
                 f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype"
             )
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+        for name in (
+            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "cpu_threads",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
@@ -153,6 +175,25 @@ class EngineConfig:
             raise InvalidInputError(
                 "pipeline_parallel_size must be >= 1", param="pipeline_parallel_size"
             )
+        for name in ("data_parallel_size", "replicas_per_gpu"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInputError(f"{name} must be an integer >= 1", param=name)
+        if self.replicas_per_gpu > self.data_parallel_size:
+            raise InvalidInputError(
+                f"replicas_per_gpu={self.replicas_per_gpu} is more than the "
+                f"data_parallel_size={self.data_parallel_size} replicas there are (--dp)",
+                param="replicas_per_gpu",
+            )
+        if self.trace and self.data_parallel_size > 1:
+            # Each replica is an engine of its own in its own process: one timeline per
+            # pipeline is what the trace shows; trace one replica (--dp 1) for now.
+            raise InvalidInputError(
+                "trace follows one pipeline: use it with data_parallel_size 1 (--dp 1)",
+                param="trace",
+            )
+        if not 0.0 < self.gpu_memory_share <= 1.0:
+            raise InvalidInputError("gpu_memory_share must be in (0, 1]", param="gpu_memory_share")
         if self.pp_partition is not None:
             if len(self.pp_partition) != self.pipeline_parallel_size:
                 raise InvalidInputError(

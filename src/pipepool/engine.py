@@ -63,15 +63,21 @@ class Engine(ScoringMethods):
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
-    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...).
+    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...);
+    ``data_parallel_size=N`` gives the same API over N replica pipelines
+    (``replicas.engine.ReplicatedEngine``).
     """
+
+    def __new__(cls, model: str | None = None, **options) -> Engine:
+        # data_parallel_size > 1: the same API over N replica pipelines (replicas/).
+        return object.__new__(_engine_class(cls, options.get("data_parallel_size", 1)))
 
     def __init__(self, model: str | None = None, **options) -> None:
         self._init(EngineConfig.from_options(model=model, **options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        engine = cls.__new__(cls)
+        engine = object.__new__(_engine_class(cls, config.data_parallel_size))
         engine._init(config)
         return engine
 
@@ -315,6 +321,11 @@ class Engine(ScoringMethods):
         """
         blocks = self._scheduler.blocks
         return None if blocks is None else blocks.num_free
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """KV-cache blocks of the pipeline (0 for encoders)."""
+        return self.deployment.num_kv_blocks
 
     @property
     def is_alive(self) -> bool:
@@ -643,6 +654,15 @@ class Engine(ScoringMethods):
             raise EngineDeadError(f"engine is dead: {cause!r}") from cause
         if self._closed:
             raise EngineDeadError("engine is closed")
+
+
+def _engine_class(cls: type, data_parallel_size) -> type:
+    """``Engine`` itself, or the replicated engine when several replicas are asked for."""
+    if cls is Engine and isinstance(data_parallel_size, int) and data_parallel_size > 1:
+        from .replicas.engine import ReplicatedEngine
+
+        return ReplicatedEngine
+    return cls
 
 
 def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):

@@ -36,6 +36,12 @@ class Owners:
     def add(self, submission: Submission, row0: int, batch: RequestBatch) -> None:
         self._by_first[batch.first_id] = Owner(submission, row0, batch)
 
+    def get(self, first_id: int) -> Owner | None:
+        return self._by_first.get(first_id)
+
+    def first_ids(self) -> list[int]:
+        return list(self._by_first)
+
     def pop(self, first_id: int) -> Owner | None:
         return self._by_first.pop(first_id, None)
 

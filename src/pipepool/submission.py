@@ -41,6 +41,7 @@ class Submission(Future):
         )
         self._on_cancel = on_cancel
         self._progress: list[Callable[[int], None]] = []
+        self._results: list[Callable[[np.ndarray, np.ndarray | list], None]] = []
         self._lock = threading.Lock()
         if num_inputs == 0:  # nothing to wait for
             self.set_result(self._outputs)
@@ -49,6 +50,12 @@ class Submission(Future):
         """``fn(n)`` after each step that finished ``n`` more of this call's inputs (called on
         the engine's loop thread: keep it short)."""
         self._progress.append(fn)
+
+    def add_result_callback(self, fn: Callable[[np.ndarray, np.ndarray | list], None]) -> None:
+        """``fn(rows, values)`` with each step's finished rows and their outputs (an array of
+        vectors, or a list of token arrays), before they count as done (on the engine's loop
+        thread: a replica forwards them to the front end this way)."""
+        self._results.append(fn)
 
     def cancel(self) -> bool:
         with self._lock:
@@ -64,13 +71,24 @@ class Submission(Future):
     def put_vectors(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         """Rows ``rows`` (input indices) finished with these vectors (already cut to the
         requested dimensions on the device, or zero-padded past them: cut here)."""
-        self._outputs[rows] = vectors[:, : self._outputs.shape[1]]
-        self._count(len(rows))
+        values = vectors[:, : self._outputs.shape[1]]
+        n = len(rows)
+        if n and bool((np.diff(rows) == 1).all()):  # consecutive (the usual step): a slice
+            self._outputs[int(rows[0]) : int(rows[0]) + n] = values
+        else:
+            self._outputs[rows] = values
+        for fn in self._results:
+            fn(rows, values)
+        self._count(n)
 
     def put_tokens(self, rows: np.ndarray, values: list[np.ndarray]) -> None:
         width = self.params.dimensions
+        if width:
+            values = [value[:, :width] for value in values]
         for row, value in zip(rows.tolist(), values, strict=True):
-            self._outputs[row] = value[:, :width] if width else value
+            self._outputs[row] = value
+        for fn in self._results:
+            fn(rows, values)
         self._count(len(rows))
 
     def fail(self, exc: BaseException) -> None:

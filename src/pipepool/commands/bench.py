@@ -22,14 +22,16 @@ from ..bench import (
     gpu_busy_fraction,
     make_texts,
     make_workload,
+    median_run,
     run_engine,
     run_engine_text,
     run_peer,
     run_sentence_transformers,
     vocabulary_words,
+    warm_up,
     write_json,
 )
-from ..deployment import step_tokens
+from ..deployment import plan_deployment
 from ..engine import Engine
 from .common import add_engine_args, engine_config
 
@@ -105,7 +107,7 @@ def _write_trace(engine: Engine, since_ns: int, until_ns: int) -> dict | None:
 def bench_one(config, workload_name: str, args) -> dict:
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
-        budget = step_tokens(config, cuda=config.device != "cpu" and torch.cuda.is_available())
+        budget = plan_deployment(config).max_num_batched_tokens
         config = config.replace(kv_cache_tokens=4 * budget + longest)
     started = time.perf_counter()
     engine = Engine.from_config(config)
@@ -116,20 +118,21 @@ def bench_one(config, workload_name: str, args) -> dict:
     )
     lengths = [len(t) for t in workload.token_ids]
     pooling = d.pooling
-    # Warm-up: one pass of the workload (compilation, CUDA graphs of every step size the run
-    # will see, allocator): the figure is the steady state a server runs in.
-    engine.pool(workload.token_ids, pooling=pooling)
+    # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
+    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling))
     busy_start = engine.stage_busy_s()
-    since = time.monotonic_ns()  # the trace's clock
-    ours = run_engine(engine, workload, pooling)
+    timed_start = time.perf_counter()
+    since = time.monotonic_ns()  # the trace's clock: the timeline of the timed passes
+    ours = median_run(partial(run_engine, engine, workload, pooling))
     until = time.monotonic_ns()
+    timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     trace = _write_trace(engine, since, until)
     gpu_busy = None
-    if args.gpu_busy:
+    if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
         gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
     ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
-    if args.profile:
+    if args.profile and config.data_parallel_size == 1:
         profile(engine, workload, pooling)
     texts = None
     ours_text = None
@@ -137,10 +140,15 @@ def bench_one(config, workload_name: str, args) -> dict:
         # Random ids can decode to nothing (all special tokens): keep every request non-empty.
         texts = [engine.inputs.tokenizer.decode(t) or "empty" for t in workload.token_ids]
         ours_text = run_engine_text(engine, texts, pooling)
-    weights_gib = _weights_gib(engine)
+    # Memory figures are the driver's own: replicas (--dp) hold theirs in other processes.
+    replicas = config.data_parallel_size
+    local = replicas == 1
+    weights_gib = _weights_gib(engine) if local else 0.0
     # Per GPU, as the driver sees it (other stages live in other processes): memory in use.
-    used_gib = [round(_device_used_gib(dev), 2) for dev in d.devices if dev.startswith("cuda")]
-    kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30
+    used_gib = [
+        round(_device_used_gib(dev), 2) for dev in d.devices if local and dev.startswith("cuda")
+    ]
+    kv_gib = d.kv_cache_tokens * _kv_bytes_per_token(engine) / 2**30 if local else 0.0
     stats = engine.stats
     engine.close()
     del engine
@@ -158,7 +166,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_tflops": round(total_flops / ours.seconds / 1e12, 1),
         # of the peak of every GPU the pipeline uses
         "engine_fraction_of_peak": round(
-            total_flops / ours.seconds / 1e12 / (args.peak_tflops * d.num_stages), 3
+            total_flops / ours.seconds / 1e12 / (args.peak_tflops * d.num_stages * replicas), 3
         ),
         "engine_peak_memory_gib": round(ours.peak_memory_gib, 2),
         "engine_weights_gib": round(weights_gib, 2),
@@ -168,8 +176,9 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_start_s": round(start_s, 2),
         "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
         "stages": d.num_stages,
+        "replicas": replicas,
         "gpu_used_gib_per_stage": used_gib,
-        "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
+        "stage_idle_fraction": [round(max(0.0, 1 - b / timed_s), 3) for b in busy],
         "trace": trace,
     }
     if ours_text is not None:
@@ -213,9 +222,9 @@ def bench_text(config, workload_name: str, args) -> dict:
     start_s = time.perf_counter() - started
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
-    engine.embed(texts)  # warm-up pass (see bench_one)
+    warm_up(partial(engine.embed, texts))  # (see bench_one)
     since = time.monotonic_ns()
-    ours = run_engine_text(engine, texts, d.pooling)
+    ours = median_run(partial(run_engine_text, engine, texts, d.pooling))
     trace = _write_trace(engine, since, time.monotonic_ns())
     gpu_busy = None
     if args.gpu_busy:

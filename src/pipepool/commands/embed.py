@@ -186,13 +186,19 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"embedded {len(inputs.items)} inputs ({stats.prompt_tokens_finished} tokens) -> "
             f"{vectors.shape[1]}-dim vectors with {Path(engine.model_path).name} "
-            f"[{d.num_stages} stage(s), {d.devices[0]}, {str(d.dtype).removeprefix('torch.')}]\n"
+            f"[{_replicas(engine)}{d.num_stages} stage(s), {d.devices[0]}, "
+            f"{str(d.dtype).removeprefix('torch.')}]\n"
             f"  load {loaded - started:.2f}s, embed {done - loaded:.2f}s "
             f"({stats.prompt_tokens_finished / max(done - loaded, 1e-9):,.0f} tokens/s), "
             f"{stats.steps} steps, {stats.chunked_requests} chunked prompts",
             file=sys.stderr,
         )
     return 0
+
+
+def _replicas(engine) -> str:
+    n = engine.config.data_parallel_size
+    return f"{n} replicas x " if n > 1 else ""
 
 
 def _located(exc: InvalidInputError, inputs: Inputs) -> InvalidInputError:

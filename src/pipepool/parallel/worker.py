@@ -56,7 +56,16 @@ def stage_spec_for_rank(deployment: Deployment, rank: int, local_rank: int | Non
 def limit_cpu_threads(deployment: Deployment, spec: StageSpec) -> None:
     """Stages sharing one CPU split its cores instead of oversubscribing them."""
     if spec.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // deployment.num_stages))
+        cores = deployment.config.cpu_threads or usable_cpus()
+        torch.set_num_threads(max(1, cores // deployment.num_stages))
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its affinity (``taskset``, a container's cpuset), else
+    every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def bind_device(spec: StageSpec) -> None:

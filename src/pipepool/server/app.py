@@ -260,14 +260,19 @@ async def models(request: Request) -> dict:
 async def health(request: Request) -> JSONResponse:
     """200 ``ok`` once the model is loaded and every stage is alive. 503 otherwise: ``loading``,
     ``degraded`` (a stage died and the pipeline is being restarted: requests wait, and are
-    answered once it is back), ``dead`` or ``failed`` (the server is about to exit non-zero),
-    ``closed`` (shutting down)."""
+    answered once it is back; with replicas, a replica is restarting and the others take its
+    work), ``dead`` or ``failed`` (the server is about to exit non-zero), ``closed`` (shutting
+    down). With replicas (``--dp``) the body also lists each one's state."""
     owner = _state(request).front.owner
-    if owner.engine is None:
+    engine = owner.engine
+    if engine is None:
         status = "failed" if owner.error is not None else "loading"
     else:
-        status = owner.engine.health
-    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+        status = engine.health
+    body = {"status": status}
+    if engine is not None and hasattr(engine, "replica_status"):
+        body["replicas"] = [r.state for r in engine.replica_status()]
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -210,7 +210,11 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
     free = engine.kv_blocks_free
     if free is not None:  # encoders keep no KV cache
         out.gauge("pipepool_kv_blocks_free", "KV-cache blocks free", free)
-        out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.deployment.num_kv_blocks)
+        out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.kv_blocks_total)
+    if hasattr(engine, "replica_status"):  # data_parallel_size > 1
+        from .replica_metrics import replica_metrics
+
+        replica_metrics(out, engine.replica_status())
 
 
 class _Text:

@@ -1,0 +1,250 @@
+"""Served throughput of ``pipepool serve`` with data-parallel replicas against one replica, same
+workload, same machine, same run (issue 14).
+
+    python benchmarks/dp_server.py --model /tmp/pipepool-bench/0.6b-shape --workload W1 \
+        --variant 'dp1||' --variant 'dp2||--dp 2'
+
+Each ``--variant NAME|ENV|FLAGS`` starts a server (``ENV``: space-separated VAR=value for the
+server process, e.g. ``CUDA_VISIBLE_DEVICES=0``; ``FLAGS``: extra ``pipepool serve`` flags),
+sends one warm-up pass of the workload (compilation, CUDA graphs of every step size), then
+``--passes`` timed passes from ``--clients`` client processes with ``--concurrency`` requests in
+flight over all of them (token-id inputs, base64 responses, bodies built before timing), and
+stops it. Prints tokens/s per variant, its ratio to the first variant, the front end's CPU use
+(1.0 = one core busy all the time: the front end is the limit), how the replicas shared the
+tokens, and the worst cosine of the sampled vectors against the first variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+SAMPLE_REQUESTS = 4  # responses per pass kept to compare variants
+
+
+@dataclass
+class Outcome:
+    name: str
+    tokens_per_s: float
+    seconds: float
+    failed: int
+    front_cpu: float  # cores the server's front-end process used during the timed passes
+    replica_tokens: dict[str, float]
+    samples: np.ndarray  # vectors of the first SAMPLE_REQUESTS requests
+
+
+def build_bodies(model: Path, workload: str, per_request: int, limit: int | None) -> list[bytes]:
+    from pipepool.bench import make_workload
+
+    hf = json.loads((model / "config.json").read_text())
+    max_len = 512 if hf.get("model_type") == "bert" else hf["max_position_embeddings"]
+    ids = make_workload(workload, hf["vocab_size"], max_len=max_len, requests=limit).token_ids
+    bodies = []
+    for lo in range(0, len(ids), per_request):
+        chunk = [t.tolist() for t in ids[lo : lo + per_request]]
+        bodies.append(json.dumps({"input": chunk, "encoding_format": "base64"}).encode())
+    return bodies
+
+
+# -- client processes ------------------------------------------------------------------------
+
+
+def _client_main(url, bodies, indices, concurrency, go, out) -> None:
+    out.put(asyncio.run(_drive(url, bodies, indices, concurrency, go)))
+
+
+async def _drive(url, bodies, indices, concurrency, go) -> tuple[int, int, dict]:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in indices:
+        queue.put_nowait(i)
+    tokens = failed = 0
+    samples: dict[int, list] = {}
+    headers = {"content-type": "application/json"}
+
+    async def one(http: httpx.AsyncClient) -> None:
+        nonlocal tokens, failed
+        while not queue.empty():
+            i = queue.get_nowait()
+            try:
+                r = await http.post(url + "/v1/embeddings", content=bodies[i], headers=headers)
+            except httpx.HTTPError as exc:  # counted, never a hung benchmark
+                print(f"request {i}: {exc!r}", flush=True)
+                failed += 1
+                continue
+            if r.status_code != 200:
+                failed += 1
+                continue
+            data = r.json()
+            tokens += data["usage"]["prompt_tokens"]
+            if i < SAMPLE_REQUESTS:
+                samples[i] = [d["embedding"] for d in data["data"]]
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        await asyncio.gather(*(one(http) for _ in range(concurrency)))
+    return tokens, failed, samples
+
+
+def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int):
+    """All bodies once, from ``clients`` processes; (seconds, tokens, failed, samples)."""
+    ctx = mp.get_context("fork")  # the bodies reach the clients without a copy through pipes
+    go, out = ctx.Event(), ctx.Queue()
+    per = max(1, concurrency // clients)
+    procs = [
+        ctx.Process(
+            target=_client_main,
+            args=(url, bodies, range(k, len(bodies), clients), per, go, out),
+        )
+        for k in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # the clients import and connect before the clock starts
+    start = time.perf_counter()
+    go.set()
+    tokens = failed = 0
+    samples: dict[int, list] = {}
+    for _ in procs:
+        t, f, s = out.get(timeout=900)
+        tokens, failed = tokens + t, failed + f
+        samples.update(s)
+    seconds = time.perf_counter() - start
+    for p in procs:
+        p.join()
+    return seconds, tokens, failed, samples
+
+
+# -- a server --------------------------------------------------------------------------------
+
+
+def start_server(model: Path, flags: list[str], env_extra: dict[str, str]):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pipepool", "serve", "--model", str(model), "--port", str(port)]
+    cmd += ["--no-access-log", "--allow-token-ids", "--log-level", "info", *flags]
+    print("$", " ".join(f"{k}={v}" for k, v in env_extra.items()), " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env_extra})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready in 300 s")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replica_tokens(url: str) -> dict[str, float]:
+    found = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pipepool_replica_prompt_tokens_finished_total{"):
+            key, value = line.rsplit(" ", 1)
+            found[key.split('"')[1]] = float(value)
+    return found
+
+
+def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
+    proc, url = start_server(model, flags, env_extra)
+    try:
+        t0 = time.perf_counter()
+        run_pass(url, bodies, args.clients, args.concurrency)
+        print(f"[{name}] warm-up pass {time.perf_counter() - t0:.1f}s", flush=True)
+        before_tokens = replica_tokens(url)
+        cpu0 = cpu_seconds(proc.pid)
+        seconds = tokens = failed = 0
+        samples = {}
+        for _ in range(args.passes):
+            s, t, f, samples = run_pass(url, bodies, args.clients, args.concurrency)
+            seconds, tokens, failed = seconds + s, tokens + t, failed + f
+        front_cpu = (cpu_seconds(proc.pid) - cpu0) / seconds
+        after = replica_tokens(url)
+        shares = {k: after[k] - before_tokens.get(k, 0.0) for k in after}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    vectors = np.stack(
+        [_decode(e) for i in sorted(samples) for e in samples[i]]
+    ) if samples else np.zeros((0, 1), np.float32)  # fmt: skip
+    out = Outcome(name, tokens / seconds, seconds, failed, front_cpu, shares, vectors)
+    print(
+        f"[{name}] {out.tokens_per_s:,.0f} tok/s over {seconds:.1f}s, {failed} failed, front end "
+        f"{front_cpu:.2f} cores, replica tokens {shares}",
+        flush=True,
+    )
+    return out
+
+
+def _decode(embedding: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+
+
+def _worst_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape or not len(a):
+        return float("nan")
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--workload", default="W1", help="a token-id workload of pipepool.bench")
+    p.add_argument("--requests", type=int, help="only the first N inputs of the workload")
+    p.add_argument("--inputs-per-request", type=int, default=4)
+    p.add_argument("--passes", type=int, default=2, help="timed passes over the workload")
+    p.add_argument("--clients", type=int, default=8, help="client processes")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight, in all")
+    p.add_argument("--flags", default="", help="serve flags for every variant")
+    p.add_argument(
+        "--variant", action="append", required=True, help="NAME|ENV|FLAGS (first: the baseline)"
+    )
+    args = p.parse_args()
+    bodies = build_bodies(args.model, args.workload, args.inputs_per_request, args.requests)
+    per = args.inputs_per_request
+    print(f"{args.workload}: {len(bodies)} requests of {per} inputs", flush=True)
+    outcomes = []
+    for spec in args.variant:
+        name, env_text, flags = spec.split("|")
+        env_extra = dict(kv.split("=", 1) for kv in env_text.split())
+        flags = args.flags.split() + flags.split()
+        outcomes.append(run_variant(name, args.model, flags, env_extra, bodies, args))
+    base = outcomes[0]
+    print(f"\n{args.model.name} {args.workload} through the server ({args.concurrency} in flight)")
+    print(f"{'variant':10}{'tok/s':>14}{'ratio':>8}{'failed':>8}{'front CPU':>11}  cos vs base")
+    for o in outcomes:
+        cos = _worst_cosine(o.samples, base.samples)
+        print(
+            f"{o.name:10}{o.tokens_per_s:14,.0f}{o.tokens_per_s / base.tokens_per_s:8.2f}"
+            f"{o.failed:8d}{o.front_cpu:11.2f}  {cos:.5f}"
+        )
+    return 0 if all(o.failed == 0 for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""A replica process: one ordinary ``Engine`` serving token batches from the front end.
+
+``python -m pipepool.replicas.worker FD``: FD is this end of a socket pair the front end made.
+The main thread reads frames and enqueues their batches; the engine's loop thread writes each
+step's finished rows into an outbox; one sender thread ships the outbox, with a snapshot of the
+engine's counters, as one frame — at once when there are results, else every
+``STATUS_INTERVAL_S`` and whenever the engine's health changes (a stage died and is being
+restarted: the front end moves this replica's work elsewhere meanwhile).
+
+The replica dies with the front end (its parent) and leaves its own stages no way to outlive
+it (they watch their parent the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+
+from ..engine import Engine
+from ..parallel.worker import _die_with_parent
+from ..submission import Submission
+from .messages import (
+    Abort,
+    Ready,
+    Report,
+    Result,
+    Snapshot,
+    Start,
+    StartFailed,
+    Stop,
+    Work,
+    receive,
+    send,
+)
+
+STATUS_INTERVAL_S = 0.5
+_HEALTH_POLL_S = 0.05  # how soon a health change (a stage died) reaches the front end
+
+
+class ReplicaServer:
+    def __init__(self, engine: Engine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self._submissions: dict[int, Submission] = {}  # batch first id -> its call
+        self._outbox: deque[Result] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._sender = threading.Thread(target=self._send_loop, name="replica-sender", daemon=True)
+
+    def run(self) -> int:
+        """Serve until the front end says stop or goes away; returns the exit code."""
+        self._sender.start()
+        self.engine.add_death_callback(lambda _cause: self._wake_sender())
+        code = 0
+        try:
+            while True:
+                for message in receive(self.conn):
+                    if isinstance(message, Work):
+                        self._work(message)
+                    elif isinstance(message, Abort):
+                        self._abort(message.first_ids)
+                    elif isinstance(message, Stop):
+                        return 0
+        except (EOFError, OSError):
+            code = 1  # the front end is gone: nobody to answer
+        finally:
+            self.engine.close()
+            with self._wake:
+                self._stop = True
+                self._wake.notify()
+            self._sender.join(timeout=5)
+        return code
+
+    def _work(self, work: Work) -> None:
+        first_id = work.first_id
+        try:
+            submission = self.engine.submit_tokens(
+                work.token_ids, work.lengths, work.params, work.type_ids
+            )
+        except Exception:
+            return  # the engine is dead: the next snapshot says so, the front end re-runs it
+        self._submissions[first_id] = submission
+
+        def forward(rows, values) -> None:
+            with self._wake:
+                self._outbox.append(Result(first_id, rows, values))
+                self._wake.notify()
+
+        submission.add_result_callback(forward)
+        submission.add_done_callback(lambda _f: self._submissions.pop(first_id, None))
+
+    def _abort(self, first_ids: tuple[int, ...]) -> None:
+        for first_id in first_ids:
+            submission = self._submissions.pop(first_id, None)
+            if submission is not None:
+                submission.cancel()
+
+    def _wake_sender(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _send_loop(self) -> None:
+        last_health, waited = None, 0.0
+        while True:
+            with self._wake:
+                if not self._outbox and not self._stop:
+                    self._wake.wait(_HEALTH_POLL_S)
+                results, self._outbox = list(self._outbox), deque()
+                stopping = self._stop
+            health = self.engine.health
+            waited += _HEALTH_POLL_S if not results else 0.0
+            if results or health != last_health or waited >= STATUS_INTERVAL_S or stopping:
+                waited, last_health = 0.0, health
+                try:
+                    send(self.conn, [Report(results, snapshot(self.engine))])
+                except OSError:
+                    return
+            if stopping or health == "dead":
+                if health == "dead" and not stopping:
+                    # Nothing more can be computed here: exit, so the front end re-runs this
+                    # replica's work elsewhere and starts it afresh.
+                    os._exit(1)
+                return
+
+
+def snapshot(engine: Engine) -> Snapshot:
+    s = engine.stats
+    dead = engine._dead
+    return Snapshot(
+        health=engine.health,
+        requests_finished=s.requests_finished,
+        prompt_tokens_finished=s.prompt_tokens_finished,
+        steps=s.steps,
+        scheduled_tokens=s.scheduled_tokens,
+        chunked_requests=s.chunked_requests,
+        queue_waiting=s.queue_waiting,
+        requests_running=s.requests_running,
+        pipeline_restarts=s.pipeline_restarts,
+        requests_retried=s.requests_retried,
+        step_time_sum=s.step_time_sum,
+        step_time_count=s.step_time_count,
+        step_time_buckets=tuple(s.step_time_buckets),
+        stage_busy_s=tuple(s.stage_busy_s),
+        errors=dict(s.errors),
+        kv_blocks_free=engine.kv_blocks_free,
+        cause=None if dead is None else str(dead),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    _die_with_parent()
+    # The front end owns shutdown (Ctrl-C, SIGTERM to the process group): it stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    conn = Connection(fd)
+    (start,) = receive(conn)
+    assert isinstance(start, Start)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s replica {start.index}: %(message)s"
+    )
+    if start.config.cpu_threads is not None:
+        import torch
+
+        # Our share of the host's cores (a pipeline of stage processes splits it further).
+        torch.set_num_threads(start.config.cpu_threads)
+    try:
+        engine = Engine.from_config(start.config)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            send(conn, [StartFailed(_picklable(exc))])
+        os._exit(1)
+    send(conn, [Ready(engine.deployment, os.getpid())])
+    code = ReplicaServer(engine, conn).run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    # Through the package module, so what we pickle names classes the front end can import.
+    from pipepool.replicas import worker
+
+    worker.main()

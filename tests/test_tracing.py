@@ -193,10 +193,11 @@ def test_chrome_events_keep_the_newest_within_a_window():
     assert events[0]["ts"] == 0 and events[1]["ts"] == 1.0 and events[0]["dur"] == 0.5
 
 
-def test_bench_trace_covers_the_timed_pass_and_lands_in_the_json(qwen3_path, tmp_path):
+def test_bench_trace_covers_the_timed_passes_and_lands_in_the_json(qwen3_path, tmp_path):
     path, out = tmp_path / "bench.json", tmp_path / "rows.json"
     args = ["bench", "--model", str(qwen3_path), "--workload", "W1", "--requests", "6",
             "--no-peer", "--max-num-batched-tokens", "512", "--trace", str(path),
+            "--warm-up-passes", "1", "--passes", "2",
             "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     row = json.loads(out.read_text())[0]
@@ -205,9 +206,10 @@ def test_bench_trace_covers_the_timed_pass_and_lands_in_the_json(qwen3_path, tmp
     for s in stages:
         total = s["busy"] + s["wait_input"] + s["wait_send"] + s["host"] + s["fill"] + s["drain"]
         assert total == pytest.approx(1.0, abs=1e-3)
-    # Only the timed pass: its steps, not the warm-up's.
+    # Only the two timed passes (--passes 2): not the warm-up's steps.
     _, _, spans = _load(path)
-    assert sum(e["args"]["tokens"] for e in spans if e["name"] == "schedule") == row["tokens"]
+    scheduled = sum(e["args"]["tokens"] for e in spans if e["name"] == "schedule")
+    assert scheduled == 2 * row["tokens"]
 
 
 class _FakeCuda:

@@ -68,6 +68,17 @@ def add_parser(sub, help: str) -> None:
         help="measure the share of wall time the GPU executes (torch.profiler, a second pass)",
     )
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
+    # A long workload on a large model (8B W1: ~25 s a pass) needs neither several warm-up
+    # passes nor a median to be steady, and a GPU session's minutes are counted.
+    p.add_argument(
+        "--passes", type=int, default=3, help="timed passes (the figure is their median)"
+    )
+    p.add_argument(
+        "--warm-up-passes",
+        type=int,
+        default=6,
+        help="at most this many warm-up passes (they stop once a pass takes as long as the last)",
+    )
     add_engine_args(p)
 
 
@@ -95,12 +106,12 @@ def _trace_per_workload(config, workload: str, count: int):
 
 
 def _write_trace(engine: Engine, since_ns: int, until_ns: int) -> dict | None:
-    """The timed pass's timeline: written to the trace file, summary printed, and its
+    """The timed passes' timeline: written to the trace file, summary printed, and its
     figures for the row (None without tracing)."""
     if not engine.config.trace:
         return None
     summary = engine.write_trace(since_ns=since_ns, until_ns=until_ns)
-    print(f"{summary.text()}\ntrace of the timed pass written to {engine.config.trace}")
+    print(f"{summary.text()}\ntrace of the timed passes written to {engine.config.trace}")
     return summary.as_dict()
 
 
@@ -119,11 +130,11 @@ def bench_one(config, workload_name: str, args) -> dict:
     lengths = [len(t) for t in workload.token_ids]
     pooling = d.pooling
     # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
-    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling))
+    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling), args.warm_up_passes)
     busy_start = engine.stage_busy_s()
     timed_start = time.perf_counter()
     since = time.monotonic_ns()  # the trace's clock: the timeline of the timed passes
-    ours = median_run(partial(run_engine, engine, workload, pooling))
+    ours = median_run(partial(run_engine, engine, workload, pooling), args.passes)
     until = time.monotonic_ns()
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
@@ -222,9 +233,9 @@ def bench_text(config, workload_name: str, args) -> dict:
     start_s = time.perf_counter() - started
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
-    warm_up(partial(engine.embed, texts))  # (see bench_one)
+    warm_up(partial(engine.embed, texts), args.warm_up_passes)  # (see bench_one)
     since = time.monotonic_ns()
-    ours = median_run(partial(run_engine_text, engine, texts, d.pooling))
+    ours = median_run(partial(run_engine_text, engine, texts, d.pooling), args.passes)
     trace = _write_trace(engine, since, time.monotonic_ns())
     gpu_busy = None
     if args.gpu_busy:

@@ -134,6 +134,15 @@ class EngineConfig:
     # so no device waits for the host between steps. None: on for CUDA. Off on CPU, where
     # a step computes synchronously and running ahead would only hold results back.
     overlap_steps: bool | None = option(None, "", cli=False)
+    # The step timeline (issue 12): a Chrome trace-event file with one track per process
+    # (driver, each stage), written when the engine closes or on ``Engine.write_trace``, and a
+    # summary of where each stage's time went. Off (None), no step records anything.
+    trace: str | None = option(
+        None,
+        "write a timeline of every step to FILE.json (Chrome trace events: open it in "
+        "ui.perfetto.dev or chrome://tracing) and print where each stage's time went",
+        metavar="FILE.json",
+    )
     inject_fault: str | None = option(None, "", cli=False)  # test-only; one of FAULTS
     fault_stage: int = option(0, "", cli=False)  # the stage that "raise_on_stage" makes fail
     fault_step: int = option(0, "", cli=False)  # the step at which "raise_on_stage" fires
@@ -175,6 +184,13 @@ class EngineConfig:
                 f"replicas_per_gpu={self.replicas_per_gpu} is more than the "
                 f"data_parallel_size={self.data_parallel_size} replicas there are (--dp)",
                 param="replicas_per_gpu",
+            )
+        if self.trace and self.data_parallel_size > 1:
+            # Each replica is an engine of its own in its own process: one timeline per
+            # pipeline is what the trace shows; trace one replica (--dp 1) for now.
+            raise InvalidInputError(
+                "trace follows one pipeline: use it with data_parallel_size 1 (--dp 1)",
+                param="trace",
             )
         if not 0.0 < self.gpu_memory_share <= 1.0:
             raise InvalidInputError("gpu_memory_share must be in (0, 1]", param="gpu_memory_share")

@@ -19,6 +19,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,6 +48,11 @@ from .parallel.launch import start_executor
 from .scoring import ScoringMethods, refuse_embedding
 from .signal_mask import block_stop_signals
 from .submission import Submission
+from .tracing.driver import DriverTrace
+from .tracing.recorder import now
+
+if TYPE_CHECKING:
+    from .tracing import TraceSummary
 
 log = logging.getLogger("pipepool")
 
@@ -83,6 +90,11 @@ class Engine(ScoringMethods):
         self.inputs = InputPreparer(d)
         self.stats = EngineStats(d.num_stages)
         self._scheduler = self._new_scheduler()
+        # The step timeline (config.trace): None when off. Requests for the stages' spans wait
+        # in _trace_wanted until no plan is in flight.
+        self._trace = DriverTrace() if config.trace else None
+        self._trace_wanted: list[Future] = []
+        self._trace_written = False
         self._executor: Executor = start_executor(d)  # last: it starts processes
         self._restarts = RestartPolicy(config.stage_restarts)
         self._next_id = 0
@@ -343,10 +355,44 @@ class Engine(ScoringMethods):
         if dead is not None:
             fn(dead)
 
+    def write_trace(
+        self,
+        path: str | None = None,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        timeout: float | None = 300.0,
+    ) -> TraceSummary:
+        """Write the step timeline so far to ``path`` (default: ``config.trace``) as Chrome
+        trace events and return where each stage's time went. ``since_ns`` / ``until_ns``
+        (``time.monotonic_ns()`` of this process) keep only that window. Waits for the plans
+        in flight to finish; new plans wait meanwhile. Tracing must be on (``trace=``)."""
+        from .tracing import summarize
+        from .tracing.chrome import write_chrome_trace
+
+        if self._trace is None:
+            raise InvalidInputError("tracing is off: start the engine with trace=FILE.json")
+        wanted: Future = Future()
+        with self._wake:
+            self._raise_if_dead()
+            self._inbox.append(("trace", wanted))
+            self._wake.notify()
+        traces = wanted.result(timeout=timeout)
+        write_chrome_trace(path or self.config.trace, traces, since_ns, until_ns)
+        self._trace_written = True
+        return summarize(traces, since_ns, until_ns)
+
     def close(self) -> None:
         """Stop the loop and every stage process now; pending calls fail with EngineDeadError.
         Stage processes are killed rather than asked to finish the steps in flight: nothing
-        they would still compute is wanted."""
+        they would still compute is wanted. With tracing on and no trace written yet, the
+        steps in flight finish first and the trace is written (its summary logged)."""
+        if getattr(self, "_trace", None) is not None and not self._trace_written and self.is_alive:
+            try:
+                summary = self.write_trace(timeout=60)
+                log.info("%s\ntrace written to %s", summary.text(), self.config.trace)
+            except Exception as exc:  # the trace must not keep the engine from closing
+                log.warning("could not write the trace: %r", exc)
         with self._wake:
             if self._closed:
                 return
@@ -425,6 +471,7 @@ class Engine(ScoringMethods):
                     or inflight
                     or scheduler.has_schedulable()
                     or executor.failure is not None
+                    or self._trace_wanted
                 ):
                     self._wake.wait()
                 if self._stop:
@@ -432,20 +479,38 @@ class Engine(ScoringMethods):
                 inbox, self._inbox = self._inbox, deque()
             executor.check_alive()
             self._apply_inbox(inbox)
-            while len(inflight) < executor.depth:
+            tr = self._trace  # None unless tracing: then nothing below records anything
+            # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
+            gathering = tr is not None and bool(self._trace_wanted)
+            while len(inflight) < executor.depth and not gathering:
+                t0 = now() if tr is not None else 0
                 plan = scheduler.schedule()
                 if plan is None:
                     break
                 submitted = time.perf_counter()
+                if tr is not None:
+                    tr.submitted(t0)
+                    t0 = tr.span("schedule", t0, plan)
                 executor.submit(plan)
+                if tr is not None:
+                    tr.span("submit", t0, plan)
                 inflight.append((plan, submitted))
                 self.stats.on_plan(plan)
             if inflight:
+                t0 = now() if tr is not None else 0
                 result = executor.collect()
                 plan, submitted = inflight.popleft()
+                if tr is not None:
+                    t0 = tr.span("wait result", t0, plan)
                 ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
                 self.stats.on_result(plan, result, time.perf_counter() - submitted)
                 self._deliver(result, ledger)
+                if tr is not None:
+                    end = tr.span("deliver", t0, plan)
+                    if not inflight and not scheduler.has_schedulable():
+                        tr.drained(end)  # the pipeline ran dry: a busy period ends
+            elif gathering:
+                self._answer_trace()
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
@@ -519,10 +584,25 @@ class Engine(ScoringMethods):
         with self._wake:
             self._wake.notify()
 
+    def _answer_trace(self) -> None:
+        """Every process's spans for the callers of ``write_trace`` (no plan is in flight)."""
+        wanted, self._trace_wanted = self._trace_wanted, []
+        try:
+            traces = [self._trace.export(), *self._executor.gather_trace()]
+        except BaseException as exc:
+            for future in wanted:
+                future.set_exception(exc)
+            raise
+        for future in wanted:
+            future.set_result(traces)
+
     def _apply_inbox(self, inbox: deque) -> None:
         for kind, payload in inbox:
             if kind == "add":
                 self._scheduler.add(payload)
+                continue
+            if kind == "trace":
+                self._trace_wanted.append(payload)
                 continue
             for batch in payload.batches:  # a cancelled call: every batch of it
                 owner = self._owners.pop(batch.first_id)
@@ -556,8 +636,13 @@ class Engine(ScoringMethods):
             exc = EngineDeadError(f"engine stopped: {exc!r}")
         with self._wake:
             owners = self._owners.take_all()
+            wanted, self._trace_wanted = self._trace_wanted, []
+            wanted += [payload for kind, payload in self._inbox if kind == "trace"]
         for owner in owners:
             owner.submission.fail(exc)
+        for future in wanted:
+            if not future.done():
+                future.set_exception(exc)
 
     def _raise_if_dead(self) -> None:
         if self._dead is None and self._executor.failure is not None and not self._may_heal():

@@ -68,6 +68,17 @@ def add_parser(sub, help: str) -> None:
         help="measure the share of wall time the GPU executes (torch.profiler, a second pass)",
     )
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
+    # A long workload on a large model (8B W1: ~25 s a pass) needs neither several warm-up
+    # passes nor a median to be steady, and a GPU session's minutes are counted.
+    p.add_argument(
+        "--passes", type=int, default=3, help="timed passes (the figure is their median)"
+    )
+    p.add_argument(
+        "--warm-up-passes",
+        type=int,
+        default=6,
+        help="at most this many warm-up passes (they stop once a pass takes as long as the last)",
+    )
     add_engine_args(p)
 
 
@@ -76,13 +87,32 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype is None and torch.cuda.is_available():
         config = config.replace(dtype="bfloat16")
     rows = []
-    for name in (n.strip() for n in args.workload.split(",")):
+    names = [n.strip() for n in args.workload.split(",")]
+    for name in names:
         run_one = bench_text if name in TEXT_WORKLOADS else bench_one
-        rows.append(run_one(config, name, args))
+        rows.append(run_one(_trace_per_workload(config, name, len(names)), name, args))
         print_table(rows)
     if args.json:
         write_json(rows, args.json)
     return 0
+
+
+def _trace_per_workload(config, workload: str, count: int):
+    """Several workloads, one trace file each (``t.json`` -> ``t-W1.json``, ...)."""
+    if not config.trace or count == 1:
+        return config
+    path = Path(config.trace)
+    return config.replace(trace=str(path.with_name(f"{path.stem}-{workload}{path.suffix}")))
+
+
+def _write_trace(engine: Engine, since_ns: int, until_ns: int) -> dict | None:
+    """The timed passes' timeline: written to the trace file, summary printed, and its
+    figures for the row (None without tracing)."""
+    if not engine.config.trace:
+        return None
+    summary = engine.write_trace(since_ns=since_ns, until_ns=until_ns)
+    print(f"{summary.text()}\ntrace of the timed passes written to {engine.config.trace}")
+    return summary.as_dict()
 
 
 def bench_one(config, workload_name: str, args) -> dict:
@@ -100,12 +130,15 @@ def bench_one(config, workload_name: str, args) -> dict:
     lengths = [len(t) for t in workload.token_ids]
     pooling = d.pooling
     # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
-    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling))
+    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling), args.warm_up_passes)
     busy_start = engine.stage_busy_s()
     timed_start = time.perf_counter()
-    ours = median_run(partial(run_engine, engine, workload, pooling))
+    since = time.monotonic_ns()  # the trace's clock: the timeline of the timed passes
+    ours = median_run(partial(run_engine, engine, workload, pooling), args.passes)
+    until = time.monotonic_ns()
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
+    trace = _write_trace(engine, since, until)
     gpu_busy = None
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
         gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
@@ -157,6 +190,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "replicas": replicas,
         "gpu_used_gib_per_stage": used_gib,
         "stage_idle_fraction": [round(max(0.0, 1 - b / timed_s), 3) for b in busy],
+        "trace": trace,
     }
     if ours_text is not None:
         row["engine_text_tokens_per_s"] = round(ours_text.tokens_per_s)
@@ -199,8 +233,10 @@ def bench_text(config, workload_name: str, args) -> dict:
     start_s = time.perf_counter() - started
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
-    warm_up(partial(engine.embed, texts))  # (see bench_one)
-    ours = median_run(partial(run_engine_text, engine, texts, d.pooling))
+    warm_up(partial(engine.embed, texts), args.warm_up_passes)  # (see bench_one)
+    since = time.monotonic_ns()
+    ours = median_run(partial(run_engine_text, engine, texts, d.pooling), args.passes)
+    trace = _write_trace(engine, since, time.monotonic_ns())
     gpu_busy = None
     if args.gpu_busy:
         gpu_busy = gpu_busy_fraction(partial(run_engine_text, engine, texts, d.pooling))
@@ -218,6 +254,7 @@ def bench_text(config, workload_name: str, args) -> dict:
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_start_s": round(start_s, 2),
         "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
+        "trace": trace,
     }
     if not args.no_peer:
         sizes = [int(b) for b in args.st_batch_sizes.split(",")]

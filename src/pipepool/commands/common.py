@@ -48,6 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             kwargs["type"] = int
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
         g.add_argument(*flags, default=env(name), **kwargs)
 
 

@@ -177,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         follow(submission, disable=args.no_progress or len(inputs.items) < _PROGRESS_MIN_INPUTS)
         vectors = submission.result()
         done = time.perf_counter()
+        if engine.config.trace:
+            summary = engine.write_trace()
+            print(f"{summary.text()}\ntrace written to {engine.config.trace}", file=sys.stderr)
         stats = engine.stats
         _write(vectors, args.output, None if args.no_text else inputs.items)
         d = engine.deployment

@@ -86,7 +86,9 @@ def add_parser(sub, help: str) -> None:
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
     # Test-only: reproduce the historical bug to show that parity catches it.
     p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
-    add_engine_args(p, skip=("pipeline_parallel_size", "max_num_batched_tokens", "pooling"))
+    add_engine_args(
+        p, skip=("pipeline_parallel_size", "max_num_batched_tokens", "pooling", "trace")
+    )
 
 
 def run(args: argparse.Namespace) -> int:

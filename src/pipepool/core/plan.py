@@ -115,6 +115,10 @@ class StepPlan:
     def is_flush(self) -> bool:
         return self.step_id == _FLUSH
 
+    @property
+    def is_trace(self) -> bool:
+        return self.step_id == _TRACE
+
     def without_tokens(self) -> StepPlan:
         """The plan as stages after the first get it."""
         if not len(self.token_ids) and not len(self.token_type_ids):
@@ -133,7 +137,7 @@ def _all_distinct(ids: np.ndarray) -> bool:
 
 
 # Control plans: step ids below 0 carry no work.
-_SHUTDOWN, _FLUSH = -1, -2
+_SHUTDOWN, _FLUSH, _TRACE = -1, -2, -3
 
 
 def shutdown_plan() -> StepPlan:
@@ -145,6 +149,11 @@ def flush_plan() -> StepPlan:
     """The plan that tells a last stage holding a step's results back to send them now
     (the driver is about to wait for them and has no further plan to send)."""
     return _control_plan(_FLUSH)
+
+
+def trace_plan() -> StepPlan:
+    """The plan that asks a stage process for its trace spans (and a few clock pings first)."""
+    return _control_plan(_TRACE)
 
 
 def _control_plan(step_id: int) -> StepPlan:

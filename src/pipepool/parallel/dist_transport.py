@@ -25,6 +25,7 @@ from ..errors import StateDivergence
 
 # Message tags on the control group (gloo matches a receive by source and tag).
 TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 2, 3, 4, 5, 6
+TAG_CLOCK, TAG_TRACE_LEN, TAG_TRACE = 7, 8, 9  # tracing: clock pings, then the spans
 _DIGEST_HEADER = 1  # [step_id] before the per-request counts
 
 
@@ -79,12 +80,13 @@ class DistOutbound:
         self.groups, self.dst = groups, dst
         self._pending: list[_Pending] = []
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
+    def send_hidden(self, hidden: torch.Tensor):
+        """Send; returns the send's work handle, for a tracer to watch (waiting is ours)."""
         wait_all(self._pending)  # top of the step: last step's buffers are free again
         hidden = hidden.contiguous()
-        self._pending.append(
-            _Pending(self.groups.data.send([hidden], self.dst, TAG_HIDDEN), hidden)
-        )
+        work = self.groups.data.send([hidden], self.dst, TAG_HIDDEN)
+        self._pending.append(_Pending(work, hidden))
+        return work
 
     def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
         message = np.concatenate([[step_id], digest, np.round(np.asarray(busy) * 1e6)]).astype(
@@ -107,6 +109,7 @@ class _DistIncoming:
         if plan.num_reqs:
             self._hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
             self._hidden_work = groups.data.recv([self._hidden], src, TAG_HIDDEN)
+        self.receive_work = self._hidden_work  # for a tracer to watch; hidden() waits
         # [step_id, R counts, busy_us of stages 0..stage-1]
         self._digest = torch.empty(_DIGEST_HEADER + plan.num_reqs + stage, dtype=torch.int64)
         self._digest_work = groups.control.recv([self._digest], src, TAG_DIGEST)

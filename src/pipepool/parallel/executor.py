@@ -44,6 +44,11 @@ class Executor(ABC):
         """``listener()`` once a stage failure is recorded by a thread of the executor's own
         (so an idle engine hears of it)."""
 
+    def gather_trace(self) -> list:
+        """Every stage's trace spans (``tracing.ProcessTrace``), times on this process's clock;
+        called with no plan in flight. Empty when tracing is off."""
+        return []
+
     def abort(self) -> None:  # noqa: B027 - nothing to interrupt in one process
         """Stop now, from any thread: stages this process started are killed, so whatever
         waits on them fails at once. ``shutdown()`` still follows."""
@@ -75,6 +80,9 @@ class UniprocExecutor(Executor):
 
     def collect(self) -> StepResult:
         return self._outputs.popleft().result()
+
+    def gather_trace(self) -> list:
+        return [r.trace.export() for r in self.runners if r.trace is not None]
 
     def shutdown(self) -> None:
         self._outputs.clear()

@@ -45,8 +45,10 @@ from .dist_transport import (
 )
 from .executor import Executor
 from .rendezvous import engine_store, host_store, make_groups, torchrun_env, torchrun_store
+from .trace_link import gather_stage_trace
 from .worker import (
     ErrorReport,
+    bind_device,
     limit_cpu_threads,
     run_stage,
     stage_spec_for_rank,
@@ -88,6 +90,7 @@ class MultiprocExecutor(Executor):
         self._plan_sends: deque[list] = deque()
         spec = stage_spec_for_rank(deployment, 0, local_rank)
         try:
+            bind_device(spec)
             limit_cpu_threads(deployment, spec)
             self.runner = stage0 or StageRunner(deployment.config, deployment.folder, spec)
             self._wait_loaded(cancelled or (lambda: False))
@@ -177,6 +180,16 @@ class MultiprocExecutor(Executor):
             return result
         except RuntimeError as exc:
             raise self._cause(exc) from None
+
+    def gather_trace(self) -> list:
+        self.check_alive()
+        traces = [] if self.runner.trace is None else [self.runner.trace.export()]
+        try:
+            for rank in range(1, self.num_stages):
+                traces.append(gather_stage_trace(self.groups.control, rank))
+        except RuntimeError as exc:
+            raise self._cause(exc) from None
+        return traces
 
     def check_alive(self) -> None:
         if self._failure is not None:

@@ -19,6 +19,7 @@ from ..deployment import Deployment
 from ..memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
 from ..stage.runner import StageRunner, StageSpec
+from ..tracing.recorder import now
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -31,6 +32,7 @@ from .dist_transport import (
     wait_all,
 )
 from .rendezvous import Rendezvous, connect_store, engine_store, make_groups
+from .trace_link import answer_trace
 
 
 @dataclass
@@ -66,6 +68,15 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def bind_device(spec: StageSpec) -> None:
+    """Make the stage's GPU the current device before the stage is built: Triton launches a
+    kernel on the current device, not on its tensors' one, so the fused q/k-norm + RoPE
+    self-check at load time ran on GPU 0 with another GPU's tensors in every stage process
+    but the first (until ``make_groups`` set the device, after loading)."""
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+
+
 def worker_main(argv: list[str] | None = None) -> None:
     """Entry point of a stage process the driver started:
     ``python -m pipepool.parallel.worker RANK HOST PORT WORLD PREFIX``.
@@ -95,6 +106,7 @@ def run_stage(
     bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
     try:
         spec = stage_spec_for_rank(deployment, rank, local_rank)
+        bind_device(spec)
         limit_cpu_threads(deployment, spec)
         runner = StageRunner(deployment.config, deployment.folder, spec)
         store.set(f"loaded/{rank}", b"1")
@@ -104,16 +116,26 @@ def run_stage(
         )
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
         results = ResultSender(groups, hold_back=deployment.overlap_steps)
+        trace = runner.trace  # None unless tracing
         while True:
+            waiting = now() if trace is not None else 0
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
+            if trace is not None:
+                trace.waited_plan(waiting, plan)
             if plan.is_shutdown:
                 break
             if plan.is_flush:
                 results.flush()
                 continue
+            if plan.is_trace:
+                answer_trace(groups.control, trace and trace.export(), f"stage {rank}")
+                continue
             output = runner.execute(plan, inbound, outbound)
             if output is not None:
+                sending = now() if trace is not None else 0
                 results.send(output)
+                if trace is not None:
+                    trace.host("result", sending)
         results.close()
         if outbound is not None:
             outbound.flush()

@@ -29,6 +29,7 @@ from ..errors import StateDivergence
 from ..layers.attention import choose_kernel
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
+from ..tracing.stage import StageTrace, traced
 from ..weights import Checkpoint
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
@@ -132,6 +133,8 @@ class StageRunner:
         self.mirror = Mirror(spec.index)
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
+        # The step timeline (EngineConfig.trace); None when off, and then nothing is recorded.
+        self.trace = StageTrace(spec.index, spec.device) if config.trace else None
 
     def forget_requests(self) -> None:
         """Drop every request's state: the pipeline was restarted and its requests start over
@@ -148,7 +151,10 @@ class StageRunner:
     ) -> StageOutput | None:
         """Run one plan. Non-last stages send through ``outbound`` and return None; the last
         stage returns what goes back to the driver."""
-        spec = self.spec
+        spec, tr = self.spec, self.trace
+        if tr is not None:
+            tr.begin_step(plan)
+            inbound, outbound = traced(tr, inbound, outbound)
         self._maybe_fail(plan)
         view = self.mirror.view(plan)
         if self.config.verify_state:
@@ -159,7 +165,11 @@ class StageRunner:
         if plan.num_reqs:
             hidden, pooled = self._forward(plan, view, incoming)
             if not spec.is_last:
+                if tr is not None:
+                    tr.phase("send")
                 outbound.send_hidden(hidden)
+        if tr is not None:
+            tr.phase("post-step")
 
         digest = self._post_step(view)
         for rid in self.mirror.drop(plan, view):
@@ -171,10 +181,14 @@ class StageRunner:
             if incoming is not None:
                 check_digest(plan, incoming.digest(), stage=spec.index - 1)
             check_digest(plan, digest, stage=spec.index)
-        if not spec.is_last:
+        output = None
+        if spec.is_last:
+            output = StageOutput(plan.step_id, digest, tuple(busy), pooled)
+        else:
             outbound.send_digest(plan.step_id, digest, busy)
-            return None
-        return StageOutput(plan.step_id, digest, tuple(busy), pooled)
+        if tr is not None:
+            tr.phase(None)
+        return output
 
     def _maybe_fail(self, plan: StepPlan) -> None:
         """Test-only: make this stage raise at a chosen step (fault-handling tests)."""
@@ -214,16 +228,28 @@ class StageRunner:
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
         inputs.token_type_ids = uploaded[1]
+        tr = self.trace
+        if tr is not None and not spec.is_first:
+            tr.phase("receive")
         x = uploaded[0] if spec.is_first else incoming.hidden()
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
+        if tr is not None:
+            tr.phase("compute")  # on CUDA: queueing the kernels; on CPU: computing
+            mark = tr.begin_device()
         self.clock.start()
         with torch.inference_mode():
             hidden = self.forward(x, inputs, kv)
             pooled = PooledStep.empty()
+            if tr is not None:
+                tr.end_device(mark, "forward")
             if spec.is_last:
+                if tr is not None:
+                    mark = tr.begin_device()
                 pooled = self.pooler.pool(
                     hidden, prep, uploaded[2:], plan.req_ids, view, batch.cu_q
                 )
+                if tr is not None:
+                    tr.end_device(mark, "pool")
         self.clock.stop()
         return hidden, pooled
 

@@ -27,7 +27,8 @@ class Inbound(Protocol):
 
 
 class Outbound(Protocol):
-    def send_hidden(self, hidden: torch.Tensor) -> None: ...
+    # Returns the transfer's work handle where there is one (torch.distributed), else None.
+    def send_hidden(self, hidden: torch.Tensor) -> object | None: ...
 
     def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None: ...
 

@@ -108,10 +108,6 @@ class StepPlan:
         return len(self.req_ids)
 
     @property
-    def is_shutdown(self) -> bool:
-        return self.step_id == _SHUTDOWN
-
-    @property
     def is_flush(self) -> bool:
         return self.step_id == _FLUSH
 
@@ -125,13 +121,9 @@ class StepPlan:
         )  # fmt: skip
 
 
-# Control plans: step ids below 0 carry no work.
-_SHUTDOWN, _FLUSH = -1, -2
-
-
-def shutdown_plan() -> StepPlan:
-    """The plan that tells a stage process to exit its loop."""
-    return _control_plan(_SHUTDOWN)
+# Control plans: step ids below 0 carry no work. (Stages stop through the store's "stop"
+# key, not by a plan: a stage blocked on a send would never read one.)
+_FLUSH = -2
 
 
 def flush_plan() -> StepPlan:

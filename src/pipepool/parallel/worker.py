@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import datetime
 import os
 import pickle
 import signal
@@ -30,6 +30,7 @@ from .dist_transport import (
     send_object,
     wait_all,
 )
+from .handoff import receive
 from .rendezvous import Rendezvous, connect_store, engine_store, make_groups
 
 
@@ -44,10 +45,12 @@ class ErrorReport:
     secondary: bool
 
 
-def stage_spec_for_rank(deployment: Deployment, rank: int, local_rank: int | None) -> StageSpec:
-    spec = deployment.stage_spec(rank)
-    if local_rank is not None and spec.device.type == "cuda":  # torchrun: one GPU per local rank
-        spec = dataclasses.replace(spec, device=torch.device("cuda", local_rank))
+def place_stage(deployment: Deployment, rank: int, local_rank: int | None) -> StageSpec:
+    """This process's stage, on its device: ``set_device`` comes before any other CUDA work
+    (loading weights, kernel self-checks), so nothing lands on another rank's GPU."""
+    spec = deployment.stage_spec(rank, local_rank)
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
     return spec
 
 
@@ -72,8 +75,13 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank_s, host, port_s, world_s, prefix = (argv if argv is not None else sys.argv[1:])[:5]
     rdv = Rendezvous(host, int(port_s), int(world_s), prefix, torchrun=False)
     store = engine_store(connect_store(rdv), rdv)
-    deployment = pickle.loads(store.get("deployment"))
-    code = run_stage(int(rank_s), rdv, deployment, store, local_rank=None)
+    rank = int(rank_s)
+    try:
+        deployment = receive(store, rank)  # checked against the driver's digest before loading
+    except BaseException as exc:
+        report_error(store, rank, exc)
+        os._exit(1)
+    code = run_stage(rank, rdv, deployment, store, local_rank=None)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown of process groups: the driver already moved on
@@ -84,8 +92,9 @@ def run_stage(
 ) -> int:
     """Load the stage, then apply plans until the shutdown plan; returns an exit code."""
     bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
+    stop = _exit_when_stopped(rdv, rank)
     try:
-        spec = stage_spec_for_rank(deployment, rank, local_rank)
+        spec = place_stage(deployment, rank, local_rank)
         limit_cpu_threads(deployment, spec)
         runner = StageRunner(deployment.config, deployment.folder, spec)
         store.set(f"loaded/{rank}", b"1")
@@ -95,28 +104,75 @@ def run_stage(
         )
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
         results = ResultSender(groups, hold_back=deployment.overlap_steps)
-        while True:
+        while True:  # until the driver's stop (``_exit_when_stopped``) ends the process
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
-            if plan.is_shutdown:
-                break
             if plan.is_flush:
                 results.flush()
                 continue
             output = runner.execute(plan, inbound, outbound)
             if output is not None:
                 results.send(output)
-        results.close()
-        if outbound is not None:
-            outbound.flush()
-        # Under torchrun the driver has no child process to wait for: this key tells it the
-        # stop plan arrived, so it does not exit (closing its connections) before we read it.
-        store.set(f"stopped/{rank}", b"1")
-        return 0
     except BaseException as exc:
+        if stop.is_set() or _stop_requested(store):
+            stop.wait_forever()  # the driver stopped and closed its connections: no failure
         report_error(store, rank, exc)
         if local_rank is not None:  # torchrun: the driver may be gone; say it here as well
             traceback.print_exc()
         return 1
+
+
+STOP_KEY = "stop"
+
+
+class _StopWatch:
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait_forever(self) -> None:
+        """The watcher thread is exiting the process: nothing left to do here."""
+        while True:
+            time.sleep(1)
+
+
+def _exit_when_stopped(rdv: Rendezvous, rank: int) -> _StopWatch:
+    """A thread that waits for the driver's ``stop`` key and then exits this process with
+    code 0, whatever the stage is blocked on. A connection of its own: a TCPStore client
+    serialises its operations, and this one blocks."""
+    watch = _StopWatch()
+    store = engine_store(connect_store(rdv), rdv)
+
+    def run() -> None:
+        while True:
+            try:
+                store.wait([STOP_KEY], _STOP_POLL)
+                break
+            except Exception as exc:
+                if "timeout" not in str(exc).lower():  # the store went away with the driver
+                    os._exit(1)
+        watch._event.set()
+        with contextlib.suppress(Exception):
+            # Under torchrun the driver has no child process to wait for: this key tells it
+            # the stop arrived, so it does not close connections under a stage still reading.
+            store.set(f"stopped/{rank}", b"1")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown: process groups with operations in flight
+
+    threading.Thread(target=run, name="pipepool-stop-watch", daemon=True).start()
+    return watch
+
+
+_STOP_POLL = datetime.timedelta(seconds=60)
+
+
+def _stop_requested(store) -> bool:
+    try:
+        return bool(store.check([STOP_KEY]))
+    except Exception:
+        return False
 
 
 class ResultSender:
@@ -145,10 +201,6 @@ class ResultSender:
         if self._held is not None:
             held, self._held = self._held, None
             self._send(held)
-
-    def close(self) -> None:
-        # A result still held at shutdown was never asked for: the driver stopped waiting.
-        wait_all(self._sends)
 
     def _send(self, pending: PendingResult) -> None:
         wait_all(self._sends)

@@ -26,7 +26,6 @@ from ..classifier import ClassifierHead
 from ..config import EngineConfig
 from ..core.plan import StepPlan, check_digest
 from ..errors import StateDivergence
-from ..layers.attention import choose_kernel
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..weights import Checkpoint
@@ -54,6 +53,8 @@ class StageSpec:
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
+    attn_kernel: str = "portable"  # chosen once, in the deployment
+    fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
 
     @property
     def is_first(self) -> bool:
@@ -265,10 +266,16 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     checkpoint.load_stage(model)
     checkpoint.close()
     model.eval()
-    model.attn_kernel = choose_kernel(spec.device, spec.dtype)
-    # On CUDA in 16 bits, the fused kernel switches itself on where it agrees with torch's ops.
-    if model.attn_kernel != "portable" and not model.use_fused_qk_rope() and model.causal:
-        warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
+    # Kernels are the deployment's choice (made once for every stage). The fused q/k-norm +
+    # RoPE kernel still checks itself against torch's ops on this stage's weights: a kernel
+    # that disagrees here is not used (numerically the same op, only slower).
+    model.attn_kernel = spec.attn_kernel
+    if spec.fused_qk_rope and not model.use_fused_qk_rope():
+        warnings.warn(
+            f"stage {spec.index}: fused q/k-norm + RoPE kernel disagrees with torch ops on "
+            f"{spec.device}; this stage uses torch ops",
+            stacklevel=2,
+        )
     if spec.compile:
         model.set_compiled(True)
         try:

@@ -53,9 +53,11 @@ class _LocalIncoming:
 
 
 class LocalLink:
-    """A stage boundary inside one process (PP simulated in-process, for tests and tools)."""
+    """A stage boundary inside one process (PP simulated in-process, for tests and tools).
+    ``device``: the receiving stage's; hidden states on another device are copied there."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.hidden: deque[torch.Tensor] = deque()
         self.digests: deque[tuple[np.ndarray, list[float]]] = deque()
 
@@ -63,6 +65,9 @@ class LocalLink:
         return _LocalIncoming(self)
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
+        if self.device is not None and hidden.device != self.device:
+            # A blocking copy: ordered after the producing stream, before the consumer's use.
+            hidden = hidden.to(self.device)
         self.hidden.append(hidden)
 
     def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:

@@ -101,6 +101,7 @@ class Engine(ScoringMethods):
             max_num_seqs=d.max_num_seqs,
             chunked=d.causal,
             blocks=blocks,
+            verify_state=self.config.verify_state,
         )
 
     # -- public API -------------------------------------------------------------------------

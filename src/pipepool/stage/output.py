@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.digest import Digest
 from ..core.plan import StepResult
 from .pooling import PooledStep
 
@@ -18,7 +19,7 @@ class StageOutput:
     busy clocks on the host."""
 
     step_id: int
-    digest: np.ndarray  # [R] post-step num_computed_tokens, plan order
+    digest: Digest | None  # every stage's state digest, chained; None: state not verified
     stage_busy_s: tuple[float, ...]  # cumulative, stages 0..last
     pooled: PooledStep
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from ..core.digest import Digest
 from ..core.plan import StepPlan
 
 
@@ -17,7 +17,7 @@ class Incoming(Protocol):
 
     def hidden(self) -> torch.Tensor: ...  # [T, hidden]
 
-    def digest(self) -> np.ndarray: ...  # [R] previous stage's post-step num_computed_tokens
+    def digest(self) -> Digest: ...  # the state digest chain of stages 0..k-1
 
     def stage_busy_s(self) -> list[float]: ...  # cumulative busy seconds of stages 0..k-1
 
@@ -29,7 +29,7 @@ class Inbound(Protocol):
 class Outbound(Protocol):
     def send_hidden(self, hidden: torch.Tensor) -> None: ...
 
-    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None: ...
+    def send_digest(self, step_id: int, digest: Digest | None, busy: list[float]) -> None: ...
 
 
 class _LocalIncoming:
@@ -40,13 +40,13 @@ class _LocalIncoming:
     def hidden(self) -> torch.Tensor:
         return self._link.hidden.popleft()
 
-    def digest(self) -> np.ndarray:
+    def digest(self) -> Digest:
         return self._message()[0]
 
     def stage_busy_s(self) -> list[float]:
         return self._message()[1]
 
-    def _message(self) -> tuple[np.ndarray, list[float]]:
+    def _message(self) -> tuple[Digest | None, list[float]]:
         if self._digest is None:
             self._digest = self._link.digests.popleft()
         return self._digest
@@ -59,7 +59,7 @@ class LocalLink:
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
         self.hidden: deque[torch.Tensor] = deque()
-        self.digests: deque[tuple[np.ndarray, list[float]]] = deque()
+        self.digests: deque[tuple[Digest | None, list[float]]] = deque()
 
     def post(self, plan: StepPlan) -> Incoming:
         return _LocalIncoming(self)
@@ -70,5 +70,5 @@ class LocalLink:
             hidden = hidden.to(self.device)
         self.hidden.append(hidden)
 
-    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
+    def send_digest(self, step_id: int, digest: Digest | None, busy: list[float]) -> None:
         self.digests.append((digest, list(busy)))

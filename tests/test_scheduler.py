@@ -434,12 +434,12 @@ def test_update_rejects_a_result_that_disagrees_with_the_plan():
     assert plan.req_ids.tolist() == [0] and plan.ends.tolist() == [8]
     right = expected_digest(plan.step_id, plan.expected_state, 2)
     # The historical bug: stage 0 never advanced; its own hashes and the chain differ.
-    stale = Digest(plan.step_id, right.chain + [1, 0], right.parts + [[1, 0, 0, 0], [0] * 4])
+    stale = Digest(plan.step_id, right.chain + np.array([1, 0]), right.parts + np.eye(2, 4, dtype=np.int64))
     with pytest.raises(pipepool.StateDivergence, match=r"step 0, stage 0: num_computed") as info:
         s.update(plan, StepResult(step_id=plan.step_id, digest=stale), last_stage=1)
     assert info.value.check == "driver" and info.value.stage == 0
     # Stage 1's own state is right but it folded a chain other than stage 0's.
-    refolded = Digest(plan.step_id, right.chain + [0, 1], right.parts)
+    refolded = Digest(plan.step_id, right.chain + np.array([0, 1]), right.parts)
     with pytest.raises(pipepool.StateDivergence, match=r"stage 1: digest chain"):
         s.update(plan, StepResult(step_id=plan.step_id, digest=refolded), last_stage=1)
     short = Digest(plan.step_id, right.chain[:1], right.parts[:1])

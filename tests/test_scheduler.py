@@ -434,7 +434,8 @@ def test_update_rejects_a_result_that_disagrees_with_the_plan():
     assert plan.req_ids.tolist() == [0] and plan.ends.tolist() == [8]
     right = expected_digest(plan.step_id, plan.expected_state, 2)
     # The historical bug: stage 0 never advanced; its own hashes and the chain differ.
-    stale = Digest(plan.step_id, right.chain + np.array([1, 0]), right.parts + np.eye(2, 4, dtype=np.int64))
+    bumped = right.parts + np.eye(2, 4, dtype=np.int64)
+    stale = Digest(plan.step_id, right.chain + np.array([1, 0]), bumped)
     with pytest.raises(pipepool.StateDivergence, match=r"step 0, stage 0: num_computed") as info:
         s.update(plan, StepResult(step_id=plan.step_id, digest=stale), last_stage=1)
     assert info.value.check == "driver" and info.value.stage == 0

@@ -127,9 +127,7 @@ class _PlanBuilder:
         final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
         return plan, Ledger(batches, final)
 
-    def state_after(
-        self, running: list[_Split], *, pooling: bool
-    ) -> StageState:
+    def state_after(self, running: list[_Split], *, pooling: bool) -> StageState:
         """What a stage holds after this plan if it applied it right: the plan's requests at
         their chunk ends, the split prompts still running (``running``, after this plan) as
         its live set; with ``pooling`` (the last stage) the pooling accumulators of those

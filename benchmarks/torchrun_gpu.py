@@ -32,28 +32,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prompts(model: str):
+def _prompts(model: str, device: str):
     """(texts, their token ids, the deployment the reference is placed by)."""
     from pipepool.config import EngineConfig
     from pipepool.deployment import plan_deployment
     from pipepool.inputs import InputPreparer
     from pipepool.parity import REPRODUCER_PROMPTS
 
-    d = plan_deployment(EngineConfig(model=model, device="cuda", max_model_len=1024))
-    long = [" ".join(f"{w} {i}" for i in range(n)) for w, n in (("alpha", 150), ("beta", 300))]
+    d = plan_deployment(EngineConfig(model=model, device=device, max_model_len=1024))
+    long = [" ".join(f"{w} {i}" for i in range(n)) for w, n in (("alpha", 60), ("beta", 120))]
     texts = [*REPRODUCER_PROMPTS, *long]
-    return texts, InputPreparer(d).prepare(texts), d
+    return texts, InputPreparer(d).prepare(texts, long_inputs="truncate"), d
 
 
-def _embed_args(model: str, inputs: Path, out: Path, budget: int) -> list[str]:
+def _embed_args(model: str, inputs: Path, out: Path, budget: int, device: str) -> list[str]:
     return [
-        "-m", "pipepool", "embed", "--model", model, "--device", "cuda", "--no-normalize",
+        "-m", "pipepool", "embed", "--model", model, "--device", device, "--no-normalize",
         "--max-num-batched-tokens", str(budget), "--max-num-seqs", "5",
         "--input", str(inputs), "--output", str(out),
     ]  # fmt: skip
 
 
-def _run_torchrun(model: str, inputs: Path, out: Path, budget: int, logs: Path) -> dict:
+def _run_torchrun(model: str, inputs: Path, out: Path, budget: int, device: str, logs: Path):
     port = str(_free_port())
     procs, commands = [], []
     t0 = time.time()
@@ -61,7 +61,7 @@ def _run_torchrun(model: str, inputs: Path, out: Path, budget: int, logs: Path) 
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
             str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-            port, *_embed_args(model, inputs, out, budget), "--pp", "2",
+            port, *_embed_args(model, inputs, out, budget, device), "--pp", "2",
         ]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         commands.append(f"CUDA_VISIBLE_DEVICES={gpu} " + shlex.join(cmd))
@@ -81,16 +81,18 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, default=Path("/tmp/res/torchrun"))
     parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    texts, token_ids, deployment = _prompts(args.model)
+    texts, token_ids, deployment = _prompts(args.model, args.device)
     inputs = args.out / "prompts.jsonl"
     inputs.write_text("".join(json.dumps(ids.tolist()) + "\n" for ids in token_ids))
 
     pp1_out = args.out / "pp1.npy"
-    pp1_cmd = [sys.executable, *_embed_args(args.model, inputs, pp1_out, args.budget)]
+    pp1_cmd = [sys.executable, *_embed_args(args.model, inputs, pp1_out, args.budget, args.device)]
     pp1 = subprocess.run(pp1_cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    run = _run_torchrun(args.model, inputs, args.out / "pp2.npy", args.budget, args.out)
+    pp2_out = args.out / "pp2.npy"
+    run = _run_torchrun(args.model, inputs, pp2_out, args.budget, args.device, args.out)
     report = {"pp1_command": "CUDA_VISIBLE_DEVICES=0 " + shlex.join(pp1_cmd), **run}
     report["pp1_exit_code"] = pp1.returncode
     if pp1.returncode or any(run["exit_codes"]):
@@ -99,8 +101,9 @@ def main() -> int:
         return 1
 
     got = {"pp1": np.load(pp1_out), "pp2": np.load(args.out / "pp2.npy")}
-    ref32 = np.stack(_reference(deployment, texts, token_ids, "float32"))
-    ref16 = np.stack(_reference(deployment, texts, token_ids, "bfloat16"))
+    where = "cuda:0" if args.device == "cuda" else "cpu"
+    ref32 = np.stack(_reference(deployment, texts, token_ids, "float32", where))
+    ref16 = np.stack(_reference(deployment, texts, token_ids, "bfloat16", where))
     allowance = 1.5 * (1 - _cos(ref16, ref32)) + 1e-5  # DESIGN.md §3, per request
     report["tokens"] = [len(t) for t in token_ids]
     report["transformers_bf16_vs_fp32_min_cos"] = float(_cos(ref16, ref32).min())
@@ -118,11 +121,11 @@ def main() -> int:
     return 0 if report["passed"] else 1
 
 
-def _reference(deployment, texts, token_ids, dtype: str) -> list[np.ndarray]:
+def _reference(deployment, texts, token_ids, dtype: str, device: str) -> list[np.ndarray]:
     from pipepool.parity.reference import compute_reference
 
     ref = compute_reference(
-        "transformers", deployment, texts, token_ids, ["last"], device="cuda:0", dtype=dtype
+        "transformers", deployment, texts, token_ids, ["last"], device=device, dtype=dtype
     )
     return ref.outputs["last"]
 

@@ -16,6 +16,7 @@ written so that it fails when that check alone is removed:
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -160,3 +161,22 @@ def test_no_fault_no_divergence_through_aborts_and_every_pooler(qwen3_path):
             pipe.scheduler.abort(doomed)
     assert steps > 10
     assert pipe.scheduler.blocks.num_free == pipe.scheduler.blocks.num_blocks
+
+
+def test_a_rank_refuses_a_deployment_plan_whose_digest_differs(qwen3_path):
+    """The hand-off of the one deployment plan: a rank recomputes the plan's digest from what
+    it unpickled and refuses to load weights when it differs from the driver's."""
+    import torch.distributed as dist
+
+    from pipepool import ModelLoadError
+    from pipepool.parallel import handoff
+
+    deployment = plan_deployment(EngineConfig(model=str(qwen3_path), pipeline_parallel_size=2))
+    store = dist.HashStore()
+    handoff.publish(store, deployment)
+    assert handoff.receive(store, 1) == deployment
+    assert store.get("fingerprint/1").decode() == deployment.fingerprint()
+    other = dataclasses.replace(deployment, num_kv_blocks=deployment.num_kv_blocks - 1)
+    store.set(handoff.PLAN_KEY, pickle.dumps(other))  # what rank 1 gets is not the driver's
+    with pytest.raises(ModelLoadError, match="rank 1 received a deployment plan whose digest"):
+        handoff.receive(store, 1)

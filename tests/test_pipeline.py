@@ -375,7 +375,7 @@ def test_ctrl_c_is_prompt_and_leaves_no_stage_process_running(qwen3_path, tmp_pa
         pytest.fail(
             "driver still running 30 s after Ctrl-C:\n" + (tmp_path / "busy.err").read_text()
         )
-    # The stages are killed, not waited for (it took 11 s when close() waited for them).
+    # The stages are told to stop and exit at once (it took 11 s when close() waited for them).
     assert time.monotonic() - interrupted < 3
     assert all(_gone(pid) for pid in pids)
 

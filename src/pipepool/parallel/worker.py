@@ -165,7 +165,9 @@ def _exit_when_stopped(rdv: Rendezvous, rank: int) -> _StopWatch:
     return watch
 
 
-_STOP_POLL = datetime.timedelta(seconds=60)
+# One wait for the whole life of the stage: a TCPStore wait that times out logs a C++ warning,
+# and a stage idle for hours must not print one a minute.
+_STOP_POLL = datetime.timedelta(days=365)
 
 
 def _stop_requested(store) -> bool:

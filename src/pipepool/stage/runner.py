@@ -3,11 +3,13 @@
 A step, the same on every stage whatever its role (DESIGN.md §1):
 
 1. register the plan's new requests in the mirror;
-2. check the mirror against the plan (expected ``num_computed_tokens``);
-3. build the packed batch from the mirror, forward;
+2. check the mirror against the plan (expected ``num_computed_tokens``): the mirror check;
+3. build the packed batch (positions from the plan's chunk starts, KV slots from the block
+   table the plan sent with a request's first chunk), forward;
 4. send hidden states on (non-last stage) or pool (last stage);
-5. post-step: advance the mirror, unconditionally;
-6. digest the post-step state, check the previous stage's digest, pass ours on.
+5. post-step: advance the mirror by its own count, unconditionally;
+6. check the digest the previous stage sent (the neighbour check), fold the hash of this
+   stage's whole per-request state into it, pass it on (the driver checks the chain).
 
 The role of a stage decides only what it sends, never what state it advances.
 """

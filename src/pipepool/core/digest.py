@@ -30,6 +30,7 @@ PARTS = (
     "pooler state",
 )
 NUM_PARTS = len(PARTS)
+POOLER = 3
 _I64 = np.int64
 
 
@@ -113,10 +114,13 @@ class Digest:
         return 1 + num_stages * (1 + NUM_PARTS)
 
 
-def expected_parts(before_last: StageState, last: StageState, step_id: int) -> np.ndarray:
-    """[2, NUM_PARTS]: what every stage but the last must hash to, then the last stage (the
-    only one that pools)."""
-    return np.stack([before_last.parts(step_id), last.parts(step_id)])
+def expected_parts(last: StageState, step_id: int) -> np.ndarray:
+    """[2, NUM_PARTS]: what every stage but the last must hash to, then the last stage. They
+    hold the same state but for pooling accumulators, which only the last stage keeps."""
+    parts = last.parts(step_id)
+    before_last = parts.copy()
+    before_last[POOLER] = _hash(step_id, empty_ids(), empty_ids())
+    return np.stack([before_last, parts])
 
 
 def expected_digest(step_id: int, expected: np.ndarray, num_stages: int) -> Digest:

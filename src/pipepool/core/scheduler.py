@@ -127,17 +127,16 @@ class _PlanBuilder:
         final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
         return plan, Ledger(batches, final)
 
-    def state_after(self, running: list[_Split], *, pooling: bool) -> StageState:
-        """What a stage holds after this plan if it applied it right: the plan's requests at
-        their chunk ends, the split prompts still running (``running``, after this plan) as
-        its live set; with ``pooling`` (the last stage) the pooling accumulators of those
-        that pool other than LAST."""
+    def state_after(self, running: list[_Split]) -> StageState:
+        """What the last stage holds after this plan if it applied it right: the plan's
+        requests at their chunk ends, the split prompts still running (``running``, after
+        this plan) as its live set, and pooling accumulators for those that pool other than
+        LAST (the other stages hold the same but no accumulators)."""
         cat, ids = np.concatenate, empty_ids()
         live = sorted(running, key=lambda s: s.request_id)
         live_ids = np.fromiter((s.request_id for s in live), np.int64, len(live))
         live_done = np.fromiter((s.num_scheduled for s in live), np.int64, len(live))
-        pool = [s.batch.params.code != Pooling.LAST for s in live] if pooling else []
-        pool = np.array(pool, dtype=bool) if pooling else np.zeros(len(live), bool)
+        pool = np.array([s.batch.params.code != Pooling.LAST for s in live], dtype=bool)
         taken = bool(self.ids)
         return StageState(
             req_ids=cat(self.ids) if taken else ids,
@@ -258,11 +257,7 @@ class Scheduler:
         expected = None
         if self.verify_state:
             step_id = self._next_step
-            expected = expected_parts(
-                step.state_after(self.running, pooling=False),
-                step.state_after(self.running, pooling=True),
-                step_id,
-            )
+            expected = expected_parts(step.state_after(self.running), step_id)
         plan, ledger = step.build(self._next_step, tuple(self._freed), expected)
         self._ledgers[plan.step_id] = ledger
         self._freed.clear()

@@ -167,12 +167,16 @@ def test_text_over_the_character_bound_is_refused_before_tokenisation(qwen3_engi
     with pytest.raises(
         pipepool.PromptTooLongError, match=f"input 1 has 10000000 characters.*{bound}"
     ):
-        qwen3_engine.embed(["short", huge])
+        qwen3_engine.embed(["short", huge], long_inputs="error")
     assert time.perf_counter() - started < 0.5
     assert_still_serves(qwen3_engine)
     # At the bound itself the text is tokenised (and then over max_model_len in tokens).
     with pytest.raises(pipepool.PromptTooLongError, match="tokens, more than max_model_len"):
-        qwen3_engine.embed([("x " * bound)[:bound]])
+        qwen3_engine.embed([("x " * bound)[:bound]], long_inputs="error")
+    # Truncating (the default) cuts it to the bound and then to max_model_len tokens, at once.
+    started = time.perf_counter()
+    assert qwen3_engine.embed(["short", huge]).shape[0] == 2
+    assert time.perf_counter() - started < 3  # tokenising all 10 MB takes ~10 s
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -421,10 +421,11 @@ def test_client_disconnect_aborts_its_requests(servers, pp, engine):
 
 def test_one_word_is_answered_promptly_while_10mb_bodies_are_handled(server, engine):
     """Texts are checked against a character bound before they are tokenised, and large
-    requests tokenise in a lane of their own: two 10 MB bodies (refused), and one asking for
-    truncation (tokenised up to the bound), do not hold up a one-word request."""
+    requests tokenise in a lane of their own: two 10 MB bodies (refused), and one truncated
+    (tokenised up to the bound), do not hold up a one-word request."""
     huge = "word " * 2_000_000
-    big = [{"input": huge}, {"input": huge}, {"input": huge, "truncate_prompt_tokens": -1}]
+    refuse = {"input": huge, "long_inputs": "error"}
+    big = [refuse, refuse, {"input": huge}]  # the last one truncated (the default)
     answers: dict = {}
 
     def send(i: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +112,29 @@ def flops(hf: dict, lengths: list[int], causal: bool) -> float:
     pairs = (lengths_a * (lengths_a + 1) / 2).sum() if causal else (lengths_a**2).sum()
     attention = 4.0 * pairs * heads * head_dim * layers
     return linear + attention
+
+
+def warm_up(run: Callable[[], object], max_passes: int = 6, settled: float = 0.1) -> int:
+    """Run passes until one takes within ``settled`` of the one before (compilation, CUDA
+    graphs of every step size the run will see, allocator all done: the figure is then the
+    steady state a server runs in). Step sizes depend on how fast inputs arrive, so a new
+    graph bucket may first appear in a second or third pass. Returns the passes run."""
+    before = None
+    for passes in range(1, max_passes + 1):
+        start = time.perf_counter()
+        run()
+        took = time.perf_counter() - start
+        if before is not None and abs(took - before) <= settled * before:
+            return passes
+        before = took
+    return max_passes
+
+
+def median_run(run: Callable[[], RunResult], passes: int = 3) -> RunResult:
+    """The pass of median time among ``passes`` (a single pass of a short workload is tens of
+    milliseconds: one slow pass must not be the figure, nor one lucky pass)."""
+    results = sorted((run() for _ in range(passes)), key=lambda r: r.seconds)
+    return results[len(results) // 2]
 
 
 def run_engine(engine: Engine, workload: Workload, pooling: str) -> RunResult:

@@ -23,9 +23,16 @@ from .stage.runner import StageSpec
 from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
-# Default token budget of a step (EngineConfig.max_num_batched_tokens): TEI's 16384 on CUDA;
-# on CPU, steps whose activations stay in cache (2048 measured 1.4x faster than 16384).
+# Default token budget of a step (EngineConfig.max_num_batched_tokens). On CUDA at least
+# TEI's 16384, and for small models as many tokens as make a step ~2 TFLOP, up to 32768: the
+# host's work per step is roughly fixed (~3 ms: scheduling, inputs, pooling, delivery), so a
+# step of MiniLM-sized compute must be larger for the device, not the host, to set the pace.
+# Measured on an H200, MiniLM shape, tok/s at 16k / 32k / 64k: W4 4.88M / 6.94M / 6.13M, W1
+# 6.66M / 8.19M / 8.44M (BENCHMARKS.md, issue 10; at 64k a call of short queries is only a
+# few steps, and the first and last of them are not overlapped). On CPU, steps whose
+# activations stay in cache (2048 measured 1.4x faster than 16384).
 _CUDA_STEP_TOKENS = 16384
+_CUDA_MAX_STEP_TOKENS = 32768
 _CPU_STEP_TOKENS = 2048
 _GPU_MEMORY_UTILIZATION = 0.90
 
@@ -162,7 +169,8 @@ def plan_deployment(
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     attn_kernel = choose_kernel(local, dtype)
     fused = attn_kernel != "portable" and family.causal and qk_rope.available(local, dtype)
-    budget = step_tokens(config, cuda)
+    per_token = flops_per_token(family, folder)
+    budget = step_tokens(config, cuda, per_token)
     kv_tokens = 0
     if family.causal:
         kv_tokens = _kv_cache_tokens(
@@ -188,7 +196,7 @@ def plan_deployment(
         max_num_seqs=config.max_num_seqs or budget,
         compile=_auto(config.compile, cuda),
         graph_max_tokens=(
-            _graph_max_tokens(budget, family, folder) if _auto(config.cuda_graphs, cuda) else 0
+            _graph_max_tokens(budget, per_token) if _auto(config.cuda_graphs, cuda) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
         classifier=classifier,
@@ -198,9 +206,14 @@ def plan_deployment(
     )
 
 
-def step_tokens(config: EngineConfig, cuda: bool) -> int:
-    """The token budget of a step: the user's, or the default for the device."""
-    return config.max_num_batched_tokens or (_CUDA_STEP_TOKENS if cuda else _CPU_STEP_TOKENS)
+def step_tokens(config: EngineConfig, cuda: bool, flops_per_token: float) -> int:
+    """The token budget of a step: the user's, or the default for the device and model."""
+    if config.max_num_batched_tokens:
+        return config.max_num_batched_tokens
+    if not cuda:
+        return _CPU_STEP_TOKENS
+    return min(max(_pow2_at_most(_STEP_FLOPS / flops_per_token), _CUDA_STEP_TOKENS),
+               _CUDA_MAX_STEP_TOKENS)  # fmt: skip
 
 
 def _auto(wanted: bool | None, default: bool) -> bool:
@@ -209,22 +222,30 @@ def _auto(wanted: bool | None, default: bool) -> bool:
 
 # A CUDA graph saves the host a few microseconds per kernel launch but pads a step up to its
 # bucket (12% on average): worth it while a step is short enough for launches to matter.
-# Steps up to ~2 TFLOP (a few ms of an H200) are replayed; larger ones run eagerly.
-_GRAPH_STEP_FLOPS = 2e12
+# Steps up to ~2 TFLOP (a few ms of an H200) are replayed; larger ones run eagerly. The same
+# size bounds the default budget of small models from below (``step_tokens``).
+_STEP_FLOPS = 2e12
 _GRAPH_MIN_TOKENS = 512
 
 
-def _graph_max_tokens(budget: int, family: Family, folder: ModelFolder) -> int:
-    """Largest step (tokens) worth a CUDA graph, from the model's FLOPs per token."""
+def flops_per_token(family: Family, folder: ModelFolder) -> float:
+    """Forward FLOPs per token of the linear layers (2 per weight; embeddings excluded)."""
     checkpoint = Checkpoint(folder.path, family)
     params = sum(
         _numel(e.shape)
         for name, e in checkpoint.entries.items()
         if not family.ignored.match(name) and "embed" not in name
     )
-    tokens = _GRAPH_STEP_FLOPS / max(2 * params, 1)
-    largest = 1 << max(int(tokens).bit_length() - 1, 0)  # a power of two below
-    return min(budget, max(largest, _GRAPH_MIN_TOKENS))
+    return max(2.0 * params, 1.0)
+
+
+def _graph_max_tokens(budget: int, per_token: float) -> int:
+    """Largest step (tokens) worth a CUDA graph."""
+    return min(budget, max(_pow2_at_most(_STEP_FLOPS / per_token), _GRAPH_MIN_TOKENS))
+
+
+def _pow2_at_most(x: float) -> int:
+    return 1 << max(int(x).bit_length() - 1, 0)
 
 
 def resolve_device_kind(device: str) -> str:

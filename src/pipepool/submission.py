@@ -64,8 +64,13 @@ class Submission(Future):
     def put_vectors(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         """Rows ``rows`` (input indices) finished with these vectors (already cut to the
         requested dimensions on the device, or zero-padded past them: cut here)."""
-        self._outputs[rows] = vectors[:, : self._outputs.shape[1]]
-        self._count(len(rows))
+        values = vectors[:, : self._outputs.shape[1]]
+        n = len(rows)
+        if n and bool((np.diff(rows) == 1).all()):  # consecutive (the usual step): a slice
+            self._outputs[int(rows[0]) : int(rows[0]) + n] = values
+        else:
+            self._outputs[rows] = values
+        self._count(n)
 
     def put_tokens(self, rows: np.ndarray, values: list[np.ndarray]) -> None:
         width = self.params.dimensions

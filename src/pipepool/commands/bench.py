@@ -22,14 +22,16 @@ from ..bench import (
     gpu_busy_fraction,
     make_texts,
     make_workload,
+    median_run,
     run_engine,
     run_engine_text,
     run_peer,
     run_sentence_transformers,
     vocabulary_words,
+    warm_up,
     write_json,
 )
-from ..deployment import step_tokens
+from ..deployment import plan_deployment
 from ..engine import Engine
 from .common import add_engine_args, engine_config
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 def bench_one(config, workload_name: str, args) -> dict:
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
-        budget = step_tokens(config, cuda=config.device != "cpu" and torch.cuda.is_available())
+        budget = plan_deployment(config).max_num_batched_tokens
         config = config.replace(kv_cache_tokens=4 * budget + longest)
     started = time.perf_counter()
     engine = Engine.from_config(config)
@@ -97,11 +99,12 @@ def bench_one(config, workload_name: str, args) -> dict:
     )
     lengths = [len(t) for t in workload.token_ids]
     pooling = d.pooling
-    # Warm-up: one pass of the workload (compilation, CUDA graphs of every step size the run
-    # will see, allocator): the figure is the steady state a server runs in.
-    engine.pool(workload.token_ids, pooling=pooling)
+    # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
+    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling))
     busy_start = engine.stage_busy_s()
-    ours = run_engine(engine, workload, pooling)
+    timed_start = time.perf_counter()
+    ours = median_run(partial(run_engine, engine, workload, pooling))
+    timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     gpu_busy = None
     if args.gpu_busy:
@@ -147,7 +150,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
         "stages": d.num_stages,
         "gpu_used_gib_per_stage": used_gib,
-        "stage_idle_fraction": [round(max(0.0, 1 - b / ours.seconds), 3) for b in busy],
+        "stage_idle_fraction": [round(max(0.0, 1 - b / timed_s), 3) for b in busy],
     }
     if ours_text is not None:
         row["engine_text_tokens_per_s"] = round(ours_text.tokens_per_s)
@@ -190,8 +193,8 @@ def bench_text(config, workload_name: str, args) -> dict:
     start_s = time.perf_counter() - started
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
-    engine.embed(texts)  # warm-up pass (see bench_one)
-    ours = run_engine_text(engine, texts, d.pooling)
+    warm_up(partial(engine.embed, texts))  # (see bench_one)
+    ours = median_run(partial(run_engine_text, engine, texts, d.pooling))
     gpu_busy = None
     if args.gpu_busy:
         gpu_busy = gpu_busy_fraction(partial(run_engine_text, engine, texts, d.pooling))

@@ -91,12 +91,19 @@ def apply_heads(
         width = int(params.dims[0])
         if width:
             x = x[:, :width]
-        return F.normalize(x, dim=-1, eps=1e-12) if bool(params.normalize[0]) else x
+        return l2_normalize(x) if bool(params.normalize[0]) else x
     cols = torch.arange(x.shape[1], device=x.device)
     keep = (dims_t == 0).unsqueeze(1) | (cols.unsqueeze(0) < dims_t.unsqueeze(1))  # [n, D]
     x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    normed = F.normalize(x, dim=-1, eps=1e-12)
+    normed = l2_normalize(x)
     return torch.where(norm_t.bool().unsqueeze(1), normed, x)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``F.normalize(x, dim=-1)``, the same arithmetic (norm, clamp, divide) without its
+    Python layers (``Tensor.norm`` goes through ``torch.functional.norm``): this runs once per
+    step on the host's critical path."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
 
 
 # A classifier's activation over its labels (classifier.SCORE_ACTIVATIONS).

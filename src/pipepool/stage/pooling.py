@@ -172,14 +172,14 @@ class Pooler:
             if out is not None:
                 (tokens if view.poolings[row] == Pooling.ALL else vectors).append(out)
 
-        vec = torch.cat(vectors) if vectors else None
+        vec = _cat(vectors)
         if vec is not None and self.dense is not None:
             vec = self.dense(vec)
         if vec is not None and self.score is not None:
             vec = self.score(vec, prep.vector_heads, vnorm_t)
         elif vec is not None:
             vec = apply_heads(vec, prep.vector_heads, vdims_t, vnorm_t)
-        tok = torch.cat(tokens) if tokens else None
+        tok = _cat(tokens)
         if tok is not None:
             tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
         offsets = np.zeros(len(prep.token_lens) + 1, dtype=np.int64)
@@ -214,6 +214,13 @@ class Pooler:
             self._partial[rid] = hidden.new_empty((prompt_len, hidden.shape[1]))
         self._partial[rid][start:end] = hidden[int(cu_q[row]) : int(cu_q[row + 1])]
         return self._partial.pop(rid).float() if final else None
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one tensor; a single part as it is (the usual step: no copy)."""
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _row_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:

@@ -180,3 +180,15 @@ def test_a_rank_refuses_a_deployment_plan_whose_digest_differs(qwen3_path):
     store.set(handoff.PLAN_KEY, pickle.dumps(other))  # what rank 1 gets is not the driver's
     with pytest.raises(ModelLoadError, match="rank 1 received a deployment plan whose digest"):
         handoff.receive(store, 1)
+
+
+def test_ranks_waiting_for_a_plan_hear_at_once_that_the_driver_could_not_make_one():
+    import torch.distributed as dist
+
+    from pipepool import StageFailure
+    from pipepool.parallel import handoff
+
+    store = dist.HashStore()
+    store.set(handoff._PLAN_ERROR_KEY, b"StageFailure: torchrun started 2 ranks for pp=3")
+    with pytest.raises(StageFailure, match=r"could not plan the deployment: .*2 ranks for pp=3"):
+        handoff.receive(store, 1)

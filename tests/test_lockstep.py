@@ -189,6 +189,6 @@ def test_ranks_waiting_for_a_plan_hear_at_once_that_the_driver_could_not_make_on
     from pipepool.parallel import handoff
 
     store = dist.HashStore()
-    store.set(handoff._PLAN_ERROR_KEY, b"StageFailure: torchrun started 2 ranks for pp=3")
+    store.set(handoff.PLAN_ERROR_KEY, b"StageFailure: torchrun started 2 ranks for pp=3")
     with pytest.raises(StageFailure, match=r"could not plan the deployment: .*2 ranks for pp=3"):
         handoff.receive(store, 1)

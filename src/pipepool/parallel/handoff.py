@@ -24,7 +24,7 @@ from .rendezvous import TorchrunEnv, engine_store, torchrun_store
 
 PLAN_KEY = "deployment"
 FINGERPRINT_KEY = "deployment-fingerprint"
-_PLAN_ERROR_KEY = "deployment-error"
+PLAN_ERROR_KEY = "deployment-error"
 _WAIT_S = 600.0  # rank 0 may take minutes to read a large checkpoint's index
 _POLL_S = 0.02
 
@@ -78,7 +78,7 @@ def torchrun_deployment(config: EngineConfig, env: TorchrunEnv) -> Deployment:
             )
     except BaseException as exc:
         # The other ranks wait for a plan: tell them there will be none.
-        store.set(_PLAN_ERROR_KEY, f"{type(exc).__name__}: {exc}".encode())
+        store.set(PLAN_ERROR_KEY, f"{type(exc).__name__}: {exc}".encode())
         raise
     publish(store, deployment)
     return deployment
@@ -93,8 +93,8 @@ def _wait_for(store, key: str) -> None:
     """Wait for ``key``, failing at once if the driver reported that it could not plan."""
     deadline = time.monotonic() + _WAIT_S
     while not store.check([key]):
-        if store.check([_PLAN_ERROR_KEY]):
-            reason = store.get(_PLAN_ERROR_KEY).decode()
+        if store.check([PLAN_ERROR_KEY]):
+            reason = store.get(PLAN_ERROR_KEY).decode()
             raise StageFailure(f"the driver (rank 0) could not plan the deployment: {reason}")
         if time.monotonic() > deadline:
             raise StageFailure(f"no deployment plan from the driver after {_WAIT_S:.0f} s")

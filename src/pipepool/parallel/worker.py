@@ -90,7 +90,8 @@ def worker_main(argv: list[str] | None = None) -> None:
 def run_stage(
     rank: int, rdv: Rendezvous, deployment: Deployment, store, *, local_rank: int | None
 ) -> int:
-    """Load the stage, then apply plans until the shutdown plan; returns an exit code."""
+    """Load the stage, then apply plans until the driver's stop ends the process (exit code
+    0, from ``_exit_when_stopped``); returns an exit code only when the stage failed."""
     bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
     stop = _exit_when_stopped(rdv, rank)
     try:
@@ -114,7 +115,10 @@ def run_stage(
                 results.send(output)
     except BaseException as exc:
         if stop.is_set() or _stop_requested(store):
-            stop.wait_forever()  # the driver stopped and closed its connections: no failure
+            # The driver stopped and closed its connections: no failure. The watcher thread
+            # is exiting the process with code 0.
+            while True:
+                time.sleep(1)
         report_error(store, rank, exc)
         if local_rank is not None:  # torchrun: the driver may be gone; say it here as well
             traceback.print_exc()
@@ -124,24 +128,11 @@ def run_stage(
 STOP_KEY = "stop"
 
 
-class _StopWatch:
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait_forever(self) -> None:
-        """The watcher thread is exiting the process: nothing left to do here."""
-        while True:
-            time.sleep(1)
-
-
-def _exit_when_stopped(rdv: Rendezvous, rank: int) -> _StopWatch:
+def _exit_when_stopped(rdv: Rendezvous, rank: int) -> threading.Event:
     """A thread that waits for the driver's ``stop`` key and then exits this process with
     code 0, whatever the stage is blocked on. A connection of its own: a TCPStore client
-    serialises its operations, and this one blocks."""
-    watch = _StopWatch()
+    serialises its operations, and this one blocks. The event is set once the stop came."""
+    stopped = threading.Event()
     store = engine_store(connect_store(rdv), rdv)
 
     def run() -> None:
@@ -152,7 +143,7 @@ def _exit_when_stopped(rdv: Rendezvous, rank: int) -> _StopWatch:
             except Exception as exc:
                 if "timeout" not in str(exc).lower():  # the store went away with the driver
                     os._exit(1)
-        watch._event.set()
+        stopped.set()
         with contextlib.suppress(Exception):
             # Under torchrun the driver has no child process to wait for: this key tells it
             # the stop arrived, so it does not close connections under a stage still reading.
@@ -162,7 +153,7 @@ def _exit_when_stopped(rdv: Rendezvous, rank: int) -> _StopWatch:
         os._exit(0)  # no interpreter teardown: process groups with operations in flight
 
     threading.Thread(target=run, name="pipepool-stop-watch", daemon=True).start()
-    return watch
+    return stopped
 
 
 # One wait for the whole life of the stage: a TCPStore wait that times out logs a C++ warning,

@@ -46,8 +46,10 @@ class PendingResult:
             # Pinned memory comes from torch's caching host allocator, reused after the copy.
             self._host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
+            # On the stream of the outputs' own device, which need not be the current one
+            # (in-process stages on several GPUs).
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(flat.device))
         else:
             self._host = flat
 

@@ -503,10 +503,11 @@ class Engine(ScoringMethods):
             self._restarting = False
             callbacks, self._on_death = self._on_death, []
         self.stats.on_error(cause)
-        self._fail_pending(cause)
-        self._executor.shutdown()
+        # Callbacks first: a caller whose call fails with the cause may look for them at once.
         for fn in callbacks:
             fn(cause)
+        self._fail_pending(cause)
+        self._executor.shutdown()
 
     def _wake_loop(self) -> None:
         with self._wake:

@@ -125,6 +125,27 @@ def test_pp2_nccl_bug_injection_is_caught(qwen3_path):
         engine.embed(REPRODUCER_PROMPTS)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inproc_pp2_moves_hidden_states_between_gpus(qwen3_path, reference):
+    """In-process stages on cuda:0 and cuda:1: the link copies hidden states across, and each
+    stage runs with its own device current (Triton kernels use the current device)."""
+    ref = reference(qwen3_path)
+    with pipepool.Engine(
+        str(qwen3_path), device="cuda", pipeline_parallel_size=2, pipeline_backend="inproc",
+        max_num_batched_tokens=16,
+    ) as engine:  # fmt: skip
+        devices = [r.spec.device for r in engine._executor.runners]
+        assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+        for pooling in ("last", "mean"):
+            assert _worst(engine, ref, long_prompts(), pooling) >= MIN_COSINE_BF16
+    count = torch.cuda.device_count()
+    with pytest.raises(pipepool.InvalidInputError, match=f"needs {count + 1} GPUs, {count}"):
+        pipepool.Engine(
+            str(qwen3_path), device="cuda", pipeline_parallel_size=count + 1,
+            pipeline_backend="inproc",
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("path_key", ["qwen3", "bert"])
 @pytest.mark.parametrize("budget", [16, 4096])
 def test_cuda_graphs_match_eager_and_the_reference(

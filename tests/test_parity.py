@@ -88,28 +88,24 @@ def test_injected_bug_with_lockstep_checks_fails_with_state_divergence(
     assert "parity FAILED: 4 of 8" in out
 
 
-def test_injected_bug_without_checks_is_caught_by_cosine_exit_1(qwen3_path, tmp_path):
-    """The end-to-end command (a subprocess): no lockstep checks, so the engine returns
-    vectors, and only the comparison stands between them and the user."""
+def test_injected_bug_without_checks_no_longer_reaches_the_vectors(qwen3_path, tmp_path):
+    """The end-to-end command (a subprocess) with no lockstep checks: stage 0 never advances
+    its mirror, yet positions and KV slots come from the plan, so every vector still matches
+    PP=1 (they did not when stages derived positions from their own state: issue 11)."""
     out = tmp_path / "parity.json"
     cmd = [sys.executable, "-m", "pipepool", "parity", "--model", str(qwen3_path)]
     cmd += ["--pp", "2", "--max-num-batched-tokens", "16", "--pooling", "last,mean,all"]
     cmd += ["--reference", "pp1", "--no-verify-state", "--json", str(out), *SMALL, *FAULT]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["reference"].startswith("pipepool PP=1")
     for row in report["rows"]:
-        assert row["error"] is None, row  # no check fired: wrong vectors came back
-        assert row["min_cosine"] < MIN_COSINE_FP32 and not row["passed"]
+        assert row["error"] is None and row["passed"], row
+        assert row["min_cosine"] >= MIN_COSINE_FP32
         assert row["worst_prompt_tokens"] > 16  # a chunked prompt
-        expected = (
-            f"FAIL pp=2 tokens=16 {row['pooling']}: worst request #{row['worst_request']} "
-            f"({row['worst_prompt_tokens']} tokens"
-        )
-        assert expected in proc.stdout
-    assert "parity FAILED: 3 of 3" in proc.stdout
+    assert "parity OK: 3 of 3" in proc.stdout
 
 
 def test_sentence_transformers_reference_with_dense_head(st_bert_path, tmp_path):

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tiny_models import REPRODUCER_PROMPTS, cosine, long_prompts
 
@@ -106,8 +105,9 @@ def test_minilm_pp2_matches_sentence_transformers(minilm_path):
 
 @pytest.mark.parametrize("backend", ["mp", "inproc"])
 def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_path, backend):
-    """The original bug, injected: stage 0 skips its post-step. The next stage's digest check
-    catches it in the very step the state first drifts, before any vector is returned."""
+    """The original bug, injected: stage 0 skips its post-step. The next stage's check of the
+    digest it receives catches it in the very step the state first drifts, before any vector
+    is returned."""
     engine = pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=2,
@@ -122,8 +122,8 @@ def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_
             engine.embed(REPRODUCER_PROMPTS)
         err = info.value
         assert err.step_id == 0 and err.stage == 0
-        assert err.found == 0 and err.expected > 0  # stage 0 never advanced its mirror
-        assert "state divergence at step 0, stage 0" in str(err)
+        assert (err.check, err.found_by) == ("neighbour", "stage 1")
+        assert "state divergence at step 0, stage 0: num_computed_tokens" in str(err)
         with pytest.raises(EngineDeadError, match="state divergence"):
             engine.embed(["after the failure"])
     finally:
@@ -131,8 +131,9 @@ def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_
     assert all(_gone(pid) for pid in pids)
 
 
-def test_divergence_check_off_lets_the_bug_through(qwen3_path, reference):
-    """Why the check exists: with it off, the injected bug silently returns wrong vectors."""
+def test_positions_come_from_the_plan_even_with_the_checks_off(qwen3_path, reference):
+    """With verify_state off, the historical bug (stage 0 never advances its mirror) cannot
+    move positions or KV slots any more: they come from the plan, so vectors stay right."""
     ref = reference(qwen3_path)
     expected = [ref.pooled(ref.token_ids(p), "last") for p in REPRODUCER_PROMPTS]
     with pipepool.Engine(
@@ -146,8 +147,8 @@ def test_divergence_check_off_lets_the_bug_through(qwen3_path, reference):
         normalize=False,
     ) as engine:
         got = engine.embed(REPRODUCER_PROMPTS)
-    cosines = [float(cosine(g, e)[0]) for g, e in zip(got, expected, strict=True)]
-    assert min(cosines) < 0.999, cosines
+        assert engine.stats.chunked_requests >= 1
+    assert _per_request_min_cosine(got, expected) >= MIN_COSINE
 
 
 def test_killed_stage_without_restarts_fails_every_request_fast_and_leaves_no_process(
@@ -288,19 +289,24 @@ def test_health_is_degraded_while_restarting_and_close_interrupts_the_restart(qw
     assert engine.health == "closed"
 
 
-def test_close_is_prompt_with_steps_in_flight_and_leaves_no_process(qwen3_path):
-    engine = pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=8)
-    pids = _stage_pids(engine)
+def test_close_is_prompt_with_steps_in_flight_and_stages_exit_cleanly(qwen3_path):
+    """close() with plans in flight (the last stage may be blocked handing over results
+    nobody reads): under a second, pending calls fail with "engine closed", and every stage
+    process exits by itself with code 0 (none is killed)."""
+    engine = pipepool.Engine(str(qwen3_path), pipeline_parallel_size=3, max_num_batched_tokens=8)
+    procs = list(engine._executor._procs.values())
     submission = engine.submit(long_prompts() * 10)
     started = threading.Event()
     submission.add_progress_callback(lambda n: started.set())
     assert started.wait(60)
+    assert not submission.done()
     closing = time.monotonic()
     engine.close()
-    assert time.monotonic() - closing < 2
-    error = submission.exception(timeout=5)
-    assert isinstance(error, EngineDeadError) and "closed" in str(error)
-    assert all(_gone(pid) for pid in pids)
+    assert time.monotonic() - closing < 1.0
+    error = submission.exception(timeout=1)
+    assert isinstance(error, EngineDeadError) and str(error) == "engine closed"
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(_gone(p.pid) for p in procs)
 
 
 def test_two_pp2_engines_at_once_on_one_host(qwen3_path, bert_path, reference):
@@ -324,23 +330,6 @@ def test_two_pp2_engines_at_once_on_one_host(qwen3_path, bert_path, reference):
         ref = reference(path)
         refs = [ref.pooled(ref.token_ids(p), pooling) for p in long_prompts()]
         assert _per_request_min_cosine(results[name], refs) >= MIN_COSINE
-
-
-def test_torchrun_launch_matches_one_stage(qwen3_path, tmp_path):
-    """Every rank runs the same command (env:// rendezvous); rank 0 drives and writes."""
-    inputs = tmp_path / "inputs.txt"
-    inputs.write_text("\n".join(long_prompts()))
-    out = tmp_path / "pp2.npy"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "pipepool", "embed", "--model", str(qwen3_path), "--pp", "2",
-        "--max-num-batched-tokens", "16", "--input", str(inputs), "--output", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=16) as engine:
-        expected = engine.embed(long_prompts())
-    assert cosine(np.load(out), expected).min() >= MIN_COSINE
 
 
 _CTRL_C_SCRIPT = """
@@ -386,7 +375,7 @@ def test_ctrl_c_is_prompt_and_leaves_no_stage_process_running(qwen3_path, tmp_pa
         pytest.fail(
             "driver still running 30 s after Ctrl-C:\n" + (tmp_path / "busy.err").read_text()
         )
-    # The stages are killed, not waited for (it took 11 s when close() waited for them).
+    # The stages are told to stop and exit at once (it took 11 s when close() waited for them).
     assert time.monotonic() - interrupted < 3
     assert all(_gone(pid) for pid in pids)
 

@@ -1,7 +1,7 @@
 """Issue 2 acceptance: the scheduler's policy, driven without a model.
 
-A fake pipeline answers each plan the way a correct last stage would (digest = plan.ends,
-an output for every request whose final chunk the plan holds), keeping up to ``depth``
+A fake pipeline answers each plan the way a correct last stage would (the digest chain the
+plan expects, an output for every request whose final chunk the plan holds), keeping up to ``depth``
 plans in flight like the engine loop does. Every plan is checked against the invariants
 that keep the stages in lockstep: token budget, request cap, FIFO admission, chunks that
 tile each prompt exactly, the right tokens for each chunk, and KV blocks that all come back.
@@ -17,6 +17,7 @@ import pytest
 from tiny_models import cosine, long_prompts
 
 import pipepool
+from pipepool.core.digest import Digest, expected_digest
 from pipepool.core.kv_blocks import BlockAllocator
 from pipepool.core.plan import StepPlan, StepResult
 from pipepool.core.request import PoolingParams, RequestBatch
@@ -53,7 +54,7 @@ def answer(plan: StepPlan, prompt_lens: dict[int, int]) -> StepResult:
     ]
     return StepResult(
         step_id=plan.step_id,
-        digest=plan.ends.copy(),
+        digest=expected_digest(plan.step_id, plan.expected_state, 1),
         vector_ids=np.array(done, dtype=np.int64),
         vectors=np.array(done, dtype=np.float32).reshape(-1, 1),
     )
@@ -431,19 +432,26 @@ def test_update_rejects_a_result_that_disagrees_with_the_plan():
     plan = s.schedule()
     t.check(plan)
     assert plan.req_ids.tolist() == [0] and plan.ends.tolist() == [8]
-    # The historical bug: a stage that never advanced reports a stale count.
-    stale = StepResult(step_id=plan.step_id, digest=np.array([0]))
-    with pytest.raises(pipepool.StateDivergence, match=r"step 0.*request 0.*expected 8, found 0"):
-        s.update(plan, stale, last_stage=1)
-    short = StepResult(step_id=plan.step_id, digest=np.empty(0, dtype=np.int64))
-    with pytest.raises(pipepool.StateDivergence, match="request 0"):
-        s.update(plan, short, last_stage=1)
-    wrong_step = StepResult(step_id=plan.step_id + 5, digest=plan.ends)
+    right = expected_digest(plan.step_id, plan.expected_state, 2)
+    # The historical bug: stage 0 never advanced; its own hashes and the chain differ.
+    bumped = right.parts + np.eye(2, 4, dtype=np.int64)
+    stale = Digest(plan.step_id, right.chain + np.array([1, 0]), bumped)
+    with pytest.raises(pipepool.StateDivergence, match=r"step 0, stage 0: num_computed") as info:
+        s.update(plan, StepResult(step_id=plan.step_id, digest=stale), last_stage=1)
+    assert info.value.check == "driver" and info.value.stage == 0
+    # Stage 1's own state is right but it folded a chain other than stage 0's.
+    refolded = Digest(plan.step_id, right.chain + np.array([0, 1]), right.parts)
+    with pytest.raises(pipepool.StateDivergence, match=r"stage 1: digest chain"):
+        s.update(plan, StepResult(step_id=plan.step_id, digest=refolded), last_stage=1)
+    short = Digest(plan.step_id, right.chain[:1], right.parts[:1])
+    with pytest.raises(pipepool.StateDivergence, match="stages in the digest chain"):
+        s.update(plan, StepResult(step_id=plan.step_id, digest=short), last_stage=1)
+    wrong_step = StepResult(step_id=plan.step_id + 5, digest=right)
     with pytest.raises(pipepool.StateDivergence, match="step id expected 0, found 5"):
         s.update(plan, wrong_step, last_stage=1)
     # An output for a request the plan did not finish (request 0 has 12 tokens to go).
     extra = StepResult(
-        step_id=plan.step_id, digest=plan.ends, vector_ids=np.array([0]),
+        step_id=plan.step_id, digest=right, vector_ids=np.array([0]),
         vectors=np.zeros((1, 1), np.float32),
     )  # fmt: skip
     with pytest.raises(pipepool.StageFailure, match="outputs for 1 requests, the plan finished 0"):

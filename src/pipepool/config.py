@@ -20,8 +20,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TEI do by default), refused, or embedded window by window and combined (vLLM's chunked
 # processing).
 LONG_INPUTS = ("truncate", "error", "chunk")
-# Test-only fault injections; none is reachable from a user flag except the hidden parity one.
-FAULTS = ("skip_post_step_on_non_last_stage", "raise_on_stage")
+# Test-only fault injections (``stage/faults.py``); none is reachable from a user flag except
+# the hidden parity one.
+FAULTS = (
+    "skip_post_step_on_non_last_stage",
+    "raise_on_stage",
+    "wrong_block_table",
+    "pool_on_non_last_stage",
+    "keep_aborted_mirror",
+    "drop_request",
+)
 
 
 def option(default, help: str, *, flag: str | None = None, cli: bool = True, **extra):
@@ -144,8 +152,8 @@ class EngineConfig:
         metavar="FILE.json",
     )
     inject_fault: str | None = option(None, "", cli=False)  # test-only; one of FAULTS
-    fault_stage: int = option(0, "", cli=False)  # the stage that "raise_on_stage" makes fail
-    fault_step: int = option(0, "", cli=False)  # the step at which "raise_on_stage" fires
+    fault_stage: int = option(0, "", cli=False)  # the stage an injected fault is on
+    fault_step: int = option(0, "", cli=False)  # the first step at which it fires
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

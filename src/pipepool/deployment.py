@@ -5,13 +5,17 @@ an option on its own."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, fields
 
 import torch
 
 from .classifier import ClassifierHead, read_classifier
 from .config import EngineConfig, split_layers
 from .errors import InvalidInputError, ModelLoadError
+from .layers import qk_rope
+from .layers.attention import choose_kernel
 from .model_folder import ModelFolder, read_model_folder
 from .models import Family, family_of
 from .stage.kv_cache import KVCache
@@ -54,6 +58,14 @@ class Deployment:
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs; 0: none
     overlap_steps: bool  # multi-process pipeline runs one plan ahead of its devices
+    # Attention kernel (portable | flash | varlen) and the fused q/k-norm + RoPE kernel, chosen
+    # by self-checks on the planning process's device: every stage runs the same kernels.
+    attn_kernel: str = "portable"
+    fused_qk_rope: bool = False
+    # "all": the planning process sees every stage's device (``devices`` names them);
+    # "local": torchrun, each rank takes ``cuda:LOCAL_RANK`` of its own host (``devices`` says
+    # only the kind), so no host needs to see as many GPUs as there are stages.
+    placement: str = "all"
     # A classifier's head (cross-encoders, rerankers; classifier.py); None: an embedding model.
     # Its outputs are num_labels scores (output_dim), its pooling the head's own token.
     classifier: ClassifierHead | None = None
@@ -62,26 +74,58 @@ class Deployment:
     def num_stages(self) -> int:
         return len(self.layers)
 
-    def stage_spec(self, index: int) -> StageSpec:
+    def stage_spec(self, index: int, local_rank: int | None = None) -> StageSpec:
+        """Stage ``index`` as the process running it sees it; ``local_rank``: its place on its
+        host under torchrun (placement "local")."""
         return StageSpec(
             index=index,
             num_stages=self.num_stages,
             layers=self.layers[index],
-            device=torch.device(self.devices[index]),
+            device=self.stage_device(index, local_rank),
             dtype=self.dtype,
             num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,
             compile=self.compile,
             graph_max_tokens=self.graph_max_tokens,
             classifier=self.classifier,
+            attn_kernel=self.attn_kernel,
+            fused_qk_rope=self.fused_qk_rope,
         )
 
+    def stage_device(self, index: int, local_rank: int | None = None) -> torch.device:
+        kind = self.devices[index]
+        if self.placement == "all" or kind == "cpu":
+            return torch.device(kind)
+        local = local_rank or 0
+        count = torch.cuda.device_count()
+        if local >= count:
+            raise InvalidInputError(
+                f"stage {index} runs as LOCAL_RANK {local} but this host sees {count} GPU(s) "
+                "(CUDA_VISIBLE_DEVICES); start at most that many processes per node",
+                param="pipeline_parallel_size",
+            )
+        return torch.device("cuda", local)
 
-def plan_deployment(config: EngineConfig) -> Deployment:
+    def fingerprint(self) -> str:
+        """A digest of every decision in the plan, computed from the fields (not from pickled
+        bytes), so two processes that unpickled the same plan differently disagree."""
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "folder"]
+        folder = self.folder
+        parts.append(f"folder={folder.path}|{folder.architecture}|")
+        parts.append(json.dumps(folder.hf_config, sort_keys=True, default=str))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def plan_deployment(
+    config: EngineConfig, *, local_placement: bool = False, gpu_free_bytes: int | None = None
+) -> Deployment:
+    """Every decision, made once. ``local_placement``: torchrun, each rank on its host's
+    ``cuda:LOCAL_RANK``; then ``gpu_free_bytes`` is the least free memory any rank reported
+    (this process sees only its own GPU)."""
     folder = read_model_folder(config.model)
     family = family_of(folder.architecture)
     hf = folder.hf_config
-    device_kind = _device_kind(config.device)
+    device_kind = resolve_device_kind(config.device)
     dtype = _dtype(config.dtype, hf, device_kind)
     checkpoint = Checkpoint(folder.path, family)
     classifier = read_classifier(
@@ -117,14 +161,20 @@ def plan_deployment(config: EngineConfig) -> Deployment:
     layers = tuple(
         split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
     )
-    devices = _stage_devices(device_kind, len(layers))
     cuda = device_kind == "cuda"
+    if local_placement:
+        devices = (device_kind,) * len(layers)
+    else:
+        devices = _stage_devices(device_kind, len(layers))
+    local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    attn_kernel = choose_kernel(local, dtype)
+    fused = attn_kernel != "portable" and family.causal and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, folder)
     budget = step_tokens(config, cuda, per_token)
     kv_tokens = 0
     if family.causal:
         kv_tokens = _kv_cache_tokens(
-            config, budget, family, folder, whole, layers, dtype, devices, max_len
+            config, budget, family, folder, whole, layers, dtype, devices, gpu_free_bytes
         )
     block = config.block_size
     return Deployment(
@@ -150,6 +200,9 @@ def plan_deployment(config: EngineConfig) -> Deployment:
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
         classifier=classifier,
+        attn_kernel=attn_kernel,
+        fused_qk_rope=fused,
+        placement="local" if local_placement else "all",
     )
 
 
@@ -195,7 +248,8 @@ def _pow2_at_most(x: float) -> int:
     return 1 << max(int(x).bit_length() - 1, 0)
 
 
-def _device_kind(device: str) -> str:
+def resolve_device_kind(device: str) -> str:
+    """cpu or cuda: what ``EngineConfig.device`` means on this host."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind = device.split(":")[0]
@@ -243,7 +297,7 @@ def _max_model_len(config: EngineConfig, folder: ModelFolder, model_limit: int) 
 
 
 def _kv_cache_tokens(
-    config, budget: int, family: Family, folder, whole, layers, dtype, devices, max_len
+    config, budget: int, family: Family, folder, whole, layers, dtype, devices, free_bytes
 ) -> int:
     """Tokens of KV every stage can hold: the user's number, or what memory allows."""
     largest = max(len(r) for r in layers)
@@ -254,7 +308,7 @@ def _kv_cache_tokens(
         tokens = _CPU_KV_BYTES // per_token
     else:
         tokens = _gpu_kv_tokens(
-            config, budget, folder, family, whole, layers, dtype, devices, per_token
+            config, budget, folder, family, whole, layers, dtype, devices, per_token, free_bytes
         )
     if tokens < config.block_size:
         raise ModelLoadError(f"KV cache of {tokens} tokens is smaller than one block")
@@ -262,7 +316,7 @@ def _kv_cache_tokens(
 
 
 def _gpu_kv_tokens(
-    config, step_tokens, folder, family, whole, layers, dtype, devices, per_token
+    config, step_tokens, folder, family, whole, layers, dtype, devices, per_token, free_bytes
 ) -> int:
     """What is left of the smallest GPU after the largest stage's weights and a working set
     for one step's activations (set by the token budget)."""
@@ -280,13 +334,14 @@ def _gpu_kv_tokens(
     hidden = whole.hidden_size
     inter = getattr(whole.cfg, "intermediate_size", 4 * hidden)
     activations = step_tokens * (8 * hidden + 4 * inter) * itemsize * 2
-    free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
+    if free_bytes is None:
+        free_bytes = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
     # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
-    usable = free * _GPU_MEMORY_UTILIZATION * config.gpu_memory_share
+    usable = free_bytes * _GPU_MEMORY_UTILIZATION * config.gpu_memory_share
     budget = usable - stage_weights - activations - (1 << 30)
     if budget < per_token * config.block_size:
         raise ModelLoadError(
-            f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free, weights "
+            f"not enough GPU memory for the KV cache: {free_bytes / 2**30:.1f} GiB free, weights "
             f"{stage_weights / 2**30:.1f} GiB, step working set {activations / 2**30:.1f} GiB"
         )
     return int(budget // per_token)

@@ -31,7 +31,7 @@ from .core.request import PoolingParams, RequestBatch
 from .core.restarts import RestartPolicy
 from .core.scheduler import Ledger, Scheduler
 from .core.stats import EngineStats
-from .deployment import Deployment, plan_deployment
+from .deployment import Deployment
 from .errors import (
     EngineDeadError,
     InvalidInputError,
@@ -44,7 +44,7 @@ from .long_inputs import CombinedSubmission, split_windows, window_params
 from .memory import bound_heap_growth
 from .owners import Owners
 from .parallel.executor import Executor
-from .parallel.launch import start_executor
+from .parallel.launch import deployment_for, start_executor
 from .scoring import ScoringMethods, refuse_embedding
 from .signal_mask import block_stop_signals
 from .submission import Submission
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from .tracing import TraceSummary
 
 log = logging.getLogger("pipepool")
+_CLOSE_JOIN_S = 0.3
 
 
 class Engine(ScoringMethods):
@@ -85,7 +86,7 @@ class Engine(ScoringMethods):
         self._closed = True  # until fully started, close() has nothing to stop
         bound_heap_growth()  # before the first large block: RSS stays flat however long we run
         self.config = config
-        self.deployment: Deployment = plan_deployment(config)
+        self.deployment: Deployment = deployment_for(config)
         d = self.deployment
         self.inputs = InputPreparer(d)
         self.stats = EngineStats(d.num_stages)
@@ -118,6 +119,7 @@ class Engine(ScoringMethods):
             max_num_seqs=d.max_num_seqs,
             chunked=d.causal,
             blocks=blocks,
+            verify_state=self.config.verify_state,
         )
 
     # -- public API -------------------------------------------------------------------------
@@ -383,10 +385,11 @@ class Engine(ScoringMethods):
         return summarize(traces, since_ns, until_ns)
 
     def close(self) -> None:
-        """Stop the loop and every stage process now; pending calls fail with EngineDeadError.
-        Stage processes are killed rather than asked to finish the steps in flight: nothing
-        they would still compute is wanted. With tracing on and no trace written yet, the
-        steps in flight finish first and the trace is written (its summary logged)."""
+        """Stop the loop and every stage process now (well under a second); pending calls
+        fail with EngineDeadError("engine closed"). Stages are not asked to finish the steps
+        in flight: nothing they would still compute is wanted, so they exit at once. With
+        tracing on and no trace written yet, the steps in flight finish first and the trace
+        is written (its summary logged)."""
         if getattr(self, "_trace", None) is not None and not self._trace_written and self.is_alive:
             try:
                 summary = self.write_trace(timeout=60)
@@ -400,7 +403,9 @@ class Engine(ScoringMethods):
             self._stop = True
             self._wake.notify()
         self._executor.abort()  # a loop waiting on a stage's answer fails over at once
-        self._thread.join(timeout=30)
+        # The loop leaves at its next check of _stop; one still inside a long step on the
+        # driver's own stage is not waited for (it is a daemon, and delivers nothing now).
+        self._thread.join(timeout=_CLOSE_JOIN_S)
         self._fail_pending(EngineDeadError("engine closed"))
         self._executor.shutdown()
 
@@ -575,10 +580,11 @@ class Engine(ScoringMethods):
             self._restarting = False
             callbacks, self._on_death = self._on_death, []
         self.stats.on_error(cause)
-        self._fail_pending(cause)
-        self._executor.shutdown()
+        # Callbacks first: a caller whose call fails with the cause may look for them at once.
         for fn in callbacks:
             fn(cause)
+        self._fail_pending(cause)
+        self._executor.shutdown()
 
     def _wake_loop(self) -> None:
         with self._wake:

@@ -64,29 +64,38 @@ class StateDivergence(StageFailure):
         expected: int,
         found: int,
         what: str = "num_computed_tokens",
+        check: str = "",
+        found_by: str = "",
     ) -> None:
         self.step_id = step_id
         self.request_id = request_id
         self.expected = expected
         self.found = found
+        # Which check caught it: "mirror" (a stage's mirror against the plan, before it
+        # computes), "neighbour" (a stage checking the digest it received), "driver" (the
+        # scheduler checking the last stage's digest chain); and where it ran.
+        self.check = check
+        self.found_by = found_by
+        who = f" (found by {found_by}, {check} check)" if check else ""
+        request = f", request {request_id}" if request_id >= 0 else ""
         super().__init__(
-            f"state divergence at step {step_id}, stage {stage}, request {request_id}: "
-            f"{what} expected {expected}, found {found}",
+            f"state divergence at step {step_id}, stage {stage}{request}: "
+            f"{what} expected {expected}, found {found}{who}",
             stage=stage,
         )
 
     def __reduce__(self):  # exceptions with keyword-only args need this to cross processes
-        return (
-            _rebuild_divergence,
-            (self.step_id, self.stage, self.request_id, self.expected, self.found, str(self)),
-        )
+        fields = (self.step_id, self.stage, self.request_id, self.expected, self.found)
+        return (_rebuild_divergence, (*fields, self.check, self.found_by, str(self)))
 
 
 def _rebuild_divergence(
-    step_id: int, stage: int, request_id: int, expected: int, found: int, message: str
-) -> StateDivergence:
+    step_id: int, stage: int, request_id: int, expected: int, found: int, check: str,
+    found_by: str, message: str,
+) -> StateDivergence:  # fmt: skip
     err = StateDivergence(
-        step_id=step_id, stage=stage, request_id=request_id, expected=expected, found=found
-    )
+        step_id=step_id, stage=stage, request_id=request_id, expected=expected, found=found,
+        check=check, found_by=found_by,
+    )  # fmt: skip
     err.args = (message,)
     return err

@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
     # `--help` is quick.
     import uvicorn
 
-    from ..deployment import plan_deployment
     from ..engine import Engine
+    from ..parallel.launch import deployment_for
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
     from ..server.app import build_app
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if env_ranks is not None and env_ranks.rank > 0:
         # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
         # are pipeline stages until rank 0 shuts the pipeline down.
-        return run_torchrun_worker(plan_deployment(config))
+        return run_torchrun_worker(deployment_for(config))
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
     url = f"http://{settings.host}:{settings.port}"

@@ -13,13 +13,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import StateDivergence
+from .digest import NUM_PARTS, Digest
 
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 
 
 def _empty_i64() -> np.ndarray:
     return _EMPTY_I64
+
+
+def _no_expectation() -> np.ndarray:
+    return np.empty((0, NUM_PARTS), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class StepPlan:
     # (cross-encoders); empty when every token is type 0. Per token like token_ids, and like
     # them needed by the first stage only.
     token_type_ids: np.ndarray = field(default_factory=_empty_i64)
+    # What the stages' state must hash to after this step (``digest.py``): row 0 for every
+    # stage but the last, row 1 for the last ([2, NUM_PARTS] int64); empty when the engine
+    # does not verify state.
+    expected_state: np.ndarray = field(default_factory=_no_expectation)
 
     def __post_init__(self) -> None:
         assert len(self.req_ids) == len(self.starts) == len(self.ends)
@@ -108,10 +116,6 @@ class StepPlan:
         return len(self.req_ids)
 
     @property
-    def is_shutdown(self) -> bool:
-        return self.step_id == _SHUTDOWN
-
-    @property
     def is_flush(self) -> bool:
         return self.step_id == _FLUSH
 
@@ -125,7 +129,7 @@ class StepPlan:
             return self
         return StepPlan(
             self.step_id, self.req_ids, self.starts, self.ends, self.new, _EMPTY_I64,
-            self.freed_ids, self.num_tokens,
+            self.freed_ids, self.num_tokens, _EMPTY_I64, self.expected_state,
         )  # fmt: skip
 
 
@@ -136,13 +140,9 @@ def _all_distinct(ids: np.ndarray) -> bool:
     return len(np.unique(ids)) == len(ids)
 
 
-# Control plans: step ids below 0 carry no work.
-_SHUTDOWN, _FLUSH, _TRACE = -1, -2, -3
-
-
-def shutdown_plan() -> StepPlan:
-    """The plan that tells a stage process to exit its loop."""
-    return _control_plan(_SHUTDOWN)
+# Control plans: step ids below 0 carry no work. (Stages stop through the store's "stop"
+# key, not by a plan: a stage blocked on a send would never read one.)
+_FLUSH, _TRACE = -2, -3
 
 
 def flush_plan() -> StepPlan:
@@ -171,9 +171,9 @@ class StepResult:
     """
 
     step_id: int
-    # [R] num_computed_tokens of each scheduled request after the last stage's post-step,
-    # in plan order; the driver checks it equals plan.ends.
-    digest: np.ndarray
+    # Every stage's state digest, chained (``digest.py``); the driver checks it against the
+    # plan's expected_state. None when the engine does not verify state.
+    digest: Digest | None
     vector_ids: np.ndarray = field(default_factory=_empty_i64)  # [n] int64
     vectors: np.ndarray | None = None  # [n, D] float32
     token_owner_ids: np.ndarray = field(default_factory=_empty_i64)  # [m] int64
@@ -185,20 +185,3 @@ class StepResult:
     @property
     def finished_ids(self) -> np.ndarray:
         return np.concatenate([self.vector_ids, self.token_owner_ids])
-
-
-def check_digest(plan: StepPlan, digest: np.ndarray, *, stage: int) -> None:
-    """A stage's post-step digest must say that every scheduled request advanced exactly to
-    its chunk end; otherwise StateDivergence names the first request that did not."""
-    if digest.shape == plan.ends.shape and np.array_equal(digest, plan.ends):
-        return
-    n = min(len(digest), len(plan.ends))
-    diff = np.nonzero(digest[:n] != plan.ends[:n])[0]
-    i = int(diff[0]) if len(diff) else n
-    raise StateDivergence(
-        step_id=plan.step_id,
-        stage=stage,
-        request_id=int(plan.req_ids[i]) if i < plan.num_reqs else -1,
-        expected=int(plan.ends[i]) if i < len(plan.ends) else -1,
-        found=int(digest[i]) if i < len(digest) else -1,
-    )

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import StageFailure, StateDivergence
+from .digest import StageState, check_digest, empty_ids, expected_parts
 from .kv_blocks import BlockAllocator
-from .plan import NewRequests, StepPlan, StepResult, check_digest
-from .request import RequestBatch
+from .plan import NewRequests, StepPlan, StepResult
+from .request import Pooling, RequestBatch
 
 
 @dataclass(eq=False)
@@ -68,6 +69,9 @@ class _PlanBuilder:
         self.tokens: list[np.ndarray] = []
         self.types: list[np.ndarray | None] = []  # None: the slice's tokens are all type 0
         self.final: list[np.ndarray] = []
+        self.prompt_lens: list[np.ndarray] = []
+        self.block_counts: list[np.ndarray] = []  # KV blocks each row taken holds
+        self.block_ids: list[np.ndarray] = []  # those blocks, row order
         self.new: list[tuple] = []  # (ids, prompt_lens, params, block_ids or None)
         self.batches: dict[int, RequestBatch] = {}
 
@@ -79,9 +83,16 @@ class _PlanBuilder:
     def full(self) -> bool:
         return self.budget <= 0 or self.seqs <= 0
 
-    def take(self, batch, ids, starts, ends, span, final) -> None:
-        """``span``: (tokens, type ids or None) of the rows taken, back to back."""
+    def take(self, batch, ids, starts, ends, span, final, blocks=None) -> None:
+        """``span``: (tokens, type ids or None) of the rows taken, back to back; ``blocks``:
+        the KV blocks of a single row taken (a prompt spanning several steps)."""
         tokens, types = span
+        self.prompt_lens.append(batch.lengths[ids - batch.first_id])
+        if blocks is None:
+            self.block_counts.append(np.zeros(len(ids), np.int64))
+        else:
+            self.block_counts.append(np.array([len(blocks)], np.int64))
+            self.block_ids.append(blocks)
         self.ids.append(ids)
         self.starts.append(starts)
         self.ends.append(ends)
@@ -92,7 +103,9 @@ class _PlanBuilder:
         self.seqs -= len(ids)
         self.batches[batch.first_id] = batch
 
-    def build(self, step_id: int, freed: tuple[int, ...]) -> tuple[StepPlan, Ledger]:
+    def build(
+        self, step_id: int, freed: tuple[int, ...], expected: np.ndarray | None
+    ) -> tuple[StepPlan, Ledger]:
         cat = np.concatenate
         empty = np.empty(0, dtype=np.int64)
         req_ids = cat(self.ids) if self.ids else empty
@@ -108,10 +121,34 @@ class _PlanBuilder:
             freed_ids=freed,
             num_tokens=int((ends - starts).sum()),
             token_type_ids=self._type_ids(),
+            **({"expected_state": expected} if expected is not None else {}),
         )
         batches = tuple(self.batches[k] for k in sorted(self.batches))
         final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
         return plan, Ledger(batches, final)
+
+    def state_after(self, running: list[_Split]) -> StageState:
+        """What the last stage holds after this plan if it applied it right: the plan's
+        requests at their chunk ends, the split prompts still running (``running``, after
+        this plan) as its live set, and pooling accumulators for those that pool other than
+        LAST (the other stages hold the same but no accumulators)."""
+        cat, ids = np.concatenate, empty_ids()
+        live = sorted(running, key=lambda s: s.request_id)
+        live_ids = np.fromiter((s.request_id for s in live), np.int64, len(live))
+        live_done = np.fromiter((s.num_scheduled for s in live), np.int64, len(live))
+        pool = np.array([s.batch.params.code != Pooling.LAST for s in live], dtype=bool)
+        taken = bool(self.ids)
+        return StageState(
+            req_ids=cat(self.ids) if taken else ids,
+            computed=cat(self.ends) if taken else ids,
+            prompt_lens=cat(self.prompt_lens) if taken else ids,
+            block_counts=cat(self.block_counts) if taken else ids,
+            block_ids=cat(self.block_ids) if self.block_ids else ids,
+            live_ids=live_ids,
+            live_computed=live_done,
+            pool_ids=live_ids[pool],
+            pool_tokens=live_done[pool],
+        )
 
     def _type_ids(self) -> np.ndarray:
         """The step's token type ids: empty unless some slice carries them (pair inputs), then
@@ -162,8 +199,11 @@ class Scheduler:
         max_num_seqs: int,
         chunked: bool,
         blocks: BlockAllocator | None,
+        verify_state: bool = True,
     ) -> None:
         assert chunked == (blocks is not None), "causal models chunk and need a KV cache"
+        # Put into every plan what the stages' state must hash to after it (``digest.py``).
+        self.verify_state = verify_state
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked = chunked
@@ -214,7 +254,11 @@ class Scheduler:
             self._free_blocks(split)
         if step.empty and not self._freed:
             return None
-        plan, ledger = step.build(self._next_step, tuple(self._freed))
+        expected = None
+        if self.verify_state:
+            step_id = self._next_step
+            expected = expected_parts(step.state_after(self.running), step_id)
+        plan, ledger = step.build(self._next_step, tuple(self._freed), expected)
         self._ledgers[plan.step_id] = ledger
         self._freed.clear()
         self._next_step += 1
@@ -234,6 +278,7 @@ class Scheduler:
             step.take(
                 split.batch, np.array([split.request_id]), np.array([start]), np.array([end]),
                 split.batch.span(offset + start, offset + end), np.array([final]),
+                split.block_ids,
             )  # fmt: skip
             split.num_scheduled = end
             if final:
@@ -279,7 +324,7 @@ class Scheduler:
         offset = int(batch.offsets[row])
         step.take(
             batch, ids, np.zeros(1, np.int64), np.array([n]), batch.span(offset, offset + n),
-            np.array([n == prompt_len]),
+            np.array([n == prompt_len]), blocks,
         )  # fmt: skip
         step.new.append((ids, np.array([prompt_len]), batch.params, blocks))
         self._advance(batch, 1)
@@ -312,8 +357,9 @@ class Scheduler:
         """Apply the last stage's result to the plan it answers; returns the plan's ledger
         (its batches, and which rows finished) for delivery.
 
-        The digest must say that every scheduled request advanced to exactly its chunk end,
-        and the outputs must be exactly those of the requests the plan finished.
+        The digest chain must match what the plan expected of every stage (the driver check
+        of DESIGN.md §1, naming the first stage that differs), and the outputs must be
+        exactly those of the requests the plan finished.
         """
         ledger = self._ledgers[plan.step_id]  # a rejected result changes nothing
         if result.step_id != plan.step_id:
@@ -321,7 +367,18 @@ class Scheduler:
                 step_id=plan.step_id, stage=last_stage, request_id=-1,
                 expected=plan.step_id, found=result.step_id, what="step id",
             )  # fmt: skip
-        check_digest(plan, np.asarray(result.digest), stage=last_stage)
+        if len(plan.expected_state):
+            if result.digest is None:
+                raise StateDivergence(
+                    step_id=plan.step_id, stage=last_stage, request_id=-1, expected=1,
+                    found=0, what="state digest (none returned)", check="driver",
+                    found_by="the driver",
+                )  # fmt: skip
+            check_digest(
+                result.digest, plan.expected_state, step_id=plan.step_id,
+                num_stages=last_stage + 1, upto=last_stage + 1, check="driver",
+                found_by="the driver",
+            )  # fmt: skip
         finished = plan.req_ids[ledger.final]
         if not np.array_equal(np.sort(result.finished_ids), np.sort(finished)):
             raise StageFailure(

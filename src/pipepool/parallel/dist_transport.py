@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.digest import Digest
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
 
 # Message tags on the control group (gloo matches a receive by source and tag).
 TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 2, 3, 4, 5, 6
 TAG_CLOCK, TAG_TRACE_LEN, TAG_TRACE = 7, 8, 9  # tracing: clock pings, then the spans
-_DIGEST_HEADER = 1  # [step_id] before the per-request counts
 
 
 @dataclass
@@ -88,11 +88,17 @@ class DistOutbound:
         self._pending.append(_Pending(work, hidden))
         return work
 
-    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
-        message = np.concatenate([[step_id], digest, np.round(np.asarray(busy) * 1e6)]).astype(
-            np.int64
-        )
-        buf = torch.from_numpy(message)
+    def send_digest(self, step_id: int, digest: Digest | None, busy: list[float]) -> None:
+        """One int64 message: the digest chain of stages 0..k (zeros when state is not
+        verified), then their busy clocks (telemetry, after the integrity data)."""
+        stages = len(busy)
+        if digest is None:
+            wire = np.zeros(Digest.wire_size(stages), np.int64)
+            wire[0] = step_id
+        else:
+            wire = digest.to_array()
+        clocks = np.round(np.asarray(busy) * 1e6).astype(np.int64)
+        buf = torch.from_numpy(np.concatenate([wire, clocks]))
         self._pending.append(_Pending(self.groups.control.send([buf], self.dst, TAG_DIGEST), buf))
 
     def flush(self) -> None:
@@ -110,8 +116,9 @@ class _DistIncoming:
             self._hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
             self._hidden_work = groups.data.recv([self._hidden], src, TAG_HIDDEN)
         self.receive_work = self._hidden_work  # for a tracer to watch; hidden() waits
-        # [step_id, R counts, busy_us of stages 0..stage-1]
-        self._digest = torch.empty(_DIGEST_HEADER + plan.num_reqs + stage, dtype=torch.int64)
+        # [step_id, digest chain and parts of stages 0..stage-1, busy_us of each]
+        self._wire = Digest.wire_size(stage)
+        self._digest = torch.empty(self._wire + stage, dtype=torch.int64)
         self._digest_work = groups.control.recv([self._digest], src, TAG_DIGEST)
         self._digest_ready = False
 
@@ -137,11 +144,11 @@ class _DistIncoming:
                 )
         return self._digest.numpy()
 
-    def digest(self) -> np.ndarray:
-        return self._digest_message()[_DIGEST_HEADER : _DIGEST_HEADER + self._plan.num_reqs]
+    def digest(self) -> Digest:
+        return Digest.from_array(self._digest_message()[: self._wire], self._stage)
 
     def stage_busy_s(self) -> list[float]:
-        busy = self._digest_message()[_DIGEST_HEADER + self._plan.num_reqs :]
+        busy = self._digest_message()[self._wire :]
         return (busy / 1e6).tolist()
 
 

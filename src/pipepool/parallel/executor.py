@@ -9,6 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
 
 from ..core.plan import StepPlan, StepResult
 from ..stage.output import PendingResult
@@ -58,7 +61,9 @@ class UniprocExecutor(Executor):
     """Every stage in this process, run one after the other for each plan.
 
     PP=1 is the production case. PP>1 here simulates the pipeline without processes, for
-    tests and debugging: the same runners and the same lockstep checks, local links.
+    tests and debugging: the same runners and the same lockstep checks, local links. On CUDA
+    each stage runs with its own device current, and a link moves hidden states to the next
+    stage's device.
     On CUDA two plans may be in flight, so the host prepares step k+1 while the device runs
     step k (results are copied back asynchronously and waited for in ``collect``).
     """
@@ -67,7 +72,7 @@ class UniprocExecutor(Executor):
         self.runners = runners
         self.num_stages = len(runners)
         self.depth = depth
-        self.links = [LocalLink() for _ in range(self.num_stages - 1)]
+        self.links = [LocalLink(r.spec.device) for r in runners[1:]]
         self._outputs: deque[PendingResult] = deque()
 
     def submit(self, plan: StepPlan) -> None:
@@ -75,7 +80,8 @@ class UniprocExecutor(Executor):
         for k, runner in enumerate(self.runners):
             inbound = self.links[k - 1] if k > 0 else None
             outbound = self.links[k] if k < self.num_stages - 1 else None
-            output = runner.execute(plan, inbound, outbound)
+            with _current_device(runner.spec.device):
+                output = runner.execute(plan, inbound, outbound)
         self._outputs.append(output.start_host_copy())
 
     def collect(self) -> StepResult:
@@ -87,3 +93,8 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         self._outputs.clear()
         self.runners = []
+
+
+def _current_device(device: torch.device):
+    """Kernels that take the current device (Triton, CUDA graphs) must see the stage's."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..deployment import Deployment
+from ..config import EngineConfig
+from ..deployment import Deployment, plan_deployment
 from ..stage.runner import StageRunner
 from .executor import Executor, UniprocExecutor
+
+
+def deployment_for(config: EngineConfig) -> Deployment:
+    """The deployment plan this process runs: its own, or under torchrun the one rank 0 made
+    for every rank (``handoff``)."""
+    from .rendezvous import torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        return plan_deployment(config)
+    from .handoff import torchrun_deployment
+
+    return torchrun_deployment(config, env)
 
 
 def start_executor(

@@ -10,10 +10,11 @@ the recorded cause (the stage that failed first, by name) instead of a transport
 engine may then start a fresh executor in its place (``can_restart``), reusing the driver's
 own stage.
 
-Stopping: stage processes this process started hold nothing worth saving, so ``abort`` and
-``shutdown`` kill them at once (a graceful stop would wait for them to finish the steps in
-flight and hand over results nobody reads any more). Under torchrun the other ranks are not
-ours to kill: the driver collects what is in flight, then sends each rank the stop plan.
+Stopping: nothing a stage would still compute is wanted, so ``abort`` and ``shutdown`` do not
+wait for the steps in flight (a stage may be blocked handing over results nobody reads). The
+driver sets ``stop`` in the engine's store; a thread in every stage process (ours, or torchrun
+ranks on other hosts) waits for that key and exits the process at once with code 0. Our own
+stage processes still running half a second later are killed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..core.plan import StepPlan, StepResult, flush_plan, shutdown_plan
+from ..core.plan import StepPlan, StepResult, flush_plan
 from ..deployment import Deployment
 from ..errors import PipepoolError, StageFailure
 from ..signal_mask import block_stop_signals
@@ -44,17 +45,20 @@ from .dist_transport import (
     wait_all,
 )
 from .executor import Executor
+from .handoff import publish
 from .rendezvous import engine_store, host_store, make_groups, torchrun_env, torchrun_store
 from .trace_link import gather_stage_trace
 from .worker import (
+    STOP_KEY,
     ErrorReport,
-    bind_device,
     limit_cpu_threads,
+    place_stage,
     run_stage,
-    stage_spec_for_rank,
 )
 
-_JOIN_TIMEOUT_S = 10.0
+# After the stop, how long our own stage processes get to exit by themselves (they take
+# milliseconds) before they are killed.
+_STOP_GRACE_S = 0.5
 _FAILURE_GRACE_S = 0.3
 _POLL_S = 0.05  # after a stage dies, time for the others' error reports to land
 
@@ -88,9 +92,8 @@ class MultiprocExecutor(Executor):
         self._lock = threading.Lock()
         self._listener: Callable[[], None] | None = None
         self._plan_sends: deque[list] = deque()
-        spec = stage_spec_for_rank(deployment, 0, local_rank)
+        spec = place_stage(deployment, 0, local_rank)
         try:
-            bind_device(spec)
             limit_cpu_threads(deployment, spec)
             self.runner = stage0 or StageRunner(deployment.config, deployment.folder, spec)
             self._wait_loaded(cancelled or (lambda: False))
@@ -126,7 +129,7 @@ class MultiprocExecutor(Executor):
             return cls(deployment, engine_store(raw, rdv), raw, rdv, {}, env.local_rank)
         raw, rdv = host_store(deployment.num_stages)
         store = engine_store(raw, rdv)
-        store.set("deployment", pickle.dumps(deployment))
+        publish(store, deployment)
         env = dict(os.environ)
         # The stage processes import what this process imported, from the same places.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -289,37 +292,27 @@ class MultiprocExecutor(Executor):
     # -- shutdown --------------------------------------------------------------------------
 
     def abort(self) -> None:
-        if self._procs:
-            self._closing = True
-            self._kill_all()
-
-    def shutdown(self) -> None:
-        if self._procs:  # ours: nothing to wait for
-            self.abort()
-            self._stop_supervising()
-            return
+        """Stop now, from any thread. Every stage is told to exit through the store (a stage
+        blocked sending results nobody reads, or waiting for a plan that never comes, exits
+        at once with code 0); stage processes of ours still there after a moment are killed.
+        Whatever waits on them here then fails at once."""
         if self._closing:
             return
         self._closing = True
-        if self._failure is None:  # after a failure the ranks cannot take a stop plan anyway
-            try:
-                self._drain()
-                stop = shutdown_plan()
-                for rank in range(1, self.num_stages):
-                    # Keep the handles: a send whose buffers are collected never arrives.
-                    self._plan_sends.append(
-                        send_object(self.groups.control, stop, rank, (TAG_PLAN_LEN, TAG_PLAN))
-                    )
-                self._wait_stopped(time.monotonic() + _JOIN_TIMEOUT_S)
-            except (RuntimeError, PipepoolError):
-                pass
-        self._stop_supervising()
+        with contextlib.suppress(Exception):  # a store gone with its host: nobody to tell
+            self._store.set(STOP_KEY, b"1")
+        deadline = time.monotonic() + _STOP_GRACE_S
+        if self._procs:
+            for proc in self._procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            self._kill_all()
+        else:
+            self._wait_stopped(deadline)
 
-    def _drain(self) -> None:
-        """torchrun: receive the results of plans still in flight, so that no rank is left
-        blocked handing one over when the stop plan comes."""
-        while self._uncollected:
-            self.collect()
+    def shutdown(self) -> None:
+        self.abort()
+        self._stop_supervising()
 
     def _stop_supervising(self) -> None:
         if hasattr(self, "_supervisor"):
@@ -327,8 +320,8 @@ class MultiprocExecutor(Executor):
             self._supervisor.join(timeout=2)
 
     def _wait_stopped(self, deadline: float) -> None:
-        """torchrun: wait until every other rank took the stop plan (or reported an error);
-        leaving earlier would close connections under a stage still reading from them."""
+        """torchrun: wait until every other rank saw the stop (or reported an error); leaving
+        earlier would close connections under a stage still reading from them."""
         pending = {f"stopped/{rank}" for rank in range(1, self.num_stages)}
         with contextlib.suppress(Exception):  # a store gone with its host: nothing to wait for
             while pending and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ the same command; rank 0 is the driver.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import uuid
 from dataclasses import dataclass
@@ -60,7 +61,10 @@ def host_store(world: int) -> tuple[dist.TCPStore, Rendezvous]:
     )
 
 
+@functools.cache
 def torchrun_store(env: TorchrunEnv) -> tuple[dist.Store, Rendezvous]:
+    """torchrun's store, connected once per process (the deployment hand-off and the
+    executor share it)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(
@@ -87,7 +91,6 @@ def make_groups(store: dist.Store, rdv: Rendezvous, rank: int, device: torch.dev
     with stop_signals_blocked():  # the groups' I/O threads start here and inherit the mask
         control = _gloo(dist.PrefixStore("control", store), rank, rdv)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
             data = _nccl(dist.PrefixStore("data", store), rank, rdv.world)
         else:
             data = _gloo(dist.PrefixStore("data", store), rank, rdv)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import datetime
 import os
 import pickle
 import signal
@@ -31,6 +31,7 @@ from .dist_transport import (
     send_object,
     wait_all,
 )
+from .handoff import receive
 from .rendezvous import Rendezvous, connect_store, engine_store, make_groups
 from .trace_link import answer_trace
 
@@ -46,10 +47,12 @@ class ErrorReport:
     secondary: bool
 
 
-def stage_spec_for_rank(deployment: Deployment, rank: int, local_rank: int | None) -> StageSpec:
-    spec = deployment.stage_spec(rank)
-    if local_rank is not None and spec.device.type == "cuda":  # torchrun: one GPU per local rank
-        spec = dataclasses.replace(spec, device=torch.device("cuda", local_rank))
+def place_stage(deployment: Deployment, rank: int, local_rank: int | None) -> StageSpec:
+    """This process's stage, on its device: ``set_device`` comes before any other CUDA work
+    (loading weights, kernel self-checks), so nothing lands on another rank's GPU."""
+    spec = deployment.stage_spec(rank, local_rank)
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
     return spec
 
 
@@ -68,15 +71,6 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def bind_device(spec: StageSpec) -> None:
-    """Make the stage's GPU the current device before the stage is built: Triton launches a
-    kernel on the current device, not on its tensors' one, so the fused q/k-norm + RoPE
-    self-check at load time ran on GPU 0 with another GPU's tensors in every stage process
-    but the first (until ``make_groups`` set the device, after loading)."""
-    if spec.device.type == "cuda":
-        torch.cuda.set_device(spec.device)
-
-
 def worker_main(argv: list[str] | None = None) -> None:
     """Entry point of a stage process the driver started:
     ``python -m pipepool.parallel.worker RANK HOST PORT WORLD PREFIX``.
@@ -92,8 +86,13 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank_s, host, port_s, world_s, prefix = (argv if argv is not None else sys.argv[1:])[:5]
     rdv = Rendezvous(host, int(port_s), int(world_s), prefix, torchrun=False)
     store = engine_store(connect_store(rdv), rdv)
-    deployment = pickle.loads(store.get("deployment"))
-    code = run_stage(int(rank_s), rdv, deployment, store, local_rank=None)
+    rank = int(rank_s)
+    try:
+        deployment = receive(store, rank)  # checked against the driver's digest before loading
+    except BaseException as exc:
+        report_error(store, rank, exc)
+        os._exit(1)
+    code = run_stage(rank, rdv, deployment, store, local_rank=None)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown of process groups: the driver already moved on
@@ -102,11 +101,12 @@ def worker_main(argv: list[str] | None = None) -> None:
 def run_stage(
     rank: int, rdv: Rendezvous, deployment: Deployment, store, *, local_rank: int | None
 ) -> int:
-    """Load the stage, then apply plans until the shutdown plan; returns an exit code."""
+    """Load the stage, then apply plans until the driver's stop ends the process (exit code
+    0, from ``_exit_when_stopped``); returns an exit code only when the stage failed."""
     bound_heap_growth()  # as the driver does: every process of the pipeline stays flat
+    stop = _exit_when_stopped(rdv, rank)
     try:
-        spec = stage_spec_for_rank(deployment, rank, local_rank)
-        bind_device(spec)
+        spec = place_stage(deployment, rank, local_rank)  # the device is current from here
         limit_cpu_threads(deployment, spec)
         runner = StageRunner(deployment.config, deployment.folder, spec)
         store.set(f"loaded/{rank}", b"1")
@@ -117,13 +117,11 @@ def run_stage(
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
         results = ResultSender(groups, hold_back=deployment.overlap_steps)
         trace = runner.trace  # None unless tracing
-        while True:
+        while True:  # until the driver's stop (``_exit_when_stopped``) ends the process
             waiting = now() if trace is not None else 0
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))
             if trace is not None:
                 trace.waited_plan(waiting, plan)
-            if plan.is_shutdown:
-                break
             if plan.is_flush:
                 results.flush()
                 continue
@@ -136,18 +134,59 @@ def run_stage(
                 results.send(output)
                 if trace is not None:
                     trace.host("result", sending)
-        results.close()
-        if outbound is not None:
-            outbound.flush()
-        # Under torchrun the driver has no child process to wait for: this key tells it the
-        # stop plan arrived, so it does not exit (closing its connections) before we read it.
-        store.set(f"stopped/{rank}", b"1")
-        return 0
     except BaseException as exc:
+        if stop.is_set() or _stop_requested(store):
+            # The driver stopped and closed its connections: no failure. The watcher thread
+            # is exiting the process with code 0.
+            while True:
+                time.sleep(1)
         report_error(store, rank, exc)
         if local_rank is not None:  # torchrun: the driver may be gone; say it here as well
             traceback.print_exc()
         return 1
+
+
+STOP_KEY = "stop"
+
+
+def _exit_when_stopped(rdv: Rendezvous, rank: int) -> threading.Event:
+    """A thread that waits for the driver's ``stop`` key and then exits this process with
+    code 0, whatever the stage is blocked on. A connection of its own: a TCPStore client
+    serialises its operations, and this one blocks. The event is set once the stop came."""
+    stopped = threading.Event()
+    store = engine_store(connect_store(rdv), rdv)
+
+    def run() -> None:
+        while True:
+            try:
+                store.wait([STOP_KEY], _STOP_POLL)
+                break
+            except Exception as exc:
+                if "timeout" not in str(exc).lower():  # the store went away with the driver
+                    os._exit(1)
+        stopped.set()
+        with contextlib.suppress(Exception):
+            # Under torchrun the driver has no child process to wait for: this key tells it
+            # the stop arrived, so it does not close connections under a stage still reading.
+            store.set(f"stopped/{rank}", b"1")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown: process groups with operations in flight
+
+    threading.Thread(target=run, name="pipepool-stop-watch", daemon=True).start()
+    return stopped
+
+
+# One wait for the whole life of the stage: a TCPStore wait that times out logs a C++ warning,
+# and a stage idle for hours must not print one a minute.
+_STOP_POLL = datetime.timedelta(days=365)
+
+
+def _stop_requested(store) -> bool:
+    try:
+        return bool(store.check([STOP_KEY]))
+    except Exception:
+        return False
 
 
 class ResultSender:
@@ -176,10 +215,6 @@ class ResultSender:
         if self._held is not None:
             held, self._held = self._held, None
             self._send(held)
-
-    def close(self) -> None:
-        # A result still held at shutdown was never asked for: the driver stopped waiting.
-        wait_all(self._sends)
 
     def _send(self, pending: PendingResult) -> None:
         wait_all(self._sends)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.digest import StageState, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
 
@@ -31,9 +32,11 @@ class MirrorEntry:
 
 @dataclass(frozen=True)
 class StepView:
-    """One step's requests in plan order, from this stage's knowledge plus the chunk sizes."""
+    """One step's requests in plan order: where each chunk sits (from the plan, always), and
+    what this stage knows of each request (its mirror)."""
 
-    starts: np.ndarray  # [R] num_computed_tokens at step start (mirror; 0 for new requests)
+    starts: np.ndarray  # [R] chunk starts from the plan: positions and KV slots derive from it
+    mirror_starts: np.ndarray  # [R] this stage's own num_computed_tokens (0 for new requests)
     lens: np.ndarray  # [R] chunk lengths
     prompt_lens: np.ndarray  # [R]
     poolings: np.ndarray  # [R] int8 Pooling codes
@@ -86,7 +89,8 @@ class Mirror:
             return np.concatenate([head, new_values.astype(dtype, copy=False)])
 
         return StepView(
-            starts=column("num_computed_tokens", np.zeros(len(new), np.int64), np.int64),
+            starts=plan.starts,
+            mirror_starts=column("num_computed_tokens", np.zeros(len(new), np.int64), np.int64),
             lens=plan.ends - plan.starts,
             prompt_lens=column("prompt_len", new.prompt_lens, np.int64),
             poolings=column("pooling", new.poolings, np.int8),
@@ -97,24 +101,48 @@ class Mirror:
         )
 
     def advance(self, view: StepView) -> np.ndarray:
-        """The post-step: every scheduled request advanced by its chunk. Returns each
-        request's num_computed_tokens after the step (the digest)."""
-        post = view.starts + view.lens
+        """The post-step: every scheduled request advanced by its chunk, from this stage's own
+        count (not copied from the plan, so that a stage that drifted shows it). Returns each
+        request's num_computed_tokens after the step."""
+        post = view.mirror_starts + view.lens
         for entry, row in zip(view.entries, view.entry_rows.tolist(), strict=True):
             entry.num_computed_tokens = int(post[row])
         return post
 
-    def drop(self, plan: StepPlan, view: StepView) -> list[int]:
-        """Forget requests whose final chunk this was, and those the plan frees; returns the
-        ids forgotten (their pooling state goes too)."""
+    def drop(self, plan: StepPlan, view: StepView, *, freed: bool = True) -> list[int]:
+        """Forget requests whose final chunk this was, and (``freed``) those the plan frees;
+        returns the ids forgotten (their pooling state goes too)."""
         done = [
             int(plan.req_ids[row])
             for entry, row in zip(view.entries, view.entry_rows.tolist(), strict=True)
             if entry.num_computed_tokens >= entry.prompt_len
         ]
-        for rid in done + list(plan.freed_ids):
+        gone = done + list(plan.freed_ids) if freed else done
+        for rid in gone:
             self.entries.pop(rid, None)
-        return done + list(plan.freed_ids)
+        return gone
+
+    def state(self, plan: StepPlan, view: StepView, post: np.ndarray, pool) -> StageState:
+        """What this stage holds after the step (after ``drop``), for the digest: its own
+        counts, the block tables it registered, its live set; ``pool``: (ids, tokens) of
+        its pooling accumulators."""
+        counts = np.zeros(plan.num_reqs, np.int64)
+        counts[view.entry_rows] = [len(e.block_ids) for e in view.entries]
+        tables = [e.block_ids for e in view.entries]
+        live = sorted(self.entries)
+        return StageState(
+            req_ids=plan.req_ids,
+            computed=post,
+            prompt_lens=view.prompt_lens,
+            block_counts=counts,
+            block_ids=np.concatenate(tables) if tables else empty_ids(),
+            live_ids=np.array(live, np.int64),
+            live_computed=np.fromiter(
+                (self.entries[r].num_computed_tokens for r in live), np.int64, len(live)
+            ),
+            pool_ids=pool[0],
+            pool_tokens=pool[1],
+        )
 
     def _lookup(self, step_id: int, rid: int) -> MirrorEntry:
         entry = self.entries.get(rid)

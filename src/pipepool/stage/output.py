@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.digest import Digest
 from ..core.plan import StepResult
 from .pooling import PooledStep
 
@@ -18,7 +19,7 @@ class StageOutput:
     busy clocks on the host."""
 
     step_id: int
-    digest: np.ndarray  # [R] post-step num_computed_tokens, plan order
+    digest: Digest | None  # every stage's state digest, chained; None: state not verified
     stage_busy_s: tuple[float, ...]  # cumulative, stages 0..last
     pooled: PooledStep
 
@@ -45,8 +46,10 @@ class PendingResult:
             # Pinned memory comes from torch's caching host allocator, reused after the copy.
             self._host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
+            # On the stream of the outputs' own device, which need not be the current one
+            # (in-process stages on several GPUs).
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(flat.device))
         else:
             self._host = flat
 

@@ -73,12 +73,20 @@ class Pooler:
         self.dense = dense
         self.score = score  # a classifier's head: vectors become its (activated) logits
         self._partial: dict[int, torch.Tensor] = {}  # CLS row [H] | MEAN sum [H] | ALL [len, H]
+        # Tokens each accumulator has absorbed (the state digest covers it).
+        self._tokens: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._partial)
 
     def drop(self, request_id: int) -> None:
         self._partial.pop(request_id, None)
+        self._tokens.pop(request_id, None)
+
+    def state(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted request ids, tokens absorbed) of the accumulators held now."""
+        ids = sorted(self._tokens)
+        return np.array(ids, np.int64), np.array([self._tokens[r] for r in ids], np.int64)
 
     @staticmethod
     def prepare(req_ids: np.ndarray, view: StepView, cu_q: np.ndarray) -> PoolingPrep:
@@ -185,6 +193,10 @@ class Pooler:
         start, end = int(view.starts[row]), int(view.ends[row])
         prompt_len = int(view.prompt_lens[row])
         first, final = start == 0, end == prompt_len
+        if final:
+            self._tokens.pop(rid, None)
+        else:
+            self._tokens[rid] = end
         if kind == Pooling.CLS:
             if first:
                 self._partial[rid] = picked[next(held)].clone()

@@ -3,11 +3,13 @@
 A step, the same on every stage whatever its role (DESIGN.md §1):
 
 1. register the plan's new requests in the mirror;
-2. check the mirror against the plan (expected ``num_computed_tokens``);
-3. build the packed batch from the mirror, forward;
+2. check the mirror against the plan (expected ``num_computed_tokens``): the mirror check;
+3. build the packed batch (positions from the plan's chunk starts, KV slots from the block
+   table the plan sent with a request's first chunk), forward;
 4. send hidden states on (non-last stage) or pool (last stage);
-5. post-step: advance the mirror, unconditionally;
-6. digest the post-step state, check the previous stage's digest, pass ours on.
+5. post-step: advance the mirror by its own count, unconditionally;
+6. check the digest the previous stage sent (the neighbour check), fold the hash of this
+   stage's whole per-request state into it, pass it on (the driver checks the chain).
 
 The role of a stage decides only what it sends, never what state it advances.
 """
@@ -24,15 +26,16 @@ import torch
 
 from ..classifier import ClassifierHead
 from ..config import EngineConfig
-from ..core.plan import StepPlan, check_digest
+from ..core.digest import Digest, check_digest, empty_ids
+from ..core.plan import StepPlan
 from ..errors import StateDivergence
-from ..layers.attention import choose_kernel
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
 from ..weights import Checkpoint
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
+from .faults import StageFaults
 from .heads import DenseHead, ScoreHead
 from .kv_cache import KVCache
 from .mirror import Mirror, StepView
@@ -55,6 +58,8 @@ class StageSpec:
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
+    attn_kernel: str = "portable"  # chosen once, in the deployment
+    fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
 
     @property
     def is_first(self) -> bool:
@@ -113,13 +118,14 @@ class StageRunner:
                 dtype=spec.dtype,
                 device=spec.device,
             )
+        self.faults = StageFaults.of(config, spec.index, spec.is_last)
         self.pooler = None
-        if spec.is_last:
+        if spec.is_last or (self.faults is not None and self.faults.pools):
             dense = None
             if folder.st is not None and folder.st.dense:
                 dense = DenseHead(folder.st.dense).to(spec.device)
             score = None
-            if spec.classifier is not None:
+            if spec.classifier is not None and spec.is_last:
                 score = ScoreHead(self.model.score_head, spec.classifier.activation)
             self.pooler = Pooler(dense, score)
         self.forward = self.model
@@ -141,7 +147,7 @@ class StageRunner:
         (the KV cache needs no clearing: a slot is always written before it is read)."""
         self.mirror = Mirror(self.spec.index)
         if self.pooler is not None:
-            self.pooler = Pooler(self.pooler.dense)
+            self.pooler = Pooler(self.pooler.dense, self.pooler.score)
         self.clock = BusyClock(self.spec.device)  # counts from zero, as the new stages do
 
     # -- one step -------------------------------------------------------------------------
@@ -151,14 +157,17 @@ class StageRunner:
     ) -> StageOutput | None:
         """Run one plan. Non-last stages send through ``outbound`` and return None; the last
         stage returns what goes back to the driver."""
-        spec, tr = self.spec, self.trace
+        spec, faults, verify, tr = self.spec, self.faults, self.config.verify_state, self.trace
         if tr is not None:
             tr.begin_step(plan)
             inbound, outbound = traced(tr, inbound, outbound)
-        self._maybe_fail(plan)
+        if faults is not None:
+            faults.maybe_raise(plan)
         view = self.mirror.view(plan)
-        if self.config.verify_state:
-            self._check_mirror(plan, view.starts)
+        if faults is not None:
+            faults.after_register(view, len(view.entries) - (plan.num_reqs - len(plan.new)))
+        if verify:
+            self._check_mirror(plan, view.mirror_starts)
 
         incoming = inbound.post(plan) if inbound is not None else None
         pooled = PooledStep.empty()
@@ -171,16 +180,16 @@ class StageRunner:
         if tr is not None:
             tr.phase("post-step")
 
-        digest = self._post_step(view)
-        for rid in self.mirror.drop(plan, view):
+        post = self._post_step(view)
+        keep_freed = faults is not None and faults.keeps_freed
+        for rid in self.mirror.drop(plan, view, freed=not keep_freed):
             if self.pooler is not None:
                 self.pooler.drop(rid)
+        if faults is not None:
+            faults.after_post_step(self.mirror, plan)
         busy = list(incoming.stage_busy_s()) if incoming is not None else []
         busy.append(self.clock.seconds)
-        if self.config.verify_state:
-            if incoming is not None:
-                check_digest(plan, incoming.digest(), stage=spec.index - 1)
-            check_digest(plan, digest, stage=spec.index)
+        digest = self._digest(plan, view, post, incoming) if verify else None
         output = None
         if spec.is_last:
             output = StageOutput(plan.step_id, digest, tuple(busy), pooled)
@@ -190,14 +199,23 @@ class StageRunner:
             tr.phase(None)
         return output
 
-    def _maybe_fail(self, plan: StepPlan) -> None:
-        """Test-only: make this stage raise at a chosen step (fault-handling tests)."""
-        c = self.config
-        injected = c.inject_fault == "raise_on_stage" and self.spec.index == c.fault_stage
-        if injected and plan.step_id >= c.fault_step:
-            raise RuntimeError(
-                f"injected failure on stage {self.spec.index} at step {plan.step_id}"
-            )
+    def _digest(self, plan: StepPlan, view: StepView, post: np.ndarray, incoming) -> Digest:
+        """The neighbour check (the previous stages' digest against the plan's expectation),
+        then this stage's own state folded in. A stage never checks its own digest: the next
+        stage or the driver does."""
+        spec = self.spec
+        if incoming is None:
+            received = Digest.start(plan.step_id)
+        else:
+            received = incoming.digest()
+            check_digest(
+                received, plan.expected_state, step_id=plan.step_id,
+                num_stages=spec.num_stages, upto=spec.index, check="neighbour",
+                found_by=f"stage {spec.index}",
+            )  # fmt: skip
+        pool = self.pooler.state() if self.pooler is not None else (empty_ids(), empty_ids())
+        state = self.mirror.state(plan, view, post, pool)
+        return received.extend(state.parts(plan.step_id))
 
     def _check_mirror(self, plan: StepPlan, starts: np.ndarray) -> None:
         bad = np.nonzero(starts != plan.starts)[0]
@@ -209,6 +227,8 @@ class StageRunner:
                 request_id=int(plan.req_ids[i]),
                 expected=int(plan.starts[i]),
                 found=int(starts[i]),
+                check="mirror",
+                found_by=f"stage {self.spec.index}, before computing",
             )
 
     def _forward(self, plan: StepPlan, view: StepView, incoming) -> tuple[torch.Tensor, PooledStep]:
@@ -223,7 +243,8 @@ class StageRunner:
         prep = None
         types = plan.token_type_ids if spec.is_first and len(plan.token_type_ids) else None
         extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
-        if spec.is_last:
+        pools = self.pooler is not None  # the last stage (or a fault that pools elsewhere)
+        if pools:
             prep = Pooler.prepare(plan.req_ids, view, batch.cu_q)
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
@@ -242,7 +263,7 @@ class StageRunner:
             pooled = PooledStep.empty()
             if tr is not None:
                 tr.end_device(mark, "forward")
-            if spec.is_last:
+            if pools:
                 if tr is not None:
                     mark = tr.begin_device()
                 pooled = self.pooler.pool(
@@ -255,10 +276,10 @@ class StageRunner:
 
     def _post_step(self, view: StepView) -> np.ndarray:
         """Advance every scheduled request by its chunk, on every stage, whatever the forward
-        returned; returns the digest. (The injected fault reproduces the historical bug, for
-        tests only: the mirror is left behind.)"""
-        if self.config.inject_fault == "skip_post_step_on_non_last_stage" and not self.spec.is_last:
-            return view.starts.copy()
+        returned; returns their num_computed_tokens after the step. (The injected fault
+        reproduces the historical bug, for tests only: the mirror is left behind.)"""
+        if self.faults is not None and self.faults.skips_post_step:
+            return view.mirror_starts.copy()
         return self.mirror.advance(view)
 
 
@@ -291,10 +312,16 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
     checkpoint.load_stage(model)
     checkpoint.close()
     model.eval()
-    model.attn_kernel = choose_kernel(spec.device, spec.dtype)
-    # On CUDA in 16 bits, the fused kernel switches itself on where it agrees with torch's ops.
-    if model.attn_kernel != "portable" and not model.use_fused_qk_rope() and model.causal:
-        warnings.warn("fused q/k-norm + RoPE kernel unavailable; using torch ops", stacklevel=2)
+    # Kernels are the deployment's choice (made once for every stage). The fused q/k-norm +
+    # RoPE kernel still checks itself against torch's ops on this stage's weights: a kernel
+    # that disagrees here is not used (numerically the same op, only slower).
+    model.attn_kernel = spec.attn_kernel
+    if spec.fused_qk_rope and not model.use_fused_qk_rope():
+        warnings.warn(
+            f"stage {spec.index}: fused q/k-norm + RoPE kernel disagrees with torch ops on "
+            f"{spec.device}; this stage uses torch ops",
+            stacklevel=2,
+        )
     if spec.compile:
         model.set_compiled(True)
         try:

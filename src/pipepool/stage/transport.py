@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from ..core.digest import Digest
 from ..core.plan import StepPlan
 
 
@@ -17,7 +17,7 @@ class Incoming(Protocol):
 
     def hidden(self) -> torch.Tensor: ...  # [T, hidden]
 
-    def digest(self) -> np.ndarray: ...  # [R] previous stage's post-step num_computed_tokens
+    def digest(self) -> Digest: ...  # the state digest chain of stages 0..k-1
 
     def stage_busy_s(self) -> list[float]: ...  # cumulative busy seconds of stages 0..k-1
 
@@ -30,7 +30,7 @@ class Outbound(Protocol):
     # Returns the transfer's work handle where there is one (torch.distributed), else None.
     def send_hidden(self, hidden: torch.Tensor) -> object | None: ...
 
-    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None: ...
+    def send_digest(self, step_id: int, digest: Digest | None, busy: list[float]) -> None: ...
 
 
 class _LocalIncoming:
@@ -41,30 +41,35 @@ class _LocalIncoming:
     def hidden(self) -> torch.Tensor:
         return self._link.hidden.popleft()
 
-    def digest(self) -> np.ndarray:
+    def digest(self) -> Digest:
         return self._message()[0]
 
     def stage_busy_s(self) -> list[float]:
         return self._message()[1]
 
-    def _message(self) -> tuple[np.ndarray, list[float]]:
+    def _message(self) -> tuple[Digest | None, list[float]]:
         if self._digest is None:
             self._digest = self._link.digests.popleft()
         return self._digest
 
 
 class LocalLink:
-    """A stage boundary inside one process (PP simulated in-process, for tests and tools)."""
+    """A stage boundary inside one process (PP simulated in-process, for tests and tools).
+    ``device``: the receiving stage's; hidden states on another device are copied there."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.hidden: deque[torch.Tensor] = deque()
-        self.digests: deque[tuple[np.ndarray, list[float]]] = deque()
+        self.digests: deque[tuple[Digest | None, list[float]]] = deque()
 
     def post(self, plan: StepPlan) -> Incoming:
         return _LocalIncoming(self)
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
+        if self.device is not None and hidden.device != self.device:
+            # A blocking copy: ordered after the producing stream, before the consumer's use.
+            hidden = hidden.to(self.device)
         self.hidden.append(hidden)
 
-    def send_digest(self, step_id: int, digest: np.ndarray, busy: list[float]) -> None:
+    def send_digest(self, step_id: int, digest: Digest | None, busy: list[float]) -> None:
         self.digests.append((digest, list(busy)))

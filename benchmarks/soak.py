@@ -224,7 +224,11 @@ class Soak:
                 while True:
                     try:
                         r = await http.get(self.url + "/health")
-                        if r.status_code == 200 and children(self.proc.pid) != stages:
+                        # Healed: healthy, with a stage process that was not there before
+                        # (right after the kill the server may still say ok: it has not
+                        # noticed yet).
+                        fresh = set(children(self.proc.pid)) - set(stages)
+                        if r.status_code == 200 and fresh:
                             break
                     except httpx.TransportError:
                         pass

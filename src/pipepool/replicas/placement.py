@@ -78,14 +78,11 @@ def _under_torchrun() -> bool:
 
 
 def _device_kind(device: str) -> str:
-    if device == "auto":
-        import torch
+    """As every engine decides it (``deployment.resolve_device_kind``); imported here only,
+    so that planning placements of a CPU run does not import torch before it must."""
+    from ..deployment import resolve_device_kind
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise InvalidInputError(f"device must be auto, cpu or cuda, got {device!r}", param="device")
-    return kind
+    return resolve_device_kind(device)
 
 
 def _visible_gpus() -> list[str]:

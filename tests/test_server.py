@@ -565,9 +565,16 @@ def test_requests_past_the_shutdown_timeout_get_503_and_no_traceback(servers):
             server.url + "/v1/embeddings", json={"input": many_long}, timeout=120
         )
 
+    finished_before = server.metrics()["pipepool_requests_finished_total"]  # earlier tests'
     t = threading.Thread(target=in_flight)
     t.start()
-    wait_for(lambda: server.metrics()["pipepool_requests_finished_total"] > 0, what="work")
+
+    def working() -> bool:  # this request is in, and the engine is computing it
+        m = server.metrics()
+        busy = m["pipepool_http_requests_in_flight"] >= 1
+        return busy and m["pipepool_requests_finished_total"] > finished_before
+
+    wait_for(working, what="work")
     server.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     t.join()

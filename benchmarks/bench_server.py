@@ -18,13 +18,12 @@ import base64
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import numpy as np
+from served import start_server
 
 import pipepool
 
@@ -82,27 +81,6 @@ def _decode(embedding) -> np.ndarray:
     return np.asarray(embedding, dtype=np.float32)
 
 
-def start_server(engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pipepool", "serve", "--port", str(port), "--no-access-log"]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning", *engine_flags])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready in 300 s")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
@@ -123,7 +101,7 @@ def main() -> int:
     if args.model:
         engine_flags += ["--model", args.model]
 
-    proc, url = start_server(engine_flags)
+    proc, url = start_server(["--no-access-log", "--log-level", "warning", *engine_flags])
     try:
         asyncio.run(drive(url, requests[: args.concurrency], args.concurrency, "base64"))  # warm
         served_s, tokens, served = asyncio.run(

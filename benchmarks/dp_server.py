@@ -23,8 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from served import start_server
 
 SAMPLE_REQUESTS = 4  # responses per pass kept to compare variants
 
@@ -132,27 +131,9 @@ def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int):
 # -- a server --------------------------------------------------------------------------------
 
 
-def start_server(model: Path, flags: list[str], env_extra: dict[str, str]):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pipepool", "serve", "--model", str(model), "--port", str(port)]
-    cmd += ["--no-access-log", "--allow-token-ids", "--log-level", "info", *flags]
-    print("$", " ".join(f"{k}={v}" for k, v in env_extra.items()), " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **env_extra})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready in 300 s")
+def start_variant(model: Path, flags: list[str], env_extra: dict[str, str]):
+    extra = ["--model", str(model), "--no-access-log", "--allow-token-ids", "--log-level", "info"]
+    return start_server([*extra, *flags], env_extra)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -170,7 +151,7 @@ def replica_tokens(url: str) -> dict[str, float]:
 
 
 def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
-    proc, url = start_server(model, flags, env_extra)
+    proc, url = start_variant(model, flags, env_extra)
     try:
         t0 = time.perf_counter()
         run_pass(url, bodies, args.clients, args.concurrency)

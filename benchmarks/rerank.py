@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 import pipepool
+from pipepool.config import EngineConfig
+from pipepool.deployment import plan_deployment
 from pipepool.pairs import QWEN3_CHAT_TEMPLATE
 
 HERE = Path(__file__).resolve().parent
@@ -157,8 +159,9 @@ def main() -> None:
     options = {"device": args.device, "dtype": dtype_name}
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.device.startswith("cuda"):
-        options["kv_cache_tokens"] = 4 * (args.max_num_batched_tokens or 16384)
+    if args.device.startswith("cuda"):  # a KV cache for the run, not for 90% of the GPU
+        budget = plan_deployment(EngineConfig.from_options(model=str(path), **options))
+        options["kv_cache_tokens"] = 4 * budget.max_num_batched_tokens
     engine_s, peer_s, diff, tokens = measure(
         path, queries, documents, batch_sizes, args.rounds, options, dtype
     )

@@ -98,6 +98,19 @@ _DECODERS = {
 }
 
 
+# Every tiny decoder's shape: GQA (4 query heads, 2 KV heads), a head dim the flash kernel takes,
+# an initialiser range larger than the default so attention is far from uniform.
+_TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    initializer_range=0.1,
+)
+
+
 def make_decoder(path: Path, family: str, *, num_layers: int = 4, seed: int = 0) -> Path:
     import transformers
 
@@ -106,14 +119,8 @@ def make_decoder(path: Path, family: str, *, num_layers: int = 4, seed: int = 0)
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     config = getattr(transformers, config_cls)(
         vocab_size=len(vocab) + 2,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        initializer_range=0.1,  # larger than the default so attention is far from uniform
+        **_TINY_DECODER,
         tie_word_embeddings=False,
         **extra,
     )
@@ -273,15 +280,9 @@ def make_qwen3_reranker(path: Path, *, num_layers: int = 4, seed: int = 0) -> Pa
     )
     config = transformers.Qwen3Config(
         vocab_size=tok.get_vocab_size() + 3,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
+        **_TINY_DECODER,
         rope_theta=1000000.0,
-        initializer_range=0.1,
         tie_word_embeddings=True,
         architectures=["Qwen3ForCausalLM"],
     )
@@ -306,14 +307,8 @@ def make_decoder_classifier(
     name = model_cls.removesuffix("Model").removesuffix("ForCausalLM")
     config = getattr(transformers, config_cls)(
         vocab_size=len(vocab) + 2,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        initializer_range=0.1,
+        **_TINY_DECODER,
         tie_word_embeddings=False,
         num_labels=num_labels,
         id2label={i: f"class-{i}" for i in range(num_labels)},

@@ -5,8 +5,11 @@ Runs ``pipepool embed --pp 2`` as two torchrun nodes on one machine (``--nnodes 
 NCCL for hidden states, a rendezvous on 127.0.0.1), and PP=1 on one GPU, on the same
 chunking prompts (DESIGN.md §1's reproducer plus long prompts, a 64-token budget). Then it
 judges both by the bf16 contract of DESIGN.md §3 against transformers (fp32 reference,
-transformers bf16 for the allowance) and compares PP=2 with PP=1. Prints one JSON object and
-the commands it ran; exit code 0 when every check passes.
+transformers bf16 for the allowance) and compares PP=2 with PP=1. With ``--serve`` it also runs
+the README's ``serve --pp 2`` the same way, posts the same texts to ``/v1/embeddings``, compares
+the vectors with PP=1's, and stops the server with SIGTERM (every process must exit 0; the
+server's dependencies must be importable). Prints one JSON object and the commands it ran; exit
+code 0 when every check passes.
 
     python3 benchmarks/torchrun_gpu.py --model /tmp/pipepool-bench/0.6b-shape --out /tmp/res/tr
 """
@@ -53,22 +56,80 @@ def _embed_args(model: str, inputs: Path, out: Path, budget: int, device: str) -
     ]  # fmt: skip
 
 
-def _run_torchrun(model: str, inputs: Path, out: Path, budget: int, device: str, logs: Path):
+def _start_two_hosts(pipepool_args: list[str], logs: Path, tag: str):
+    """The README's multi-host command as two "hosts" on this machine, one GPU each."""
     port = str(_free_port())
     procs, commands = [], []
-    t0 = time.time()
     for node, gpu in ((0, "0"), (1, "1")):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
             str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-            port, *_embed_args(model, inputs, out, budget, device), "--pp", "2",
+            port, *pipepool_args, "--pp", "2",
         ]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         commands.append(f"CUDA_VISIBLE_DEVICES={gpu} " + shlex.join(cmd))
-        log = (logs / f"node{node}.log").open("w")
+        log = (logs / f"{tag}node{node}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, commands
+
+
+def _run_torchrun(model: str, inputs: Path, out: Path, budget: int, device: str, logs: Path):
+    t0 = time.time()
+    procs, commands = _start_two_hosts(_embed_args(model, inputs, out, budget, device), logs, "")
     codes = [p.wait(timeout=900) for p in procs]
     return {"commands": commands, "exit_codes": codes, "seconds": round(time.time() - t0, 1)}
+
+
+def _serve_two_hosts(model: str, texts: list[str], budget: int, device: str, logs: Path):
+    """``serve --pp 2`` as two hosts: wait for /health, embed ``texts``, SIGTERM rank 0."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    port = _free_port()
+    args = [
+        "-m", "pipepool", "serve", "--model", model, "--device", device, "--port", str(port),
+        "--max-num-batched-tokens", str(budget), "--max-num-seqs", "5",
+    ]  # fmt: skip
+    t0 = time.time()
+    procs, commands = _start_two_hosts(args, logs, "serve-")
+    report: dict = {"commands": commands}
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if any(p.poll() is not None for p in procs) or time.time() - t0 > 600:
+                raise RuntimeError("the server did not come up")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        report["ready_seconds"] = round(time.time() - t0, 1)
+        body = json.dumps({"input": texts}).encode()
+        request = urllib.request.Request(
+            f"{url}/v1/embeddings", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            data = json.loads(reply.read())["data"]
+        vectors = np.array([d["embedding"] for d in data], dtype=np.float32)
+        os.kill(_rank0_pid(procs[0].pid), signal.SIGTERM)
+        report["exit_codes"] = [p.wait(timeout=120) for p in procs]
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    report["seconds"] = round(time.time() - t0, 1)
+    return vectors, report
+
+
+def _rank0_pid(agent_pid: int) -> int:
+    """The pipepool process torchrun started as rank 0 (a child of node 0's agent)."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    for child in children:
+        if b"RANK=0" in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    raise RuntimeError(f"no rank 0 among torchrun's children {children}")
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -82,6 +143,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/res/torchrun"))
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    parser.add_argument("--serve", action="store_true", help="also the README's serve command")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     texts, token_ids, deployment = _prompts(args.model, args.device)
@@ -117,6 +179,15 @@ def main() -> int:
     pp2_vs_pp1 = _cos(got["pp2"], got["pp1"])
     report["pp2_vs_pp1_min_cos"] = float(pp2_vs_pp1.min())
     report["passed"] = ok and bool((1 - pp2_vs_pp1 <= allowance).all())
+    if args.serve:
+        served, serve = _serve_two_hosts(args.model, texts, args.budget, args.device, args.out)
+        served_vs_pp1 = _cos(served, got["pp1"])
+        serve["served_vs_pp1_min_cos"] = float(served_vs_pp1.min())
+        serve["passed"] = bool((1 - served_vs_pp1 <= allowance).all()) and not any(
+            serve["exit_codes"]
+        )
+        report["serve"] = serve
+        report["passed"] = report["passed"] and serve["passed"]
     print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1
 

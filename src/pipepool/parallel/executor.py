@@ -9,13 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
-
-import torch
 
 from ..core.plan import StepPlan, StepResult
 from ..stage.output import PendingResult
-from ..stage.runner import StageRunner
+from ..stage.runner import StageRunner, current_device
 from ..stage.transport import LocalLink
 
 
@@ -80,7 +77,7 @@ class UniprocExecutor(Executor):
         for k, runner in enumerate(self.runners):
             inbound = self.links[k - 1] if k > 0 else None
             outbound = self.links[k] if k < self.num_stages - 1 else None
-            with _current_device(runner.spec.device):
+            with current_device(runner.spec.device):
                 output = runner.execute(plan, inbound, outbound)
         self._outputs.append(output.start_host_copy())
 
@@ -93,8 +90,3 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         self._outputs.clear()
         self.runners = []
-
-
-def _current_device(device: torch.device):
-    """Kernels that take the current device (Triton, CUDA graphs) must see the stage's."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,11 @@ class BusyClock:
 
 class StageRunner:
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
+        # The load-time kernel self-check and the warm-up launch kernels on the current device.
+        with current_device(spec.device):
+            self._load(config, folder, spec)
+
+    def _load(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
         self.config, self.spec = config, spec
         self.model = load_stage_model(config, folder, spec)
         self.kv_cache = None
@@ -295,6 +301,12 @@ def _allocate(model: torch.nn.Module, device: torch.device) -> None:
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
+def current_device(device: torch.device) -> AbstractContextManager:
+    """Kernels that take the current device (Triton, CUDA graphs) must see the stage's: in-process
+    stages on several GPUs share one process, so each loads and steps inside this."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> StageModel:

@@ -95,6 +95,19 @@ def test_an_operators_own_threshold_wins(monkeypatch):
     assert bound_heap_growth() is False
 
 
+def test_onednn_kernel_cache_is_bounded_unless_the_operator_sized_it(monkeypatch):
+    """oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY when it builds its first kernel; every
+    engine process calls bound_heap_growth before any compute."""
+    from pipepool.memory import ONEDNN_CACHE_CAPACITY, bound_heap_growth
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_heap_growth()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
+    bound_heap_growth()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
+
+
 _SCATTERED = """
 import sys, threading
 import numpy as np

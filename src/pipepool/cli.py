@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
+from typing import NoReturn
 
 from . import __version__
 from .errors import PipepoolError
@@ -65,5 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run_as_program() -> NoReturn:
+    """The ``pipepool`` command (console script and ``python -m pipepool``): ``main``, then exit.
+
+    The process is ours and ends here. CPython's finalization runs one more full collection
+    over every object still alive, ~300,000 with torch and a model loaded: 3.9-5.3 s of a
+    Ctrl-C'd ``--pp 2`` run's exit on a loaded 2-core machine, against 1.1 s with those objects
+    frozen first (a frozen object is skipped by collections). Nothing of ours needs that
+    collection: engines are closed and output files written by now, and the standard streams
+    are flushed by the interpreter whatever the collector does."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_program()

@@ -12,7 +12,8 @@ processes get it too):
   lets them finish first, up to ``--shutdown-timeout``: the figure includes that drain);
 - ``serve-idle``: the same server, ready, with nothing in flight.
 A run is clean when every process of the group has exited within ``--timeout`` seconds (the
-figure is the time until the last one is gone) and the exit code is the one the program
+figure is the time until the last one is gone; for ``api`` also the time until the engine was
+closed, the rest being the interpreter's own exit) and the exit code is the one the program
 promises for Ctrl-C (130 for the CLI; the script dies of its KeyboardInterrupt, which Python
 reports as killed by SIGINT: -2). ``--hog N`` keeps N
 processes spinning at full speed during every run. Prints each run and a summary per program;
@@ -38,14 +39,18 @@ import urllib.request
 from pathlib import Path
 
 _API_SCRIPT = """
-import sys
+import sys, time
 import pipepool
 engine = pipepool.Engine(sys.argv[1], pipeline_parallel_size=2, max_num_batched_tokens=8)
-with engine:
-    engine.embed(["keep the pipeline busy " * 20])
-    print("busy", flush=True)
-    while True:
+try:
+    with engine:
         engine.embed(["keep the pipeline busy " * 20])
+        print("busy", flush=True)
+        while True:
+            engine.embed(["keep the pipeline busy " * 20])
+except KeyboardInterrupt:
+    print("closed", time.monotonic(), flush=True)  # the with block closed the engine
+    raise
 """
 
 
@@ -90,9 +95,15 @@ def _start(program: str, model: str, workdir: Path) -> tuple[subprocess.Popen, t
         script.write_text(_API_SCRIPT)
         cmd = [sys.executable, str(script), model]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, **common)
-        threading.Thread(
-            target=lambda: proc.stdout.readline().strip() == "busy" and busy.set(), daemon=True
-        ).start()
+
+        def watch() -> None:
+            for line in proc.stdout:
+                if line.strip() == "busy":
+                    busy.set()
+                elif line.startswith("closed"):
+                    busy.closed_at = float(line.split()[1])  # CLOCK_MONOTONIC: system-wide
+
+        threading.Thread(target=watch, daemon=True).start()
         return proc, busy
     pp = ["--model", model, "--pp", "2", "--max-num-batched-tokens", "8"]
     if program == "embed":
@@ -155,7 +166,11 @@ def one_run(program: str, model: str, timeout: float) -> dict:
                     seconds = time.monotonic() - sent
                     expected = -signal.SIGINT if program == "api" else 130
                     ok = proc.returncode == expected
-                    return {"clean": ok, "seconds": round(seconds, 3), "code": proc.returncode}
+                    run = {"clean": ok, "seconds": round(seconds, 3), "code": proc.returncode}
+                    time.sleep(0.05)  # the reader thread takes the last line
+                    if getattr(busy, "closed_at", None) is not None:
+                        run["engine_closed_s"] = round(busy.closed_at - sent, 3)
+                    return run
                 time.sleep(0.01)
             left = _group_pids(pgid)
             return {"clean": False, "why": f"{len(left)} processes left after {timeout} s"}
@@ -187,8 +202,10 @@ def main() -> int:
                 runs.append(run)
                 print(f"[{program} {k + 1}/{args.runs}] {run}", flush=True)
             times = [r["seconds"] for r in runs if "seconds" in r]
+            closed = [r["engine_closed_s"] for r in runs if "engine_closed_s" in r]
             report[program] = {
                 "runs": len(runs),
+                "engine_closed_max_s": max(closed) if closed else None,
                 "clean": sum(r["clean"] for r in runs),
                 "median_s": statistics.median(times) if times else None,
                 "max_s": max(times) if times else None,

@@ -18,9 +18,10 @@ calls ``malloc_trim(0)``, which hands every whole free page of every arena back 
 
 On the CPU, oneDNN (PyTorch's CPU kernel library) keeps a cache of compiled primitives, one per
 operator and input shape, 1,024 by default. A step's token count takes any value up to the
-budget, so the cache fills with shapes that rarely recur, a few hundred KiB each: the soak's
-processes kept growing by ~120 MB until it was full (about 8,000 requests). A cache of
-``ONEDNN_CACHE_CAPACITY`` entries is full within the first few hundred requests.
+budget, so the cache fills with shapes that rarely recur, a few hundred KiB each: an engine
+on the CPU held 940-1,080 MB after 3,000 varied calls with the default and 726-798 MB with
+``ONEDNN_CACHE_CAPACITY`` entries, a cache that is full within the first few hundred requests
+(BENCHMARKS.md, issue 16).
 
 An operator's own ``MALLOC_MMAP_THRESHOLD_`` (read by glibc at process start) and
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` win.

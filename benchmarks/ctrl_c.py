@@ -28,7 +28,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from served import free_port
 
 _API_SCRIPT = """
 import sys, time
@@ -71,12 +72,6 @@ def _group_pids(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 found.append(int(entry))
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(program: str, model: str, workdir: Path) -> tuple[subprocess.Popen, threading.Event]:
@@ -125,7 +120,7 @@ def _start(program: str, model: str, workdir: Path) -> tuple[subprocess.Popen, t
 
         threading.Thread(target=watch, daemon=True).start()
         return proc, busy
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pipepool", "serve", *pp, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, **common)
     idle = program == "serve-idle"

@@ -1,4 +1,5 @@
-"""A ``pipepool serve`` on a free loopback port, for the benchmarks that measure the server."""
+"""A ``pipepool serve`` on a free loopback port, for the benchmarks that measure the server
+(stdlib only at import: the GPU machine has httpx only where a run carries it)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,21 @@ import subprocess
 import sys
 import time
 
-import httpx
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_server(flags: list[str], env_extra: dict[str, str] | None = None):
     """Start ``pipepool serve`` with ``flags`` (and ``env_extra`` in its environment); return
     (process, base URL) once ``/health`` says ok. Exits the script if it dies or is not ready in
     300 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import httpx
+
+    port = free_port()
     cmd = [sys.executable, "-m", "pipepool", "serve", "--port", str(port), *flags]
     env_extra = env_extra or {}
     print("$", " ".join(f"{k}={v}" for k, v in env_extra.items()), " ".join(cmd), flush=True)

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from served import free_port
 
 # Vocabulary of the generated texts (lengths vary; words do not need to).
 WORDS = [
@@ -91,12 +91,6 @@ def children(pid: int) -> list[int]:
             if int(stat[1]) == pid:
                 out.append(int(entry.name))
     return sorted(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Soak:

@@ -20,19 +20,13 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from served import free_port
 
 
 def _prompts(model: str, device: str):
@@ -58,7 +52,7 @@ def _embed_args(model: str, inputs: Path, out: Path, budget: int, device: str) -
 
 def _start_two_hosts(pipepool_args: list[str], logs: Path, tag: str):
     """The README's multi-host command as two "hosts" on this machine, one GPU each."""
-    port = str(_free_port())
+    port = str(free_port())
     procs, commands = [], []
     for node, gpu in ((0, "0"), (1, "1")):
         cmd = [
@@ -86,7 +80,7 @@ def _serve_two_hosts(model: str, texts: list[str], budget: int, device: str, log
     import urllib.error
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     args = [
         "-m", "pipepool", "serve", "--model", model, "--device", device, "--port", str(port),
         "--max-num-batched-tokens", str(budget), "--max-num-seqs", "5",

@@ -62,3 +62,48 @@ def test_base_install_is_lean():
         if "extra ==" not in req
     ]
     assert set(base) == {"torch", "tokenizers", "safetensors", "numpy", "tqdm", "huggingface-hub"}
+
+
+_FAKE_TORCH_START = """
+import sys
+import pipepool  # decides before anything imports torch
+import torch
+print(sys.pycache_prefix)
+print(torch.__spec__.cached)
+"""
+
+
+def test_bytecode_of_a_torch_installed_without_it_is_kept_in_the_user_cache(tmp_path):
+    """Issue 10 item 5: torch installed without bytecode (PYTHONDONTWRITEBYTECODE, read-only
+    site-packages) compiles its source at every start; pipepool keeps that bytecode in the
+    user's cache directory instead, and leaves the install's folders alone."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("from . import ops\n")
+    (site / "torch" / "ops.py").write_text("X = 1\n")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEPOOL_", "PYTHONPY"))}
+    src = str(Path(pipepool.__file__).parents[1])
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{src}", PYTHONDONTWRITEBYTECODE="1",
+               PIPEPOOL_CACHE_DIR=str(cache))  # fmt: skip
+
+    def start(**extra: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", _FAKE_TORCH_START], capture_output=True,
+                           text=True, env={**env, **extra}, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    assert start(PIPEPOOL_BYTECODE_CACHE="0")[0] == "None"  # the opt-out
+    assert not list(cache.rglob("*.pyc"))
+    prefix, cached = start()
+    assert prefix == str(cache / "pycache")
+    assert Path(cached).is_file() and Path(cached).is_relative_to(cache)  # written there...
+    assert (Path(cached).parent / Path(cached).name.replace("__init__", "ops")).is_file()
+    assert not (site / "torch" / "__pycache__").exists()  # ...and not next to the sources
+    mtime = Path(cached).stat().st_mtime_ns
+    assert start() == [prefix, cached] and Path(cached).stat().st_mtime_ns == mtime  # reused
+
+
+def test_a_torch_with_its_bytecode_is_left_alone():
+    r = _python("import sys, pipepool\nprint(sys.pycache_prefix)")
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr

@@ -9,6 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .user_cache import keep_bytecode
+
+# Before anything of ours imports torch: where its install has no bytecode, every start would
+# compile its source again (user_cache.py).
+keep_bytecode()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

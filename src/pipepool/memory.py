@@ -1,20 +1,27 @@
-"""Keep a long-running engine's memory flat: glibc's malloc with a fixed mmap threshold.
+"""Keep a long-running engine's memory flat without paying page faults for it: glibc's malloc
+with fixed thresholds, and its heap trimmed on a timer.
 
-glibc serves a block from mmap (returned to the system whole when freed) only above a threshold
-that it raises, by default, to the size of the largest mmapped block freed so far (up to
-32 MiB). An engine's activations, results and request buffers change size with every step, so
-after the first large step they come from the heap instead, where blocks of ever-new sizes
-leave holes that are never given back: a server's RSS grew by ~37 MB per 1,000 requests, per
-process, with no plateau. A fixed threshold (setting one switches the raising off) keeps blocks
-of a MiB and more out of the heap. The price is page faults on every large block, paid as
-system CPU time; measured in BENCHMARKS.md ("Memory over time").
+glibc serves a block from mmap (returned to the system whole when freed, and faulted in page by
+page on every new use) only above a threshold that it raises, by default, to the size of the
+largest mmapped block freed so far (up to 32 MiB), and it hands the top of the heap back at
+every free above a trim threshold it moves along with it. An engine's activations, results and
+request buffers change size with every step, so without help blocks of ever-new sizes leave
+holes in the heap that are never given back: a server's RSS grew by ~37 MB per 1,000 requests,
+per process, with no plateau.
 
-Smaller blocks (request texts, token arrays, response bodies of a few hundred KiB) still come
-from glibc's per-thread arenas, and a server allocates them in one thread (tokenising, JSON)
-and frees them in another: free pages are left scattered through the arenas, counted in RSS,
-and the soak saw it grow ~35 MB per 1,000 requests. So every ``TRIM_EVERY_S`` a daemon thread
-calls ``malloc_trim(0)``, which hands every whole free page of every arena back to the system
-(it moves nothing; a walk over the free lists, milliseconds).
+A low fixed threshold (1 MiB, an earlier version of this module) kept those blocks out of the
+heap, at the price of page faults on every one of them, every step: on the CPU, where a step's
+activations are MiBs each, that was 30% of the engine's throughput (system time 23 s of 100 s
+on the bundled model; BENCHMARKS.md, issue 10). So the thresholds are now fixed high
+(``MMAP_THRESHOLD``: every activation of a CPU step at the default token budget comes from the
+heap and is reused step after step; ``TRIM_THRESHOLD``: a free does not shrink the heap only for
+the next step to grow it again), and the holes are dealt with by the trimmer below.
+
+Every ``TRIM_EVERY_S`` a daemon thread calls ``malloc_trim(0)``, which hands every whole free
+page of every arena back to the system (it moves nothing; a walk over the free lists,
+milliseconds): the holes that varied step sizes leave, and the scattered free pages a server
+leaves when it allocates small blocks (request texts, token arrays, response bodies) in one
+thread and frees them in another (the soak saw those grow ~35 MB per 1,000 requests).
 
 On the CPU, oneDNN (PyTorch's CPU kernel library) keeps a cache of compiled primitives, one per
 operator and input shape, 1,024 by default. A step's token count takes any value up to the
@@ -23,8 +30,8 @@ on the CPU held 940-1,080 MB after 3,000 varied calls with the default and 726-7
 ``ONEDNN_CACHE_CAPACITY`` entries, a cache that is full within the first few hundred requests
 (BENCHMARKS.md, issue 16).
 
-An operator's own ``MALLOC_MMAP_THRESHOLD_`` (read by glibc at process start) and
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` win.
+An operator's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (read by glibc at
+process start) and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` win.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ import os
 import sys
 import threading
 
-MMAP_THRESHOLD = 1 << 20  # bytes: 64 KiB kept RSS as flat, at twice the page faults
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # bytes: glibc's own upper bound for it
+TRIM_THRESHOLD = 64 << 20  # bytes of free heap top kept between trims
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 TRIM_EVERY_S = 10.0
 ONEDNN_CACHE_CAPACITY = 128  # primitives; oneDNN's own default is 1,024
 _trimmer: threading.Thread | None = None
@@ -44,21 +52,23 @@ _trimmer_lock = threading.Lock()
 
 
 def bound_heap_growth() -> bool:
-    """Fix glibc's mmap threshold for this process (and so for every thread in it), start the
-    thread that trims the heap and bound oneDNN's primitive cache; True when the threshold is
-    set. The heap part is a no-op off glibc, and the threshold is left alone where the
-    environment already sets it."""
+    """Fix glibc's mmap and trim thresholds for this process (and so for every thread in it),
+    start the thread that trims the heap and bound oneDNN's primitive cache; True when the
+    thresholds are set. The heap part is a no-op off glibc, and the thresholds are left alone
+    where the environment already sets one."""
     # oneDNN reads this once, when it creates its first primitive: callers run before any compute.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
     libc = _libc()
     if libc is None:
         return False
     _start_trimmer(libc)
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & os.environ.keys():
         return False
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
 
 
 def trim_heap() -> bool:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import AttentionMetadata
+from ..user_cache import cache_dir
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,6 @@ def compile_layer_fn(fn, *, round_like_eager: bool):
     if hasattr(inductor_config, "emulate_precision_casts"):
         options["emulate_precision_casts"] = round_like_eager
     return torch.compile(fn, dynamic=True, options=options)
-
-
-def cache_dir() -> str:
-    """Where pipepool keeps what it can reuse across runs (compiled kernels)."""
-    if os.environ.get("PIPEPOOL_CACHE_DIR"):
-        return os.environ["PIPEPOOL_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pipepool")
 
 
 def embedding(num_embeddings: int, dim: int) -> nn.Embedding:

@@ -196,6 +196,8 @@ def test_gpu_graphed_rerank_scores_equal_cpu_fp32(request, model):
     with pipepool.Engine(path, device="cpu", **options) as cpu:
         expected = cpu.score(QUERY, DOCUMENTS, use_activation=False)
     with pipepool.Engine(path, device="cuda", dtype="float32", cuda_graphs=True, **options) as gpu:
+        # compile left to the engine: graphs are captured once the compiled bodies are in
+        assert gpu.wait_until_compiled(timeout=300)
         assert gpu._executor.runners[0].forward is not gpu._executor.runners[0].model  # graphed
         got = gpu.score(QUERY, DOCUMENTS, use_activation=False)
         again = gpu.score(QUERY, DOCUMENTS, use_activation=False)  # replays the captured graphs

@@ -57,6 +57,9 @@ class Deployment:
     max_num_seqs: int  # requests in one step
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs; 0: none
+    # Compile while the engine already serves (stage/background_compile.py): where ``compile``
+    # was left to the engine and the stages run in this process.
+    compile_in_background: bool
     overlap_steps: bool  # multi-process pipeline runs one plan ahead of its devices
     # Attention kernel (portable | flash | varlen) and the fused q/k-norm + RoPE kernel, chosen
     # by self-checks on the planning process's device: every stage runs the same kernels.
@@ -87,6 +90,7 @@ class Deployment:
             max_model_len=self.max_model_len,
             compile=self.compile,
             graph_max_tokens=self.graph_max_tokens,
+            compile_in_background=self.compile_in_background,
             classifier=self.classifier,
             attn_kernel=self.attn_kernel,
             fused_qk_rope=self.fused_qk_rope,
@@ -195,6 +199,11 @@ def plan_deployment(
         max_num_batched_tokens=budget,
         max_num_seqs=config.max_num_seqs or budget,
         compile=_auto(config.compile, cuda),
+        compile_in_background=(
+            config.compile is None
+            and cuda
+            and (len(layers) == 1 or config.pipeline_backend == "inproc")
+        ),
         graph_max_tokens=(
             _graph_max_tokens(budget, per_token) if _auto(config.cuda_graphs, cuda) else 0
         ),

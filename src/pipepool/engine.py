@@ -307,6 +307,19 @@ class Engine(ScoringMethods):
         kwargs.setdefault("long_inputs", self.config.long_inputs)
         return self.inputs.prepare(inputs, **kwargs)
 
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every stage computes with its compiled layer bodies; False if that
+        takes longer than ``timeout`` seconds. Where ``compile`` is left to the engine it is
+        ready, and serves, while it compiles (README, "Start-up"); a benchmark waits here."""
+        if not self.deployment.compile_in_background:
+            return True  # compiled before the engine was ready, or not at all
+        if not self._executor.wait_compiled(timeout):
+            return False
+        # The stages install them between two steps: this one.
+        params = self.inputs.params("last", None, False)
+        self.submit_tokens(np.zeros(1, np.int64), np.ones(1, np.int64), params).result()
+        return True
+
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage has spent computing so far (for idle fractions). Stages report
         with their step results, device time only once the device got there, so a one-token

@@ -123,6 +123,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     started = time.perf_counter()
     engine = Engine.from_config(config)
     start_s = time.perf_counter() - started
+    engine.wait_until_compiled()  # figures of the compiled engine, not of its first seconds
     d = engine.deployment
     workload = make_workload(
         workload_name, d.vocab_size, max_len=d.max_model_len, requests=args.requests
@@ -231,6 +232,7 @@ def bench_text(config, workload_name: str, args) -> dict:
     started = time.perf_counter()
     engine = Engine.from_config(config)
     start_s = time.perf_counter() - started
+    engine.wait_until_compiled()  # figures of the compiled engine, not of its first seconds
     d = engine.deployment
     texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
     warm_up(partial(engine.embed, texts), args.warm_up_passes)  # (see bench_one)

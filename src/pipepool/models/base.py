@@ -81,6 +81,14 @@ class StageModel(nn.Module):
     def set_compiled(self, on: bool) -> None:
         """Run the layer bodies through torch.compile (one graph shared by all layers)."""
 
+    def layer_body(self) -> object:
+        """What ``set_compiled`` switches (the functions around attention), to hand from one
+        copy of the model to another (``stage/background_compile.py``)."""
+        return None
+
+    def use_layer_body(self, body: object) -> None:
+        """Run ``body`` (another copy's ``layer_body()``) from the next forward on."""
+
     def use_fused_qk_rope(self) -> bool:
         """Use a fused q/k-norm + RoPE kernel where there is one; returns whether in use."""
         return False

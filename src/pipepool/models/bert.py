@@ -242,6 +242,12 @@ class EncoderStage(StageModel):
             compile_layer_fn(post_attention, round_like_eager=False) if on else post_attention
         )
 
+    def layer_body(self) -> object:
+        return self.post
+
+    def use_layer_body(self, body: object) -> None:
+        self.post = body
+
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size
         specs: list[WeightSpec] = []

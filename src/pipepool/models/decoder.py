@@ -279,6 +279,12 @@ class DecoderStage(StageModel):
                 *(compile_layer_fn(fn, round_like_eager=True) for fn in fns), fused_qk_rope=fused
             )
 
+    def layer_body(self) -> object:
+        return self.ops
+
+    def use_layer_body(self, body: object) -> None:
+        self.ops = body
+
     def use_fused_qk_rope(self) -> bool:
         """Switch to the Triton q/k-norm + RoPE kernel where it applies and agrees with the
         eager ops on a random batch; returns whether it is now in use."""

@@ -6,6 +6,7 @@ the oldest plan not yet collected (plans complete in FIFO order on every stage).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +44,11 @@ class Executor(ABC):
     def set_failure_listener(self, listener: Callable[[], None]) -> None:  # noqa: B027
         """``listener()`` once a stage failure is recorded by a thread of the executor's own
         (so an idle engine hears of it)."""
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until no stage of this process compiles in the background any more (stage
+        processes compile before they report ready); False on timeout."""
+        return True
 
     def gather_trace(self) -> list:
         """Every stage's trace spans (``tracing.ProcessTrace``), times on this process's clock;
@@ -83,6 +89,14 @@ class UniprocExecutor(Executor):
 
     def collect(self) -> StepResult:
         return self._outputs.popleft().result()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for runner in self.runners:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not runner.wait_compiled(left):
+                return False
+        return True
 
     def gather_trace(self) -> list:
         return [r.trace.export() for r in self.runners if r.trace is not None]

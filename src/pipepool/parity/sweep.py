@@ -135,6 +135,7 @@ def _run_config(
         return [_failed(row(p), exc, 0.0) for p in poolings]
     rows = []
     with engine:
+        engine.wait_until_compiled()  # the path a warm engine serves with (eager: --no-compile)
         for pooling in poolings:
             t0 = time.perf_counter()
             # Counted by the scheduler, not from prompt lengths: a prompt shorter than the

@@ -123,6 +123,10 @@ class ReplicatedEngine(Engine):
             return "ok"
         return "degraded"
 
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Replicas report ready once compiled (``worker.py``): nothing to wait for."""
+        return True
+
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage of each replica (replica-major) has computed so far; a one-token
         request to every serving replica brings the figures up to date first."""

@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(start.config.cpu_threads)
     try:
         engine = Engine.from_config(start.config)
+        # A replica reports ready compiled: the front end routes by load, not by speed.
+        engine.wait_until_compiled()
     except BaseException as exc:
         with contextlib.suppress(OSError):
             send(conn, [StartFailed(_picklable(exc))])

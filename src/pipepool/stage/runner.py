@@ -16,6 +16,7 @@ The role of a stage decides only what it sends, never what state it advances.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections import deque
@@ -34,6 +35,7 @@ from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
 from ..weights import Checkpoint
+from .background_compile import BackgroundCompile
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
 from .faults import StageFaults
@@ -43,6 +45,8 @@ from .mirror import Mirror, StepView
 from .output import StageOutput
 from .pooling import PooledStep, Pooler
 from .transport import Inbound, Outbound
+
+_log = logging.getLogger("pipepool.stage")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class StageSpec:
     max_model_len: int
     compile: bool  # torch.compile the layer bodies
     graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
+    # Compile while serving eagerly, not before the stage is ready (background_compile.py).
+    compile_in_background: bool = False
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
     attn_kernel: str = "portable"  # chosen once, in the deployment
     fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
@@ -113,7 +119,9 @@ class StageRunner:
 
     def _load(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
         self.config, self.spec = config, spec
-        self.model = load_stage_model(config, folder, spec)
+        self.model = load_stage_model(
+            config, folder, spec, compile_now=spec.compile and not spec.compile_in_background
+        )
         self.kv_cache = None
         if self.model.causal:
             self.kv_cache = KVCache(
@@ -134,19 +142,48 @@ class StageRunner:
             if spec.classifier is not None and spec.is_last:
                 score = ScoreHead(self.model.score_head, spec.classifier.activation)
             self.pooler = Pooler(dense, score)
+        self.compiling: BackgroundCompile | None = None
         self.forward = self.model
-        if spec.device.type == "cuda" and spec.graph_max_tokens:
-            # A stage that sends its hidden states on must not hand out the graph's buffer:
-            # the next replay would overwrite it while the send is in flight.
-            self.forward = GraphedForward(
-                self.model, max_tokens=spec.graph_max_tokens, device=spec.device,
-                copy_output=not spec.is_last,
-            )  # fmt: skip
+        if spec.compile and spec.compile_in_background:
+            # Eager, and no CUDA graphs until the compiled bodies are in: a capture here would
+            # fail on the compiling thread's device allocations (``_install_compiled``).
+            self.compiling = BackgroundCompile(
+                self.model, lambda shadow: warm_up(shadow, spec, config.block_size), spec
+            )
+        else:
+            self.forward = self._graphed()
         self.mirror = Mirror(spec.index)
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
         # The step timeline (EngineConfig.trace); None when off, and then nothing is recorded.
         self.trace = StageTrace(spec.index, spec.device) if config.trace else None
+
+    def _graphed(self):
+        """The forward to step with: CUDA graphs where the deployment wants them."""
+        spec = self.spec
+        if spec.device.type != "cuda" or not spec.graph_max_tokens:
+            return self.model
+        # A stage that sends its hidden states on must not hand out the graph's buffer: the
+        # next replay would overwrite it while the send is in flight.
+        return GraphedForward(
+            self.model, max_tokens=spec.graph_max_tokens, device=spec.device,
+            copy_output=not spec.is_last,
+        )  # fmt: skip
+
+    def _install_compiled(self) -> None:
+        """Between two steps: the compiled layer bodies, once the compiling thread is done."""
+        ended, body = self.compiling.take()
+        if not ended:
+            return
+        if body is not None:
+            self.model.use_layer_body(body)
+            _log.info("stage %d: compiled layer bodies in use", self.spec.index)
+        self.forward = self._graphed()
+        self.compiling = None
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until background compilation (if any) has ended; the next step installs it."""
+        return self.compiling is None or self.compiling.wait(timeout)
 
     def forget_requests(self) -> None:
         """Drop every request's state: the pipeline was restarted and its requests start over
@@ -164,6 +201,8 @@ class StageRunner:
         """Run one plan. Non-last stages send through ``outbound`` and return None; the last
         stage returns what goes back to the driver."""
         spec, faults, verify, tr = self.spec, self.faults, self.config.verify_state, self.trace
+        if self.compiling is not None:
+            self._install_compiled()
         if tr is not None:
             tr.begin_step(plan)
             inbound, outbound = traced(tr, inbound, outbound)
@@ -309,7 +348,9 @@ def current_device(device: torch.device) -> AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> StageModel:
+def load_stage_model(
+    config: EngineConfig, folder: ModelFolder, spec: StageSpec, *, compile_now: bool
+) -> StageModel:
     """Build the stage's modules without allocating them, then fill them from the checkpoint."""
     family = family_of(folder.architecture)
     with torch.device("meta"):
@@ -334,7 +375,7 @@ def load_stage_model(config: EngineConfig, folder: ModelFolder, spec: StageSpec)
             f"{spec.device}; this stage uses torch ops",
             stacklevel=2,
         )
-    if spec.compile:
+    if compile_now:
         model.set_compiled(True)
         try:
             warm_up(model, spec, config.block_size)

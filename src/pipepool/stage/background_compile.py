@@ -1,0 +1,69 @@
+"""torch.compile of a stage's layer bodies in a thread of its own, while the stage serves.
+
+Compiling takes seconds at every start, even with inductor's cache warm (importing torch's
+compiler stack alone is ~3 s on the GPU machine), and an engine is ready to embed without it:
+the eager layer bodies compute the same function. So where the user left ``compile`` to the
+engine, an in-process stage starts eager (and without CUDA graphs, whose capture must not run
+while another thread allocates on the device), this thread compiles and warms up a copy of the
+model's layer bodies on a side stream, and the stage installs them between two steps
+(``StageRunner``), capturing CUDA graphs of the compiled pieces from then on.
+
+Vectors computed before and after agree to the dtype's rounding (the GPU tests check both paths
+against the fp32 reference); they are not bit-identical, as a step of another size is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import warnings
+
+import torch
+
+from ..models.base import StageModel
+
+
+class BackgroundCompile:
+    def __init__(self, model: StageModel, warm_up, spec) -> None:
+        """``warm_up(model)``: one forward that triggers compilation (``runner.warm_up``)."""
+        self._done = threading.Event()
+        self._body: object | None = None
+        self._thread = threading.Thread(
+            target=self._compile, args=(model, warm_up, spec), daemon=True,
+            name=f"pipepool-compile-{spec.index}",
+        )  # fmt: skip
+        self._thread.start()
+
+    def _compile(self, model: StageModel, warm_up, spec) -> None:
+        try:
+            shadow = copy.copy(model)  # shares the weights; its own layer-body attribute
+            shadow.set_compiled(True)
+            cuda = spec.device.type == "cuda"
+            with _on_side_stream(spec.device) if cuda else contextlib.nullcontext():
+                warm_up(shadow)
+                if cuda:
+                    torch.cuda.current_stream().synchronize()
+            self._body = shadow.layer_body()
+        except Exception as exc:  # an inductor/triton problem must not take the engine down
+            warnings.warn(
+                f"torch.compile failed on stage {spec.index}, running eagerly: {exc}", stacklevel=2
+            )
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once compiling has ended (compiled or failed)."""
+        return self._done.wait(timeout)
+
+    def take(self) -> tuple[bool, object | None]:
+        """(ended, the compiled layer body or None if compiling failed); never blocks."""
+        if not self._done.is_set():
+            return False, None
+        return True, self._body
+
+
+@contextlib.contextmanager
+def _on_side_stream(device: torch.device):
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        yield

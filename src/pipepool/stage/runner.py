@@ -182,8 +182,10 @@ class StageRunner:
         self.compiling = None
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until background compilation (if any) has ended; the next step installs it."""
-        return self.compiling is None or self.compiling.wait(timeout)
+        """Block until background compilation (if any) has ended; the next step installs it.
+        Any thread: the loop thread may clear ``compiling`` meanwhile, so it is read once."""
+        compiling = self.compiling
+        return compiling is None or compiling.wait(timeout)
 
     def forget_requests(self) -> None:
         """Drop every request's state: the pipeline was restarted and its requests start over

@@ -18,14 +18,21 @@ import contextlib
 import copy
 import threading
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models.base import StageModel
 
+if TYPE_CHECKING:
+    from .runner import StageSpec
+
 
 class BackgroundCompile:
-    def __init__(self, model: StageModel, warm_up, spec) -> None:
+    def __init__(
+        self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
+    ) -> None:
         """``warm_up(model)``: one forward that triggers compilation (``runner.warm_up``)."""
         self._done = threading.Event()
         self._body: object | None = None
@@ -35,7 +42,9 @@ class BackgroundCompile:
         )  # fmt: skip
         self._thread.start()
 
-    def _compile(self, model: StageModel, warm_up, spec) -> None:
+    def _compile(
+        self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
+    ) -> None:
         try:
             shadow = copy.copy(model)  # shares the weights; its own layer-body attribute
             shadow.set_compiled(True)

@@ -315,18 +315,20 @@ class Engine(ScoringMethods):
             return True  # compiled before the engine was ready, or not at all
         if not self._executor.wait_compiled(timeout):
             return False
-        # The stages install them between two steps: this one.
-        params = self.inputs.params("last", None, False)
-        self.submit_tokens(np.zeros(1, np.int64), np.ones(1, np.int64), params).result()
+        self._one_token_step()  # the stages install them between two steps: this one
         return True
 
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage has spent computing so far (for idle fractions). Stages report
         with their step results, device time only once the device got there, so a one-token
         step brings every figure up to date first."""
+        self._one_token_step()
+        return list(self.stats.stage_busy_s)
+
+    def _one_token_step(self) -> None:
+        """Run one step of a one-token request through every stage, and wait for it."""
         params = self.inputs.params("last", None, False)
         self.submit_tokens(np.zeros(1, np.int64), np.ones(1, np.int64), params).result()
-        return list(self.stats.stage_busy_s)
 
     @property
     def kv_blocks_free(self) -> int | None:

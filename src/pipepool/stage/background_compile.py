@@ -29,35 +29,47 @@ if TYPE_CHECKING:
     from .runner import StageSpec
 
 
+def compiled_layer_body(
+    model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
+) -> object | None:
+    """The model's layer bodies compiled and warmed up on a copy of it (``warm_up(copy)``: one
+    forward that triggers compilation), or None with a warning if compiling failed. The model
+    itself is untouched: the caller installs the result (``use_layer_body``) when it may."""
+    try:
+        shadow = copy.copy(model)  # shares the weights; its own layer-body attribute
+        shadow.set_compiled(True)
+        warm_up(shadow)
+        return shadow.layer_body()
+    except Exception as exc:  # an inductor/triton problem must not take the engine down
+        warnings.warn(
+            f"torch.compile failed on stage {spec.index}, running eagerly: {exc}", stacklevel=2
+        )
+        return None
+
+
 class BackgroundCompile:
+    """``compiled_layer_body`` in a thread of its own, on a side stream of the stage's GPU."""
+
     def __init__(
         self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
     ) -> None:
-        """``warm_up(model)``: one forward that triggers compilation (``runner.warm_up``)."""
         self._done = threading.Event()
         self._body: object | None = None
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._compile, args=(model, warm_up, spec), daemon=True,
             name=f"pipepool-compile-{spec.index}",
-        )  # fmt: skip
-        self._thread.start()
+        ).start()  # fmt: skip
 
     def _compile(
         self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
     ) -> None:
         try:
-            shadow = copy.copy(model)  # shares the weights; its own layer-body attribute
-            shadow.set_compiled(True)
-            cuda = spec.device.type == "cuda"
-            with _on_side_stream(spec.device) if cuda else contextlib.nullcontext():
-                warm_up(shadow)
-                if cuda:
-                    torch.cuda.current_stream().synchronize()
-            self._body = shadow.layer_body()
-        except Exception as exc:  # an inductor/triton problem must not take the engine down
-            warnings.warn(
-                f"torch.compile failed on stage {spec.index}, running eagerly: {exc}", stacklevel=2
-            )
+            if spec.device.type != "cuda":
+                self._body = compiled_layer_body(model, warm_up, spec)
+                return
+            with _on_side_stream(spec.device):
+                self._body = compiled_layer_body(model, warm_up, spec)
+                torch.cuda.current_stream().synchronize()
         finally:
             self._done.set()
 

@@ -35,7 +35,7 @@ from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
 from ..weights import Checkpoint
-from .background_compile import BackgroundCompile
+from .background_compile import BackgroundCompile, compiled_layer_body
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
 from .faults import StageFaults
@@ -378,14 +378,9 @@ def load_stage_model(
             stacklevel=2,
         )
     if compile_now:
-        model.set_compiled(True)
-        try:
-            warm_up(model, spec, config.block_size)
-        except Exception as exc:  # an inductor/triton problem must not take the engine down
-            warnings.warn(
-                f"torch.compile failed on stage {spec.index}, running eagerly: {exc}", stacklevel=2
-            )
-            model.set_compiled(False)
+        body = compiled_layer_body(model, lambda m: warm_up(m, spec, config.block_size), spec)
+        if body is not None:
+            model.use_layer_body(body)
     return model
 
 

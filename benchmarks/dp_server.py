@@ -41,7 +41,7 @@ class Outcome:
     tokens_per_s: float
     seconds: float
     failed: int
-    front_cpu: float  # cores the server's front-end process used during the timed passes
+    front_cpu: float  # cores the server's front-end processes used during the timed passes
     replica_tokens: dict[str, float]
     samples: np.ndarray  # vectors of the first SAMPLE_REQUESTS requests
 
@@ -79,7 +79,8 @@ async def _drive(url, bodies, indices, concurrency, go) -> tuple[int, int, dict]
         while not queue.empty():
             i = queue.get_nowait()
             try:
-                r = await http.post(url + "/v1/embeddings", content=bodies[i], headers=headers)
+                body = bodies[i % len(bodies)]
+                r = await http.post(url + "/v1/embeddings", content=body, headers=headers)
             except httpx.HTTPError as exc:  # counted, never a hung benchmark
                 print(f"request {i}: {exc!r}", flush=True)
                 failed += 1
@@ -99,15 +100,17 @@ async def _drive(url, bodies, indices, concurrency, go) -> tuple[int, int, dict]
     return tokens, failed, samples
 
 
-def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int):
-    """All bodies once, from ``clients`` processes; (seconds, tokens, failed, samples)."""
+def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int, repeat: int = 1):
+    """All bodies ``repeat`` times, from ``clients`` processes; (seconds, tokens, failed,
+    samples). A pass is timed from its first request to its last answer, so it must be long
+    against the ramp at its ends: a fast server needs ``repeat`` > 1."""
     ctx = mp.get_context("fork")  # the bodies reach the clients without a copy through pipes
     go, out = ctx.Event(), ctx.Queue()
     per = max(1, concurrency // clients)
     procs = [
         ctx.Process(
             target=_client_main,
-            args=(url, bodies, range(k, len(bodies), clients), per, go, out),
+            args=(url, bodies, range(k, len(bodies) * repeat, clients), per, go, out),
         )
         for k in range(clients)
     ]
@@ -141,6 +144,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def front_end_pids(server_pid: int, module: bytes = b"pipepool.server.api_worker") -> list[int]:
+    """The server process and its other API server processes (``--api-server-count``); with
+    ``module`` another kind of child, without the server itself."""
+    pids = [server_pid] if module == b"pipepool.server.api_worker" else []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == server_pid and module in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
 def replica_tokens(url: str) -> dict[str, float]:
     found = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -150,20 +170,38 @@ def replica_tokens(url: str) -> dict[str, float]:
     return found
 
 
+def wait_for_api_servers(url: str, flags: list[str]) -> None:
+    """Until every API server process answers (fresh connections land on any of them)."""
+    flag = "--api-server-count"
+    count = int(flags[flags.index(flag) + 1]) if flag in flags else 1
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120
+    while count > 1 and len(seen) < count and time.monotonic() < deadline:
+        body = httpx.get(url + "/health", timeout=10).json()
+        seen.add(body.get("api_server", 0))
+    if count > 1 and len(seen) < count:
+        raise SystemExit(f"only API servers {sorted(seen)} of {count} answered in 120 s")
+
+
 def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
     proc, url = start_variant(model, flags, env_extra)
     try:
+        wait_for_api_servers(url, flags)
         t0 = time.perf_counter()
-        run_pass(url, bodies, args.clients, args.concurrency)
+        run_pass(url, bodies, args.clients, args.concurrency, args.repeat)
         print(f"[{name}] warm-up pass {time.perf_counter() - t0:.1f}s", flush=True)
         before_tokens = replica_tokens(url)
-        cpu0 = cpu_seconds(proc.pid)
+        fronts = front_end_pids(proc.pid)
+        replicas = front_end_pids(proc.pid, b"pipepool.replicas.worker")
+        cpu0 = sum(map(cpu_seconds, fronts))
+        rcpu0 = sum(map(cpu_seconds, replicas))
         seconds = tokens = failed = 0
         samples = {}
         for _ in range(args.passes):
-            s, t, f, samples = run_pass(url, bodies, args.clients, args.concurrency)
+            s, t, f, samples = run_pass(url, bodies, args.clients, args.concurrency, args.repeat)
             seconds, tokens, failed = seconds + s, tokens + t, failed + f
-        front_cpu = (cpu_seconds(proc.pid) - cpu0) / seconds
+        front_cpu = (sum(map(cpu_seconds, fronts)) - cpu0) / seconds
+        replica_cpu = (sum(map(cpu_seconds, replicas)) - rcpu0) / seconds
         after = replica_tokens(url)
         shares = {k: after[k] - before_tokens.get(k, 0.0) for k in after}
     finally:
@@ -174,8 +212,9 @@ def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
     ) if samples else np.zeros((0, 1), np.float32)  # fmt: skip
     out = Outcome(name, tokens / seconds, seconds, failed, front_cpu, shares, vectors)
     print(
-        f"[{name}] {out.tokens_per_s:,.0f} tok/s over {seconds:.1f}s, {failed} failed, front end "
-        f"{front_cpu:.2f} cores, replica tokens {shares}",
+        f"[{name}] {out.tokens_per_s:,.0f} tok/s over {seconds:.1f}s, {failed} failed, "
+        f"{len(fronts)} front-end process(es) {front_cpu:.2f} cores, {len(replicas)} replica "
+        f"process(es) {replica_cpu:.2f} cores, replica tokens {shares}",
         flush=True,
     )
     return out
@@ -199,6 +238,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, help="only the first N inputs of the workload")
     p.add_argument("--inputs-per-request", type=int, default=4)
     p.add_argument("--passes", type=int, default=2, help="timed passes over the workload")
+    p.add_argument("--repeat", type=int, default=1, help="times each pass sends the workload")
     p.add_argument("--clients", type=int, default=8, help="client processes")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight, in all")
     p.add_argument("--flags", default="", help="serve flags for every variant")

@@ -14,6 +14,13 @@ must match its first answer (cosine >= 0.99999), so a wrong vector under load or
 restart is caught. Exit status 1 when a target is missed (any 5xx, connection error, lost
 request, wrong probe, KV block left in use, or RSS growth over --max-growth between
 --growth-from and the end).
+
+RSS growth compares levels, not single samples: a process's RSS swings by a tenth or more
+from one sample to the next (activations of the step in flight, the heap trimmed every 2 s),
+so the level at request N is the median of the samples within --growth-window answers around
+N, and the end level the median of the last --growth-window answers. The report also gives the
+single-sample figure (the sample at --growth-from against the last one) and the least-squares
+trend from --growth-from on, in percent per 10,000 answers.
 """
 
 from __future__ import annotations
@@ -251,6 +258,8 @@ class Soak:
                     next_sample += a.sample_every
                     self.sample(started)
                     s = self.samples[-1]
+                    if len(self.samples) > 1 and s["requests"] % 1000 >= a.sample_every:
+                        continue  # every sample is kept; about one per 1,000 is printed
                     print(f"  {s['requests']:>7} answered  {s['seconds']:>7.1f} s  RSS MB "
                           + "  ".join(f"{k} {v:.0f}" for k, v in s["rss"].items() if v),
                           flush=True)  # fmt: skip
@@ -322,13 +331,8 @@ class Soak:
             if line and not line.startswith("#"):
                 k, v = line.rsplit(" ", 1)
                 m[k] = float(v)
-        growth = {}
+        growth, single, trend = rss_growth(self.samples, a.growth_from, a.growth_window)
         base = next((s for s in self.samples if s["requests"] >= a.growth_from), None)
-        last = self.samples[-1]
-        if base is not None and base is not last:
-            for name, mb in last["rss"].items():
-                if mb and base["rss"].get(name):
-                    growth[name] = round(100 * (mb / base["rss"][name] - 1), 2)
         return {
             "args": {k: v for k, v in vars(a).items() if k != "log"},
             "seconds": round(self.seconds, 1),
@@ -346,10 +350,41 @@ class Soak:
             "failed_during_recovery": self.kill_failures,
             "rss_samples": self.samples,
             "rss_growth_pct": growth,
+            "rss_growth_single_pct": single,
+            "rss_trend_pct_per_10k": trend,
             "rss_growth_from": base["requests"] if base else None,
             "bad_inputs": self.bad,
             "one_word_s": getattr(self, "one_word_s", None),
         }
+
+
+def rss_growth(samples: list[dict], start: int, window: int) -> tuple[dict, dict, dict]:
+    """Per process: (level growth %, single-sample growth %, trend % per 10k answers) from
+    answer ``start`` to the end; empty when the run did not get past ``start``."""
+    after = [s for s in samples if s["requests"] >= start]
+    if len(after) < 2 or after[-1]["requests"] <= start:
+        return {}, {}, {}
+    end = after[-1]["requests"]
+    growth, single, trend = {}, {}, {}
+    for name in after[-1]["rss"]:
+
+        def level(lo: float, hi: float, name=name) -> float | None:
+            values = [s["rss"].get(name) for s in samples if lo <= s["requests"] <= hi]
+            values = [v for v in values if v]
+            return float(np.median(values)) if values else None
+
+        base = level(start - window / 2, start + window / 2)
+        last = level(end - window, end)
+        first, final = after[0]["rss"].get(name), after[-1]["rss"].get(name)
+        if not (base and last and first and final):
+            continue
+        growth[name] = round(100 * (last / base - 1), 2)
+        single[name] = round(100 * (final / first - 1), 2)
+        points = [(s["requests"], s["rss"][name]) for s in after if s["rss"].get(name)]
+        x, y = np.array(points, dtype=np.float64).T
+        slope = np.polyfit(x, y, 1)[0] if len(set(x)) > 1 else 0.0
+        trend[name] = round(float(100 * slope * 10_000 / base), 2)
+    return growth, single, trend
 
 
 def judge(report: dict, max_growth: float) -> list[str]:
@@ -390,8 +425,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300, help="per request, seconds")
     p.add_argument("--mean-words", type=float, default=16)
     p.add_argument("--max-words", type=int, default=150)
-    p.add_argument("--sample-every", type=int, default=1000, help="RSS sample every N answers")
+    p.add_argument("--sample-every", type=int, default=250, help="RSS sample every N answers")
     p.add_argument("--growth-from", type=int, default=5000, help="RSS growth measured from here")
+    p.add_argument("--growth-window", type=int, default=2000,
+                   help="answers whose samples' median is the RSS level at a point")  # fmt: skip
     p.add_argument("--max-growth", type=float, default=5.0, help="percent allowed")
     p.add_argument("--kill-at", type=lambda s: [int(x) for x in s.split(",")], default=[],
                    help="SIGKILL a stage process at these answered-request counts")  # fmt: skip

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 import logging.config
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 from .common import add_engine_args, engine_config, env, env_bool
@@ -91,6 +93,15 @@ def add_parser(sub, help: str) -> None:
         help="connections the kernel queues while the server is busy accepting",
     )
     g.add_argument(
+        "--api-server-count",
+        type=int,
+        default=env("api_server_count", "1"),
+        help="HTTP front-end processes sharing the port and the replicas (default 1). Each "
+        "parses, tokenises, routes and serialises requests with a core of its own: raise it "
+        "when one process is the limit (small models, many short requests; /metrics shows "
+        "the process's own CPU). Above 1 the pipeline runs in replica processes even at --dp 1",
+    )
+    g.add_argument(
         "--log-level",
         default=env("log_level", "info"),
         choices=["critical", "error", "warning", "info", "debug"],
@@ -114,18 +125,17 @@ def run(args: argparse.Namespace) -> int:
     # The server extras are imported here only: the rest of pipepool must work without them
     # (cli.py turns their absence into one line naming the extra); torch only now, so that
     # `--help` is quick.
-    import uvicorn
-
     from ..engine import Engine
     from ..parallel.launch import deployment_for
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
-    from ..server.app import build_app
+    from ..replicas.engine import ReplicatedEngine
+    from ..server.api_servers import ApiServers
     from ..server.front import AsyncEngine
     from ..server.logs import log_config
     from ..server.owner import EngineOwner
     from ..server.settings import ServerSettings, served_model_names
-    from ..server.uvicorn_server import Server
+    from ..server.uvicorn_server import ANSWER_GRACE_S, build_server
 
     settings = ServerSettings(
         host=args.host,
@@ -142,9 +152,12 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=args.access_log,
+        api_server_count=args.api_server_count,
     )
     config = engine_config(args)  # checked now: a bad flag fails before anything starts
     env_ranks = torchrun_env()
+    if settings.api_server_count > 1:
+        _check_api_servers(config, under_torchrun=env_ranks is not None)
     if env_ranks is not None and env_ranks.rank > 0:
         # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
         # are pipeline stages until rank 0 shuts the pipeline down.
@@ -159,24 +172,26 @@ def run(args: argparse.Namespace) -> int:
         f"at {url}/v1 (OpenAI base_url; TEI routes /embed, /info at {url})"
     )
 
-    owner = EngineOwner(lambda: Engine.from_config(config))
+    api_servers = None
+    if settings.api_server_count == 1:
+        owner = EngineOwner(lambda: Engine.from_config(config))
+    else:
+        # The replicas listen for the other front-end processes in a directory only this
+        # user can enter; the port is bound now, so that they can share its socket.
+        socket_dir = tempfile.mkdtemp(prefix="pipepool-")
+        owner = EngineOwner(lambda: ReplicatedEngine.shared(config, socket_dir))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
-    server = Server(
-        uvicorn.Config(
-            build_app(settings, front),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            access_log=settings.access_log,
-            timeout_keep_alive=settings.timeout_keep_alive_s,
-            backlog=settings.backlog,
-            lifespan="off",
-            log_config=logs,
-        ),
-        front,
-        timeout_s=settings.shutdown_timeout_s,
-        on_started=announce.server_started,
-    )
+    server = build_server(settings, front, logs, on_started=announce.server_started)
+    sockets = None
+    if settings.api_server_count > 1:
+        try:
+            sockets = [server.config.bind_socket()]  # exits naming the error if it cannot
+        except BaseException:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        api_servers = ApiServers(settings, config, socket_dir, sockets[0], announce.api_ready)
+        server.on_shutdown = api_servers.begin_stop
+        announce.wait_for_api_servers(settings.api_server_count - 1)
 
     def stop_serving(_exc: BaseException) -> None:
         server.should_exit = True  # uvicorn's loop checks this flag on every tick
@@ -186,8 +201,13 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     owner.start(on_failure=stop_serving, on_ready=announce.engine_ready)
     try:
-        server.run()
+        if api_servers is not None:
+            api_servers.start()
+        server.run(sockets=sockets)
     finally:
+        if api_servers is not None:  # they drain their own requests on the replicas first
+            api_servers.wait(settings.shutdown_timeout_s + ANSWER_GRACE_S)
+            shutil.rmtree(socket_dir, ignore_errors=True)
         front.close()
         owner.close()
         signal.signal(signal.SIGTERM, previous)
@@ -202,25 +222,49 @@ def run(args: argparse.Namespace) -> int:
 log = logging.getLogger("pipepool.server")
 
 
+def _check_api_servers(config, *, under_torchrun: bool) -> None:
+    from ..errors import InvalidInputError
+
+    if under_torchrun:
+        raise InvalidInputError(
+            "--api-server-count > 1 runs the pipeline in replica processes on this host; under "
+            "torchrun run one API server (rank 0)", param="api_server_count",
+        )  # fmt: skip
+    if config.trace:
+        raise InvalidInputError(
+            "--trace follows one pipeline in the server's own process: use it with "
+            "--api-server-count 1", param="api_server_count",
+        )  # fmt: skip
+
+
 class _Announcer:
-    """Logs ``message`` once the port is bound and the engine is loaded, whichever comes
-    last; never if either fails (a port in use must not be followed by a "ready" line)."""
+    """Logs ``message`` once the port is bound, the engine is loaded and (with
+    ``--api-server-count``) the other front-end processes serve, whichever comes last; never
+    if one of them fails (a port in use must not be followed by a "ready" line)."""
 
     def __init__(self, message: str) -> None:
         self.message = message
         self._lock = threading.Lock()
-        self._started = self._loaded = False
+        self._waiting = {"port", "engine"}
+
+    def wait_for_api_servers(self, count: int) -> None:
+        with self._lock:
+            self._waiting.add("api servers")
+            self.message += f" with {count + 1} API server processes"
 
     def server_started(self) -> None:
-        with self._lock:
-            self._started = True
-            self._maybe_announce(not self._loaded)
+        self._done("port")
 
     def engine_ready(self, _engine) -> None:
-        with self._lock:
-            self._loaded = True
-            self._maybe_announce(not self._started)
+        self._done("engine")
 
-    def _maybe_announce(self, other_missing: bool) -> None:
-        if not other_missing:
-            log.info(self.message)
+    def api_ready(self) -> None:
+        self._done("api servers")
+
+    def _done(self, what: str) -> None:
+        with self._lock:
+            if what not in self._waiting:
+                return
+            self._waiting.discard(what)
+            if not self._waiting:
+                log.info(self.message)

@@ -16,6 +16,7 @@ fail only when every replica has been given up on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -33,7 +34,7 @@ from ..model_folder import read_model_folder
 from ..owners import Owner
 from ..signal_mask import block_stop_signals
 from ..submission import Submission
-from .handle import Listener, ReplicaProcess, start_error
+from .handle import Listener, ReplicaHandle, ReplicaProcess, start_error
 from .messages import Abort, Report, Work
 from .placement import plan_placement
 from .routing import split_rows
@@ -43,10 +44,34 @@ from .stats import ReplicaStatus, merged_stats, replica_status
 log = logging.getLogger("pipepool")
 
 
+def replica_socket(socket_dir: str, index: int) -> str:
+    """Where replica ``index`` accepts the connections of other front-end processes."""
+    return os.path.join(socket_dir, f"replica-{index}.sock")
+
+
 class ReplicatedEngine(Engine):
     """``Engine(model, data_parallel_size=N)``: the same methods and attributes, over N
     replicas (``replicas/``). ``deployment`` is replica 0's (devices as it sees them);
-    ``placements`` say where every replica runs; ``replica_status()`` reports each one."""
+    ``placements`` say where every replica runs; ``replica_status()`` reports each one.
+
+    ``shared(config, socket_dir)`` builds one whose replicas also serve the front ends of
+    other processes (``shared.SharedReplicas``), each through ``replica_socket(socket_dir, r)``.
+    """
+
+    socket_dir: str | None = None  # where the replicas accept other front ends; None: nowhere
+    _restart_message = "starting replica %d again"
+
+    @classmethod
+    def shared(cls, config: EngineConfig, socket_dir: str) -> ReplicatedEngine:
+        engine = object.__new__(cls)
+        engine.socket_dir = socket_dir
+        engine._init(config)
+        return engine
+
+    def _start_replica(self, placement, cancelled=lambda: False) -> ReplicaHandle:
+        """A handle on a new process of this replica (its wait_ready() follows)."""
+        path = None if self.socket_dir is None else replica_socket(self.socket_dir, placement.index)
+        return ReplicaProcess(placement, self._listener, path)
 
     def _init(self, config: EngineConfig) -> None:
         self._closed = True  # until fully started, close() has nothing to stop
@@ -68,7 +93,7 @@ class ReplicatedEngine(Engine):
         self.front_stats = EngineStats(0)  # what the front end counts itself
         try:
             for slot in self._slots:
-                slot.proc = ReplicaProcess(slot.placement, self._listener)
+                slot.proc = self._start_replica(slot.placement)
             for slot in self._slots:
                 slot.proc.wait_ready()
         except BaseException as exc:
@@ -229,7 +254,7 @@ class ReplicatedEngine(Engine):
 
     # -- results and failures (reader threads) -------------------------------------------------
 
-    def _on_report(self, proc: ReplicaProcess, report: Report) -> None:
+    def _on_report(self, proc: ReplicaHandle, report: Report) -> None:
         slot = self._slots[proc.index]
         deliveries = []
         with self._lock:
@@ -269,7 +294,7 @@ class ReplicatedEngine(Engine):
             log.warning("replica %d is whole again", slot.index)
             self._drain_backlog()
 
-    def _on_lost(self, proc: ReplicaProcess, cause: BaseException) -> None:
+    def _on_lost(self, proc: ReplicaHandle, cause: BaseException) -> None:
         with self._lock:
             slot = self._slots[proc.index]
             if slot.proc is not proc or self._stop:
@@ -307,7 +332,7 @@ class ReplicatedEngine(Engine):
 
     def _schedule_restart(self, slot: Slot) -> None:
         """Start the replica again after the policy's backoff, or give up on it (lock held)."""
-        delay = slot.policy.on_failure(time.monotonic())
+        delay = self._restart_delay(slot)
         if delay is None:
             slot.state = State.FAILED
             why = (
@@ -327,15 +352,19 @@ class ReplicatedEngine(Engine):
         self._restarting.append(thread)
         thread.start()
 
+    def _restart_delay(self, slot: Slot) -> float | None:
+        """Seconds until the replica is started again; None: give up on it."""
+        return slot.policy.on_failure(time.monotonic())
+
     def _restart(self, slot: Slot, delay: float) -> None:
         block_stop_signals()
         with self._lock:
             if self._lock.wait_for(lambda: self._stop, timeout=delay):
                 return
-        log.warning("starting replica %d again", slot.index)
+        log.warning(self._restart_message, slot.index)
         proc = None
         try:
-            proc = ReplicaProcess(slot.placement, self._listener)
+            proc = self._start_replica(slot.placement, cancelled=lambda: self._stop)
             proc.wait_ready(cancelled=lambda: self._stop)
         except BaseException as exc:
             if proc is not None:

@@ -1,13 +1,16 @@
-"""The front end's side of one replica process: start it, talk to it, watch it.
+"""The front end's side of one replica: talk to it, watch it; start it, or connect to it.
 
 One sender thread ships what the front end posts (batches, aborts) as frames, in order; one
 reader thread hands every frame from the replica to the front end's callbacks, and reports the
-process lost when the socket closes (the replica exited, was killed, or crashed). A handle is
-one process; a restarted replica gets a fresh handle.
+replica lost when the socket closes (the replica exited, was killed, or crashed). A handle is
+one process seen through one socket: ``ReplicaProcess`` starts the process (the front end that
+owns the replicas); ``ReplicaLink`` connects to one another process started (the front ends of
+``--api-server-count``, ``shared.py``). A restarted replica gets a fresh handle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,11 +34,13 @@ _STOP_WAIT_S = 10.0  # a replica asked to stop closes its engine (kills its stag
 class Listener:
     """What the front end hears from a replica's reader thread."""
 
-    on_report: Callable[[ReplicaProcess, Report], None]
-    on_lost: Callable[[ReplicaProcess, BaseException], None]
+    on_report: Callable[[ReplicaHandle, Report], None]
+    on_lost: Callable[[ReplicaHandle, BaseException], None]
 
 
-class ReplicaProcess:
+class ReplicaHandle:
+    """What both kinds of handle share: the socket's two threads, readiness, the last snapshot."""
+
     def __init__(self, placement: ReplicaPlacement, listener: Listener) -> None:
         self.placement = placement
         self.index = placement.index
@@ -48,23 +53,9 @@ class ReplicaProcess:
         self._outbox: deque = deque()
         self._wake = threading.Condition()
         self._closing = False
-        front, child = socket.socketpair()
-        self._conn = Connection(front.detach())
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        if placement.visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
-        fd = child.fileno()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pipepool.replicas.worker", str(fd)],
-                env=env,
-                pass_fds=(fd,),
-            )
-        finally:
-            child.close()
-        self.pid = self._proc.pid
-        send(self._conn, [Start(placement.index, placement.config)])
+
+    def _start_threads(self, conn: Connection) -> None:
+        self._conn = conn
         self._reader = threading.Thread(
             target=self._read, name=f"replica-{self.index}-reader", daemon=True
         )
@@ -115,7 +106,7 @@ class ReplicaProcess:
                         self.snapshot = message.snapshot
                         self._listener.on_report(self, message)
                     elif isinstance(message, Ready):
-                        self.deployment = message.deployment
+                        self.deployment, self.pid = message.deployment, message.pid
                         self._ready.set()
                     elif isinstance(message, StartFailed):
                         self._start_error = message.error
@@ -130,6 +121,41 @@ class ReplicaProcess:
             self._ready.set()
             return  # the starter reports it
         self._listener.on_lost(self, cause)
+
+    def _exit_cause(self) -> BaseException:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+
+class ReplicaProcess(ReplicaHandle):
+    """A replica process this front end starts and owns. ``listen_path``: where the replica
+    also accepts the other front ends' connections (``--api-server-count``), or None."""
+
+    def __init__(
+        self, placement: ReplicaPlacement, listener: Listener, listen_path: str | None = None
+    ) -> None:
+        super().__init__(placement, listener)
+        front, child = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if placement.visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
+        fd = child.fileno()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "pipepool.replicas.worker", str(fd)],
+                env=env,
+                pass_fds=(fd,),
+            )
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+        conn = Connection(front.detach())
+        send(conn, [Start(placement.index, placement.config, listen_path)])
+        self._start_threads(conn)
 
     def _exit_cause(self) -> BaseException:
         try:
@@ -173,6 +199,72 @@ class ReplicaProcess:
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+
+class ReplicaLink(ReplicaHandle):
+    """A connection to a replica process another front end owns (and restarts): the replica
+    answers ``Ready`` on its socket at ``path`` once it serves. Closing the link leaves the
+    replica running; when the replica dies the link is lost, and a new link is made to the
+    process that replaces it."""
+
+    def __init__(
+        self,
+        placement: ReplicaPlacement,
+        listener: Listener,
+        path: str,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        super().__init__(placement, listener)
+        self._start_threads(_connect(path, cancelled))
+
+    def _exit_cause(self) -> BaseException:
+        why = f": {self.snapshot.cause}" if self.snapshot.cause else " (its process ended)"
+        return EngineDeadError(f"replica {self.index} (pid {self.pid}) was lost{why}")
+
+    def request_stop(self) -> None:
+        """Hang up: the replica drops this link's unfinished work and serves on."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+
+    def wait_stopped(self) -> None:
+        self._sender.join(timeout=2)
+        self._hang_up()
+
+    def kill(self) -> None:
+        self.request_stop()
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        # shutdown(), not close(): it wakes the reader blocked in recv on this socket.
+        with contextlib.suppress(OSError):
+            sock = socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self._reader.join(timeout=2)
+        self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closing and self._reader.is_alive()
+
+
+_CONNECT_RETRY_S = 0.1
+
+
+def _connect(path: str, cancelled: Callable[[], bool]) -> Connection:
+    """A connection to the socket at ``path``, retried until a replica listens there (it
+    binds the socket only once it is ready to serve); EngineDeadError if ``cancelled()``."""
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return Connection(sock.detach())
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+        if cancelled():
+            raise EngineDeadError("start-up cancelled: the engine is closing")
+        time.sleep(_CONNECT_RETRY_S)
 
 
 def start_error(exc: BaseException) -> BaseException:

@@ -26,6 +26,9 @@ class Start:
 
     index: int  # the replica's number, for its log lines
     config: EngineConfig  # data_parallel_size 1: one pipeline
+    # Where to accept the connections of other front-end processes once ready (a Unix
+    # socket; ``--api-server-count``); None: this socket pair is the only front end.
+    listen_path: str | None = None
 
 
 @dataclass(frozen=True)

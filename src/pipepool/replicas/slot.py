@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.restarts import RestartPolicy
 from ..owners import Owner, Owners
-from .handle import Rates, ReplicaProcess
+from .handle import Rates, ReplicaHandle
 from .messages import Snapshot
 from .placement import ReplicaPlacement
 
@@ -27,7 +27,7 @@ class State(Enum):
 class Slot:
     placement: ReplicaPlacement
     policy: RestartPolicy  # the same bounds as a pipeline's own stage restarts
-    proc: ReplicaProcess | None = None
+    proc: ReplicaHandle | None = None
     state: State = State.STARTING
     owners: Owners = field(default_factory=Owners)  # the batches it holds, by first id
     outstanding: int = 0  # prompt tokens sent and not yet answered (the routing load)

@@ -1,14 +1,20 @@
 """A replica process: one ordinary ``Engine`` serving token batches from the front end.
 
 ``python -m pipepool.replicas.worker FD``: FD is this end of a socket pair the front end made.
-The main thread reads frames and enqueues their batches; the engine's loop thread writes each
-step's finished rows into an outbox; one sender thread ships the outbox, with a snapshot of the
-engine's counters, as one frame — at once when there are results, else every
-``STATUS_INTERVAL_S`` and whenever the engine's health changes (a stage died and is being
-restarted: the front end moves this replica's work elsewhere meanwhile).
+Per front end (a ``ReplicaServer``): one thread reads frames and enqueues their batches; the
+engine's loop thread writes each step's finished rows into that front end's outbox; one sender
+thread ships the outbox, with a snapshot of the engine's counters, as one frame — at once when
+there are results, else every ``STATUS_INTERVAL_S`` and whenever the engine's health changes
+(a stage died and is being restarted: the front end moves this replica's work elsewhere
+meanwhile).
 
-The replica dies with the front end (its parent) and leaves its own stages no way to outlive
-it (they watch their parent the same way).
+The front end that started the replica (its parent) owns it: its socket pair is served on the
+main thread, and its Stop, or its going away, ends the process. With ``--api-server-count`` the
+replica also accepts the other front-end processes' connections on a Unix socket
+(``Start.listen_path``), once it is ready; one of those hanging up drops only its own work.
+
+The replica dies with its parent and leaves its own stages no way to outlive it (they watch
+their parent the same way).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections import deque
@@ -24,6 +31,7 @@ from multiprocessing.connection import Connection
 
 from ..engine import Engine
 from ..parallel.worker import _die_with_parent
+from ..signal_mask import block_stop_signals
 from ..submission import Submission
 from .messages import (
     Abort,
@@ -44,9 +52,12 @@ _HEALTH_POLL_S = 0.05  # how soon a health change (a stage died) reaches the fro
 
 
 class ReplicaServer:
-    def __init__(self, engine: Engine, conn: Connection) -> None:
+    """One front end's session. ``owner``: the parent's (its end closes the engine)."""
+
+    def __init__(self, engine: Engine, conn: Connection, *, owner: bool = True) -> None:
         self.engine = engine
         self.conn = conn
+        self.owner = owner
         self._submissions: dict[int, Submission] = {}  # batch first id -> its call
         self._outbox: deque[Result] = deque()
         self._wake = threading.Condition()
@@ -70,7 +81,10 @@ class ReplicaServer:
         except (EOFError, OSError):
             code = 1  # the front end is gone: nobody to answer
         finally:
-            self.engine.close()
+            if self.owner:
+                self.engine.close()
+            else:  # another front end hung up: its work here has nobody to go to
+                self._abort(tuple(self._submissions.copy()))  # copy(): atomic
             with self._wake:
                 self._stop = True
                 self._wake.notify()
@@ -179,10 +193,39 @@ def main(argv: list[str] | None = None) -> None:
             send(conn, [StartFailed(_picklable(exc))])
         os._exit(1)
     send(conn, [Ready(engine.deployment, os.getpid())])
+    if start.listen_path is not None:
+        accept_front_ends(engine, start.listen_path)
     code = ReplicaServer(engine, conn).run()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def accept_front_ends(engine: Engine, path: str) -> None:
+    """Serve every front end that connects to ``path`` (a thread each), from now on."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # left by the process this one replaces
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+
+    def serve(conn: Connection) -> None:
+        block_stop_signals()
+        try:
+            send(conn, [Ready(engine.deployment, os.getpid())])
+        except OSError:
+            return
+        ReplicaServer(engine, conn, owner=False).run()
+        conn.close()
+
+    def accept() -> None:
+        block_stop_signals()
+        while True:
+            sock, _ = listener.accept()
+            conn = Connection(sock.detach())
+            threading.Thread(target=serve, args=(conn,), name="front-end", daemon=True).start()
+
+    threading.Thread(target=accept, name="front-end-listener", daemon=True).start()
 
 
 def _picklable(exc: BaseException) -> BaseException:

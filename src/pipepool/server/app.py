@@ -262,14 +262,18 @@ async def health(request: Request) -> JSONResponse:
     ``degraded`` (a stage died and the pipeline is being restarted: requests wait, and are
     answered once it is back; with replicas, a replica is restarting and the others take its
     work), ``dead`` or ``failed`` (the server is about to exit non-zero), ``closed`` (shutting
-    down). With replicas (``--dp``) the body also lists each one's state."""
-    owner = _state(request).front.owner
+    down). With replicas (``--dp``) the body also lists each one's state; with
+    ``--api-server-count`` above 1, which front-end process answered."""
+    state = _state(request)
+    owner = state.front.owner
     engine = owner.engine
     if engine is None:
         status = "failed" if owner.error is not None else "loading"
     else:
         status = engine.health
     body = {"status": status}
+    if state.settings.api_server_count > 1:
+        body["api_server"] = state.settings.api_server_index  # which process answered
     if engine is not None and hasattr(engine, "replica_status"):
         body["replicas"] = [r.state for r in engine.replica_status()]
     return JSONResponse(body, status_code=200 if status == "ok" else 503)

@@ -114,6 +114,12 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
         front.aborted_inputs,
     )
     out.gauge("pipepool_http_requests_in_flight", "HTTP requests being handled", http.in_flight)
+    out.counter(
+        "process_cpu_seconds_total",
+        "CPU time of the front-end process that answered (near 1 s a second: it is the limit; "
+        "see --api-server-count)",
+        time.process_time(),
+    )
     out.family(
         "pipepool_http_requests_total",
         "counter",

@@ -42,6 +42,11 @@ class ServerSettings:
     log_level: str = "info"
     log_format: str = "text"  # text | json
     access_log: bool = True
+    # HTTP front-end processes sharing the replicas (``api_servers.py``): each parses,
+    # tokenises, routes and serialises with a GIL of its own. Which one this process is: 0 for
+    # the main process (it owns the replicas), 1 .. count - 1 for the others.
+    api_server_count: int = 1
+    api_server_index: int = 0
 
     @property
     def model_name(self) -> str:
@@ -70,6 +75,10 @@ class ServerSettings:
             raise InvalidInputError("timeout_keep_alive must be > 0", param="timeout_keep_alive")
         if self.backlog < 1:
             raise InvalidInputError("backlog must be >= 1", param="backlog")
+        if self.api_server_count < 1:
+            raise InvalidInputError("api_server_count must be >= 1", param="api_server_count")
+        if not 0 <= self.api_server_index < self.api_server_count:
+            raise InvalidInputError("api_server_index out of range", param="api_server_index")
         if self.api_key is not None and not self.api_key:
             raise InvalidInputError("api_key is empty", param="api_key")
 

@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import uvicorn
 
+from .app import build_app
 from .front import AsyncEngine
+from .settings import ServerSettings
 
 # Time the routes get to send their 503s before uvicorn cancels what is left.
 ANSWER_GRACE_S = 5.0
@@ -27,12 +29,14 @@ class Server(uvicorn.Server):
         front: AsyncEngine,
         timeout_s: float,
         on_started: Callable[[], None] = lambda: None,
+        on_shutdown: Callable[[], None] = lambda: None,
     ) -> None:
         config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S
         super().__init__(config)
         self.front = front
         self.timeout_s = timeout_s
         self.on_started = on_started
+        self.on_shutdown = on_shutdown
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
@@ -40,5 +44,32 @@ class Server(uvicorn.Server):
             self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
         self.front.abandon_after(self.timeout_s)
         await super().shutdown(sockets)
+
+
+def build_server(
+    settings: ServerSettings,
+    front: AsyncEngine,
+    logs: dict,
+    on_started: Callable[[], None],
+    on_shutdown: Callable[[], None] = lambda: None,
+) -> Server:
+    """The server of one front-end process (the main one, or one of ``--api-server-count``):
+    ``on_started`` once it accepts connections, ``on_shutdown`` when it stops accepting."""
+    config = uvicorn.Config(
+        build_app(settings, front),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+        backlog=settings.backlog,
+        lifespan="off",
+        log_config=logs,
+    )
+    return Server(
+        config, front, timeout_s=settings.shutdown_timeout_s, on_started=on_started,
+        on_shutdown=on_shutdown,
+    )  # fmt: skip

@@ -1,0 +1,164 @@
+"""The other HTTP front-end processes of ``pipepool serve --api-server-count K``.
+
+One Python process parses, validates, tokenises, routes and serialises every request under one
+GIL; on a small model that process, not the GPUs, sets the server's throughput (issue 14 in
+BENCHMARKS.md: about 0.6M tokens/s of short queries with one core busy). With K > 1 the main
+process binds the port and owns the replicas (their processes, restarts and placement), and
+K - 1 processes started here serve on the same listening socket (the kernel hands each new
+connection to one of the processes waiting to accept), each linked to every replica
+(``replicas/shared.py``).
+
+Each process is watched: one that dies is started again after a backoff (bounded as a
+replica's restarts are); on shutdown each is sent SIGTERM, drains its requests as the main
+process does, and is killed if it has not exited in time. Each dies with the main process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..config import EngineConfig
+from ..core.restarts import RestartPolicy
+from ..signal_mask import block_stop_signals
+from .settings import ServerSettings
+
+log = logging.getLogger("pipepool.server")
+
+
+@dataclass(frozen=True)
+class ApiServerSpec:
+    """What one more front-end process is told (pickled to its stdin)."""
+
+    settings: ServerSettings  # api_server_index says which one it is
+    config: EngineConfig
+    socket_dir: str  # where the replicas listen (replicas.engine.replica_socket)
+
+
+class ApiServers:
+    """Starts, watches, restarts and stops front-end processes 1 .. K - 1. ``on_ready()`` is
+    called (from a watcher thread) once all of them serve; ``ready`` counts those that do."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        config: EngineConfig,
+        socket_dir: str,
+        sock: socket.socket,
+        on_ready: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._settings, self._config, self._socket_dir = settings, config, socket_dir
+        self._sock = sock
+        self._on_ready = on_ready
+        self._indices = range(1, settings.api_server_count)
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._serving: set[int] = set()
+        self._policies = {i: RestartPolicy(config.stage_restarts) for i in self._indices}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._announced = False
+
+    @property
+    def ready(self) -> int:
+        with self._lock:
+            return len(self._serving)
+
+    def start(self) -> None:
+        for index in self._indices:
+            self._spawn(index)
+
+    def begin_stop(self) -> None:
+        """SIGTERM to each (they drain their requests); ``wait`` follows."""
+        with self._lock:  # no process starts after this (``_spawn`` checks under the lock)
+            self._stopping.set()
+            procs = list(self._procs.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for every process to exit; kill those still running after ``timeout_s``."""
+        self.begin_stop()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            procs = list(self._procs.values())
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("API server process %d did not stop in time; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [p.pid for p in self._procs.values() if p.poll() is None]
+
+    # -- one process --------------------------------------------------------------------------
+
+    def _spawn(self, index: int) -> None:
+        ready_r, ready_w = os.pipe()
+        fd = self._sock.fileno()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        spec = ApiServerSpec(
+            replace(self._settings, api_server_index=index), self._config, self._socket_dir
+        )
+        with self._lock:
+            if self._stopping.is_set():
+                os.close(ready_r)
+                os.close(ready_w)
+                return
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "pipepool.server.api_worker", str(fd), str(ready_w)],
+                    env=env,
+                    pass_fds=(fd, ready_w),
+                    stdin=subprocess.PIPE,
+                )
+            except BaseException:
+                os.close(ready_r)
+                raise
+            finally:
+                os.close(ready_w)
+            self._procs[index] = proc
+        proc.stdin.write(pickle.dumps(spec))
+        proc.stdin.close()
+        threading.Thread(
+            target=self._watch, args=(index, proc, ready_r), name=f"api-server-{index}", daemon=True
+        ).start()
+
+    def _watch(self, index: int, proc: subprocess.Popen, ready_r: int) -> None:
+        block_stop_signals()
+        with os.fdopen(ready_r, "rb") as ready:
+            serving = ready.read(1) == b"r"  # b"" when it exited first
+        if serving:
+            with self._lock:
+                self._serving.add(index)
+                everyone = len(self._serving) == len(self._indices) and not self._announced
+                self._announced = self._announced or everyone
+            if everyone:
+                self._on_ready()
+        code = proc.wait()
+        with self._lock:
+            self._serving.discard(index)
+        if self._stopping.is_set():
+            return
+        delay = self._policies[index].on_failure(time.monotonic())
+        if delay is None:
+            log.error("API server %d (pid %d) exited with code %d again; not starting it any more "
+                      "(the other front ends serve on)", index, proc.pid, code)  # fmt: skip
+            return
+        log.warning("API server %d (pid %d) exited with code %d; starting it again in %.1f s",
+                    index, proc.pid, code, delay)  # fmt: skip
+        if not self._stopping.wait(delay):
+            self._spawn(index)

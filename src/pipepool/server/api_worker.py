@@ -1,0 +1,77 @@
+"""One more HTTP front-end process of ``pipepool serve --api-server-count K`` (``api_servers``).
+
+``python -m pipepool.server.api_worker SOCKET_FD READY_FD``, its ``ApiServerSpec`` pickled on
+stdin. It links to every replica (``replicas.shared.SharedReplicas``, waiting until they
+serve), and only then starts accepting connections on the inherited listening socket: a
+process still loading never takes a connection the others could answer. It writes one byte to
+READY_FD once it serves. SIGTERM or Ctrl-C: it drains its requests as the main process does,
+then hangs up on the replicas (the main process stops them).
+"""
+
+from __future__ import annotations
+
+import logging.config
+import os
+import pickle
+import signal
+import socket
+import sys
+
+from ..parallel.worker import _die_with_parent
+from ..signal_mask import unblock_stop_signals
+
+
+def main(argv: list[str] | None = None) -> int:
+    unblock_stop_signals()  # a restarted one is started from a watcher thread that blocks them
+    _die_with_parent()
+    sock_fd, ready_fd = (int(x) for x in (argv if argv is not None else sys.argv[1:])[:2])
+    spec = pickle.loads(sys.stdin.buffer.read())
+    settings = spec.settings
+    # Until it serves, SIGTERM and Ctrl-C end it at once (nothing to drain yet).
+    signal.signal(signal.SIGINT, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+    from ..replicas.shared import SharedReplicas
+    from .front import AsyncEngine
+    from .logs import log_config
+    from .owner import EngineOwner
+    from .uvicorn_server import build_server
+
+    logs = log_config(settings.log_level, settings.log_format)
+    logging.config.dictConfig(logs)
+    owner = EngineOwner(lambda: SharedReplicas.connect(spec.config, spec.socket_dir))
+    front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+
+    def serving() -> None:
+        os.write(ready_fd, b"r")
+        os.close(ready_fd)
+
+    server = build_server(settings, front, logs, on_started=serving)
+
+    def stop_serving(_exc: BaseException) -> None:
+        server.should_exit = True
+
+    owner.start(on_failure=stop_serving)
+    owner.loaded.wait()
+    if owner.error is not None:
+        logging.getLogger("pipepool.server").error(
+            "API server %d could not link to the replicas: %s", settings.api_server_index,
+            owner.error,
+        )  # fmt: skip
+        os._exit(1)
+    # uvicorn installs its own SIGINT/SIGTERM handlers (drain, then return) in run(), and
+    # re-raises the signal afterwards with the handler it found: that one must do nothing.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        server.run(sockets=[socket.socket(fileno=sock_fd)])
+    finally:
+        front.close()
+        owner.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if server.started else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ process does, and is killed if it has not exited in time. Each dies with the mai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -46,7 +47,7 @@ class ApiServerSpec:
 
 class ApiServers:
     """Starts, watches, restarts and stops front-end processes 1 .. K - 1. ``on_ready()`` is
-    called (from a watcher thread) once all of them serve; ``ready`` counts those that do."""
+    called (from a watcher thread) once all of them serve."""
 
     def __init__(
         self,
@@ -67,18 +68,15 @@ class ApiServers:
         self._stopping = threading.Event()
         self._announced = False
 
-    @property
-    def ready(self) -> int:
-        with self._lock:
-            return len(self._serving)
-
     def start(self) -> None:
         for index in self._indices:
             self._spawn(index)
 
     def begin_stop(self) -> None:
-        """SIGTERM to each (they drain their requests); ``wait`` follows."""
+        """SIGTERM to each, once (they drain their requests); ``wait`` follows."""
         with self._lock:  # no process starts after this (``_spawn`` checks under the lock)
+            if self._stopping.is_set():
+                return
             self._stopping.set()
             procs = list(self._procs.values())
         for proc in procs:
@@ -98,10 +96,6 @@ class ApiServers:
                 log.warning("API server process %d did not stop in time; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
-
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [p.pid for p in self._procs.values() if p.poll() is None]
 
     # -- one process --------------------------------------------------------------------------
 
@@ -131,8 +125,9 @@ class ApiServers:
             finally:
                 os.close(ready_w)
             self._procs[index] = proc
-        proc.stdin.write(pickle.dumps(spec))
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # it died at once: its watcher says so
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
         threading.Thread(
             target=self._watch, args=(index, proc, ready_r), name=f"api-server-{index}", daemon=True
         ).start()

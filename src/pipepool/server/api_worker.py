@@ -21,7 +21,8 @@ from ..parallel.worker import _die_with_parent
 from ..signal_mask import unblock_stop_signals
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
+    """Serve until stopped; ends the process (``os._exit``) with 0, or 1 if it could not."""
     unblock_stop_signals()  # a restarted one is started from a watcher thread that blocks them
     _die_with_parent()
     sock_fd, ready_fd = (int(x) for x in (argv if argv is not None else sys.argv[1:])[:2])

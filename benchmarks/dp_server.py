@@ -144,10 +144,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def front_end_pids(server_pid: int, module: bytes = b"pipepool.server.api_worker") -> list[int]:
-    """The server process and its other API server processes (``--api-server-count``); with
-    ``module`` another kind of child, without the server itself."""
-    pids = [server_pid] if module == b"pipepool.server.api_worker" else []
+def children_running(server_pid: int, module: bytes) -> list[int]:
+    """The server's child processes whose command line names ``module``."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -191,8 +190,9 @@ def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
         run_pass(url, bodies, args.clients, args.concurrency, args.repeat)
         print(f"[{name}] warm-up pass {time.perf_counter() - t0:.1f}s", flush=True)
         before_tokens = replica_tokens(url)
-        fronts = front_end_pids(proc.pid)
-        replicas = front_end_pids(proc.pid, b"pipepool.replicas.worker")
+        # The server and its other API server processes (--api-server-count); the replicas.
+        fronts = [proc.pid, *children_running(proc.pid, b"pipepool.server.api_worker")]
+        replicas = children_running(proc.pid, b"pipepool.replicas.worker")
         cpu0 = sum(map(cpu_seconds, fronts))
         rcpu0 = sum(map(cpu_seconds, replicas))
         seconds = tokens = failed = 0

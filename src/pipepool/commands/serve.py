@@ -172,18 +172,17 @@ def run(args: argparse.Namespace) -> int:
         f"at {url}/v1 (OpenAI base_url; TEI routes /embed, /info at {url})"
     )
 
-    api_servers = None
-    if settings.api_server_count == 1:
-        owner = EngineOwner(lambda: Engine.from_config(config))
-    else:
-        # The replicas listen for the other front-end processes in a directory only this
-        # user can enter; the port is bound now, so that they can share its socket.
+    # With more API server processes, the replicas listen for them in a directory only this
+    # user can enter, and the port is bound now, so that they can share its socket.
+    api_servers = sockets = socket_dir = None
+    if settings.api_server_count > 1:
         socket_dir = tempfile.mkdtemp(prefix="pipepool-")
         owner = EngineOwner(lambda: ReplicatedEngine.shared(config, socket_dir))
+    else:
+        owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
     server = build_server(settings, front, logs, on_started=announce.server_started)
-    sockets = None
-    if settings.api_server_count > 1:
+    if socket_dir is not None:
         try:
             sockets = [server.config.bind_socket()]  # exits naming the error if it cannot
         except BaseException:

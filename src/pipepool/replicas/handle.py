@@ -125,10 +125,6 @@ class ReplicaHandle:
     def _exit_cause(self) -> BaseException:
         raise NotImplementedError
 
-    @property
-    def alive(self) -> bool:
-        raise NotImplementedError
-
 
 class ReplicaProcess(ReplicaHandle):
     """A replica process this front end starts and owns. ``listen_path``: where the replica
@@ -243,10 +239,6 @@ class ReplicaLink(ReplicaHandle):
             sock.close()
         self._reader.join(timeout=2)
         self._conn.close()
-
-    @property
-    def alive(self) -> bool:
-        return not self._closing and self._reader.is_alive()
 
 
 _CONNECT_RETRY_S = 0.1

@@ -13,7 +13,6 @@ replica is given up on, the main process exits, and this process with it.
 
 from __future__ import annotations
 
-from ..config import EngineConfig
 from .engine import ReplicatedEngine, replica_socket
 from .handle import ReplicaHandle, ReplicaLink
 from .slot import Slot
@@ -24,10 +23,8 @@ _RELINK_DELAY_S = 0.2
 
 
 class SharedReplicas(ReplicatedEngine):
-    @classmethod
-    def connect(cls, config: EngineConfig, socket_dir: str) -> SharedReplicas:
-        """Blocks until every replica has answered (they listen once they serve)."""
-        return cls.shared(config, socket_dir)
+    """``SharedReplicas.shared(config, socket_dir)`` blocks until every replica has answered
+    (they listen once they serve)."""
 
     def _start_replica(self, placement, cancelled=lambda: False) -> ReplicaHandle:
         path = replica_socket(self.socket_dir, placement.index)

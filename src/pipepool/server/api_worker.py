@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
-    owner = EngineOwner(lambda: SharedReplicas.connect(spec.config, spec.socket_dir))
+    owner = EngineOwner(lambda: SharedReplicas.shared(spec.config, spec.socket_dir))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
 
     def serving() -> None:

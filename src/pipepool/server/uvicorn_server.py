@@ -29,14 +29,13 @@ class Server(uvicorn.Server):
         front: AsyncEngine,
         timeout_s: float,
         on_started: Callable[[], None] = lambda: None,
-        on_shutdown: Callable[[], None] = lambda: None,
     ) -> None:
         config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S
         super().__init__(config)
         self.front = front
         self.timeout_s = timeout_s
         self.on_started = on_started
-        self.on_shutdown = on_shutdown
+        self.on_shutdown: Callable[[], None] = lambda: None  # when it stops accepting
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
@@ -54,10 +53,9 @@ def build_server(
     front: AsyncEngine,
     logs: dict,
     on_started: Callable[[], None],
-    on_shutdown: Callable[[], None] = lambda: None,
 ) -> Server:
-    """The server of one front-end process (the main one, or one of ``--api-server-count``):
-    ``on_started`` once it accepts connections, ``on_shutdown`` when it stops accepting."""
+    """The server of one front-end process (the main one, or one of ``--api-server-count``);
+    ``on_started`` once it accepts connections."""
     config = uvicorn.Config(
         build_app(settings, front),
         host=settings.host,
@@ -69,7 +67,4 @@ def build_server(
         lifespan="off",
         log_config=logs,
     )
-    return Server(
-        config, front, timeout_s=settings.shutdown_timeout_s, on_started=on_started,
-        on_shutdown=on_shutdown,
-    )  # fmt: skip
+    return Server(config, front, timeout_s=settings.shutdown_timeout_s, on_started=on_started)

@@ -96,17 +96,80 @@ def test_an_operators_own_threshold_wins(monkeypatch):
     assert bound_heap_growth() is False
 
 
-def test_onednn_kernel_cache_is_bounded_unless_the_operator_sized_it(monkeypatch):
-    """oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY when it builds its first kernel; every
+def test_onednn_kernel_caches_are_bounded_unless_the_operator_sized_them(monkeypatch):
+    """oneDNN and ideep read their capacities when they build their first kernel; every
     engine process calls bound_heap_growth before any compute."""
-    from pipepool.memory import ONEDNN_CACHE_CAPACITY, bound_heap_growth
+    from pipepool.memory import IDEEP_CACHE_CAPACITY, ONEDNN_CACHE_CAPACITY, bound_heap_growth
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
     bound_heap_growth()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(IDEEP_CACHE_CAPACITY)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "2048")
     bound_heap_growth()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "2048"
+
+
+_ROW_COUNTS = """
+import ctypes, sys
+import torch
+from pipepool.layers import cpu_linear
+from pipepool.memory import bound_heap_growth
+
+if sys.argv[1] == "bounded":
+    bound_heap_growth()  # after importing torch, as an engine does
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if not cpu_linear.supported():
+    print("unsupported")
+    sys.exit()
+torch.set_num_threads(1)
+w, b = torch.randn(256, 64), torch.randn(256)
+packed = cpu_linear.pack(w)
+with torch.inference_mode():
+    held = [libc.mallinfo2().uordblks]
+    for rows in range(1, 401):  # a CPU tile's row count is new at almost every step
+        cpu_linear.linear_add(torch.randn(rows, 64), torch.randn(rows, 256), packed, b)
+        if rows % 200 == 0:
+            held.append(libc.mallinfo2().uordblks)
+    print((held[1] - held[0]) / 2**20, (held[2] - held[1]) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_fused_linear_kernels_of_ever_new_row_counts_stay_bounded():
+    """The fused linear + residual add (``cpu_linear.linear_add``) compiles a kernel per row
+    count and ideep caches them: with its defaults every new row count holds more memory that
+    nothing frees; bounded, the first 128 fill the cache and later ones replace them."""
+    env = {
+        k: v for k, v in os.environ.items()
+        if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    }  # fmt: skip
+
+    def growth_mb(mode: str) -> tuple[float, float]:
+        """MB newly held over the first 200 row counts, and over the next 200."""
+        out = subprocess.run(
+            [sys.executable, "-c", _ROW_COUNTS, mode],
+            capture_output=True, text=True, env=env, check=True,
+        ).stdout.strip()  # fmt: skip
+        if out == "unsupported":
+            pytest.skip("this torch build has no fused oneDNN linear ops")
+        first, second = map(float, out.split())
+        return first, second
+
+    first, second = growth_mb("defaults")
+    assert second > 0.5 * first > 10, f"defaults: {first:.0f} then {second:.0f} MB held"
+    first, second = growth_mb("bounded")
+    assert second < 0.1 * first, f"bounded: {first:.0f} MB, then {second:.0f} MB more held"
 
 
 _SCATTERED = """

@@ -31,10 +31,14 @@ operator and input shape, 1,024 by default. A step's token count takes any value
 budget, so the cache fills with shapes that rarely recur, a few hundred KiB each: an engine
 on the CPU held 940-1,080 MB after 3,000 varied calls with the default and 726-798 MB with
 ``ONEDNN_CACHE_CAPACITY`` entries, a cache that is full within the first few hundred requests
-(BENCHMARKS.md, issue 16).
+(BENCHMARKS.md, issue 16). PyTorch's oneDNN bindings (ideep) keep a second cache of their own
+for some ops, the fused linear + residual add among them (``layers/cpu_linear.py``), 1,024
+entries by default (``LRU_CACHE_CAPACITY``), each holding a compiled kernel of ~250 KiB per
+row count: a CPU server filled it slowly, ~250 MB over its first ~8,000 requests, and its
+memory only levelled off then (a malloc trace named the holder). Both are bounded here.
 
 An operator's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (read by glibc at
-process start) and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` win.
+process start), ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY`` win.
 """
 
 from __future__ import annotations
@@ -50,17 +54,19 @@ TRIM_THRESHOLD = 64 << 20  # bytes of free heap top kept between trims
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 TRIM_EVERY_S = 2.0  # 10 s held ~200 MB more on the CPU; 2 s cost ~3% more system time
 ONEDNN_CACHE_CAPACITY = 128  # primitives; oneDNN's own default is 1,024
+IDEEP_CACHE_CAPACITY = 128  # ideep's cache of the same (LRU_CACHE_CAPACITY); its default 1,024
 _trimmer: threading.Thread | None = None
 _trimmer_lock = threading.Lock()
 
 
 def bound_heap_growth() -> bool:
     """Fix glibc's mmap and trim thresholds for this process (and so for every thread in it),
-    start the thread that trims the heap and bound oneDNN's primitive cache; True when the
+    start the thread that trims the heap and bound oneDNN's kernel caches; True when the
     thresholds are set. The heap part is a no-op off glibc, and the thresholds are left alone
     where the environment already sets one."""
-    # oneDNN reads this once, when it creates its first primitive: callers run before any compute.
+    # Both are read once, when the first kernel is built: callers run before any compute.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_CACHE_CAPACITY))
     libc = _libc()
     if libc is None:
         return False

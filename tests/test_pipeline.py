@@ -392,6 +392,30 @@ def test_ctrl_c_is_prompt_and_leaves_no_stage_process_running(qwen3_path, tmp_pa
     assert all(_gone(pid) for pid in pids)
 
 
+_EXITS_BUSY = """
+import sys
+from pipepool import Engine
+
+engine = Engine(sys.argv[1], device="cpu")
+text = "keep the engine busy with a long enough input " * 12
+calls = [engine.submit([text] * 8) for _ in range(60)]
+calls[0].result()  # steps are running, and dozens more are queued
+print("leaving", flush=True)
+"""
+
+
+def test_a_program_that_leaves_with_work_in_flight_exits_cleanly(minilm_path):
+    """No close(), no ``with``, work queued: the program still exits 0 (it died of SIGABRT,
+    "terminate called without an active exception", while the loop thread ran a step)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _EXITS_BUSY, str(minilm_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.stdout.strip() == "leaving"
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "terminate called" not in out.stderr
+
+
 def test_ctrl_c_stops_the_embed_command_with_its_stages(qwen3_path, tmp_path):
     """A terminal's Ctrl-C reaches the whole process group: ``pipepool embed --pp 2`` exits
     130 at once (no traceback), and no process of the group is left."""

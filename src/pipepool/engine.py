@@ -12,11 +12,13 @@ a stage in this process, too many restarts) fails every pending and later call w
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -56,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipepool")
 _CLOSE_JOIN_S = 0.3
+# At interpreter exit a loop thread still inside a step is waited for this long: the
+# interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
+_EXIT_JOIN_S = 10.0
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 class Engine(ScoringMethods):
@@ -110,6 +116,7 @@ class Engine(ScoringMethods):
         self._executor.set_failure_listener(self._wake_loop)
         self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
         self._thread.start()
+        _open_engines.add(self)
 
     def _new_scheduler(self) -> Scheduler:
         d = self.deployment
@@ -424,6 +431,12 @@ class Engine(ScoringMethods):
         self._fail_pending(EngineDeadError("engine closed"))
         self._executor.shutdown()
 
+    def _close_and_wait(self) -> None:
+        """close(), then wait for a loop thread still in a step to leave it."""
+        self.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=_EXIT_JOIN_S)
+
     def __enter__(self) -> Engine:
         return self
 
@@ -684,6 +697,17 @@ def _engine_class(cls: type, data_parallel_size) -> type:
 
         return ReplicatedEngine
     return cls
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the engines a program left open. Without this a program that exits with work
+    in flight (no close(), no ``with``) dies of SIGABRT ("terminate called without an active
+    exception", exit code 134): the interpreter tears down while the loop thread still runs a
+    step's torch ops. Runs before the interpreter's own teardown."""
+    for engine in list(_open_engines):
+        with contextlib.suppress(Exception):
+            engine._close_and_wait()
 
 
 def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):

@@ -10,6 +10,12 @@ model's layer bodies on a side stream, and the stage installs them between two s
 
 Vectors computed before and after agree to the dtype's rounding (the GPU tests check both paths
 against the fp32 reference); they are not bit-identical, as a step of another size is not.
+
+Several stages in one process (``pipeline_backend="inproc"``) compile one at a time, and none
+installs its compiled bodies before every one has ended: torch's FX tracing state is global to
+the process, so a thread that calls a compiled function while another thread traces fails
+("Detected that you are using FX to symbolically trace a dynamo-optimized function"), which
+killed such an engine in one GPU test run of two.
 """
 
 from __future__ import annotations
@@ -47,14 +53,22 @@ def compiled_layer_body(
         return None
 
 
+_one_at_a_time = threading.Lock()  # one compile (one FX trace) at a time in this process
+_unfinished = threading.Condition()  # guards _num_unfinished
+_num_unfinished = 0  # background compiles of this process that have not ended
+
+
 class BackgroundCompile:
     """``compiled_layer_body`` in a thread of its own, on a side stream of the stage's GPU."""
 
     def __init__(
         self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
     ) -> None:
+        global _num_unfinished
         self._done = threading.Event()
         self._body: object | None = None
+        with _unfinished:
+            _num_unfinished += 1
         threading.Thread(
             target=self._compile, args=(model, warm_up, spec), daemon=True,
             name=f"pipepool-compile-{spec.index}",
@@ -63,23 +77,33 @@ class BackgroundCompile:
     def _compile(
         self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
     ) -> None:
+        global _num_unfinished
         try:
-            if spec.device.type != "cuda":
-                self._body = compiled_layer_body(model, warm_up, spec)
-                return
-            with _on_side_stream(spec.device):
-                self._body = compiled_layer_body(model, warm_up, spec)
-                torch.cuda.current_stream().synchronize()
+            with _one_at_a_time:
+                if spec.device.type != "cuda":
+                    self._body = compiled_layer_body(model, warm_up, spec)
+                    return
+                with _on_side_stream(spec.device):
+                    self._body = compiled_layer_body(model, warm_up, spec)
+                    torch.cuda.current_stream().synchronize()
         finally:
             self._done.set()
+            with _unfinished:
+                _num_unfinished -= 1
+                _unfinished.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once compiling has ended (compiled or failed)."""
-        return self._done.wait(timeout)
+        """True once compiling has ended (compiled or failed), here and in every other stage
+        of this process."""
+        with _unfinished:
+            return _unfinished.wait_for(
+                lambda: self._done.is_set() and _num_unfinished == 0, timeout
+            )
 
     def take(self) -> tuple[bool, object | None]:
-        """(ended, the compiled layer body or None if compiling failed); never blocks."""
-        if not self._done.is_set():
+        """(ended, the compiled layer body or None if compiling failed); never blocks. Not
+        ended while another stage of this process still compiles (see the module's note)."""
+        if not self._done.is_set() or _num_unfinished:
             return False, None
         return True, self._body
 

@@ -22,11 +22,14 @@ import base64
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -60,50 +63,77 @@ def build_bodies(model: Path, workload: str, per_request: int, limit: int | None
 
 
 # -- client processes ------------------------------------------------------------------------
+# A client is plain HTTP/1.1 over asyncio streams: one keep-alive connection per request in
+# flight, request bytes built before timing, a response read by its Content-Length. The
+# clients share the host's cores with the server's processes, so they must cost little (the
+# cores they use are printed with each variant).
 
 
 def _client_main(url, bodies, indices, concurrency, go, out) -> None:
-    out.put(asyncio.run(_drive(url, bodies, indices, concurrency, go)))
+    try:
+        import uvloop  # the clients' own cost is not what is measured
+
+        uvloop.install()
+    except ImportError:
+        pass
+    tokens, failed, samples = asyncio.run(_drive(url, bodies, indices, concurrency, go))
+    out.put((tokens, failed, samples, time.process_time()))
 
 
 async def _drive(url, bodies, indices, concurrency, go) -> tuple[int, int, dict]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in indices:
-        queue.put_nowait(i)
+    parts = urlsplit(url)
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        "Content-Type: application/json\r\nContent-Length: "
+    ).encode()
+    queue = deque(indices)
     tokens = failed = 0
     samples: dict[int, list] = {}
-    headers = {"content-type": "application/json"}
 
-    async def one(http: httpx.AsyncClient) -> None:
+    async def one() -> None:
         nonlocal tokens, failed
-        while not queue.empty():
-            i = queue.get_nowait()
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        while queue:
+            i = queue.popleft()
+            body = bodies[i % len(bodies)]
             try:
-                body = bodies[i % len(bodies)]
-                r = await http.post(url + "/v1/embeddings", content=body, headers=headers)
-            except httpx.HTTPError as exc:  # counted, never a hung benchmark
-                print(f"request {i}: {exc!r}", flush=True)
+                writer.write(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+                header = await reader.readuntil(b"\r\n\r\n")
+                length = int(_CONTENT_LENGTH.search(header).group(1))
+                data = await reader.readexactly(length)
+            except (OSError, asyncio.IncompleteReadError, AttributeError) as exc:
+                print(f"request {i}: {exc!r}", flush=True)  # counted, never a hung benchmark
+                failed += 1
+                writer.close()
+                reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+                continue
+            if header[9:12] != b"200":
                 failed += 1
                 continue
-            if r.status_code != 200:
+            # The answer's usage closes its body: the served tokens, without parsing the rest.
+            usage = _PROMPT_TOKENS.search(data, max(0, len(data) - 256))
+            if usage is None:
                 failed += 1
                 continue
-            data = r.json()
-            tokens += data["usage"]["prompt_tokens"]
+            tokens += int(usage.group(1))
             if i < SAMPLE_REQUESTS:
-                samples[i] = [d["embedding"] for d in data["data"]]
+                samples[i] = [d["embedding"] for d in json.loads(data)["data"]]
+        writer.close()
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await asyncio.get_running_loop().run_in_executor(None, go.wait)
-        await asyncio.gather(*(one(http) for _ in range(concurrency)))
+    await asyncio.get_running_loop().run_in_executor(None, go.wait)
+    await asyncio.gather(*(one() for _ in range(concurrency)))
     return tokens, failed, samples
+
+
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":(\d+)')
 
 
 def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int, repeat: int = 1):
     """All bodies ``repeat`` times, from ``clients`` processes; (seconds, tokens, failed,
-    samples). A pass is timed from its first request to its last answer, so it must be long
-    against the ramp at its ends: a fast server needs ``repeat`` > 1."""
+    samples, the clients' CPU seconds). A pass is timed from its first request to its last
+    answer, so it must be long against the ramp at its ends: a fast server needs ``repeat`` >
+    1."""
     ctx = mp.get_context("fork")  # the bodies reach the clients without a copy through pipes
     go, out = ctx.Event(), ctx.Queue()
     per = max(1, concurrency // clients)
@@ -120,15 +150,16 @@ def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int, repe
     start = time.perf_counter()
     go.set()
     tokens = failed = 0
+    client_cpu = 0.0
     samples: dict[int, list] = {}
     for _ in procs:
-        t, f, s = out.get(timeout=900)
-        tokens, failed = tokens + t, failed + f
+        t, f, s, cpu = out.get(timeout=900)
+        tokens, failed, client_cpu = tokens + t, failed + f, client_cpu + cpu
         samples.update(s)
     seconds = time.perf_counter() - start
     for p in procs:
         p.join()
-    return seconds, tokens, failed, samples
+    return seconds, tokens, failed, samples, client_cpu
 
 
 # -- a server --------------------------------------------------------------------------------
@@ -195,11 +226,12 @@ def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
         replicas = children_running(proc.pid, b"pipepool.replicas.worker")
         cpu0 = sum(map(cpu_seconds, fronts))
         rcpu0 = sum(map(cpu_seconds, replicas))
-        seconds = tokens = failed = 0
+        seconds = tokens = failed = client_cpu = 0
         samples = {}
         for _ in range(args.passes):
-            s, t, f, samples = run_pass(url, bodies, args.clients, args.concurrency, args.repeat)
+            s, t, f, samples, c = run_pass(url, bodies, args.clients, args.concurrency, args.repeat)
             seconds, tokens, failed = seconds + s, tokens + t, failed + f
+            client_cpu += c
         front_cpu = (sum(map(cpu_seconds, fronts)) - cpu0) / seconds
         replica_cpu = (sum(map(cpu_seconds, replicas)) - rcpu0) / seconds
         after = replica_tokens(url)
@@ -214,7 +246,8 @@ def run_variant(name, model, flags, env_extra, bodies, args) -> Outcome:
     print(
         f"[{name}] {out.tokens_per_s:,.0f} tok/s over {seconds:.1f}s, {failed} failed, "
         f"{len(fronts)} front-end process(es) {front_cpu:.2f} cores, {len(replicas)} replica "
-        f"process(es) {replica_cpu:.2f} cores, replica tokens {shares}",
+        f"process(es) {replica_cpu:.2f} cores, {args.clients} clients {client_cpu / seconds:.2f} "
+        f"cores, replica tokens {shares}",
         flush=True,
     )
     return out

@@ -52,10 +52,9 @@ def _retained_mb(mode: str) -> tuple[bool, int, int]:
     return out[0] == "True", int(out[1]), int(out[2])
 
 
-_THRESHOLD = """
-import ctypes, sys
-import numpy as np
-from pipepool.memory import bound_heap_growth
+# glibc's heap statistics (mallinfo2: glibc 2.33+), run before each script below.
+_MALLINFO = """
+import ctypes
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -64,6 +63,13 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+"""
+
+_THRESHOLD = """
+import sys
+import numpy as np
+from pipepool.memory import bound_heap_growth
+
 if sys.argv[1] == "bounded":
     bound_heap_growth()
 before = libc.mallinfo2().hblks
@@ -74,7 +80,7 @@ print(libc.mallinfo2().hblks - before)  # 1: the 16 MiB block was mmapped; 0: he
 
 def _mmapped_first_large_block(mode: str) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    cmd = [sys.executable, "-c", _THRESHOLD, mode]
+    cmd = [sys.executable, "-c", _MALLINFO + _THRESHOLD, mode]
     return int(subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout)
 
 
@@ -114,7 +120,7 @@ def test_onednn_kernel_caches_are_bounded_unless_the_operator_sized_them(monkeyp
 
 
 _ROW_COUNTS = """
-import ctypes, sys
+import sys
 import torch
 from pipepool.layers import cpu_linear
 from pipepool.memory import bound_heap_growth
@@ -122,13 +128,6 @@ from pipepool.memory import bound_heap_growth
 if sys.argv[1] == "bounded":
     bound_heap_growth()  # after importing torch, as an engine does
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 if not cpu_linear.supported():
     print("unsupported")
     sys.exit()
@@ -158,7 +157,7 @@ def test_fused_linear_kernels_of_ever_new_row_counts_stay_bounded():
     def growth_mb(mode: str) -> tuple[float, float]:
         """MB newly held over the first 200 row counts, and over the next 200."""
         out = subprocess.run(
-            [sys.executable, "-c", _ROW_COUNTS, mode],
+            [sys.executable, "-c", _MALLINFO + _ROW_COUNTS, mode],
             capture_output=True, text=True, env=env, check=True,
         ).stdout.strip()  # fmt: skip
         if out == "unsupported":

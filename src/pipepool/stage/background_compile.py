@@ -65,7 +65,6 @@ class BackgroundCompile:
         self, model: StageModel, warm_up: Callable[[StageModel], None], spec: StageSpec
     ) -> None:
         global _num_unfinished
-        self._done = threading.Event()
         self._body: object | None = None
         with _unfinished:
             _num_unfinished += 1
@@ -87,7 +86,6 @@ class BackgroundCompile:
                     self._body = compiled_layer_body(model, warm_up, spec)
                     torch.cuda.current_stream().synchronize()
         finally:
-            self._done.set()
             with _unfinished:
                 _num_unfinished -= 1
                 _unfinished.notify_all()
@@ -96,14 +94,12 @@ class BackgroundCompile:
         """True once compiling has ended (compiled or failed), here and in every other stage
         of this process."""
         with _unfinished:
-            return _unfinished.wait_for(
-                lambda: self._done.is_set() and _num_unfinished == 0, timeout
-            )
+            return _unfinished.wait_for(lambda: _num_unfinished == 0, timeout)
 
     def take(self) -> tuple[bool, object | None]:
         """(ended, the compiled layer body or None if compiling failed); never blocks. Not
         ended while another stage of this process still compiles (see the module's note)."""
-        if not self._done.is_set() or _num_unfinished:
+        if _num_unfinished:  # this compile counts until it ends
             return False, None
         return True, self._body
 

@@ -34,7 +34,7 @@ def test_bf16_gpu_decoder_matches_fp32_reference(decoder_paths, reference, famil
     with pipepool.Engine(
         str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget, compile=compile
     ) as engine:
-        assert engine._executor.runners[0].model.attn_kernel == "flash"
+        assert engine._executor.runners[0].model.attn_kernel in ("triton", "flash")
         for pooling in POOLINGS:
             worst = _worst(engine, ref, long_prompts(), pooling)
             assert worst >= MIN_COSINE_BF16, f"{family} {budget} {pooling}: {worst}"

@@ -10,6 +10,8 @@ The one interface every model uses is :func:`attend`. It
 
 Kernels (``choose_kernel`` picks one per stage, at load):
 
+- ``triton``: :mod:`.triton_attention` (CUDA, fp16/bf16, power-of-two head sizes 32-256):
+  1.5-2.8x the flash op below on the steps of short requests we run (BENCHMARKS.md, issue 10);
 - ``flash``: aten's variable-length flash-attention op, called directly (CUDA, fp16/bf16);
 - ``varlen``: the same op through ``torch.nn.attention.varlen.varlen_attn``, whose custom-op
   wrapper costs tens of microseconds of Python per call and imports ``torch._dynamo`` (seconds
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import triton_attention
 from .grouped_attention import GroupPlan, grouped_attention, plan_runs
 
 
@@ -71,9 +74,11 @@ def attend(
     scale: float,
     window: int | None = None,
     kernel: str = "portable",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``window``: keys a query may see, itself
-    included (sliding-window attention), None for unlimited."""
+    included (sliding-window attention), None for unlimited. ``out``: where to put the result
+    (the triton kernel writes there directly, the others copy), or None for a new tensor."""
     if meta.graph_split is not None:
         return meta.graph_split(q, k, v, kv_cache, scale=scale, window=window, kernel=kernel)
     if kv_cache is not None and meta.write_slots is not None:
@@ -84,15 +89,22 @@ def attend(
         assert kv_cache is not None, "a chunk continues a request but this layer has no KV cache"
         k = _with_prefix(k, kv_cache[0], meta)
         v = _with_prefix(v, kv_cache[1], meta)
+    if kernel == "triton":
+        return triton_attention.varlen_attention(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q,
+            causal=meta.causal, scale=scale, window=window, out=out,
+        )  # fmt: skip
     if kernel == "flash":
-        return _flash(q, k, v, meta, scale, window)
-    if kernel == "varlen":
-        return _varlen(q, k, v, meta, scale, window)
-    if q.device.type == "cpu":
+        result = _flash(q, k, v, meta, scale, window)
+    elif kernel == "varlen":
+        result = _varlen(q, k, v, meta, scale, window)
+    elif q.device.type == "cpu":
         if meta.group_plan is None:
             meta.group_plan = plan_runs(meta.cu_q_host, meta.cu_k_host, meta.causal)
-        return grouped_attention(q, k, v, meta.group_plan, scale, window)
-    return _portable(q, k, v, meta, scale, window)
+        result = grouped_attention(q, k, v, meta.group_plan, scale, window)
+    else:
+        result = _portable(q, k, v, meta, scale, window)
+    return result if out is None else out.copy_(result)
 
 
 def _with_prefix(x: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,28 +122,33 @@ def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def choose_kernel(device: torch.device, dtype: torch.dtype) -> str:
+def choose_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
     """The fastest kernel that agrees with the portable one on a small mixed batch (causal
-    with a cached prefix, sliding window, bidirectional, GQA) on this device and torch."""
-    if not flash_supported(device, dtype):
-        return "portable"
-    for kernel in ("flash", "varlen"):
+    with a cached prefix, sliding window, bidirectional, GQA) of ``head_dim``-sized heads on
+    this device and torch."""
+    candidates = [k for k in ("flash", "varlen") if flash_supported(device, dtype)]
+    if triton_attention.supported(device, dtype, head_dim):
+        candidates.insert(0, "triton")
+    for kernel in candidates:
         try:
-            if _agrees_with_portable(kernel, device, dtype):
+            if _agrees_with_portable(kernel, device, dtype, head_dim):
                 return kernel
         except Exception as exc:  # a signature this torch does not have, a missing kernel
             warnings.warn(f"attention kernel {kernel!r} unusable: {exc}", stacklevel=2)
-    warnings.warn("no flash attention kernel agrees with the reference; using portable",
-                  stacklevel=2)  # fmt: skip
+    if candidates:
+        warnings.warn("no fast attention kernel agrees with the reference; using portable",
+                      stacklevel=2)  # fmt: skip
     return "portable"
 
 
-def _agrees_with_portable(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+def _agrees_with_portable(
+    kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     lq, lk = np.array([0, 5, 12, 49]), np.array([0, 5, 30, 49])  # request 2 has a prefix
-    q = torch.randn(int(lq[-1]), 4, 64, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(int(lk[-1]), 2, 64, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(int(lk[-1]), 2, 64, device=device, dtype=dtype, generator=gen)
+    q = torch.randn(int(lq[-1]), 4, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(int(lk[-1]), 2, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(int(lk[-1]), 2, head_dim, device=device, dtype=dtype, generator=gen)
     for causal, window in ((True, None), (True, 4), (False, None)):
         n_q, n_k = (lq, lk) if causal else (lk, lk)
         meta = AttentionMetadata(

@@ -45,42 +45,58 @@ if triton is not None:
         k_w_ptr,  # [D]
         cos_sin_ptr,  # [max_pos, ROT] fp32: cos | sin
         pos_ptr,  # [T] int64
+        num_tokens,
         stride_t,
         eps,
         HQ: tl.constexpr,
         HK: tl.constexpr,
-        BLOCK_H: tl.constexpr,  # >= max(HQ, HK), a power of two
+        BLOCK_H: tl.constexpr,  # heads per program, a power of two
+        Q_GROUPS: tl.constexpr,  # programs along axis 1 that take q heads; the rest take k's
+        BLOCK_T: tl.constexpr,  # tokens per program
         HALF: tl.constexpr,  # rotary half width
         D: tl.constexpr,
         HAS_NORM: tl.constexpr,
         DTYPE: tl.constexpr,
     ):
-        t = tl.program_id(0)
-        if tl.program_id(1) == 0:  # the token's q heads
-            nh, col0, w_ptr, out_ptr = HQ, 0, q_w_ptr, q_out_ptr
-        else:  # its k heads, right after q in the fused projection
-            nh, col0, w_ptr, out_ptr = HK, HQ * D, k_w_ptr, k_out_ptr
-        heads = tl.arange(0, BLOCK_H)[:, None]
-        cols = tl.arange(0, HALF)[None, :]
-        mask = heads < nh
-        base = qkv_ptr + t * stride_t + col0 + heads * D
-        x1 = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF]
-        x2 = tl.load(base + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.program_id(1)
+        if g < Q_GROUPS:  # a group of the tokens' q heads
+            nh, head0, col0, w_ptr, out_ptr = HQ, g * BLOCK_H, 0, q_w_ptr, q_out_ptr
+        else:  # of their k heads, right after q in the fused projection
+            nh, head0, col0, w_ptr, out_ptr = (
+                HK,
+                (g - Q_GROUPS) * BLOCK_H,
+                HQ * D,
+                k_w_ptr,
+                k_out_ptr,
+            )
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+        heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
+        cols = tl.arange(0, HALF)[None, None, :]
+        tmask = tok < num_tokens
+        mask = tmask[:, None, None] & (heads < nh)[None, :, None]
+        base = qkv_ptr + tok[:, None, None] * stride_t + col0 + heads[None, :, None] * D + cols
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, HALF]
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
-            var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
-            inv = (1.0 / tl.sqrt(var + eps))[:, None]
+            var = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / D
+            inv = (1.0 / tl.sqrt(var + eps))[:, :, None]
             w1 = tl.load(w_ptr + cols).to(tl.float32)
             w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
             x1 = _round(w1 * _round(x1 * inv, DTYPE), DTYPE)
             x2 = _round(w2 * _round(x2 * inv, DTYPE), DTYPE)
-        pos = tl.load(pos_ptr + t)
-        cos = _round(tl.load(cos_sin_ptr + pos * 2 * HALF + cols), DTYPE)
-        sin = _round(tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + cols), DTYPE)
+        pos = tl.load(pos_ptr + tok, mask=tmask, other=0)[:, None, None]
+        cos = _round(tl.load(cos_sin_ptr + pos * 2 * HALF + cols, mask=tmask[:, None, None]), DTYPE)
+        sin = _round(
+            tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + cols, mask=tmask[:, None, None]), DTYPE
+        )
         o1 = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
         o2 = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
-        dst = out_ptr + t * nh * D + heads * D
-        tl.store(dst + cols, o1.to(DTYPE), mask=mask)  # already representable: exact
-        tl.store(dst + HALF + cols, o2.to(DTYPE), mask=mask)
+        dst = out_ptr + tok[:, None, None] * nh * D + heads[None, :, None] * D + cols
+        tl.store(dst, o1.to(DTYPE), mask=mask)  # already representable: exact
+        tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
+
+
+_TILE = (4, 4)  # tokens per program, warps per program
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -108,7 +124,11 @@ def fused_qk_norm_rope(
         return q, k
     has_norm = q_norm is not None
     weights = (q_norm, k_norm) if has_norm else (qkv, qkv)  # placeholders, never read
-    _qk_norm_rope_kernel[(num_tokens, 2)](
+    block_h = min(triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads))
+    q_groups = triton.cdiv(num_heads, block_h)
+    groups = q_groups + triton.cdiv(num_kv_heads, block_h)
+    block_t, warps = _TILE
+    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t), groups)](
         qkv,
         q,
         k,
@@ -116,14 +136,18 @@ def fused_qk_norm_rope(
         weights[1],
         cos_sin,
         positions,
+        num_tokens,
         qkv.stride(0),
         eps,
         HQ=num_heads,
         HK=num_kv_heads,
-        BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        BLOCK_H=block_h,
+        Q_GROUPS=q_groups,
+        BLOCK_T=block_t,
         HALF=head_dim // 2,
         D=head_dim,
         HAS_NORM=has_norm,
         DTYPE=_TL_DTYPES[qkv.dtype],
+        num_warps=warps,
     )
     return q, k

@@ -60,6 +60,7 @@ class StageModel(nn.Module):
     num_layers: int  # in the whole model
     max_positions: int  # the model's own limit (position table / RoPE range)
     kv_layout: KVLayout | None  # None for encoders
+    head_dim: int  # of the attention heads (the attention kernel is chosen for it)
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()

@@ -168,6 +168,7 @@ class EncoderStage(StageModel):
         self.cfg = cfg
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
+        self.head_dim = cfg.hidden_size // cfg.num_heads
         self.attn_kernel = "portable"
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
         h = cfg.hidden_size

@@ -254,6 +254,7 @@ class DecoderStage(StageModel):
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
         self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim)
+        self.head_dim = cfg.head_dim
         self.attn_kernel = "portable"
         self.ops = LayerOps()
         if first:

@@ -49,11 +49,10 @@ class _Attention:
     out: torch.Tensor  # [B, Hq, D] read by the piece after
 
     def run(self, meta: AttentionMetadata, n: int) -> None:
-        a = attend(
+        attend(
             self.q[:n], self.k[:n], self.v[:n], meta, self.kv_cache,
-            scale=self.scale, window=self.window, kernel=self.kernel,
+            scale=self.scale, window=self.window, kernel=self.kernel, out=self.out[:n],
         )  # fmt: skip
-        self.out[:n].copy_(a)
 
 
 class _Captured:

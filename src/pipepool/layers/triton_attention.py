@@ -1,0 +1,198 @@
+"""Variable-length attention forward as one Triton kernel (CUDA, bf16/fp16).
+
+Why: aten's flash kernel (FlashAttention-2, built for sm80) runs the packed steps of a pooling
+engine at about 90 TFLOP/s on an H200 — short sequences, 32-dim heads for the small encoders —
+while the matmuls around it run at 500-700. This kernel tiles the same way (one program per
+block of queries of one request and one query head, online softmax over blocks of keys) with
+tile sizes chosen per head size for such steps.
+
+Layout and masks are those of :func:`.attention.attend`: packed q ``[T, Hq, D]``, packed k/v
+``[Tk, Hkv, D]`` (GQA: query head h reads KV head h // (Hq / Hkv)), per-request offsets
+``cu_seqlens_q`` / ``cu_seqlens_k``; causal masks aligned bottom-right (a chunk is the last
+queries of its keys), an optional sliding window of ``window`` keys, itself included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_block(
+        q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+        stride_kt, stride_vt, dims,
+        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """One block of keys: scores, online-softmax update, the weighted values added."""
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < len_k
+        k = tl.load(
+            k_base + cols[None, :] * stride_kt + dims[:, None], mask=inside[None, :], other=0.0
+        )
+        s = tl.dot(q, k) * scale_log2
+        visible = inside[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= positions[:, None])
+        if WINDOWED:
+            visible = visible & (cols[None, :] > positions[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOWED:  # a row may see no key of this block: keep exp2 finite
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vt + dims[None, :], mask=inside[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _varlen_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        cu_q_ptr,
+        cu_k_ptr,
+        scale_log2,  # softmax scale times log2(e): the kernel exponentiates in base 2
+        window,  # keys a query may see, itself included; 0: unlimited
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        GROUP: tl.constexpr,  # query heads per KV head
+        CAUSAL: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        LOOP_AS_WHILE: tl.constexpr,
+    ):
+        block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_start = tl.load(cu_q_ptr + seq)
+        len_q = tl.load(cu_q_ptr + seq + 1) - q_start
+        if block * BLOCK_M >= len_q:
+            return
+        k_start = tl.load(cu_k_ptr + seq)
+        len_k = tl.load(cu_k_ptr + seq + 1) - k_start
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=(rows < len_q)[:, None],
+            other=0.0,
+        )
+        kv_head = head // GROUP
+        k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
+        # Bidirectional rows see every key; causal ones the keys up to their own position
+        # (bottom-right: query i of a chunk of len_q sits at key position len_k - len_q + i).
+        positions = rows + (len_k - len_q)
+        lo = 0
+        hi = len_k
+        if CAUSAL:
+            hi = tl.minimum(len_k, (block + 1) * BLOCK_M + (len_k - len_q))
+        if WINDOWED:
+            lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over loaded bounds
+            start = lo
+            while start < hi:
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+        out = acc / l_i[:, None]
+        tl.store(
+            o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=(rows < len_q)[:, None],
+        )
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head size: the best of a sweep on an H200 over
+# steps of short and of mixed-length requests (benchmarks/attention_kernels.py; 64 and 256
+# follow their neighbours, unswept).
+TILES: dict[int, tuple[int, int, int, int]] = {
+    32: (64, 32, 4, 2),
+    64: (64, 64, 4, 2),
+    128: (64, 64, 4, 3),
+    256: (64, 32, 4, 2),
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and (head_dim is None or head_dim in TILES)
+    )
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [R+1] int32
+    cu_seqlens_k: torch.Tensor,
+    max_q: int,
+    *,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    tile: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Attention of every request's queries over its keys -> [T, Hq, D], written to ``out``
+    where given (any layout with contiguous heads)."""
+    num_q, heads, dim = q.shape
+    if out is None:
+        out = q.new_empty((num_q, heads, dim))
+    requests = cu_seqlens_q.shape[0] - 1
+    if num_q == 0 or requests == 0:
+        return out
+    block_m, block_n, warps, stages = tile or TILES[dim]
+    for t in (q, k, v, out):
+        assert t.stride(-1) == 1, "attention inputs need contiguous heads"
+    grid = (triton.cdiv(max(max_q, 1), block_m), requests, heads)
+    _varlen_attention_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        scale * math.log2(math.e), window or 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None, D=dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOP_AS_WHILE=_interpreting(),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out

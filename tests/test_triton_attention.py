@@ -1,0 +1,83 @@
+"""The Triton variable-length attention kernel against the portable one (per-request SDPA in
+fp32): causal chunks after a cached prefix (bottom-right masks), sliding windows, bidirectional
+requests, grouped KV heads, every head size it is chosen for. On the CPU through Triton's
+interpreter (fp32), on a GPU in bf16 and against aten's flash kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+_CASES = r"""
+import numpy as np
+import torch
+from pipepool.layers.attention import AttentionMetadata, _portable
+from pipepool.layers.triton_attention import varlen_attention
+
+
+def check(dtype, device, head_dims, tiles, tol):
+    torch.manual_seed(0)
+    for d in head_dims:
+        for causal, window, hq, hkv in (
+            (True, None, 4, 2), (True, 5, 4, 2), (False, None, 3, 3), (True, None, 4, 1),
+        ):
+            # request 1 continues after a 25-key prefix, request 3 after 18; 0-length none
+            lq = np.array([0, 5, 12, 49, 200])
+            lk = lq if not causal else np.array([0, 5, 30, 67, 218])
+            q = torch.randn(int(lq[-1]), hq, d, device=device).to(dtype)
+            kv = torch.randn(int(lk[-1]), 2 * hkv, d, device=device).to(dtype)
+            k, v = kv[:, :hkv], kv[:, hkv:]  # strided views, as the projections leave them
+            cu_q = torch.tensor(lq, dtype=torch.int32, device=device)
+            cu_k = torch.tensor(lk, dtype=torch.int32, device=device)
+            meta = AttentionMetadata(
+                causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_q=int(np.diff(lq).max()), max_k=int(np.diff(lk).max()),
+                cu_q_host=lq, cu_k_host=lk, total_k=int(lk[-1]),
+            )
+            want = _portable(q.float(), k.float(), v.float(), meta, d**-0.5, window)
+            for tile in tiles:
+                out = torch.full((int(lq[-1]), hq, d), float("nan"), device=device, dtype=dtype)
+                got = varlen_attention(
+                    q, k, v, cu_q, cu_k, meta.max_q, causal=causal, scale=d**-0.5,
+                    window=window, out=out, tile=tile,
+                )
+                assert got is out
+                err = (got.float() - want).abs().max().item()
+                assert err < tol, (dtype, d, causal, window, hq, hkv, tile, err)
+    print("ok")
+"""
+
+
+def test_kernel_matches_portable_attention_in_the_interpreter():
+    script = _CASES + "\ncheck(torch.float32, 'cpu', (32, 64), ((16, 16, 4, 1),), 1e-4)\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_matches_portable_attention_on_the_gpu():
+    from pipepool.layers.triton_attention import TILES
+
+    namespace: dict = {}
+    exec(_CASES, namespace)  # noqa: S102 - the same cases as the interpreter's, in this process
+    namespace["check"](torch.bfloat16, "cuda", tuple(TILES), (None,), 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_is_chosen_where_it_applies():
+    from pipepool.layers.attention import choose_kernel
+
+    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 32) == "triton"
+    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 128) == "triton"
+    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 80) == "flash"  # not a power of two

@@ -81,3 +81,24 @@ def test_kernel_is_chosen_where_it_applies():
     assert choose_kernel(torch.device("cuda"), torch.bfloat16, 32) == "triton"
     assert choose_kernel(torch.device("cuda"), torch.bfloat16, 128) == "triton"
     assert choose_kernel(torch.device("cuda"), torch.bfloat16, 80) == "flash"  # not a power of two
+
+
+def test_rows_that_see_no_key_are_zeros_like_flash():
+    """A chunk longer than its keys (bottom-right: its first queries precede every key) gets
+    zeros in those rows, as aten's flash kernel gives, not NaN."""
+    script = r"""
+import torch
+from pipepool.layers.triton_attention import varlen_attention
+torch.manual_seed(0)
+q, k, v = torch.randn(12, 2, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+cu_q, cu_k = torch.tensor([0, 12], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+out = varlen_attention(q, k, v, cu_q, cu_k, 12, causal=True, scale=0.2, tile=(16, 16, 4, 1))
+assert torch.equal(out[:7], torch.zeros(7, 2, 32)), out[:7]
+assert torch.isfinite(out).all() and out[7:].abs().sum() > 0
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -47,8 +47,9 @@ if triton is not None:
             visible = visible & (cols[None, :] > positions[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if WINDOWED:  # a row may see no key of this block: keep exp2 finite
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # A row may see no key of this block (a window), or none at all (a chunk longer than its
+        # keys: flash returns zeros there): keep exp2's argument finite.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -128,7 +129,7 @@ if triton is not None:
                     q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
                     stride_kt, stride_vt, dims, CAUSAL, WINDOWED, BLOCK_N,
                 )  # fmt: skip
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
         tl.store(
             o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
             out.to(o_ptr.dtype.element_ty),

@@ -69,7 +69,7 @@ def test_kernel_matches_portable_attention_on_the_gpu():
     from pipepool.layers.triton_attention import TILES
 
     namespace: dict = {}
-    exec(_CASES, namespace)  # noqa: S102 - the same cases as the interpreter's, in this process
+    exec(_CASES, namespace)  # the same cases as the interpreter's, in this process
     namespace["check"](torch.bfloat16, "cuda", tuple(TILES), (None,), 2e-2)
 
 

@@ -76,11 +76,15 @@ def test_kernel_matches_portable_attention_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_is_chosen_where_it_applies():
-    from pipepool.layers.attention import choose_kernel
+    from pipepool.layers.attention import AttentionShape, choose_kernel
 
-    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 32) == "triton"
-    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 128) == "triton"
-    assert choose_kernel(torch.device("cuda"), torch.bfloat16, 80) == "flash"  # not a power of two
+    def chosen(*shape) -> str:
+        return choose_kernel(torch.device("cuda"), torch.bfloat16, AttentionShape(*shape))
+
+    assert chosen(32, 1, False, False) == "triton"  # an all-MiniLM-L6-v2-sized encoder
+    assert chosen(128, 2, True, False) == "triton"  # Qwen3-0.6B
+    assert chosen(128, 4, True, True) == "triton"  # a sliding-window decoder
+    assert chosen(80, 1, True, False) == "flash"  # not a power of two
 
 
 def test_rows_that_see_no_key_are_zeros_like_flash():

@@ -171,7 +171,7 @@ def plan_deployment(
     else:
         devices = _stage_devices(device_kind, len(layers))
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    attn_kernel = choose_kernel(local, dtype, whole.head_dim)
+    attn_kernel = choose_kernel(local, dtype, whole.attention_shape)
     fused = attn_kernel != "portable" and family.causal and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, folder)
     budget = step_tokens(config, cuda, per_token)

@@ -122,16 +122,28 @@ def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def choose_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
-    """The fastest kernel that agrees with the portable one on a small mixed batch (causal
-    with a cached prefix, sliding window, bidirectional, GQA) of ``head_dim``-sized heads on
-    this device and torch."""
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a model asks of its attention kernel: the kernel is chosen (and checked) for it."""
+
+    head_dim: int
+    group: int  # query heads per KV head
+    causal: bool
+    windowed: bool  # some layer attends over a sliding window
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> str:
+    """The fastest kernel that agrees with the portable one on a small mixed batch of the
+    model's kind (causal: with a cached prefix and a chunk longer than its keys, and a sliding
+    window where the model has one; else bidirectional) on this device and torch. Only the
+    variants the model runs are checked, so a Triton kernel compiles at load exactly the
+    specialisations the steps then use."""
     candidates = [k for k in ("flash", "varlen") if flash_supported(device, dtype)]
-    if triton_attention.supported(device, dtype, head_dim):
+    if triton_attention.supported(device, dtype, shape.head_dim):
         candidates.insert(0, "triton")
     for kernel in candidates:
         try:
-            if _agrees_with_portable(kernel, device, dtype, head_dim):
+            if _agrees_with_portable(kernel, device, dtype, shape):
                 return kernel
         except Exception as exc:  # a signature this torch does not have, a missing kernel
             warnings.warn(f"attention kernel {kernel!r} unusable: {exc}", stacklevel=2)
@@ -142,14 +154,20 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, head_dim: int = 64) 
 
 
 def _agrees_with_portable(
-    kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int
+    kernel: str, device: torch.device, dtype: torch.dtype, shape: AttentionShape
 ) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
-    lq, lk = np.array([0, 5, 12, 49]), np.array([0, 5, 30, 49])  # request 2 has a prefix
-    q = torch.randn(int(lq[-1]), 4, head_dim, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(int(lk[-1]), 2, head_dim, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(int(lk[-1]), 2, head_dim, device=device, dtype=dtype, generator=gen)
-    for causal, window in ((True, None), (True, 4), (False, None)):
+    # Request 1: 7 queries after an 18-key prefix; request 2: 37 queries over 19 keys.
+    lq, lk = np.array([0, 5, 12, 49]), np.array([0, 5, 30, 49])
+    d, kv_heads = shape.head_dim, 2
+    heads = kv_heads * shape.group
+    q = torch.randn(int(lq[-1]), heads, d, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
+    variants = [(False, None)]
+    if shape.causal:
+        variants = [(True, None), (True, 4)] if shape.windowed else [(True, None)]
+    for causal, window in variants:
         n_q, n_k = (lq, lk) if causal else (lk, lk)
         meta = AttentionMetadata(
             causal=causal,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import AttentionMetadata
+from ..layers.attention import AttentionMetadata, AttentionShape
 from ..user_cache import cache_dir
 
 
@@ -60,7 +60,7 @@ class StageModel(nn.Module):
     num_layers: int  # in the whole model
     max_positions: int  # the model's own limit (position table / RoPE range)
     kv_layout: KVLayout | None  # None for encoders
-    head_dim: int  # of the attention heads (the attention kernel is chosen for it)
+    attention_shape: AttentionShape  # what the attention kernel is chosen and checked for
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import cpu_linear
 from ..layers.activation import ACTIVATIONS, get_activation
-from ..layers.attention import attend
+from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .score_heads import build_score_head
@@ -168,7 +168,9 @@ class EncoderStage(StageModel):
         self.cfg = cfg
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.attention_shape = AttentionShape(
+            cfg.hidden_size // cfg.num_heads, 1, causal=False, windowed=False
+        )
         self.attn_kernel = "portable"
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
         h = cfg.hidden_size

@@ -13,7 +13,7 @@ from torch import nn
 from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import qk_rope
-from ..layers.attention import attend
+from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.qk_rope import fused_qk_norm_rope
@@ -254,7 +254,10 @@ class DecoderStage(StageModel):
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
         self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim)
-        self.head_dim = cfg.head_dim
+        self.attention_shape = AttentionShape(
+            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, causal=True,
+            windowed=any(w is not None for w in cfg.windows),
+        )  # fmt: skip
         self.attn_kernel = "portable"
         self.ops = LayerOps()
         if first:

@@ -1,7 +1,7 @@
 """The Triton variable-length attention kernel against the portable one (per-request SDPA in
 fp32): causal chunks after a cached prefix (bottom-right masks), sliding windows, bidirectional
 requests, grouped KV heads, every head size it is chosen for. On the CPU through Triton's
-interpreter (fp32), on a GPU in bf16 and against aten's flash kernel."""
+interpreter (fp32), and on a GPU in bf16."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def check(dtype, device, head_dims, tiles, tol):
         for causal, window, hq, hkv in (
             (True, None, 4, 2), (True, 5, 4, 2), (False, None, 3, 3), (True, None, 4, 1),
         ):
-            # request 1 continues after a 25-key prefix, request 3 after 18; 0-length none
+            # causal: request 1 is 7 queries after an 18-key prefix, the others their own keys
             lq = np.array([0, 5, 12, 49, 200])
             lk = lq if not causal else np.array([0, 5, 30, 67, 218])
             q = torch.randn(int(lq[-1]), hq, d, device=device).to(dtype)

@@ -20,7 +20,7 @@ import gpu_suite
 import torch
 
 import pipepool
-from pipepool.bench import Peer, make_workload
+from pipepool.bench import Peer, busy_us, cuda_activity, make_workload
 
 
 def category(name: str) -> str:
@@ -39,15 +39,8 @@ def category(name: str) -> str:
 
 
 def kernel_table(run, label: str, tokens: int, top: int = 22) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events, wall_us = cuda_activity(run)
+    wall_ms = wall_us / 1e3
     by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     by_category: dict[str, float] = collections.defaultdict(float)
     for e in events:
@@ -55,14 +48,10 @@ def kernel_table(run, label: str, tokens: int, top: int = 22) -> None:
         by_name[e.name][0] += ms
         by_name[e.name][1] += 1
         by_category[category(e.name)] += ms
-    busy_us, end = 0.0, float("-inf")
-    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if b > end:
-            busy_us += b - max(a, end)
-            end = b
+    busy_ms = busy_us(events) / 1e3
     total = sum(ms for ms, _ in by_name.values())
     print(f"== {label}: wall {wall_ms:.1f} ms, kernels {total:.1f} ms, union busy "
-          f"{busy_us / 1e3:.1f} ms ({busy_us / 1e3 / wall_ms:.3f}), "
+          f"{busy_ms:.1f} ms ({busy_ms / wall_ms:.3f}), "
           f"{tokens / wall_ms / 1e3:.3f}M tok/s")  # fmt: skip
     print("   by category: " + ", ".join(
         f"{c} {ms:.1f} ms ({ms / total:.0%})"

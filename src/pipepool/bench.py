@@ -188,6 +188,13 @@ def gpu_busy_fraction(run) -> float | None:
     kernel's and copy's interval, from torch.profiler's CUDA activity); None without CUDA."""
     if not torch.cuda.is_available():
         return None
+    events, wall_us = cuda_activity(run)
+    return busy_us(events) / wall_us
+
+
+def cuda_activity(run: Callable[[], object]) -> tuple[list, float]:
+    """Every CUDA kernel and copy that torch.profiler records while ``run()`` runs, and the
+    wall time of that run in microseconds (the device synchronized before and after)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -196,17 +203,18 @@ def gpu_busy_fraction(run) -> float | None:
         run()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return events, wall_us
+
+
+def busy_us(events: list) -> float:
+    """Microseconds covered by the union of the events' intervals."""
     busy, end = 0.0, float("-inf")
-    for a, b in intervals:
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
         if b > end:
             busy += b - max(a, end)
             end = b
-    return busy / wall_us
+    return busy
 
 
 class Peer:

@@ -148,8 +148,8 @@ TILES: dict[int, tuple[int, int, int, int]] = {
 }
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's interpreter runs the kernel where this is set (read, as Triton reads it, at import).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
@@ -193,7 +193,7 @@ def varlen_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None, D=dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOP_AS_WHILE=_interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOP_AS_WHILE=_INTERPRETING,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

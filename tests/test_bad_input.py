@@ -74,6 +74,38 @@ def test_bad_inputs_raise_invalid_input_and_engine_keeps_serving(qwen3_engine, i
     assert_still_serves(qwen3_engine)
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (np.array([1.5, 2.0]), "input 1100 is not a flat list of integer token ids"),
+        (np.array([True, False]), "input 1100 is not a flat list of integer token ids"),
+        (np.array([[5, 6]]), "input 1100 is not a flat list of integer token ids"),
+        (np.array([], dtype=np.int64), "input 1100 is an empty token list"),
+        (np.array([5, 10**9]), "input 1100 has token id 1000000000 at position 1"),
+        (np.array([5, -3], dtype=np.int32), "input 1100 has token id -3 at position 1"),
+    ],
+)
+def test_bad_array_after_the_first_slice_names_it_and_loses_no_request(qwen3_engine, bad, message):
+    """Numpy inputs are checked a slice (1024 inputs) at a time, so a bad one past the first
+    slice is found after that slice went to the engine: the call still fails naming it, what
+    was enqueued is cancelled, and every request of the next call is answered."""
+    rng = np.random.default_rng(0)
+    good = [rng.integers(5, 500, size=3) for _ in range(1200)]
+    finished = qwen3_engine.stats.requests_finished + qwen3_engine.stats.requests_aborted
+    submitted = qwen3_engine.stats.requests_submitted
+    with pytest.raises(pipepool.InvalidInputError, match=message) as info:
+        qwen3_engine.embed([*good[:1100], bad, *good[1100:]])
+    assert info.value.index == 1100
+    expected = qwen3_engine.embed(good[:4])
+    assert np.allclose(qwen3_engine.embed([good[i] for i in range(4)]), expected)
+    stats = qwen3_engine.stats
+    # The first slice's requests were finished or aborted, none left pending.
+    sent = stats.requests_submitted - submitted - 8
+    assert sent in (0, 1024)
+    assert stats.requests_finished + stats.requests_aborted - finished == sent + 8
+    assert_still_serves(qwen3_engine)
+
+
 def test_token_id_equal_to_vocab_size_is_out_of_vocabulary(qwen3_engine):
     vocab = qwen3_engine.deployment.vocab_size
     assert qwen3_engine.embed([[0, vocab - 1]]).shape == (1, 64)

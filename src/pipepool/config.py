@@ -133,6 +133,13 @@ class EngineConfig:
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"
     )
+    # The interpreter's thread switch interval while an engine is open (switch_interval.py):
+    # the loop thread must get the GIL promptly from the threads that submit, or the GPU waits.
+    switch_interval_ms: float = option(
+        0.5,
+        "Python thread switch interval (sys.setswitchinterval) while an engine is open, so "
+        "its loop thread is not kept waiting by threads that submit; 0 leaves it alone",
+    )
     compile: bool | None = option(None, "torch.compile the layers (default: on for CUDA)")
     # CUDA graphs replay a step's kernels without launching them one by one from Python:
     # captured per padded token count, the first time a step of that size runs.
@@ -178,6 +185,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
+        if not 0 <= self.switch_interval_ms <= 1000:
+            raise InvalidInputError(
+                "switch_interval_ms must be between 0 and 1000", param="switch_interval_ms"
+            )
         check_long_inputs(self.long_inputs)
         if self.pipeline_parallel_size < 1:
             raise InvalidInputError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import switch_interval
 from .config import EngineConfig, check_long_inputs
 from .core.kv_blocks import BlockAllocator
 from .core.plan import StepPlan, StepResult
@@ -114,6 +116,7 @@ class Engine(ScoringMethods):
         self._closed = False
         self._stop = False
         self._executor.set_failure_listener(self._wake_loop)
+        self._lowered_switch = switch_interval.lower(config.switch_interval_ms / 1000)
         self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
         self._thread.start()
         _open_engines.add(self)
@@ -248,8 +251,9 @@ class Engine(ScoringMethods):
         """Validate, tokenise and enqueue; returns at once with the call's future.
 
         Raises InvalidInputError naming the input if any input is bad; then nothing of the
-        call stays queued. Long lists are tokenised and enqueued a slice at a time, so the
-        device starts on the first slice while this thread tokenises the next.
+        call stays queued (slices already enqueued are cancelled). Long lists are tokenised
+        and enqueued a slice at a time, so the device starts on the first slice while this
+        thread tokenises the next.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
         refuse_embedding(self.deployment)
@@ -269,7 +273,7 @@ class Engine(ScoringMethods):
             and not len(inputs)
         ):
             return self._new_submission(params, 0)  # already done: an empty result
-        first = next(slices)  # every input is validated before anything is enqueued
+        first = next(slices)  # options (and every text) validated before anything is enqueued
         if policy == "chunk":
             return self._submit_windows(params, [first, *slices])
         submission = self._new_submission(params, len(items))
@@ -430,6 +434,9 @@ class Engine(ScoringMethods):
         self._thread.join(timeout=_CLOSE_JOIN_S)
         self._fail_pending(EngineDeadError("engine closed"))
         self._executor.shutdown()
+        if self._lowered_switch:
+            self._lowered_switch = False
+            switch_interval.restore()
 
     def _close_and_wait(self) -> None:
         """close(), then wait for a loop thread still in a step to leave it."""
@@ -656,7 +663,8 @@ class Engine(ScoringMethods):
             if owner is not None:
                 submission, rows = owner
                 offsets = result.token_offsets
-                values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in sel.tolist()]
+                picked = np.arange(len(result.token_owner_ids))[sel].tolist()
+                values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in picked]
                 submission.put_tokens(rows, values)
 
     def _finish(self, batch: RequestBatch, ids: np.ndarray) -> tuple[Submission, np.ndarray] | None:
@@ -711,14 +719,22 @@ def _close_at_exit() -> None:
 
 
 def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):
-    """(batch, indices into ``ids``) for every batch holding some of ``ids``."""
+    """(batch, where its ids are in ``ids``) for every batch holding some of ``ids``: a slice
+    where they lie together (the usual step: outputs come in plan order, and a slice of the
+    step's output array is a view, not a copy), else an index array."""
     if not len(ids):
         return
     if len(batches) == 1:
-        yield batches[0], np.arange(len(ids))
+        yield batches[0], slice(0, len(ids))
         return
     firsts = np.array([b.first_id for b in batches])
     which = np.searchsorted(firsts, ids, side="right") - 1
+    steps = np.diff(which)
+    if (steps >= 0).all():
+        edges = [0, *(np.flatnonzero(steps) + 1).tolist(), len(ids)]
+        for lo, hi in itertools.pairwise(edges):
+            yield batches[int(which[lo])], slice(lo, hi)
+        return
     order = np.argsort(which, kind="stable")
     bounds = np.flatnonzero(np.diff(which[order])) + 1
     for group in np.split(order, bounds):

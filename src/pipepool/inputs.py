@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -82,11 +83,13 @@ class InputPreparer:
         long_inputs: str = "error",
         slice_size: int = 1024,
     ) -> Iterator[TokenSlice]:
-        """Validate every input up front (types, empties, lengths in characters, options),
-        then tokenise and length-check ``slice_size`` inputs at a time. Inputs as ``items``
-        takes them. ``long_inputs`` (see ``EngineConfig``): "truncate" cuts inputs to
-        max_model_len, "chunk" lets them through whole (the engine splits them into windows),
-        "error" refuses them."""
+        """Validate the options and, for texts, every input up front (empties, lengths in
+        characters), then tokenise and length-check ``slice_size`` inputs at a time. Token-id
+        inputs are checked a slice at a time (in bulk where they are numpy arrays), so the
+        first slice is out before the last is looked at; an error names the input either way.
+        Inputs as ``items`` takes them. ``long_inputs`` (see ``EngineConfig``): "truncate"
+        cuts inputs to max_model_len, "chunk" lets them through whole (the engine splits them
+        into windows), "error" refuses them."""
         items = self.items(inputs)
         if len(items) == 0:
             raise InvalidInputError(
@@ -113,11 +116,17 @@ class InputPreparer:
             return
         if prompt_name is not None:
             raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")
-        arrays = self._token_arrays(items)
-        for lo in range(0, len(arrays), slice_size):
-            part = arrays[lo : lo + slice_size]
-            lengths = np.fromiter((len(a) for a in part), dtype=np.int64, count=len(part))
-            flat = np.concatenate(part).astype(np.int64, copy=False)
+        arrays = None  # every input as an array, once a slice needs the item-by-item check
+        for lo in range(0, len(items), slice_size):
+            packed = _pack_arrays(items[lo : lo + slice_size]) if arrays is None else None
+            if packed is None:
+                if arrays is None:  # raises naming the first bad input, if there is one
+                    arrays = self._token_arrays(items)
+                part = arrays[lo : lo + slice_size]
+                lengths = np.fromiter((len(a) for a in part), dtype=np.int64, count=len(part))
+                packed = np.concatenate(part), lengths
+            flat, lengths = packed
+            flat = flat.astype(np.int64, copy=False)
             self._check_vocabulary(lo, flat, lengths)
             if limit is not None and lengths.max() > limit:
                 flat, lengths = _truncate_flat(flat, lengths, limit, keep)
@@ -163,13 +172,8 @@ class InputPreparer:
         return out
 
     def _token_arrays(self, items) -> list[np.ndarray]:
-        """Every input as a 1-D integer array, or an error naming the first bad one. Arrays
-        already in that shape (the common programmatic case) are taken as they are, checked
-        in bulk: a call of thousands of prompts must not cost microseconds each."""
-        if all(type(x) is np.ndarray for x in items):
-            kinds = {(x.ndim, x.dtype.kind) for x in items}
-            if kinds <= {(1, "i"), (1, "u")} and min(x.size for x in items) > 0:
-                return list(items)
+        """Every input as a 1-D integer array, or an error naming the first bad one, item by
+        item (inputs that are all such arrays already take ``_pack_arrays``, in bulk)."""
         arrays = []
         for i, x in enumerate(items):
             if isinstance(x, str) or not isinstance(x, (Sequence, np.ndarray)):
@@ -202,6 +206,9 @@ class InputPreparer:
 
     def _check_vocabulary(self, first: int, flat: np.ndarray, lengths: np.ndarray) -> None:
         vocab = self.deployment.vocab_size
+        # One pass over the ids: negative int64 ids read as uint64 are above any vocabulary.
+        if not (flat.view(np.uint64) >= vocab).any():
+            return
         bad = np.nonzero((flat < 0) | (flat >= vocab))[0]
         if len(bad):
             offsets = np.cumsum(lengths)
@@ -298,6 +305,28 @@ class InputPreparer:
         """Components of one output vector before Matryoshka truncation."""
         d = self.deployment
         return d.hidden_size if pooling == "all" else d.output_dim
+
+
+def _pack_arrays(part: list) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids back to back, lengths) of inputs that are all non-empty 1-D integer numpy arrays
+    (the common programmatic call), checked in bulk: a call of thousands of prompts must not
+    cost microseconds each, and the device waits for the first slice. None where any input is
+    something else: the item-by-item check then takes them (lists, or an error naming one)."""
+    if set(map(type, part)) != {np.ndarray}:
+        return None
+    if any(dtype.kind not in "iu" for dtype in set(map(_DTYPE, part))):
+        return None
+    try:
+        lengths = np.fromiter(map(len, part), dtype=np.int64, count=len(part))  # 0-d: TypeError
+        flat = np.concatenate(part)  # arrays of different dimensions: ValueError
+    except (TypeError, ValueError):
+        return None
+    if flat.ndim != 1 or lengths.min() == 0:  # all of them 2-D, or an empty one
+        return None
+    return flat, lengths
+
+
+_DTYPE = attrgetter("dtype")
 
 
 def _is_int(x) -> bool:

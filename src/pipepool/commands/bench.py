@@ -16,10 +16,11 @@ import torch
 from ..bench import (
     TEXT_WORKLOADS,
     WORKLOADS,
+    GpuBusy,
     Peer,
     flops,
     free_device_memory,
-    gpu_busy_fraction,
+    gpu_busy,
     make_texts,
     make_workload,
     median_run,
@@ -65,7 +66,9 @@ def add_parser(sub, help: str) -> None:
     p.add_argument(
         "--gpu-busy",
         action="store_true",
-        help="measure the share of wall time the GPU executes (torch.profiler, a second pass)",
+        help="measure the share of wall time the GPU executes (torch.profiler's kernels and "
+        "copies over one more pass): 'busy' of that profiled pass's wall, 'busy*' of the median "
+        "timed pass's (the profiler slows a host-bound pass itself)",
     )
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
     # A long workload on a large model (8B W1: ~25 s a pass) needs neither several warm-up
@@ -140,9 +143,9 @@ def bench_one(config, workload_name: str, args) -> dict:
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     trace = _write_trace(engine, since, until)
-    gpu_busy = None
+    busy_gpu = None
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
-        gpu_busy = gpu_busy_fraction(partial(run_engine, engine, workload, pooling))
+        busy_gpu = gpu_busy(partial(run_engine, engine, workload, pooling))
     ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
     if args.profile and config.data_parallel_size == 1:
         profile(engine, workload, pooling)
@@ -186,7 +189,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         "engine_working_set_gib": round(ours.peak_memory_gib - weights_gib - kv_gib, 2),
         "engine_steps": stats.steps,
         "engine_start_s": round(start_s, 2),
-        "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
+        **_busy_fields(busy_gpu, ours.seconds),
         "stages": d.num_stages,
         "replicas": replicas,
         "gpu_used_gib_per_stage": used_gib,
@@ -225,6 +228,19 @@ def bench_one(config, workload_name: str, args) -> dict:
     return row
 
 
+def _busy_fields(busy: GpuBusy | None, timed_s: float) -> dict:
+    """The GPU's busy share of one profiled pass, of its own wall and of the wall of the
+    median pass timed without the profiler (``GpuBusy``)."""
+    if busy is None:
+        return {"gpu_busy_fraction": None}
+    return {
+        "gpu_busy_fraction": round(busy.fraction, 3),
+        "gpu_busy_fraction_of_timed_wall": round(busy.fraction_of(timed_s), 3),
+        "gpu_busy_ms": round(busy.busy_s * 1e3, 2),
+        "gpu_busy_profiled_wall_ms": round(busy.profiled_wall_s * 1e3, 2),
+    }
+
+
 def bench_text(config, workload_name: str, args) -> dict:
     """Texts in, vectors out, tokenisation included: the engine's ``embed`` against
     ``SentenceTransformer.encode`` on the same texts (the model folder must be one that
@@ -239,9 +255,9 @@ def bench_text(config, workload_name: str, args) -> dict:
     since = time.monotonic_ns()
     ours = median_run(partial(run_engine_text, engine, texts, d.pooling), args.passes)
     trace = _write_trace(engine, since, time.monotonic_ns())
-    gpu_busy = None
+    busy_gpu = None
     if args.gpu_busy:
-        gpu_busy = gpu_busy_fraction(partial(run_engine_text, engine, texts, d.pooling))
+        busy_gpu = gpu_busy(partial(run_engine_text, engine, texts, d.pooling))
     engine.close()
     del engine
     free_device_memory()
@@ -255,7 +271,7 @@ def bench_text(config, workload_name: str, args) -> dict:
         "engine_texts_per_s": round(len(texts) / ours.seconds, 1),
         "engine_tokens_per_s": round(ours.tokens_per_s),
         "engine_start_s": round(start_s, 2),
-        "gpu_busy_fraction": None if gpu_busy is None else round(gpu_busy, 3),
+        **_busy_fields(busy_gpu, ours.seconds),
         "trace": trace,
     }
     if not args.no_peer:
@@ -321,6 +337,7 @@ _COLUMNS = [
     ("peer_texts_per_s", "peer txt/s", 11),
     ("ratio", "ratio", 6),
     ("gpu_busy_fraction", "busy", 6),
+    ("gpu_busy_fraction_of_timed_wall", "busy*", 6),
     ("engine_start_s", "start s", 8),
     ("engine_tflops", "TFLOP/s", 8),
     ("engine_fraction_of_peak", "of peak", 8),

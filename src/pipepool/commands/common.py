@@ -46,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             kwargs["type"] = meta["parse"]
         elif str(f.type).startswith("int"):
             kwargs["type"] = int
+        elif str(f.type).startswith("float"):
+            kwargs["type"] = float
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
         if "metavar" in meta:

@@ -15,7 +15,6 @@ Torch-free: the scheduler imports this without torch.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,15 +33,44 @@ POOLER = 3
 _I64 = np.int64
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: every input bit reaches every output bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+def _odd_multipliers(n: int) -> np.ndarray:
+    """[n] uint64, the same in every process: splitmix64 of 0, 1, 2... with the low bit set."""
+    x = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # array ops wrap
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) | np.uint64(1)
+
+
+_multipliers = _odd_multipliers(1 << 12)
+
+
 def _hash(step_id: int, *arrays: np.ndarray) -> int:
-    """64-bit hash of int arrays (lengths included, so [1],[2] != [1,2],[])."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(int(step_id).to_bytes(8, "little", signed=True))
+    """64-bit hash of int arrays (lengths included, so [1],[2] != [1,2],[]).
+
+    Each array is summed as ``sum(a[i] * m[i]) mod 2**64`` with fixed odd multipliers ``m``
+    (a change of any single element always changes the sum: an odd number is invertible mod
+    2**64), then mixed into the running hash with its length. Not cryptographic (nothing here
+    is adversarial), and vectorised: a step of thousands of requests hashes in microseconds
+    (blake2b took 10 us per 6 KB, a fifth of a short-query step's host time)."""
+    global _multipliers
+    h = _mix(int(step_id) & _MASK)
     for a in arrays:
-        a = np.ascontiguousarray(a, dtype=_I64)
-        h.update(len(a).to_bytes(8, "little"))
-        h.update(a.tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
+        a = np.ascontiguousarray(a, dtype=_I64).view(np.uint64)
+        if len(a) > len(_multipliers):
+            _multipliers = _odd_multipliers(1 << (len(a) - 1).bit_length())
+        total = int(np.dot(a, _multipliers[: len(a)]))  # wraps mod 2**64, as meant
+        h = _mix((h ^ len(a)) * 0x9E3779B97F4A7C15 + total & _MASK)
+    return h - (1 << 64) if h >> 63 else h
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,12 @@ def build_host_batch(
     num_reqs = len(lens)
     cu_q = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(lens, out=cu_q[1:])
-    row_req = np.repeat(np.arange(num_reqs), lens)  # [T] request index of each row
-    positions = np.arange(cu_q[-1], dtype=np.int64) - cu_q[row_req] + starts[row_req]
+    # Row t of request r sits at position starts[r] + (t - cu_q[r]): one repeat, no gathers.
+    positions = np.arange(cu_q[-1], dtype=np.int64) - np.repeat(cu_q[:-1] - starts, lens)
     batch = HostBatch(starts, lens, cu_q, cu_q, positions, None, None, None, None, None)
     if kv_rows is None or not len(kv_rows):
         return batch
+    row_req = np.repeat(np.arange(num_reqs), lens)  # [T] request index of each row
     table = _padded_table(block_tables)
     kv_index = np.full(num_reqs, -1, dtype=np.int64)  # request -> row of `table`
     kv_index[kv_rows] = np.arange(len(kv_rows))
@@ -108,26 +109,27 @@ class DeviceUploader:
     def upload(self, arrays: list[np.ndarray | None]) -> list[torch.Tensor | None]:
         present = [a for a in arrays if a is not None]
         sizes = [len(a) for a in present]
-        packed = (
-            np.concatenate(present).astype(np.int64, copy=False)
-            if present
-            else np.empty(0, np.int64)
-        )
-        flat = torch.from_numpy(packed) if self.device.type != "cuda" else self._copy_cuda(packed)
+        if self.device.type == "cuda":
+            flat = self._copy_cuda(present, sum(sizes))
+        elif present:
+            flat = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False))
+        else:
+            flat = torch.empty(0, dtype=torch.int64)
         views = iter(torch.split(flat, sizes)) if present else iter(())
         return [next(views) if a is not None else None for a in arrays]
 
-    def _copy_cuda(self, packed: np.ndarray) -> torch.Tensor:
+    def _copy_cuda(self, arrays: list[np.ndarray], total: int) -> torch.Tensor:
         turn = self._turn
         self._turn ^= 1
         staging, event = self._staging[turn], self._events[turn]
         if event is not None:
             event.synchronize()  # the copy that last used this buffer has finished
-        if staging is None or staging.numel() < len(packed):
-            staging = torch.empty(max(len(packed), 1 << 16), dtype=torch.int64, pin_memory=True)
+        if staging is None or staging.numel() < total:
+            staging = torch.empty(max(total, 1 << 16), dtype=torch.int64, pin_memory=True)
             self._staging[turn] = staging
-        staging[: len(packed)].numpy()[:] = packed
-        flat = staging[: len(packed)].to(self.device, non_blocking=True)
+        if arrays:  # packed straight into the pinned buffer: no intermediate array
+            np.concatenate(arrays, out=staging[:total].numpy())
+        flat = staging[:total].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._events[turn] = event

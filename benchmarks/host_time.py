@@ -1,0 +1,182 @@
+"""Where the host's time goes while the engine runs a workload, and when the device waits.
+
+    python3 benchmarks/host_time.py minilm W4 [--budget 65536] [--switch-interval-ms 5]
+
+KEY is a checkpoint of ``gpu_suite.py`` (random weights from the real config, bf16 on CUDA);
+on a machine without CUDA, use ``--model DIR`` (fp32). Three parts, one engine, default
+settings unless given:
+
+1. passes timed without any instrument: milliseconds a pass and a step, tokens/s;
+2. the same passes with every host function of the loop thread wrapped in a timer:
+   milliseconds a step each (inclusive, so nested ones overlap; the wrappers cost ~1 us a call);
+3. one pass with the engine's own step timeline (``trace=``): every gap of 20 us or more in
+   which the device ran none of the step's work, before the first step, between steps and after
+   the last; then (CUDA) the device's busy time from torch.profiler's kernels over the wall of
+   that profiled pass and over the wall of an unprofiled one (part 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import gpu_suite
+import torch
+
+import pipepool
+from pipepool.bench import busy_us, cuda_activity, make_workload
+
+# (module, function or Class.method): the loop thread's host work, stage side and driver side.
+WRAPPED = [
+    ("pipepool.core.scheduler", "Scheduler.schedule"),
+    ("pipepool.core.scheduler", "Scheduler.update"),
+    ("pipepool.core.scheduler", "expected_parts"),
+    ("pipepool.parallel.executor", "UniprocExecutor.submit"),
+    ("pipepool.parallel.executor", "UniprocExecutor.collect"),
+    ("pipepool.engine", "Engine._deliver"),
+    ("pipepool.engine", "Engine._enqueue"),
+    ("pipepool.stage.runner", "StageRunner._forward"),
+    ("pipepool.stage.runner", "StageRunner._digest"),
+    ("pipepool.stage.runner", "build_host_batch"),
+    ("pipepool.stage.runner", "to_step_inputs"),
+    ("pipepool.stage.batch", "DeviceUploader.upload"),
+    ("pipepool.stage.pooling", "Pooler.prepare"),
+    ("pipepool.stage.pooling", "Pooler.pool"),
+    ("pipepool.stage.mirror", "Mirror.view"),
+    ("pipepool.core.digest", "StageState.parts"),
+    ("pipepool.stage.cuda_graphs", "GraphedForward.__call__"),
+    ("pipepool.stage.cuda_graphs", "_Attention.run"),
+    ("pipepool.stage.output", "PendingResult.result"),
+]
+
+
+def wrap_all(spent: collections.Counter, calls: collections.Counter) -> None:
+    for module_name, qualified in WRAPPED:
+        module = importlib.import_module(module_name)
+        owner, name = module, qualified
+        if "." in qualified:
+            cls, name = qualified.split(".")
+            owner = getattr(module, cls)
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, _fn=fn, _key=qualified, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_key] += time.perf_counter() - start
+                calls[_key] += 1
+
+        setattr(owner, name, timed)
+
+
+def device_gaps(trace_file: str, window: tuple[int, int]) -> list[tuple[str, float]]:
+    """(where, milliseconds) of every stretch of 20 us or more without the device's work of a
+    step ("busy" spans: CUDA events on CUDA, the compute itself on the CPU) inside ``window``."""
+    with open(trace_file) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    busy = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["args"].get("step"))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "busy"
+    )
+    pass_us = (window[1] - window[0]) / 1e3
+    gaps, end, first = [], 0.0, None
+    for start, stop, step in busy:
+        first = step if first is None else first
+        if start - end >= 20:
+            where = "before the first step" if end == 0 else f"before step {step - first + 1}"
+            gaps.append((where, (start - end) / 1e3))
+        end = max(end, stop)
+    gaps.append(("after the last step", (pass_us - end) / 1e3))
+    return gaps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("key", nargs="?", default="minilm", help="gpu_suite.py checkpoint")
+    parser.add_argument("workload", nargs="?", default="W4")
+    parser.add_argument("--model", help="a model folder instead of a gpu_suite.py checkpoint")
+    parser.add_argument("--budget", type=int, help="max_num_batched_tokens")
+    parser.add_argument("--switch-interval-ms", type=float, help="the engine option")
+    parser.add_argument("--passes", type=int, default=20)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    path = args.model or str(gpu_suite.build_checkpoint(args.key))
+    options: dict = {"dtype": "bfloat16"} if cuda else {}
+    if args.key == "minilm" or args.model:
+        options["max_model_len"] = 512
+    if args.budget:
+        options["max_num_batched_tokens"] = args.budget
+    if args.switch_interval_ms is not None:
+        options["switch_interval_ms"] = args.switch_interval_ms
+    trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")
+    engine = pipepool.Engine(path, trace=trace_file, **options)
+    engine.wait_until_compiled()
+    d = engine.deployment
+    workload = make_workload(args.workload, d.vocab_size, max_len=d.max_model_len)
+
+    def one_pass() -> None:
+        engine.submit(workload.token_ids, pooling=d.pooling, normalize=True).result()
+
+    for _ in range(3):  # compile, graphs of every step size, allocator
+        one_pass()
+
+    def timed_passes() -> tuple[float, float]:
+        steps = engine.stats.steps
+        seconds = []
+        for _ in range(args.passes):
+            start = time.perf_counter()
+            one_pass()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds), (engine.stats.steps - steps) / args.passes
+
+    # 1. Nothing instrumented but the trace's own points (a few microseconds a step).
+    pass_s, steps = timed_passes()
+    print(
+        f"{args.key} {args.workload} {options}: {pass_s * 1e3:.1f} ms a pass (median of "
+        f"{args.passes}), {steps:.1f} steps, {pass_s / steps * 1e3:.2f} ms a step, "
+        f"{workload.num_tokens / pass_s / 1e6:.3f}M tok/s"
+    )
+    # 2. Host functions timed.
+    spent, calls = collections.Counter(), collections.Counter()
+    wrap_all(spent, calls)
+    wrapped_s, _ = timed_passes()
+    total_steps = steps * args.passes
+    print(f"host functions, ms a step (inclusive; this part's pass: {wrapped_s * 1e3:.1f} ms):")
+    for key, seconds in spent.most_common():
+        per_step = calls[key] / total_steps
+        print(f"  {seconds / total_steps * 1e3:7.3f}  {key} ({per_step:.1f} calls a step)")
+    # 3. One pass's timeline: where the device waited.
+    since = time.monotonic_ns()
+    one_pass()
+    until = time.monotonic_ns()
+    engine.write_trace(trace_file, since_ns=since, until_ns=until)
+    gaps = device_gaps(trace_file, (since, until))
+    print(f"device waiting in one pass of {(until - since) / 1e6:.1f} ms:")
+    for where, ms in gaps:
+        print(f"  {ms:6.2f} ms {where}")
+    print(f"  {sum(ms for _, ms in gaps):6.2f} ms in all")
+    if cuda:
+        events, wall_us = cuda_activity(one_pass)
+        busy = busy_us(events)
+        print(
+            f"GPU busy {busy / 1e3:.1f} ms: {busy / wall_us:.3f} of the profiled pass "
+            f"({wall_us / 1e3:.1f} ms), {busy / (pass_s * 1e6):.3f} of an unprofiled one "
+            f"({pass_s * 1e3:.1f} ms)"
+        )
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

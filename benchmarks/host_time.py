@@ -6,13 +6,14 @@ KEY is a checkpoint of ``gpu_suite.py`` (random weights from the real config, bf
 on a machine without CUDA, use ``--model DIR`` (fp32). Three parts, one engine, default
 settings unless given:
 
-1. passes timed without any instrument: milliseconds a pass and a step, tokens/s;
-2. the same passes with every host function of the loop thread wrapped in a timer:
-   milliseconds a step each (inclusive, so nested ones overlap; the wrappers cost ~1 us a call);
-3. one pass with the engine's own step timeline (``trace=``): every gap of 20 us or more in
-   which the device ran none of the step's work, before the first step, between steps and after
-   the last; then (CUDA) the device's busy time from torch.profiler's kernels over the wall of
-   that profiled pass and over the wall of an unprofiled one (part 1).
+1. passes timed without any instrument: milliseconds a pass and a step, tokens/s; then (CUDA)
+   the device's busy time from torch.profiler's kernels over one more pass, as a share of that
+   profiled pass's wall and of an unprofiled pass's (the profiler slows a host-bound pass);
+2. one pass of a second engine with the step timeline on (``trace=``, which costs the host a
+   few microseconds a span): every gap of 20 us or more in which the device ran none of a
+   step's work, before the first step, between steps and after the last;
+3. the passes of part 1 with every host function of the loop thread wrapped in a timer:
+   milliseconds a step each (inclusive, so nested ones overlap; a wrapper costs ~1 us a call).
 """
 
 from __future__ import annotations
@@ -120,17 +121,13 @@ def main() -> None:
         options["max_num_batched_tokens"] = args.budget
     if args.switch_interval_ms is not None:
         options["switch_interval_ms"] = args.switch_interval_ms
-    trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")
-    engine = pipepool.Engine(path, trace=trace_file, **options)
+    engine = pipepool.Engine(path, **options)
     engine.wait_until_compiled()
     d = engine.deployment
     workload = make_workload(args.workload, d.vocab_size, max_len=d.max_model_len)
 
-    def one_pass() -> None:
+    def one_pass(engine: pipepool.Engine = engine) -> None:
         engine.submit(workload.token_ids, pooling=d.pooling, normalize=True).result()
-
-    for _ in range(3):  # compile, graphs of every step size, allocator
-        one_pass()
 
     def timed_passes() -> tuple[float, float]:
         steps = engine.stats.steps
@@ -141,32 +138,15 @@ def main() -> None:
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds), (engine.stats.steps - steps) / args.passes
 
-    # 1. Nothing instrumented but the trace's own points (a few microseconds a step).
+    for _ in range(3):  # compile, graphs of every step size, allocator
+        one_pass()
+    # 1. Nothing instrumented.
     pass_s, steps = timed_passes()
     print(
         f"{args.key} {args.workload} {options}: {pass_s * 1e3:.1f} ms a pass (median of "
         f"{args.passes}), {steps:.1f} steps, {pass_s / steps * 1e3:.2f} ms a step, "
         f"{workload.num_tokens / pass_s / 1e6:.3f}M tok/s"
     )
-    # 2. Host functions timed.
-    spent, calls = collections.Counter(), collections.Counter()
-    wrap_all(spent, calls)
-    wrapped_s, _ = timed_passes()
-    total_steps = steps * args.passes
-    print(f"host functions, ms a step (inclusive; this part's pass: {wrapped_s * 1e3:.1f} ms):")
-    for key, seconds in spent.most_common():
-        per_step = calls[key] / total_steps
-        print(f"  {seconds / total_steps * 1e3:7.3f}  {key} ({per_step:.1f} calls a step)")
-    # 3. One pass's timeline: where the device waited.
-    since = time.monotonic_ns()
-    one_pass()
-    until = time.monotonic_ns()
-    engine.write_trace(trace_file, since_ns=since, until_ns=until)
-    gaps = device_gaps(trace_file, (since, until))
-    print(f"device waiting in one pass of {(until - since) / 1e6:.1f} ms:")
-    for where, ms in gaps:
-        print(f"  {ms:6.2f} ms {where}")
-    print(f"  {sum(ms for _, ms in gaps):6.2f} ms in all")
     if cuda:
         events, wall_us = cuda_activity(one_pass)
         busy = busy_us(events)
@@ -175,6 +155,30 @@ def main() -> None:
             f"({wall_us / 1e3:.1f} ms), {busy / (pass_s * 1e6):.3f} of an unprofiled one "
             f"({pass_s * 1e3:.1f} ms)"
         )
+    # 2. One pass's timeline, from an engine that records one: where the device waited.
+    trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")
+    with pipepool.Engine(path, trace=trace_file, **options) as traced:
+        traced.wait_until_compiled()
+        for _ in range(3):
+            one_pass(traced)
+        since = time.monotonic_ns()
+        one_pass(traced)
+        until = time.monotonic_ns()
+        traced.write_trace(trace_file, since_ns=since, until_ns=until)
+    gaps = device_gaps(trace_file, (since, until))
+    print(f"device waiting in one traced pass of {(until - since) / 1e6:.1f} ms:")
+    for where, ms in gaps:
+        print(f"  {ms:6.2f} ms {where}")
+    print(f"  {sum(ms for _, ms in gaps):6.2f} ms in all")
+    # 3. Host functions timed.
+    spent, calls = collections.Counter(), collections.Counter()
+    wrap_all(spent, calls)
+    wrapped_s, wrapped_steps = timed_passes()
+    total_steps = wrapped_steps * args.passes
+    print(f"host functions, ms a step (inclusive; this part's pass: {wrapped_s * 1e3:.1f} ms):")
+    for key, seconds in spent.most_common():
+        per_step = calls[key] / total_steps
+        print(f"  {seconds / total_steps * 1e3:7.3f}  {key} ({per_step:.1f} calls a step)")
     engine.close()
 
 

@@ -207,19 +207,18 @@ class InputPreparer:
     def _check_vocabulary(self, first: int, flat: np.ndarray, lengths: np.ndarray) -> None:
         vocab = self.deployment.vocab_size
         # One pass over the ids: negative int64 ids read as uint64 are above any vocabulary.
-        if not (flat.view(np.uint64) >= vocab).any():
+        bad = np.flatnonzero(flat.view(np.uint64) >= vocab)
+        if not len(bad):
             return
-        bad = np.nonzero((flat < 0) | (flat >= vocab))[0]
-        if len(bad):
-            offsets = np.cumsum(lengths)
-            i = int(np.searchsorted(offsets, bad[0], side="right"))
-            position = int(bad[0] - (offsets[i - 1] if i else 0))
-            raise InvalidInputError(
-                f"input {first + i} has token id {int(flat[bad[0]])} at position {position}, "
-                f"outside the vocabulary [0, {vocab})",
-                param="input",
-                index=first + i,
-            )
+        offsets = np.cumsum(lengths)
+        i = int(np.searchsorted(offsets, bad[0], side="right"))
+        position = int(bad[0] - (offsets[i - 1] if i else 0))
+        raise InvalidInputError(
+            f"input {first + i} has token id {int(flat[bad[0]])} at position {position}, "
+            f"outside the vocabulary [0, {vocab})",
+            param="input",
+            index=first + i,
+        )
 
     def _limit(self, truncate: int | None) -> int | None:
         max_len = self.deployment.max_model_len

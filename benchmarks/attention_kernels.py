@@ -20,11 +20,11 @@ import time
 import numpy as np
 import torch
 
-from pipepool.layers.triton_attention import varlen_attention
+from pipepool.layers.triton_attention import TILES, varlen_attention, work_list
 
 TILE_SWEEP = {
     32: ((128, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3), (64, 128, 4, 2),
-         (128, 32, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
+         (128, 32, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 3)),
     128: ((128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 2),
           (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3)),
 }  # fmt: skip
@@ -76,8 +76,21 @@ def bench_step(kind: str, budget: int, hq: int, hkv: int, d: int, causal: bool, 
             window_size_left=-1, window_size_right=0 if causal else -1,
         )[0]  # fmt: skip
 
+    cu_host = np.concatenate([[0], np.cumsum(lengths)])
+    works = {}  # per BLOCK_M: the work list the runner uploads with an encoder's step
+
     def triton(tile):
-        return varlen_attention(q, k, v, cu, cu, longest, causal=causal, scale=scale, tile=tile)
+        if causal:  # decoders launch a grid from the step
+            return varlen_attention(q, k, v, cu, cu, longest, causal=True, scale=scale, tile=tile)
+        block_m = (tile or TILES[d])[0]
+        if block_m not in works:
+            host = work_list(cu_host, block_m)
+            works[block_m] = (torch.from_numpy(host).cuda(), int(host[0]))
+        work, programs = works[block_m]
+        return varlen_attention(
+            q, k, v, cu, cu, longest, causal=False, scale=scale, tile=tile, work=work,
+            programs=programs,
+        )  # fmt: skip
 
     want = flash().float()
     kernels = {"flash (aten)": flash}

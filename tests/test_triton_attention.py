@@ -18,10 +18,13 @@ _CASES = r"""
 import numpy as np
 import torch
 from pipepool.layers.attention import AttentionMetadata, _portable
-from pipepool.layers.triton_attention import varlen_attention
+from pipepool.layers.triton_attention import TILES, varlen_attention, work_list
 
 
 def check(dtype, device, head_dims, tiles, tol):
+    # Every case launched as a grid from the step; for the first head size also from a work
+    # list, with one program per item and with more (a CUDA graph's fixed grid: the rest
+    # find no item).
     torch.manual_seed(0)
     for d in head_dims:
         for causal, window, hq, hkv in (
@@ -42,14 +45,19 @@ def check(dtype, device, head_dims, tiles, tol):
             )
             want = _portable(q.float(), k.float(), v.float(), meta, d**-0.5, window)
             for tile in tiles:
-                out = torch.full((int(lq[-1]), hq, d), float("nan"), device=device, dtype=dtype)
-                got = varlen_attention(
-                    q, k, v, cu_q, cu_k, meta.max_q, causal=causal, scale=d**-0.5,
-                    window=window, out=out, tile=tile,
-                )
-                assert got is out
-                err = (got.float() - want).abs().max().item()
-                assert err < tol, (dtype, d, causal, window, hq, hkv, tile, err)
+                block_m = (tile or TILES[d])[0]
+                work = work_list(lq, block_m)
+                grids = (0, int(work[0]), int(work[0]) + 9) if d == head_dims[0] else (0,)
+                for programs in grids:
+                    given = torch.from_numpy(work).to(device) if programs else None
+                    out = torch.full((int(lq[-1]), hq, d), float("nan"), device=device, dtype=dtype)
+                    got = varlen_attention(
+                        q, k, v, cu_q, cu_k, meta.max_q, causal=causal, scale=d**-0.5,
+                        window=window, out=out, tile=tile, work=given, programs=programs,
+                    )
+                    assert got is out
+                    err = (got.float() - want).abs().max().item()
+                    assert err < tol, (dtype, d, causal, window, hq, hkv, tile, programs, err)
     print("ok")
 """
 

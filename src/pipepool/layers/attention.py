@@ -57,6 +57,10 @@ class AttentionMetadata:
     prefix_dst: torch.Tensor | None = None  # [Np] rows of packed K/V filled from the cache
     prefix_slots: torch.Tensor | None = None  # [Np] cache slots they are read from
     total_k: int = 0  # rows of packed K/V (== T when no request has a cached prefix)
+    # The Triton kernel's work list (triton_attention.work_list, uploaded with the step: an
+    # encoder's steps) and the programs it launches for it; None: a grid from the step.
+    work: torch.Tensor | None = None
+    work_programs: int = 0
     # While a CUDA graph is captured (stage/cuda_graphs.py): attention is where the graph is
     # cut, so ``attend`` hands its inputs to this instead of computing.
     graph_split: object | None = None
@@ -91,8 +95,8 @@ def attend(
         v = _with_prefix(v, kv_cache[1], meta)
     if kernel == "triton":
         return triton_attention.varlen_attention(
-            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q,
-            causal=meta.causal, scale=scale, window=window, out=out,
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=meta.causal,
+            scale=scale, window=window, out=out, work=meta.work, programs=meta.work_programs,
         )  # fmt: skip
     if kernel == "flash":
         result = _flash(q, k, v, meta, scale, window)

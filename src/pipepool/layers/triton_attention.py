@@ -2,9 +2,12 @@
 
 Why: aten's flash kernel (FlashAttention-2, built for sm80) runs the packed steps of a pooling
 engine at about 90 TFLOP/s on an H200 — short sequences, 32-dim heads for the small encoders —
-while the matmuls around it run at 500-700. This kernel tiles the same way (one program per
-block of queries of one request and one query head, online softmax over blocks of keys) with
-tile sizes chosen per head size for such steps.
+while the matmuls around it run at 500-700. This kernel tiles the same way (a block of
+queries of one request and one query head at a time, online softmax over blocks of keys) with
+tile sizes chosen per head size for such steps. Its grid is derived from the step, or (encoders)
+its programs take items of a work list (request, query block) that the host builds with the
+step's inputs, so that one launch with a fixed grid serves any step and can live inside a CUDA
+graph (stage/cuda_graphs.py captures an encoder's whole forward that way).
 
 Layout and masks are those of :func:`.attention.attend`: packed q ``[T, Hq, D]``, packed k/v
 ``[Tk, Hkv, D]`` (GQA: query head h reads KV head h // (Hq / Hkv)), per-request offsets
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 try:
@@ -31,33 +35,118 @@ if triton is not None:
     def _attend_block(
         q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
         stride_kt, stride_vt, dims,
-        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """One block of keys: scores, online-softmax update, the weighted values added."""
+        """One block of keys: scores, online-softmax update, the weighted values added.
+        Unmasked (``MASKED`` false) where every row sees every key of the block: no bounds
+        on the loads, no select on the scores."""
         cols = start + tl.arange(0, BLOCK_N)
-        inside = cols < len_k
-        k = tl.load(
-            k_base + cols[None, :] * stride_kt + dims[:, None], mask=inside[None, :], other=0.0
-        )
-        s = tl.dot(q, k) * scale_log2
-        visible = inside[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= positions[:, None])
-        if WINDOWED:
-            visible = visible & (cols[None, :] > positions[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row may see no key of this block (a window), or none at all (a chunk longer than its
-        # keys: flash returns zeros there): keep exp2's argument finite.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            inside = cols < len_k
+            k = tl.load(
+                k_base + cols[None, :] * stride_kt + dims[:, None],
+                mask=inside[None, :], other=0.0,
+            )  # fmt: skip
+            s = tl.dot(q, k) * scale_log2
+            visible = inside[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= positions[:, None])
+            if WINDOWED:
+                visible = visible & (cols[None, :] > positions[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row may see no key of this block (a window), or none at all (a chunk longer
+            # than its keys: flash returns zeros there): keep exp2's argument finite.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            v = tl.load(
+                v_base + cols[:, None] * stride_vt + dims[None, :],
+                mask=inside[:, None], other=0.0,
+            )  # fmt: skip
+        else:
+            k = tl.load(k_base + cols[None, :] * stride_kt + dims[:, None])
+            s = tl.dot(q, k) * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :])
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vt + dims[None, :], mask=inside[:, None], other=0.0
-        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _attend_rows(
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[block * BLOCK_M, +BLOCK_M)`` of request ``seq``'s queries, one head."""
+        q_start = tl.load(cu_q_ptr + seq)
+        len_q = tl.load(cu_q_ptr + seq + 1) - q_start
+        k_start = tl.load(cu_k_ptr + seq)
+        len_k = tl.load(cu_k_ptr + seq + 1) - k_start
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=(rows < len_q)[:, None],
+            other=0.0,
+        )
+        kv_head = head // GROUP
+        k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
+        # Bidirectional rows see every key; causal ones the keys up to their own position
+        # (bottom-right: query i of a chunk of len_q sits at key position len_k - len_q + i).
+        positions = rows + (len_k - len_q)
+        # Keys [lo, full) go unmasked, [full, hi) masked. Bidirectional rows see every key, so
+        # only the last block is masked (10% faster on MiniLM's W1 steps); causal blocks are
+        # all masked: splitting their loop measured slower (BENCHMARKS.md, issue 10).
+        lo = 0
+        hi = len_k
+        full = 0
+        if CAUSAL:
+            hi = tl.minimum(len_k, block * BLOCK_M + (len_k - len_q) + BLOCK_M)
+        else:
+            full = (len_k // BLOCK_N) * BLOCK_N
+        if WINDOWED:
+            lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+            full = lo
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over loaded bounds
+            start = lo
+            while start < full:
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+                start += BLOCK_N
+            while start < hi:
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in range(lo, full, BLOCK_N):
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+            for start in range(full, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
+                    stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED, BLOCK_N,
+                )  # fmt: skip
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
+        tl.store(
+            o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=(rows < len_q)[:, None],
+        )
 
     @triton.jit
     def _varlen_attention_kernel(
@@ -67,6 +156,7 @@ if triton is not None:
         o_ptr,
         cu_q_ptr,
         cu_k_ptr,
+        work_ptr,  # WORK_LIST: [1 + 2W]: W, then (request, block of BLOCK_M queries) per item
         scale_log2,  # softmax scale times log2(e): the kernel exponentiates in base 2
         window,  # keys a query may see, itself included; 0: unlimited
         stride_qt,
@@ -83,65 +173,34 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        WORK_LIST: tl.constexpr,
         LOOP_AS_WHILE: tl.constexpr,
     ):
-        block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        q_start = tl.load(cu_q_ptr + seq)
-        len_q = tl.load(cu_q_ptr + seq + 1) - q_start
-        if block * BLOCK_M >= len_q:
-            return
-        k_start = tl.load(cu_k_ptr + seq)
-        len_k = tl.load(cu_k_ptr + seq + 1) - k_start
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        q = tl.load(
-            q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-            mask=(rows < len_q)[:, None],
-            other=0.0,
-        )
-        kv_head = head // GROUP
-        k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
-        # Bidirectional rows see every key; causal ones the keys up to their own position
-        # (bottom-right: query i of a chunk of len_q sits at key position len_k - len_q + i).
-        positions = rows + (len_k - len_q)
-        lo = 0
-        hi = len_k
-        if CAUSAL:
-            hi = tl.minimum(len_k, (block + 1) * BLOCK_M + (len_k - len_q))
-        if WINDOWED:
-            lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
-            lo = (lo // BLOCK_N) * BLOCK_N
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over loaded bounds
-            start = lo
-            while start < hi:
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, CAUSAL, WINDOWED, BLOCK_N,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, CAUSAL, WINDOWED, BLOCK_N,
-                )  # fmt: skip
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
-        tl.store(
-            o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=(rows < len_q)[:, None],
-        )
+        if WORK_LIST:
+            # Program p takes item p, if there is one: the count is read on the device, so a
+            # CUDA graph captured with a fixed grid replays steps of any shape up to it.
+            # (A loop over several items a program measured 5-30% slower.)
+            item, head = tl.program_id(0), tl.program_id(1)
+            if item >= tl.load(work_ptr):
+                return
+            seq = tl.load(work_ptr + 1 + 2 * item)
+            block = tl.load(work_ptr + 2 + 2 * item)
+        else:  # grid (query blocks of the longest request, requests, heads)
+            block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            if block * BLOCK_M >= tl.load(cu_q_ptr + seq + 1) - tl.load(cu_q_ptr + seq):
+                return
+        _attend_rows(
+            q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+            stride_oh, GROUP, CAUSAL, WINDOWED, D, BLOCK_M, BLOCK_N, LOOP_AS_WHILE,
+        )  # fmt: skip
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head size: the best of a sweep on an H200 over
-# steps of short and of mixed-length requests (benchmarks/attention_kernels.py; 64 and 256
-# follow their neighbours, unswept).
+# steps of short and of mixed-length requests (benchmarks/attention_kernels.py; 32 re-swept
+# with the unmasked blocks of bidirectional steps; 64 and 256 follow their neighbours, unswept).
 TILES: dict[int, tuple[int, int, int, int]] = {
-    32: (64, 32, 4, 2),
+    32: (64, 32, 4, 3),
     64: (64, 64, 4, 2),
     128: (64, 64, 4, 3),
     256: (64, 32, 4, 2),
@@ -161,6 +220,25 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int | None = N
     )
 
 
+def block_rows(head_dim: int) -> int:
+    """Queries one program takes at a time for this head size: the unit of the work list."""
+    return TILES[head_dim][0]
+
+
+def work_list(cu_q: np.ndarray, block_m: int) -> np.ndarray:
+    """The kernel's work for one step, int64 ``[1 + 2W]``: W, then (request, query block)
+    for each of the W blocks of ``block_m`` queries, from the host's row offsets."""
+    lens = np.diff(cu_q)
+    blocks = (lens + block_m - 1) // block_m
+    total = int(blocks.sum())
+    work = np.empty(1 + 2 * total, dtype=np.int64)
+    work[0] = total
+    work[1::2] = np.repeat(np.arange(len(lens), dtype=np.int64), blocks)
+    first = np.cumsum(blocks) - blocks  # each request's first item
+    work[2::2] = np.arange(total, dtype=np.int64) - np.repeat(first, blocks)
+    return work
+
+
 def varlen_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [Tk, Hkv, D]
@@ -174,9 +252,17 @@ def varlen_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
+    work: torch.Tensor | None = None,
+    programs: int = 0,
 ) -> torch.Tensor:
     """Attention of every request's queries over its keys -> [T, Hq, D], written to ``out``
-    where given (any layout with contiguous heads)."""
+    where given (any layout with contiguous heads).
+
+    Two launches. Without ``work``, a grid of (query blocks of the longest request, requests,
+    heads) whose surplus programs exit. With ``work`` (``work_list`` of this step, for the
+    tile's BLOCK_M, on the device: the runner uploads it with the step's inputs), ``programs``
+    programs a head, at least the list's W, each taking one item; a CUDA graph launches a
+    fixed ``programs`` for every step it replays (stage/cuda_graphs.py)."""
     num_q, heads, dim = q.shape
     if out is None:
         out = q.new_empty((num_q, heads, dim))
@@ -186,14 +272,18 @@ def varlen_attention(
     block_m, block_n, warps, stages = tile or TILES[dim]
     for t in (q, k, v, out):
         assert t.stride(-1) == 1, "attention inputs need contiguous heads"
-    grid = (triton.cdiv(max(max_q, 1), block_m), requests, heads)
+    if work is not None:
+        assert programs > 0, "a work list comes with its grid size"
+        grid = (programs, heads)
+    else:
+        grid = (triton.cdiv(max(max_q, 1), block_m), requests, heads)
     _varlen_attention_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, work if work is not None else cu_seqlens_q,
         scale * math.log2(math.e), window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None, D=dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOP_AS_WHILE=_INTERPRETING,
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, WORK_LIST=work is not None,
+        LOOP_AS_WHILE=_INTERPRETING, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

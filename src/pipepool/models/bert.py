@@ -102,6 +102,26 @@ def post_attention_fused(
     return F.layer_norm(x, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
 
 
+def embed(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    types: torch.Tensor | None,
+    word: torch.Tensor,
+    position: torch.Tensor,
+    token_type: torch.Tensor,
+    norm: torch.Tensor,
+    norm_bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """norm(word[ids] + position[positions] + token_type[types]); ``positions`` already
+    offset. Single texts are token type 0 throughout, as sentence-transformers feeds them;
+    pairs (cross-encoders) carry the types their tokenizer gave each token. Compiled, the
+    three lookups, the sums and the norm are one kernel."""
+    x = F.embedding(ids, word) + F.embedding(positions, position)
+    x = x + (F.embedding(types, token_type) if types is not None else token_type[0])
+    return F.layer_norm(x, (word.shape[1],), norm, norm_bias, eps)
+
+
 class EncoderLayer(nn.Module):
     """Post-norm block: x = norm(x + attn(x)); x = norm(x + ffn(x))."""
 
@@ -173,6 +193,7 @@ class EncoderStage(StageModel):
         )
         self.attn_kernel = "portable"
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
+        self.embed = embed  # or its torch.compile'd graph (first stage)
         h = cfg.hidden_size
         if first:
             self.word_embeddings = embedding(cfg.vocab_size, h)
@@ -220,19 +241,12 @@ class EncoderStage(StageModel):
 
     def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         if self.is_first:
-            # Single texts are token type 0 throughout, as sentence-transformers feeds them;
-            # pairs (cross-encoders) carry the types their tokenizer gave each token.
-            types = inputs.token_type_ids
-            x = (
-                self.word_embeddings(x)
-                + self.position_embeddings(inputs.positions + self.cfg.position_offset)
-                + (
-                    self.token_type_embeddings(types)
-                    if types is not None
-                    else self.token_type_embeddings.weight[0]
-                )
-            )
-            x = self.emb_norm(x)
+            x = self.embed(
+                x, inputs.positions + self.cfg.position_offset, inputs.token_type_ids,
+                self.word_embeddings.weight, self.position_embeddings.weight,
+                self.token_type_embeddings.weight, self.emb_norm.weight, self.emb_norm.bias,
+                self.cfg.layer_norm_eps,
+            )  # fmt: skip
         for layer in self.layers.values():
             if fused:
                 x = layer.forward_fused(x, inputs)
@@ -244,12 +258,13 @@ class EncoderStage(StageModel):
         self.post = (
             compile_layer_fn(post_attention, round_like_eager=False) if on else post_attention
         )
+        self.embed = compile_layer_fn(embed, round_like_eager=False) if on else embed
 
     def layer_body(self) -> object:
-        return self.post
+        return self.post, self.embed
 
     def use_layer_body(self, body: object) -> None:
-        self.post = body
+        self.post, self.embed = body
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size

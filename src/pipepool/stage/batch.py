@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..layers.attention import AttentionMetadata
+from ..layers.triton_attention import work_list
 from ..models import StepInputs
 
 
@@ -137,11 +138,20 @@ class DeviceUploader:
 
 
 def to_step_inputs(
-    batch: HostBatch, uploader: DeviceUploader, *, causal: bool, extra: list[np.ndarray | None]
+    batch: HostBatch,
+    uploader: DeviceUploader,
+    *,
+    causal: bool,
+    extra: list[np.ndarray | None],
+    attn_block_rows: int | None = None,
 ) -> tuple[StepInputs, list[torch.Tensor | None]]:
-    """Device tensors for the model; ``extra`` arrays (e.g. token ids) ride in the same copy."""
+    """Device tensors for the model; ``extra`` arrays (e.g. token ids) ride in the same copy.
+    ``attn_block_rows``: the Triton attention kernel's BLOCK_M where the stage runs it from a
+    work list (encoders: the list rides along too), else None."""
+    work = work_list(batch.cu_q, attn_block_rows) if attn_block_rows else None
     tensors = uploader.upload(
         [
+            work,
             batch.positions,
             batch.cu_q,
             batch.cu_k if batch.cu_k is not batch.cu_q else None,
@@ -153,9 +163,9 @@ def to_step_inputs(
             *extra,
         ]
     )
-    positions, cu_q, cu_k, write_rows, write_slots, chunk_dst, prefix_dst, prefix_slots = tensors[
-        :8
-    ]
+    work_t, positions, cu_q, cu_k, write_rows, write_slots, chunk_dst, prefix_dst, prefix_slots = (
+        tensors[:9]
+    )
     cu_q32 = cu_q.to(torch.int32)
     cu_k32 = cu_k.to(torch.int32) if cu_k is not None else cu_q32
     has_prefix = batch.chunk_dst is not None
@@ -175,5 +185,7 @@ def to_step_inputs(
         prefix_dst=prefix_dst,
         prefix_slots=prefix_slots,
         total_k=int(batch.cu_k[-1]),
+        work=work_t,
+        work_programs=int(work[0]) if work is not None else 0,
     )
-    return StepInputs(positions=positions, attn=meta), tensors[8:]
+    return StepInputs(positions=positions, attn=meta), tensors[9:]

@@ -6,10 +6,17 @@ cut at every attention call. Replaying a step runs piece 0 (embeddings, projecti
 rotary...), then layer 0's attention eagerly on this step's metadata, then piece 1, and so
 on. Attention reads q/k/v where piece i left them and writes where piece i+1 reads.
 
-Captured per padded token count (``graph_buckets``), lazily, the first time a step of that
-size runs; steps larger than the largest bucket run eagerly. Padded rows compute on stale
-but finite inputs and are never read: attention only sees the step's real rows, and every
-other operation is row-wise.
+An encoder whose attention is the Triton kernel is captured whole instead, one graph a step:
+that kernel runs from a work list with a fixed grid, reading the step's request offsets and
+work list from buffers the graph owns (``layers/triton_attention.py``), which each replay
+refills; so the host launches one graph where the pieces cost a replay and an attention
+launch per layer.
+
+Captured per padded token count (``graph_buckets``; whole graphs also per attention grid,
+``_programs``), lazily, the first time a step of that size runs; steps larger than the
+largest bucket run eagerly. Padded rows hold stale values (in a whole graph's attention
+output, whatever the memory held) and are never read: attention reads only the step's real
+rows, and every other operation is row-wise.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..layers import triton_attention
 from ..layers.attention import AttentionMetadata, attend
 from ..models import StageModel, StepInputs
 
@@ -95,6 +103,13 @@ class GraphedForward:
         self.static_types = None
         if model.is_first and not model.causal:
             self.static_types = torch.zeros(largest, dtype=torch.int64, device=device)
+        # Whole-step graphs (see the module's note): the attention metadata's buffers.
+        self.whole = not model.causal and model.attn_kernel == "triton"
+        if self.whole:
+            self.block_rows = triton_attention.block_rows(model.attention_shape.head_dim)
+            # A step of n rows has at most n items (a block per request of up to BLOCK_M rows).
+            self.static_cu = torch.zeros(largest + 1, dtype=torch.int32, device=device)
+            self.static_work = torch.zeros(1 + 2 * largest, dtype=torch.int64, device=device)
         self.captured: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # shared: buckets never replay at once
         self._stream = torch.cuda.Stream(device)
@@ -111,15 +126,28 @@ class GraphedForward:
                 self.static_types[:n].copy_(inputs.token_type_ids)
             else:
                 self.static_types[:n].zero_()
-        graphs = self.captured.get(bucket)
+        meta = inputs.attn
+        key: int | tuple[int, int] = bucket
+        if self.whole:
+            if meta.work is None:  # a step without the kernel's work list
+                return self.model(x, inputs, kv_caches)
+            key = (bucket, self._programs(bucket, meta.work_programs))
+        graphs = self.captured.get(key)
         if graphs is None:
             try:
-                graphs = self.captured[bucket] = self._capture(bucket, kv_caches)
+                if self.whole:
+                    graphs = self._capture_whole(*key)
+                else:
+                    graphs = self._capture(bucket, kv_caches)
+                self.captured[key] = graphs
             except Exception as exc:  # a kernel that cannot be captured must not stop us
                 warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}", stacklevel=2)
                 self.buckets = []
                 return self.model(x, inputs, kv_caches)
-        out = graphs.replay(inputs.attn, n)
+        if self.whole:  # after any capture, which fills these buffers with its own
+            self.static_cu[: len(meta.cu_q_host)].copy_(meta.cu_seqlens_q)
+            self.static_work[: meta.work.shape[0]].copy_(meta.work)
+        out = graphs.replay(meta, n)
         return out.clone() if self.copy_output else out
 
     # -- capture ------------------------------------------------------------------------------
@@ -142,6 +170,44 @@ class GraphedForward:
                 captured.output = self.model(x, hooked, kv_caches)
             finally:
                 splitter.end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return captured
+
+    def _programs(self, bucket: int, items: int) -> int:
+        """The attention grid a whole-step graph is captured with: four times the bucket's
+        query blocks, enough for steps of requests down to a quarter block long on average
+        (the programs without an item exit at once); else one per row, enough for any step."""
+        usual = min(4 * -(-bucket // self.block_rows), bucket)
+        return usual if items <= usual else bucket
+
+    def _capture_whole(self, bucket: int, programs: int) -> _Captured:
+        """The whole forward as one graph, its attention reading ``static_cu`` and
+        ``static_work`` with ``programs`` programs a head. The capture computes one sequence
+        of ``bucket`` tokens; each replay's own metadata is copied in after."""
+        whole = np.array([0, bucket], dtype=np.int64)
+        work = triton_attention.work_list(whole, self.block_rows)
+        self.static_cu[:2].copy_(torch.from_numpy(whole))
+        self.static_work[: len(work)].copy_(torch.from_numpy(work))
+        meta = AttentionMetadata(
+            causal=False, cu_seqlens_q=self.static_cu, cu_seqlens_k=self.static_cu,
+            max_q=bucket, max_k=bucket, cu_q_host=whole, cu_k_host=whole, total_k=bucket,
+            work=self.static_work, work_programs=programs,
+        )  # fmt: skip
+        types = self.static_types[:bucket] if self.static_types is not None else None
+        step = StepInputs(self.static_positions[:bucket], meta, types)
+        x = self.static_x[:bucket]
+        captured = _Captured()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.model(x, step, None)  # warm-up: lazy initialisation, Triton's compile
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                captured.output = self.model(x, step, None)
+            finally:
+                graph.capture_end()
+            captured.pieces.append(graph)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return captured
 

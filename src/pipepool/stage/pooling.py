@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..core.request import Pooling
+from ..layers.segment_sum import segment_sums
 from .heads import DenseHead, HeadParams, ScoreHead, apply_heads
 from .mirror import StepView
 
@@ -32,7 +33,10 @@ class PoolingPrep:
     num_emitted_picks: int  # LAST of final chunks and CLS of whole prompts
     mean_slots: int  # requests pooling MEAN: slot j sums the tokens of mean_req[j]
     num_whole_means: int  # the first slots are MEAN prompts whole in this step
-    seg: np.ndarray | None  # [T] slot of each token row (mean_slots = none); None: no MEAN
+    # The slots' token rows, as one of two: contiguous ranges summed by a device kernel
+    # (layers/segment_sum.py), or a per-row slot for index_add_ (mean_slots = none).
+    mean_bounds: np.ndarray | None  # [2 * mean_slots]: first rows, then lengths
+    seg: np.ndarray | None  # [T] slot of each token row
     whole_mean_lens: np.ndarray  # [num_whole_means] their token counts (the divisors)
     all_rows: np.ndarray  # token rows of ALL prompts whole in this step, back to back
     partial: tuple[tuple[int, int], ...]  # (row, slot or -1) of multi-chunk requests
@@ -44,7 +48,7 @@ class PoolingPrep:
 
     def upload_arrays(self) -> list[np.ndarray | None]:
         return [
-            self.pick_rows, self.seg, self.whole_mean_lens, self.all_rows,
+            self.pick_rows, self.seg, self.mean_bounds, self.whole_mean_lens, self.all_rows,
             *self.vector_heads.upload_arrays(), *self.token_heads.upload_arrays(),
         ]  # fmt: skip
 
@@ -89,7 +93,11 @@ class Pooler:
         return np.array(ids, np.int64), np.array([self._tokens[r] for r in ids], np.int64)
 
     @staticmethod
-    def prepare(req_ids: np.ndarray, view: StepView, cu_q: np.ndarray) -> PoolingPrep:
+    def prepare(
+        req_ids: np.ndarray, view: StepView, cu_q: np.ndarray, *, by_segments: bool = False
+    ) -> PoolingPrep:
+        """``by_segments``: MEAN sums by the segment-sum kernel (where it runs: CUDA), else
+        by ``index_add_``."""
         kind, starts, ends = view.poolings, view.starts, view.ends
         first, final = starts == 0, ends == view.prompt_lens
         whole = first & final
@@ -104,8 +112,10 @@ class Pooler:
         mean_whole = np.nonzero(is_mean & whole)[0]
         mean_part = np.nonzero(is_mean & ~whole)[0]
         mean_req = np.concatenate([mean_whole, mean_part])
-        seg = None
-        if len(mean_req):
+        seg = bounds = None
+        if len(mean_req) and by_segments:
+            bounds = np.concatenate([cu_q[mean_req], view.lens[mean_req]])
+        elif len(mean_req):
             slot_of = np.full(len(kind), len(mean_req), dtype=np.int64)
             slot_of[mean_req] = np.arange(len(mean_req))
             seg = np.repeat(slot_of, view.lens)
@@ -127,6 +137,7 @@ class Pooler:
             num_emitted_picks=len(emitted),
             mean_slots=len(mean_req),
             num_whole_means=len(mean_whole),
+            mean_bounds=bounds,
             seg=seg,
             whole_mean_lens=view.lens[mean_whole],
             all_rows=all_rows,
@@ -150,11 +161,15 @@ class Pooler:
         view: StepView,
         cu_q: np.ndarray,
     ) -> PooledStep:
-        pick_t, seg_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = uploaded
+        pick_t, seg_t, bounds_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = (
+            uploaded
+        )
         h = hidden.shape[1]
         picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
         sums = None
-        if seg_t is not None:
+        if bounds_t is not None:
+            sums = segment_sums(hidden, bounds_t)  # [slots, H]
+        elif seg_t is not None:
             sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
             sums.index_add_(0, seg_t, hidden.float())  # [slots + 1, H]; the last: no slot
         vectors = []

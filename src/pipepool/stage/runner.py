@@ -31,6 +31,7 @@ from ..config import EngineConfig
 from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
+from ..layers import segment_sum, triton_attention
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
@@ -292,9 +293,14 @@ class StageRunner:
         extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
         pools = self.pooler is not None  # the last stage (or a fault that pools elsewhere)
         if pools:
-            prep = Pooler.prepare(plan.req_ids, view, batch.cu_q)
+            prep = Pooler.prepare(
+                plan.req_ids, view, batch.cu_q, by_segments=segment_sum.supported(spec.device)
+            )
             extra += prep.upload_arrays()
-        inputs, uploaded = to_step_inputs(batch, self.uploader, causal=model.causal, extra=extra)
+        inputs, uploaded = to_step_inputs(
+            batch, self.uploader, causal=model.causal, extra=extra,
+            attn_block_rows=attention_block_rows(model),
+        )  # fmt: skip
         inputs.token_type_ids = uploaded[1]
         tr = self.trace
         if tr is not None and not spec.is_first:
@@ -389,10 +395,22 @@ def warm_up(model: StageModel, spec: StageSpec, block_size: int, num_tokens: int
     happens at load time rather than inside the first real step."""
     n = np.array([num_tokens])
     batch = build_host_batch(np.array([0]), n, n, None, [], block_size)
-    inputs, _ = to_step_inputs(batch, DeviceUploader(spec.device), causal=model.causal, extra=[])
+    inputs, _ = to_step_inputs(
+        batch, DeviceUploader(spec.device), causal=model.causal, extra=[],
+        attn_block_rows=attention_block_rows(model),
+    )  # fmt: skip
     if spec.is_first:
         x = torch.zeros(num_tokens, dtype=torch.int64, device=spec.device)
     else:
         x = torch.randn(num_tokens, model.hidden_size, dtype=spec.dtype, device=spec.device)
     with torch.inference_mode():
         model(x, inputs, None)
+
+
+def attention_block_rows(model: StageModel) -> int | None:
+    """The Triton attention kernel's BLOCK_M where the model runs it from a work list (an
+    encoder: its steps then carry the list, which lets a CUDA graph hold the whole forward),
+    else None. Causal steps launch a grid from the step: faster there (BENCHMARKS.md)."""
+    if model.attn_kernel != "triton" or model.causal:
+        return None
+    return triton_attention.block_rows(model.attention_shape.head_dim)

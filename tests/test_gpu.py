@@ -203,3 +203,40 @@ def test_gpu_graphed_rerank_scores_equal_cpu_fp32(request, model):
         again = gpu.score(QUERY, DOCUMENTS, use_activation=False)  # replays the captured graphs
     assert abs(got - expected).max() <= 1e-3
     assert (got == again).all()
+
+
+@pytest.fixture(scope="module")
+def bert_d32_path(model_dir):
+    """The tiny BERT with two heads of 32: a head size the Triton attention kernel takes."""
+    import tiny_models
+
+    return tiny_models.make_bert(model_dir / "bert-d32", num_heads=2)
+
+
+def test_whole_step_graphs_take_steps_of_many_short_requests(bert_d32_path, reference):
+    """An encoder replayed as one graph a step: steps whose attention work list outgrows the
+    usual grid (dozens of 1-3 token prompts in a 64-token step) replay the larger grid's
+    graph; every vector agrees with the eager engine's and the reference's."""
+    bert_path = bert_d32_path
+    ref = reference(bert_path)
+    # Two calls: a few prompts of ~20 tokens (steps of at most 4 requests: the usual grid),
+    # then dozens of 1-3 token prompts (64-token steps of ~25 requests: the larger grid).
+    calls = (
+        ["Mixed-length pooling request " * 5, "A short sentence for embedding. " * 3, "tail"],
+        ["", "a", "b c", *[str(i) for i in range(60)]],
+    )
+    kw = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=64, compile=False)
+    got = {}
+    for graphs in (False, True):
+        with pipepool.Engine(str(bert_path), cuda_graphs=graphs, **kw) as engine:
+            got[graphs] = [engine.pool(c, pooling="mean", normalize=False) for c in calls]
+            forward = engine._executor.runners[0].forward
+            if graphs:
+                assert forward.whole
+                grids = {programs for _, programs in forward.captured}
+                assert 64 in grids and min(grids) < 64, grids  # both grids were replayed
+    for i, prompts in enumerate(calls):
+        for o_graph, o_eager, p in zip(got[True][i], got[False][i], prompts, strict=True):
+            assert float(cosine(o_graph, o_eager).min()) >= 0.9999, p
+            want = ref.pooled(ref.token_ids(p), "mean")
+            assert float(cosine(o_graph, want).min()) >= MIN_COSINE_BF16, p

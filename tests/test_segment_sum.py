@@ -4,12 +4,9 @@ row, shorter and longer than the kernel's row block, not in order, some rows in 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -39,11 +36,7 @@ def check(device, dtype, width, tol):
 
 def test_segment_sums_in_the_interpreter():
     script = _CASE + "\ncheck('cpu', torch.float32, 200, 1e-4)\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(script, timeout=300)
 
 
 @pytest.mark.gpu

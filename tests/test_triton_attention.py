@@ -5,12 +5,9 @@ interpreter (fp32), and on a GPU in bf16."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -64,11 +61,7 @@ def check(dtype, device, head_dims, tiles, tol):
 
 def test_kernel_matches_portable_attention_in_the_interpreter():
     script = _CASES + "\ncheck(torch.float32, 'cpu', (32, 64), ((16, 16, 4, 1),), 1e-4)\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(script, timeout=600)
 
 
 @pytest.mark.gpu
@@ -109,8 +102,4 @@ assert torch.equal(out[:7], torch.zeros(7, 2, 32)), out[:7]
 assert torch.isfinite(out).all() and out[7:].abs().sum() > 0
 print("ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(script, timeout=600)

@@ -130,7 +130,9 @@ def make_decoder(path: Path, family: str, *, num_layers: int = 4, seed: int = 0)
     return path
 
 
-def make_bert(path: Path, *, num_layers: int = 4, seed: int = 0, family: str = "bert") -> Path:
+def make_bert(
+    path: Path, *, num_layers: int = 4, seed: int = 0, family: str = "bert", num_heads: int = 4
+) -> Path:
     import transformers
 
     tokenizer_src = minilm_path()
@@ -142,7 +144,7 @@ def make_bert(path: Path, *, num_layers: int = 4, seed: int = 0, family: str = "
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
+        num_attention_heads=num_heads,
         initializer_range=0.1,
     )
     torch.manual_seed(seed)

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from .triton_support import tl, triton
 
 _TL_DTYPES = {}
 if triton is not None:

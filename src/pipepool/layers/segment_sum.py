@@ -9,15 +9,9 @@ them in fp32 registers and writes the sum.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from .triton_support import INTERPRETING, tl, triton
 
 if triton is not None:
 
@@ -49,9 +43,6 @@ if triton is not None:
         tl.store(out_ptr + segment * stride_out + cols, tl.sum(acc, 0), mask=in_width)
 
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supported(device: torch.device) -> bool:
     """Where the engine sums with the kernel (tests also run it in Triton's interpreter)."""
     return triton is not None and device.type == "cuda"
@@ -70,6 +61,6 @@ def segment_sums(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     grid = (num_segments, triton.cdiv(width, block_h))
     _segment_sum_kernel[grid](
         x, out, bounds, num_segments, width, x.stride(0), out.stride(0),
-        BLOCK_T=16, BLOCK_H=block_h, LOOP_AS_WHILE=_INTERPRETING, num_warps=4,
+        BLOCK_T=16, BLOCK_H=block_h, LOOP_AS_WHILE=INTERPRETING, num_warps=4,
     )  # fmt: skip
     return out

@@ -18,16 +18,11 @@ queries of its keys), an optional sliding window of ``window`` keys, itself incl
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from .triton_support import INTERPRETING, tl, triton
 
 if triton is not None:
 
@@ -207,10 +202,6 @@ TILES: dict[int, tuple[int, int, int, int]] = {
 }
 
 
-# Triton's interpreter runs the kernel where this is set (read, as Triton reads it, at import).
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
     return (
         triton is not None
@@ -284,6 +275,6 @@ def varlen_attention(
         out.stride(0), out.stride(1),
         GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None, D=dim,
         BLOCK_M=block_m, BLOCK_N=block_n, WORK_LIST=work is not None,
-        LOOP_AS_WHILE=_INTERPRETING, num_warps=warps, num_stages=stages,
+        LOOP_AS_WHILE=INTERPRETING, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -1,0 +1,17 @@
+"""Running a script of kernel checks in Triton's interpreter, in a fresh process (the
+interpreter is chosen when Triton is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_interpreted(script: str, timeout: int = 600) -> None:
+    """Run ``script`` with ``TRITON_INTERPRET=1``; it must end by printing "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -280,10 +281,10 @@ class Engine(ScoringMethods):
             return self._submit_windows(params, [first, *slices])
         submission = self._new_submission(params, len(items))
         try:
-            self._dispatched.clear()
+            wait_for_dispatch = self._dispatch_waiter()
             self._enqueue(submission, first)
-            if len(first.lengths) < len(items):  # more slices to prepare
-                self._let_the_loop_dispatch()
+            if wait_for_dispatch is not None and len(first.lengths) < len(items):
+                wait_for_dispatch()  # before preparing the next slices
             for part in slices:
                 self._enqueue(submission, part)
         except BaseException:
@@ -291,14 +292,17 @@ class Engine(ScoringMethods):
             raise
         return submission
 
-    def _let_the_loop_dispatch(self, timeout_s: float = 0.005) -> None:
-        """Before preparing a long call's next slices, wait (a few milliseconds at most) for
-        the loop thread to hand its first step to the stages. Both threads need the GIL, so
-        preparing the slices meanwhile only delayed the device's first kernel: 4.4 ms of an
-        8192-query call's 37 ms on an H200 (BENCHMARKS.md, issue 10). Waiting, this thread
-        prepares them while the device computes."""
-        if threading.current_thread() is not self._thread:
-            self._dispatched.wait(timeout_s)
+    def _dispatch_waiter(self, timeout_s: float = 0.005) -> Callable[[], object] | None:
+        """Called before a call enqueues its first slice: what waits (a few milliseconds at
+        most) until the loop thread has handed a step to the stages, for the caller to run
+        before it prepares the call's next slices. Both threads need the GIL, so preparing
+        them meanwhile only delayed the device's first kernel: 4.4 ms of an 8192-query
+        call's 37 ms on an H200 (BENCHMARKS.md, issue 10); waiting, this thread prepares
+        them while the device computes. None where there is nothing to wait for."""
+        if threading.current_thread() is self._thread:
+            return None
+        self._dispatched.clear()
+        return functools.partial(self._dispatched.wait, timeout_s)
 
     def _submit_windows(
         self, params: PoolingParams, parts: list[TokenSlice]

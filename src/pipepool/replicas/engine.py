@@ -200,6 +200,10 @@ class ReplicatedEngine(Engine):
 
     # -- intake --------------------------------------------------------------------------------
 
+    def _dispatch_waiter(self, timeout_s: float = 0.005) -> None:
+        """Nothing to wait for: the replicas' loop threads run in their own processes."""
+        return None
+
     def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
         with self._lock:
             self._raise_if_dead()

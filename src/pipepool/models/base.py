@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers import triton_attention
 from ..layers.attention import AttentionMetadata, AttentionShape
 from ..user_cache import cache_dir
 
@@ -61,6 +62,7 @@ class StageModel(nn.Module):
     max_positions: int  # the model's own limit (position table / RoPE range)
     kv_layout: KVLayout | None  # None for encoders
     attention_shape: AttentionShape  # what the attention kernel is chosen and checked for
+    attn_kernel: str  # the deployment's choice (layers/attention.py)
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -71,6 +73,14 @@ class StageModel(nn.Module):
 
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
+
+    def attention_block_rows(self) -> int | None:
+        """The Triton attention kernel's BLOCK_M where this model runs it from a work list (an
+        encoder: its steps carry the list, which lets a CUDA graph hold its whole forward),
+        else None. Causal steps launch a grid from the step: faster there (BENCHMARKS.md)."""
+        if self.attn_kernel != "triton" or self.causal:
+            return None
+        return triton_attention.block_rows(self.attention_shape.head_dim)
 
     def head_specs(self) -> list[WeightSpec]:
         """The score head's checkpoint tensors (none without one)."""

@@ -104,9 +104,9 @@ class GraphedForward:
         if model.is_first and not model.causal:
             self.static_types = torch.zeros(largest, dtype=torch.int64, device=device)
         # Whole-step graphs (see the module's note): the attention metadata's buffers.
-        self.whole = not model.causal and model.attn_kernel == "triton"
+        self.block_rows = model.attention_block_rows()
+        self.whole = self.block_rows is not None
         if self.whole:
-            self.block_rows = triton_attention.block_rows(model.attention_shape.head_dim)
             # A step of n rows has at most n items (a block per request of up to BLOCK_M rows).
             self.static_cu = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.static_work = torch.zeros(1 + 2 * largest, dtype=torch.int64, device=device)
@@ -136,9 +136,10 @@ class GraphedForward:
         if graphs is None:
             try:
                 if self.whole:
-                    graphs = self._capture_whole(*key)
-                else:
-                    graphs = self._capture(bucket, kv_caches)
+                    graphs = self._capture(bucket, self._whole_meta(*key), None, split=False)
+                else:  # captured on one sequence of ``bucket`` tokens, not this step's
+                    dummy = _whole_sequence(bucket, self.model.causal, self.device)
+                    graphs = self._capture(bucket, dummy, kv_caches, split=True)
                 self.captured[key] = graphs
             except Exception as exc:  # a kernel that cannot be captured must not stop us
                 warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}", stacklevel=2)
@@ -152,24 +153,36 @@ class GraphedForward:
 
     # -- capture ------------------------------------------------------------------------------
 
-    def _capture(self, bucket: int, kv_caches) -> _Captured:
-        """Warm up eagerly (lazy initialisation, compilation), then capture the pieces."""
-        x = self.static_x[:bucket]
-        positions = self.static_positions[:bucket]
+    def _capture(
+        self, bucket: int, meta: AttentionMetadata, kv_caches, *, split: bool
+    ) -> _Captured:
+        """Warm up eagerly (lazy initialisation, compilation), then capture the forward of
+        ``bucket`` rows on ``meta``: as pieces cut at every attention call (``split``), or
+        whole."""
         types = self.static_types[:bucket] if self.static_types is not None else None
-        meta = _whole_sequence(bucket, self.model.causal, self.device)
+        step = StepInputs(self.static_positions[:bucket], meta, types)
+        x = self.static_x[:bucket]
         captured = _Captured()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.model(x, StepInputs(positions, meta, types), kv_caches)  # warm-up
-            splitter = _Splitter(captured, meta, self._pool)
-            hooked = StepInputs(positions, replace(meta, graph_split=splitter), types)
-            splitter.begin()
-            try:
-                captured.output = self.model(x, hooked, kv_caches)
-            finally:
-                splitter.end()
+            self.model(x, step, kv_caches)  # warm-up
+            if split:
+                splitter = _Splitter(captured, meta, self._pool)
+                step = StepInputs(step.positions, replace(meta, graph_split=splitter), types)
+                splitter.begin()
+                try:
+                    captured.output = self.model(x, step, kv_caches)
+                finally:
+                    splitter.end()
+            else:
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    captured.output = self.model(x, step, kv_caches)
+                finally:
+                    graph.capture_end()
+                captured.pieces.append(graph)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return captured
 
@@ -180,36 +193,19 @@ class GraphedForward:
         usual = min(4 * -(-bucket // self.block_rows), bucket)
         return usual if items <= usual else bucket
 
-    def _capture_whole(self, bucket: int, programs: int) -> _Captured:
-        """The whole forward as one graph, its attention reading ``static_cu`` and
-        ``static_work`` with ``programs`` programs a head. The capture computes one sequence
-        of ``bucket`` tokens; each replay's own metadata is copied in after."""
+    def _whole_meta(self, bucket: int, programs: int) -> AttentionMetadata:
+        """A whole-step graph's attention metadata: ``static_cu`` and ``static_work``, with
+        ``programs`` programs a head. Filled here with one sequence of ``bucket`` tokens for
+        the capture; each replay's own metadata is copied in after."""
         whole = np.array([0, bucket], dtype=np.int64)
         work = triton_attention.work_list(whole, self.block_rows)
         self.static_cu[:2].copy_(torch.from_numpy(whole))
         self.static_work[: len(work)].copy_(torch.from_numpy(work))
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             causal=False, cu_seqlens_q=self.static_cu, cu_seqlens_k=self.static_cu,
             max_q=bucket, max_k=bucket, cu_q_host=whole, cu_k_host=whole, total_k=bucket,
             work=self.static_work, work_programs=programs,
         )  # fmt: skip
-        types = self.static_types[:bucket] if self.static_types is not None else None
-        step = StepInputs(self.static_positions[:bucket], meta, types)
-        x = self.static_x[:bucket]
-        captured = _Captured()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.model(x, step, None)  # warm-up: lazy initialisation, Triton's compile
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                captured.output = self.model(x, step, None)
-            finally:
-                graph.capture_end()
-            captured.pieces.append(graph)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        return captured
 
 
 class _Splitter:

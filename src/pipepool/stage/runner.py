@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
-from ..layers import segment_sum, triton_attention
+from ..layers import segment_sum
 from ..model_folder import ModelFolder
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
@@ -154,6 +154,10 @@ class StageRunner:
         else:
             self.forward = self._graphed()
         self.mirror = Mirror(spec.index)
+        # Fixed at load, read every step: the attention kernel's work list (encoders with the
+        # Triton kernel), MEAN sums by the segment-sum kernel (CUDA).
+        self.attn_block_rows = self.model.attention_block_rows()
+        self.mean_by_segments = segment_sum.supported(spec.device)
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
         # The step timeline (EngineConfig.trace); None when off, and then nothing is recorded.
@@ -293,13 +297,11 @@ class StageRunner:
         extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
         pools = self.pooler is not None  # the last stage (or a fault that pools elsewhere)
         if pools:
-            prep = Pooler.prepare(
-                plan.req_ids, view, batch.cu_q, by_segments=segment_sum.supported(spec.device)
-            )
+            prep = Pooler.prepare(plan.req_ids, view, batch.cu_q, by_segments=self.mean_by_segments)
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(
             batch, self.uploader, causal=model.causal, extra=extra,
-            attn_block_rows=attention_block_rows(model),
+            attn_block_rows=self.attn_block_rows,
         )  # fmt: skip
         inputs.token_type_ids = uploaded[1]
         tr = self.trace
@@ -397,7 +399,7 @@ def warm_up(model: StageModel, spec: StageSpec, block_size: int, num_tokens: int
     batch = build_host_batch(np.array([0]), n, n, None, [], block_size)
     inputs, _ = to_step_inputs(
         batch, DeviceUploader(spec.device), causal=model.causal, extra=[],
-        attn_block_rows=attention_block_rows(model),
+        attn_block_rows=model.attention_block_rows(),
     )  # fmt: skip
     if spec.is_first:
         x = torch.zeros(num_tokens, dtype=torch.int64, device=spec.device)
@@ -405,12 +407,3 @@ def warm_up(model: StageModel, spec: StageSpec, block_size: int, num_tokens: int
         x = torch.randn(num_tokens, model.hidden_size, dtype=spec.dtype, device=spec.device)
     with torch.inference_mode():
         model(x, inputs, None)
-
-
-def attention_block_rows(model: StageModel) -> int | None:
-    """The Triton attention kernel's BLOCK_M where the model runs it from a work list (an
-    encoder: its steps then carry the list, which lets a CUDA graph hold the whole forward),
-    else None. Causal steps launch a grid from the step: faster there (BENCHMARKS.md)."""
-    if model.attn_kernel != "triton" or model.causal:
-        return None
-    return triton_attention.block_rows(model.attention_shape.head_dim)

@@ -15,9 +15,10 @@ from torch import nn
 from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import cpu_linear
-from ..layers.activation import ACTIVATIONS, get_activation
+from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
+from ..layers.linear_activation import linear_activation
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .score_heads import build_score_head
 
@@ -83,9 +84,8 @@ def post_attention(
         w.attn_norm_bias,
         eps,
     )
-    ffn = F.linear(
-        ACTIVATIONS[cfg.hidden_act](F.linear(x, w.ffn_in, w.ffn_in_bias)), w.ffn_out, w.ffn_out_bias
-    )
+    ffn_in = linear_activation(x, w.ffn_in, w.ffn_in_bias, cfg.hidden_act)
+    ffn = F.linear(ffn_in, w.ffn_out, w.ffn_out_bias)
     return F.layer_norm(x + ffn, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
 
 

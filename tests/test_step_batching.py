@@ -175,3 +175,16 @@ def test_graph_buckets_pad_large_steps_by_at_most_a_quarter():
     for n in range(257, 16385, 37):
         bucket = next(b for b in buckets if b >= n)
         assert bucket - n <= 0.25 * n, n
+
+
+def test_default_step_budget_grows_for_small_models_on_cuda():
+    """A step of ~2 TFLOP on CUDA, between TEI's 16384 tokens and 65536: MiniLM-sized models
+    (~21 MFLOP a token) get 65536, bge-small-sized (~42) 32768, larger ones 16384; the CPU
+    keeps 2048 and a budget the user gives wins everywhere."""
+    from pipepool.deployment import step_tokens
+
+    default, given = EngineConfig(), EngineConfig(max_num_batched_tokens=4096)
+    budgets = [step_tokens(default, True, mflops * 1e6) for mflops in (21.2, 42.5, 170, 1200)]
+    assert budgets == [65536, 32768, 16384, 16384]
+    assert step_tokens(default, False, 21.2e6) == 2048
+    assert step_tokens(given, True, 21.2e6) == step_tokens(given, False, 21.2e6) == 4096

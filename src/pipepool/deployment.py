@@ -24,15 +24,16 @@ from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
 # Default token budget of a step (EngineConfig.max_num_batched_tokens). On CUDA at least
-# TEI's 16384, and for small models as many tokens as make a step ~2 TFLOP, up to 32768: the
-# host's work per step is roughly fixed (~3 ms: scheduling, inputs, pooling, delivery), so a
-# step of MiniLM-sized compute must be larger for the device, not the host, to set the pace.
-# Measured on an H200, MiniLM shape, tok/s at 16k / 32k / 64k: W4 4.88M / 6.94M / 6.13M, W1
-# 6.66M / 8.19M / 8.44M (BENCHMARKS.md, issue 10; at 64k a call of short queries is only a
-# few steps, and the first and last of them are not overlapped). On CPU, steps whose
-# activations stay in cache (2048 measured 1.4x faster than 16384).
+# TEI's 16384, and for small models as many tokens as make a step ~2 TFLOP, up to 65536: the
+# host's work per step is roughly fixed (~2.7 ms on the H200 machine: scheduling, inputs,
+# pooling, delivery), so a step of MiniLM-sized compute must be larger for the device, not
+# the host, to set the pace. Measured on an H200, MiniLM shape, engine only, tok/s at 32k /
+# 48k / 64k (two processes each): W4 10.8-9.5M / 12.0M / 11.4-12.0M, W1 12.2M / 12.5M / 12.5M
+# (BENCHMARKS.md, issue 10, eighth pass; with the device 2.05 ms a 32k step, the host set the
+# pace there). Only models of MiniLM's size (~20 MFLOP a token) reach 64k; bge-small gets 32k.
+# On CPU, steps whose activations stay in cache (2048 measured 1.4x faster than 16384).
 _CUDA_STEP_TOKENS = 16384
-_CUDA_MAX_STEP_TOKENS = 32768
+_CUDA_MAX_STEP_TOKENS = 65536
 _CPU_STEP_TOKENS = 2048
 _GPU_MEMORY_UTILIZATION = 0.90
 

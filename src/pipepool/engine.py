@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -113,6 +113,7 @@ class Engine(ScoringMethods):
         self._wake = threading.Condition()
         # Set by the loop thread each time it hands a plan to the stages (see submit).
         self._dispatched = threading.Event()
+        self._slicing = 0  # calls still enqueueing slices (see _slices_following)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -280,13 +281,15 @@ class Engine(ScoringMethods):
         if policy == "chunk":
             return self._submit_windows(params, [first, *slices])
         submission = self._new_submission(params, len(items))
+        more = len(first.lengths) < len(items)
         try:
             wait_for_dispatch = self._dispatch_waiter()
-            self._enqueue(submission, first)
-            if wait_for_dispatch is not None and len(first.lengths) < len(items):
-                wait_for_dispatch()  # before preparing the next slices
-            for part in slices:
-                self._enqueue(submission, part)
+            with self._slices_following() if more else contextlib.nullcontext():
+                self._enqueue(submission, first)
+                if wait_for_dispatch is not None and more:
+                    wait_for_dispatch()  # before preparing the next slices
+                for part in slices:
+                    self._enqueue(submission, part)
         except BaseException:
             submission.cancel()
             raise
@@ -303,6 +306,30 @@ class Engine(ScoringMethods):
             return None
         self._dispatched.clear()
         return functools.partial(self._dispatched.wait, timeout_s)
+
+    @contextlib.contextmanager
+    def _slices_following(self) -> Iterator[None]:
+        """Around the enqueueing of a call whose inputs come in several slices: meanwhile the
+        loop thread, with room for another step in flight and nothing to schedule, waits for
+        the next slice (``_next_slice_arrived``) instead of blocking until the step in flight
+        returns, so that step k+1 is built while the device runs step k. Blocking there left
+        the device idle for 2.5 and 2.1 ms before the second and third steps of an 8192-query
+        call on an H200 (BENCHMARKS.md, issue 10, eighth pass)."""
+        with self._wake:
+            self._slicing += 1
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._slicing -= 1
+                self._wake.notify()
+
+    def _next_slice_arrived(self, timeout_s: float = 0.002) -> bool:
+        """Whether work arrived while waiting (``timeout_s`` at most, and only while a call
+        is still enqueueing slices) for the slice that a call is preparing."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._inbox or self._stop or not self._slicing, timeout_s)
+            return bool(self._inbox)
 
     def _submit_windows(
         self, params: PoolingParams, parts: list[TokenSlice]
@@ -555,6 +582,14 @@ class Engine(ScoringMethods):
                     tr.span("submit", t0, plan)
                 inflight.append((plan, submitted))
                 self.stats.on_plan(plan)
+            if (
+                inflight
+                and len(inflight) < executor.depth
+                and not gathering
+                and not scheduler.has_schedulable()  # not held back by capacity: by intake
+                and self._next_slice_arrived()
+            ):
+                continue  # schedule it while the step in flight still runs
             if inflight:
                 t0 = now() if tr is not None else 0
                 result = executor.collect()

@@ -15,6 +15,7 @@ fail only when every replica has been given up on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -203,6 +204,10 @@ class ReplicatedEngine(Engine):
     def _dispatch_waiter(self, timeout_s: float = 0.005) -> None:
         """Nothing to wait for: the replicas' loop threads run in their own processes."""
         return None
+
+    def _slices_following(self) -> contextlib.AbstractContextManager:
+        """Nothing to tell: the replicas' loop threads see each slice as it comes."""
+        return contextlib.nullcontext()
 
     def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
         with self._lock:

@@ -62,6 +62,12 @@ class Deployment:
     # was left to the engine and the stages run in this process.
     compile_in_background: bool
     overlap_steps: bool  # multi-process pipeline runs one plan ahead of its devices
+    # Each enqueued slice of a call runs longest prompt first (results still come back in input
+    # order). On the CPU an encoder attends in one kernel call per run of equal-length
+    # requests (layers/grouped_attention.py), so steps of equal lengths make fewer, longer
+    # calls: +6% texts/s on 2,000 texts (BENCHMARKS.md, issue 10, eighth pass). On CUDA the
+    # varlen kernels do not care, and decoders chunk prompts across steps: input order.
+    length_sorted: bool
     # Attention kernel (portable | flash | varlen) and the fused q/k-norm + RoPE kernel, chosen
     # by self-checks on the planning process's device: every stage runs the same kernels.
     attn_kernel: str = "portable"
@@ -209,6 +215,7 @@ def plan_deployment(
             _graph_max_tokens(budget, per_token) if _auto(config.cuda_graphs, cuda) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
+        length_sorted=not cuda and not family.causal,
         classifier=classifier,
         attn_kernel=attn_kernel,
         fused_qk_rope=fused,

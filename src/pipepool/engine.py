@@ -506,15 +506,22 @@ class Engine(ScoringMethods):
         return Submission(params, num_inputs, width, on_cancel=self._cancel)
 
     def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
+        rows = None  # the call's row of each batch row, where not part.first onwards
+        if self.deployment.length_sorted and len(part.lengths) > 1:
+            part, order = part.longest_first()
+            rows = part.first + order
         with self._wake:  # under the lock, so a request cannot slip in after the engine died
             self._raise_if_dead()
             batch = RequestBatch(
                 self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids
             )
             self._next_id += len(batch)
-            submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
+            if rows is None:
+                submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
+            else:
+                submission.num_tokens[rows] = part.lengths
             submission.batches.append(batch)
-            self._owners.add(submission, part.first, batch)
+            self._owners.add(submission, part.first, batch, rows)
             self._inbox.append(("add", batch))
             self._wake.notify()
         self.stats.on_submit(len(batch), batch.num_tokens)

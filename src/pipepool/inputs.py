@@ -38,6 +38,18 @@ class TokenSlice:
     lengths: np.ndarray  # [n] int64
     type_ids: np.ndarray | None = None  # [sum(lengths)] int64 token types of pairs; None: all 0
 
+    def longest_first(self) -> tuple[TokenSlice, np.ndarray]:
+        """The same prompts, longest first (ties in input order), and for each of them its
+        row in this slice."""
+        order = np.argsort(-self.lengths, kind="stable")
+        starts = np.cumsum(self.lengths) - self.lengths
+        lengths = self.lengths[order]
+        # Token j of the reordered slice comes from its prompt's start plus j's place in it.
+        new_starts = np.cumsum(lengths) - lengths
+        take = np.repeat(starts[order] - new_starts, lengths) + np.arange(int(lengths.sum()))
+        types = None if self.type_ids is None else self.type_ids[take]
+        return TokenSlice(self.first, self.token_ids[take], lengths, types), order
+
 
 class InputPreparer:
     def __init__(self, deployment: Deployment) -> None:

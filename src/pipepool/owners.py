@@ -18,11 +18,16 @@ from .submission import Submission
 
 @dataclass(eq=False)
 class Owner:
-    """The call a batch's results go to: its rows ``row0 ..``; which of them are ``done``."""
+    """The call a batch's results go to: its rows ``row0 ..``, or ``rows`` (the call's row of
+    each batch row) where the batch holds them in another order; which of them are ``done``."""
 
     submission: Submission
     row0: int
     batch: RequestBatch
+    rows: np.ndarray | None = None
+
+    def call_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        return self.row0 + batch_rows if self.rows is None else self.rows[batch_rows]
 
     def __post_init__(self) -> None:
         self.done = np.zeros(len(self.batch), dtype=bool)
@@ -33,8 +38,14 @@ class Owners:
     def __init__(self) -> None:
         self._by_first: dict[int, Owner] = {}  # batch first id -> its owner
 
-    def add(self, submission: Submission, row0: int, batch: RequestBatch) -> None:
-        self._by_first[batch.first_id] = Owner(submission, row0, batch)
+    def add(
+        self,
+        submission: Submission,
+        row0: int,
+        batch: RequestBatch,
+        rows: np.ndarray | None = None,
+    ) -> None:
+        self._by_first[batch.first_id] = Owner(submission, row0, batch, rows)
 
     def get(self, first_id: int) -> Owner | None:
         return self._by_first.get(first_id)
@@ -56,7 +67,7 @@ class Owners:
         owner.remaining -= len(rows)
         if owner.remaining == 0:
             del self._by_first[batch.first_id]
-        return owner.submission, owner.row0 + rows
+        return owner.submission, owner.call_rows(rows)
 
     def take_all(self) -> list[Owner]:
         """Every owner, forgotten here (their calls are about to fail)."""
@@ -75,7 +86,8 @@ class Owners:
                 part = owner.batch.rows(next_id, lo, hi)
                 next_id += len(part)
                 owner.submission.batches.append(part)
-                by_first[part.first_id] = Owner(owner.submission, owner.row0 + lo, part)
+                rows = None if owner.rows is None else owner.rows[lo:hi]
+                by_first[part.first_id] = Owner(owner.submission, owner.row0 + lo, part, rows)
                 batches.append(part)
         self._by_first = by_first
         return batches, next_id

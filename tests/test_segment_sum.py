@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import run_interpreted
+from triton_interpreter import check_of, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -43,6 +43,4 @@ def test_segment_sums_in_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("width", [384, 4096, 200])
 def test_segment_sums_on_the_gpu(width):
-    namespace: dict = {}
-    exec(_CASE, namespace)
-    namespace["check"]("cuda", torch.bfloat16, width, 1e-4)
+    check_of(_CASE)("cuda", torch.bfloat16, width, 1e-4)

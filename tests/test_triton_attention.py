@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import run_interpreted
+from triton_interpreter import check_of, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -69,9 +69,8 @@ def test_kernel_matches_portable_attention_in_the_interpreter():
 def test_kernel_matches_portable_attention_on_the_gpu():
     from pipepool.layers.triton_attention import TILES
 
-    namespace: dict = {}
-    exec(_CASES, namespace)  # the same cases as the interpreter's, in this process
-    namespace["check"](torch.bfloat16, "cuda", tuple(TILES), (None,), 2e-2)
+    # The same cases as the interpreter's, in this process.
+    check_of(_CASES)(torch.bfloat16, "cuda", tuple(TILES), (None,), 2e-2)
 
 
 @pytest.mark.gpu

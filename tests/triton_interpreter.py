@@ -1,5 +1,5 @@
-"""Running a script of kernel checks in Triton's interpreter, in a fresh process (the
-interpreter is chosen when Triton is imported)."""
+"""A script of kernel checks, run in Triton's interpreter in a fresh process (the interpreter
+is chosen when Triton is imported), or its ``check`` taken into this one (on a GPU)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,10 @@ def run_interpreted(script: str, timeout: int = 600) -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def check_of(script: str):
+    """The ``check`` function ``script`` defines, to run in this process."""
+    namespace: dict = {}
+    exec(script, namespace)
+    return namespace["check"]

@@ -67,6 +67,10 @@ _EXIT_JOIN_S = 10.0
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+def _nothing() -> None:
+    """After a slice is enqueued: nothing to wait for."""
+
+
 class Engine(ScoringMethods):
     """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
     scores, reranks and classifies with a classifier (``ScoringMethods``).
@@ -111,9 +115,9 @@ class Engine(ScoringMethods):
         self._owners = Owners()  # which call each batch's results go to
         self._inbox: deque = deque()
         self._wake = threading.Condition()
-        # Set by the loop thread each time it hands a plan to the stages (see submit).
+        # Set by the loop thread each time it hands a plan to the stages (see _slice_intake).
         self._dispatched = threading.Event()
-        self._slicing = 0  # calls still enqueueing slices (see _slices_following)
+        self._slicing = 0  # calls still enqueueing slices (see _slice_intake)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -283,11 +287,9 @@ class Engine(ScoringMethods):
         submission = self._new_submission(params, len(items))
         more = len(first.lengths) < len(items)
         try:
-            wait_for_dispatch = self._dispatch_waiter()
-            with self._slices_following() if more else contextlib.nullcontext():
+            with self._slice_intake() if more else contextlib.nullcontext(_nothing) as enqueued:
                 self._enqueue(submission, first)
-                if wait_for_dispatch is not None and more:
-                    wait_for_dispatch()  # before preparing the next slices
+                enqueued()  # before preparing the next slices
                 for part in slices:
                     self._enqueue(submission, part)
         except BaseException:
@@ -295,30 +297,23 @@ class Engine(ScoringMethods):
             raise
         return submission
 
-    def _dispatch_waiter(self, timeout_s: float = 0.005) -> Callable[[], object] | None:
-        """Called before a call enqueues its first slice: what waits (a few milliseconds at
-        most) until the loop thread has handed a step to the stages, for the caller to run
-        before it prepares the call's next slices. Both threads need the GIL, so preparing
-        them meanwhile only delayed the device's first kernel: 4.4 ms of an 8192-query
-        call's 37 ms on an H200 (BENCHMARKS.md, issue 10); waiting, this thread prepares
-        them while the device computes. None where there is nothing to wait for."""
-        if threading.current_thread() is self._thread:
-            return None
-        self._dispatched.clear()
-        return functools.partial(self._dispatched.wait, timeout_s)
-
     @contextlib.contextmanager
-    def _slices_following(self) -> Iterator[None]:
-        """Around the enqueueing of a call whose inputs come in several slices: meanwhile the
-        loop thread, with room for another step in flight and nothing to schedule, waits for
-        the next slice (``_next_slice_arrived``) instead of blocking until the step in flight
-        returns, so that step k+1 is built while the device runs step k. Blocking there left
-        the device idle for 2.5 and 2.1 ms before the second and third steps of an 8192-query
-        call on an H200 (BENCHMARKS.md, issue 10, eighth pass)."""
+    def _slice_intake(self) -> Iterator[Callable[[], object]]:
+        """Around the enqueueing of a call whose inputs come in several slices. Yields what the
+        caller runs once the first slice is enqueued: a wait (5 ms at most) until the loop
+        thread has handed a step to the stages. Both threads need the GIL, so preparing the
+        next slices meanwhile only delayed the device's first kernel: 4.4 ms of an 8192-query
+        call's 37 ms on an H200. And while the call lasts, the loop thread, with room for
+        another step in flight and nothing to schedule, waits for the next slice
+        (``_next_slice_arrived``) instead of blocking until the step in flight returns, so
+        step k+1 is built while the device runs step k: blocking left the device idle 2.5
+        and 2.1 ms before such a call's second and third steps (BENCHMARKS.md, issue 10)."""
+        self._dispatched.clear()
+        on_loop_thread = threading.current_thread() is self._thread  # nothing to wait for
         with self._wake:
             self._slicing += 1
         try:
-            yield
+            yield _nothing if on_loop_thread else functools.partial(self._dispatched.wait, 0.005)
         finally:
             with self._wake:
                 self._slicing -= 1

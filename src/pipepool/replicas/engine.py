@@ -201,13 +201,10 @@ class ReplicatedEngine(Engine):
 
     # -- intake --------------------------------------------------------------------------------
 
-    def _dispatch_waiter(self, timeout_s: float = 0.005) -> None:
-        """Nothing to wait for: the replicas' loop threads run in their own processes."""
-        return None
-
-    def _slices_following(self) -> contextlib.AbstractContextManager:
-        """Nothing to tell: the replicas' loop threads see each slice as it comes."""
-        return contextlib.nullcontext()
+    def _slice_intake(self) -> contextlib.AbstractContextManager:
+        """Nothing to wait for or tell: the replicas' loop threads run in their own processes
+        and see each slice as it comes."""
+        return contextlib.nullcontext(lambda: None)
 
     def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
         with self._lock:

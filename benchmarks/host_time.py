@@ -11,7 +11,7 @@ settings unless given:
    profiled pass's wall and of an unprofiled pass's (the profiler slows a host-bound pass);
 2. one pass of a second engine with the step timeline on (``trace=``, which costs the host a
    few microseconds a span): every gap of 20 us or more in which the device ran none of a
-   step's work, before the first step, between steps and after the last;
+   step's work, from the call to the first step, between steps and after the last;
 3. the passes of part 1 with every host function of the loop thread wrapped in a timer:
    milliseconds a step each (inclusive, so nested ones overlap; a wrapper costs ~1 us a call).
 """
@@ -81,13 +81,15 @@ def wrap_all(spent: collections.Counter, calls: collections.Counter) -> None:
 
 def device_gaps(trace_file: str, window: tuple[int, int]) -> list[tuple[str, float]]:
     """(where, milliseconds) of every stretch of 20 us or more without the device's work of a
-    step ("busy" spans: CUDA events on CUDA, the compute itself on the CPU) inside ``window``."""
+    step ("busy" spans: CUDA events on CUDA, the compute itself on the CPU) inside ``window``
+    (``time.monotonic_ns()`` of the call's start and of its result)."""
     with open(trace_file) as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    # The file's times count from its first span; the window's from the call.
+    shift_us = (data["otherData"]["origin_ns"] - window[0]) / 1e3
     busy = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["args"].get("step"))
-        for e in events
+        (e["ts"] + shift_us, e["ts"] + shift_us + e["dur"], e["args"].get("step"))
+        for e in data["traceEvents"]
         if e.get("ph") == "X" and e.get("cat") == "busy"
     )
     pass_us = (window[1] - window[0]) / 1e3

@@ -89,9 +89,10 @@ class Tracker:
         self.scheduler.add(batch)
         return batch
 
-    def abort(self, batch: RequestBatch) -> None:
-        self.scheduler.abort(batch)
+    def abort(self, batch: RequestBatch) -> int:
+        unplanned = self.scheduler.abort(batch)
         self.aborted.update(set(range(batch.first_id, batch.end_id)) - set(self.finished))
+        return unplanned
 
     def check(self, plan: StepPlan) -> None:
         s = self.scheduler
@@ -288,11 +289,11 @@ def test_aborts_of_waiting_running_and_scheduled_requests_return_every_block():
     assert s.blocks.num_free == 16 - 8  # the whole prompt's blocks, at admission
 
     # Abort a waiting request: it never appears in a plan and never held blocks.
-    t.abort(batches[3])
+    assert t.abort(batches[3]) == 5, "all of its tokens go unplanned"
     assert s.blocks.num_free == 8 and s.num_waiting == 3
 
     # Abort the split request while its first chunk is still in flight.
-    t.abort(batches[0])
+    assert t.abort(batches[0]) == 30 - 8
     assert s.blocks.num_free == 16, "a split request's blocks return at abort"
 
     second = s.schedule()
@@ -305,7 +306,7 @@ def test_aborts_of_waiting_running_and_scheduled_requests_return_every_block():
 
     # Abort a fully scheduled request: its blocks came back when its final chunk was planned.
     free_before = s.blocks.num_free
-    t.abort(batches[1])
+    assert t.abort(batches[1]) == 0
     assert s.blocks.num_free == free_before
     t.abort(batches[1])  # aborting twice is a no-op
     assert s.blocks.num_free == free_before

@@ -88,6 +88,7 @@ def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
     after = qwen3_engine.embed(long_prompts()[:2])  # the engine is idle again, and serves
     assert after.shape[0] == 2
     assert qwen3_engine.kv_blocks_free == blocks
+    assert qwen3_engine._backlog_tokens == 0  # what no plan took left the backlog at abort
     assert qwen3_engine.stats.requests_aborted > 0
 
 
@@ -218,5 +219,36 @@ def test_next_slice_is_scheduled_while_the_first_step_runs(bert_path, reference)
     assert sum(n for kind, n in events if kind == "submit") == sum(map(len, inputs))
     ref = reference(bert_path)
     for i in (0, 1, 1023, 1024, 1099):  # both slices
+        want = ref.pooled(inputs[i].tolist(), "mean")
+        assert float(cosine(got[i], want).min()) >= MIN_COSINE, i
+
+
+def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
+    bert_path, reference, monkeypatch
+):
+    """A call of three slices, each many steps long: after each slice the caller waits until
+    the backlog (tokens enqueued and not yet handed to the stages) is under one step before
+    it prepares the next, so it does not contend with the loop thread for the GIL while the
+    loop has a step to build. The wait is bounded; here the bound is widened so the order is
+    certain on a slow machine."""
+    monkeypatch.setattr(pipepool.engine, "_PACE_S", 10.0)
+    rng = np.random.default_rng(1)
+    inputs = [rng.integers(1000, 2000, size=int(n)) for n in rng.integers(3, 8, size=2100)]
+    step = 256
+    backlog_at_slice = []
+    with pipepool.Engine(str(bert_path), device="cpu", max_num_batched_tokens=step) as engine:
+        enqueue = engine._enqueue
+
+        def recording(submission, part):
+            backlog_at_slice.append(engine._backlog_tokens)
+            enqueue(submission, part)
+
+        engine._enqueue = recording
+        got = engine.pool(inputs, pooling="mean", normalize=False)
+        assert engine._backlog_tokens == 0
+    assert len(backlog_at_slice) == 3 and backlog_at_slice[0] == 0
+    assert all(0 <= tokens < step for tokens in backlog_at_slice[1:]), backlog_at_slice
+    ref = reference(bert_path)
+    for i in (0, 1024, 2099):  # every slice
         want = ref.pooled(inputs[i].tolist(), "mean")
         assert float(cosine(got[i], want).min()) >= MIN_COSINE, i

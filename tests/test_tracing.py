@@ -12,7 +12,7 @@ import pytest
 from pipepool import Engine, InvalidInputError
 from pipepool.cli import main
 from pipepool.tracing import ProcessTrace, Span, summarize
-from pipepool.tracing.chrome import chrome_events
+from pipepool.tracing.chrome import chrome_events, write_chrome_trace
 from pipepool.tracing.clock import estimate_offset, offset_for
 from pipepool.tracing.intervals import intersect, length, subtract, union
 
@@ -191,6 +191,16 @@ def test_chrome_events_keep_the_newest_within_a_window():
     events = [e for e in chrome_events([trace], since_ns=4000, until_ns=6600) if e["ph"] == "X"]
     assert [e["args"]["step"] for e in events] == [4, 5, 6]
     assert events[0]["ts"] == 0 and events[1]["ts"] == 1.0 and events[0]["dur"] == 0.5
+
+
+def test_the_trace_file_says_when_its_time_zero_was(tmp_path):
+    """A timeline's times start at its first span; the file gives that instant on the
+    driver's clock, so a gap before the first span can be measured from a known moment."""
+    trace = ProcessTrace("stage 0", 1, "h", [_span("device", "forward", 1000 * i, 1000 * i + 500, i)
+                                            for i in range(10)], offset_ns=7)  # fmt: skip
+    write_chrome_trace(tmp_path / "t.json", [trace], since_ns=4000, until_ns=6600)
+    document = json.loads((tmp_path / "t.json").read_text())
+    assert document["otherData"]["origin_ns"] == 4007  # span 4's start, on the driver's clock
 
 
 def test_bench_trace_covers_the_timed_passes_and_lands_in_the_json(qwen3_path, tmp_path):

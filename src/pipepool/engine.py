@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import gc
 import itertools
 import logging
@@ -64,6 +63,9 @@ _CLOSE_JOIN_S = 0.3
 # At interpreter exit a loop thread still inside a step is waited for this long: the
 # interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
 _EXIT_JOIN_S = 10.0
+# The longest a caller enqueueing a call's slices waits for the backlog to fall below a step
+# (``_slice_intake``): a bound, not a pace; the backlog falls at every step.
+_PACE_S = 0.05
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -114,7 +116,11 @@ class Engine(ScoringMethods):
         self._next_id = 0
         self._owners = Owners()  # which call each batch's results go to
         self._inbox: deque = deque()
-        self._wake = threading.Condition()
+        lock = threading.RLock()
+        self._wake = threading.Condition(lock)  # the loop's: work arrived, or stop
+        # A caller's, pacing a call's slices (_slice_intake): a step took from the backlog.
+        self._room = threading.Condition(lock)
+        self._backlog_tokens = 0  # enqueued, and not yet in a plan handed to the stages
         # Set by the loop thread each time it hands a plan to the stages (see _slice_intake).
         self._dispatched = threading.Event()
         self._slicing = 0  # calls still enqueueing slices (see _slice_intake)
@@ -288,10 +294,9 @@ class Engine(ScoringMethods):
         more = len(first.lengths) < len(items)
         try:
             with self._slice_intake() if more else contextlib.nullcontext(_nothing) as enqueued:
-                self._enqueue(submission, first)
-                enqueued()  # before preparing the next slices
-                for part in slices:
+                for part in itertools.chain([first], slices):
                     self._enqueue(submission, part)
+                    enqueued()  # before preparing the next slice
         except BaseException:
             submission.cancel()
             raise
@@ -299,21 +304,46 @@ class Engine(ScoringMethods):
 
     @contextlib.contextmanager
     def _slice_intake(self) -> Iterator[Callable[[], object]]:
-        """Around the enqueueing of a call whose inputs come in several slices. Yields what the
-        caller runs once the first slice is enqueued: a wait (5 ms at most) until the loop
-        thread has handed a step to the stages. Both threads need the GIL, so preparing the
-        next slices meanwhile only delayed the device's first kernel: 4.4 ms of an 8192-query
-        call's 37 ms on an H200. And while the call lasts, the loop thread, with room for
-        another step in flight and nothing to schedule, waits for the next slice
-        (``_next_slice_arrived``) instead of blocking until the step in flight returns, so
-        step k+1 is built while the device runs step k: blocking left the device idle 2.5
-        and 2.1 ms before such a call's second and third steps (BENCHMARKS.md, issue 10)."""
+        """Around the enqueueing of a call whose inputs come in several slices. Both threads
+        need the GIL, so the caller preparing slices contends with the loop thread preparing
+        steps; this yields what the caller runs after each slice it enqueues, to keep out of
+        the loop's way while the loop has enough to do:
+
+        - after the first: a wait (5 ms at most) until the loop thread has handed a step to
+          the stages. Preparing the next slices meanwhile only delayed the device's first
+          kernel: 4.4 ms of an 8192-query call's 37 ms on an H200.
+        - after each: a wait (``_PACE_S`` at most) while the backlog (tokens enqueued and in
+          no plan handed to the stages yet) holds a whole step. Preparing all slices at once
+          slowed the preparation of the second step so much that the device waited 2.2 ms
+          for it (BENCHMARKS.md, issue 10, ninth pass).
+
+        And while the call lasts, the loop thread, with room for another step in flight and
+        nothing to schedule, waits for the next slice (``_next_slice_arrived``) instead of
+        blocking until the step in flight returns, so step k+1 is built while the device runs
+        step k: blocking left the device idle 2.5 and 2.1 ms before such a call's second and
+        third steps."""
         self._dispatched.clear()
-        on_loop_thread = threading.current_thread() is self._thread  # nothing to wait for
+        if threading.current_thread() is self._thread:  # nothing to wait for
+            yield _nothing
+            return
         with self._wake:
             self._slicing += 1
+        first = True
+
+        def enqueued() -> None:
+            nonlocal first
+            if first:
+                first = False
+                self._dispatched.wait(0.005)
+            step = self.deployment.max_num_batched_tokens
+            with self._wake:
+                self._room.wait_for(
+                    lambda: self._backlog_tokens < step or self._stop or self._dead is not None,
+                    _PACE_S,
+                )
+
         try:
-            yield _nothing if on_loop_thread else functools.partial(self._dispatched.wait, 0.005)
+            yield enqueued
         finally:
             with self._wake:
                 self._slicing -= 1
@@ -468,6 +498,7 @@ class Engine(ScoringMethods):
             self._closed = True
             self._stop = True
             self._wake.notify()
+            self._room.notify_all()
         self._executor.abort()  # a loop waiting on a stage's answer fails over at once
         # The loop leaves at its next check of _stop; one still inside a long step on the
         # driver's own stage is not waited for (it is a daemon, and delivers nothing now).
@@ -516,6 +547,7 @@ class Engine(ScoringMethods):
             else:
                 submission.num_tokens[rows] = part.lengths
             submission.batches.append(batch)
+            self._backlog_tokens += batch.num_tokens
             self._owners.add(submission, part.first, batch, rows)
             self._inbox.append(("add", batch))
             self._wake.notify()
@@ -579,7 +611,7 @@ class Engine(ScoringMethods):
                     tr.submitted(t0)
                     t0 = tr.span("schedule", t0, plan)
                 executor.submit(plan)
-                self._dispatched.set()
+                self._handed_over(plan)
                 if tr is not None:
                     tr.span("submit", t0, plan)
                 inflight.append((plan, submitted))
@@ -610,6 +642,13 @@ class Engine(ScoringMethods):
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
+
+    def _handed_over(self, plan: StepPlan) -> None:
+        """A plan is with the stages: its tokens leave the backlog (``_slice_intake``)."""
+        with self._wake:
+            self._backlog_tokens -= plan.num_tokens
+            self._room.notify_all()
+        self._dispatched.set()
 
     def _heal(self, failure: BaseException) -> BaseException | None:
         """Start the failed pipeline again and queue every unfinished request once more.
@@ -661,6 +700,7 @@ class Engine(ScoringMethods):
             self._apply_inbox(inbox)  # aborts apply; additions are taken over below
             batches, self._next_id = self._owners.requeue(self._next_id)
             self._scheduler = self._new_scheduler()
+            self._backlog_tokens = sum(batch.num_tokens for batch in batches)
             for batch in batches:
                 self._scheduler.add(batch)
                 self.stats.on_retry(len(batch))
@@ -670,6 +710,7 @@ class Engine(ScoringMethods):
             self._dead = cause
             self._restarting = False
             callbacks, self._on_death = self._on_death, []
+            self._room.notify_all()
         self.stats.on_error(cause)
         # Callbacks first: a caller whose call fails with the cause may look for them at once.
         for fn in callbacks:
@@ -704,7 +745,9 @@ class Engine(ScoringMethods):
             for batch in payload.batches:  # a cancelled call: every batch of it
                 owner = self._owners.pop(batch.first_id)
                 if owner is not None:
-                    self._scheduler.abort(batch)
+                    unplanned = self._scheduler.abort(batch)
+                    with self._wake:
+                        self._backlog_tokens -= unplanned
                     self.stats.on_abort(owner.remaining)
 
     def _deliver(self, result: StepResult, ledger: Ledger) -> None:

@@ -222,21 +222,26 @@ class Scheduler:
         self.waiting.append(batch)
         self.num_waiting += len(batch)
 
-    def abort(self, batch: RequestBatch) -> None:
+    def abort(self, batch: RequestBatch) -> int:
         """Cancel a batch: nothing more of it is planned, blocks of its split prompts return
-        now, and results of its requests still in the pipeline will be dropped."""
+        now, and results of its requests still in the pipeline will be dropped. Returns the
+        tokens of it that no plan will now hold."""
         batch.cancelled = True
+        unplanned = 0
         if batch.cursor < len(batch):
+            unplanned += int(batch.offsets[-1] - batch.offsets[batch.cursor])
             self.num_waiting -= len(batch) - batch.cursor
             batch.cursor = len(batch)
             self.waiting.remove(batch)
         for split in [s for s in self.running if s.batch is batch]:
             # Admitted, so the stages mirror it, but its final chunk will never reach them:
             # they drop it with the next plan.
+            unplanned += split.prompt_len - split.num_scheduled
             self.running.remove(split)
             self._free_blocks(split)
             self._freed.append(split.request_id)
             self.num_admitted -= 1
+        return unplanned
 
     def has_schedulable(self) -> bool:
         return bool(self.running or self.waiting or self._freed)

@@ -3,7 +3,8 @@
 One process per pipeline process (the driver, each stage), one thread per track in it
 (the stage's host, its device; the driver's loop and its in-flight periods); every span is a
 complete event ("X") named after what happened, with the step, its tokens and its requests as
-arguments. Times are microseconds from the first span, on the driver's clock.
+arguments. Times are microseconds from the first span, on the driver's clock; the file's
+``otherData.origin_ns`` says when that was (``time.monotonic_ns()`` of the driver process).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def chrome_events(
     traces: list[ProcessTrace], since_ns: int | None = None, until_ns: int | None = None
 ) -> list[dict]:
     """The trace events of every span overlapping [since, until], newest ``MAX_EVENTS``."""
+    return _chrome_events(traces, since_ns, until_ns)[0]
+
+
+def _chrome_events(
+    traces: list[ProcessTrace], since_ns: int | None, until_ns: int | None
+) -> tuple[list[dict], int]:
+    """(the events, the driver's clock at their time zero)."""
     lo = since_ns if since_ns is not None else -(2**63)
     hi = until_ns if until_ns is not None else 2**63
     rows = []  # (start on the driver's clock, pid, span)
@@ -74,7 +82,7 @@ def chrome_events(
         if s.step >= 0:
             event["args"] = {"step": s.step, "tokens": s.tokens, "requests": s.reqs}
         events.append(event)
-    return events
+    return events, base
 
 
 def _meta(name: str, pid: int, tid: int, args: dict) -> dict:
@@ -87,6 +95,11 @@ def write_chrome_trace(
     since_ns: int | None = None,
     until_ns: int | None = None,
 ) -> None:
-    events = chrome_events(traces, since_ns, until_ns)
-    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":"))
+    events, origin_ns = _chrome_events(traces, since_ns, until_ns)
+    document = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"origin_ns": origin_ns},
+    }
+    text = json.dumps(document, separators=(",", ":"))
     Path(path).write_text(text)

@@ -7,8 +7,8 @@ on a machine without CUDA, use ``--model DIR`` (fp32). Three parts, one engine, 
 settings unless given:
 
 1. passes timed without any instrument: milliseconds a pass and a step, tokens/s; then (CUDA)
-   the device's busy time from torch.profiler's kernels over one more pass, as a share of that
-   profiled pass's wall and of an unprofiled pass's (the profiler slows a host-bound pass);
+   the device's busy time from torch.profiler's kernels over five more passes, as a share of
+   their wall and of an unprofiled pass's (the profiler slows a host-bound pass);
 2. one pass of a second engine with the step timeline on (``trace=``, which costs the host a
    few microseconds a span): every gap of 20 us or more in which the device ran none of a
    step's work, from the call to the first step, between steps and after the last;
@@ -32,7 +32,7 @@ import gpu_suite
 import torch
 
 import pipepool
-from pipepool.bench import busy_us, cuda_activity, make_workload
+from pipepool.bench import gpu_busy, make_workload
 
 # (module, function or Class.method): the loop thread's host work, stage side and driver side.
 WRAPPED = [
@@ -150,12 +150,11 @@ def main() -> None:
         f"{workload.num_tokens / pass_s / 1e6:.3f}M tok/s"
     )
     if cuda:
-        events, wall_us = cuda_activity(one_pass)
-        busy = busy_us(events)
+        busy = gpu_busy(one_pass, passes=5)
         print(
-            f"GPU busy {busy / 1e3:.1f} ms: {busy / wall_us:.3f} of the profiled pass "
-            f"({wall_us / 1e3:.1f} ms), {busy / (pass_s * 1e6):.3f} of an unprofiled one "
-            f"({pass_s * 1e3:.1f} ms)"
+            f"GPU busy {busy.busy_s / busy.passes * 1e3:.1f} ms a pass: {busy.fraction:.3f} of "
+            f"{busy.passes} profiled passes' wall ({busy.profiled_wall_s * 1e3:.1f} ms), "
+            f"{busy.fraction_of(pass_s):.3f} of an unprofiled pass ({pass_s * 1e3:.1f} ms)"
         )
     # 2. One pass's timeline, from an engine that records one: where the device waited.
     trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")

@@ -16,6 +16,7 @@ from tiny_models import cosine, long_prompts
 
 import pipepool
 from pipepool.config import EngineConfig
+from pipepool.inputs import FIRST_SLICE, SLICE
 
 MIN_COSINE = 0.99999
 
@@ -95,11 +96,12 @@ def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
 def test_text_is_tokenised_in_slices_with_the_same_results(bert_path, reference):
     """More texts than one tokenisation slice: enqueued slice by slice, results in order."""
     ref = reference(bert_path)
-    texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(2500)]
+    n = FIRST_SLICE + SLICE + 100  # three slices
+    texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(n)]
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=512, normalize=False) as engine:
         got = engine.pool(texts, pooling="cls")
         assert engine.stats.requests_finished == len(texts)
-    for i in (0, 1023, 1024, 2047, 2048, 2499):
+    for i in (0, FIRST_SLICE - 1, FIRST_SLICE, FIRST_SLICE + SLICE - 1, FIRST_SLICE + SLICE, n - 1):
         want = ref.pooled(ref.token_ids(texts[i]), "cls")
         assert cosine(got[i], want).min() >= MIN_COSINE, i
 
@@ -198,10 +200,11 @@ def test_next_slice_is_scheduled_while_the_first_step_runs(bert_path, reference)
     device idle). The wait is bounded; here it is widened so the order is certain on a slow
     machine. Every vector still agrees with transformers."""
     rng = np.random.default_rng(0)
-    inputs = [rng.integers(1000, 2000, size=int(n)) for n in rng.integers(3, 7, size=1100)]
-    # A step holds the first slice (1024 inputs) exactly: had the loop seen both slices before
-    # its first step, the second would still be a step of its own.
-    first_slice = int(sum(map(len, inputs[:1024])))
+    n = FIRST_SLICE + 76
+    inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 7, size=n)]
+    # A step holds the first slice exactly: had the loop seen both slices before its first
+    # step, the second would still be a step of its own.
+    first_slice = int(sum(map(len, inputs[:FIRST_SLICE])))
     events = []
     with pipepool.Engine(
         str(bert_path), device="cpu", overlap_steps=True, max_num_batched_tokens=first_slice
@@ -218,7 +221,7 @@ def test_next_slice_is_scheduled_while_the_first_step_runs(bert_path, reference)
     assert kinds[:3] == ["submit", "submit", "collect"], events
     assert sum(n for kind, n in events if kind == "submit") == sum(map(len, inputs))
     ref = reference(bert_path)
-    for i in (0, 1, 1023, 1024, 1099):  # both slices
+    for i in (0, 1, FIRST_SLICE - 1, FIRST_SLICE, n - 1):  # both slices
         want = ref.pooled(inputs[i].tolist(), "mean")
         assert float(cosine(got[i], want).min()) >= MIN_COSINE, i
 
@@ -233,7 +236,8 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     certain on a slow machine."""
     monkeypatch.setattr(pipepool.engine, "_PACE_S", 10.0)
     rng = np.random.default_rng(1)
-    inputs = [rng.integers(1000, 2000, size=int(n)) for n in rng.integers(3, 8, size=2100)]
+    n = FIRST_SLICE + SLICE + 52
+    inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 8, size=n)]
     step = 256
     backlog_at_slice = []
     with pipepool.Engine(str(bert_path), device="cpu", max_num_batched_tokens=step) as engine:
@@ -249,6 +253,6 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     assert len(backlog_at_slice) == 3 and backlog_at_slice[0] == 0
     assert all(0 <= tokens < step for tokens in backlog_at_slice[1:]), backlog_at_slice
     ref = reference(bert_path)
-    for i in (0, 1024, 2099):  # every slice
+    for i in (0, FIRST_SLICE, FIRST_SLICE + SLICE, n - 1):  # every slice
         want = ref.pooled(inputs[i].tolist(), "mean")
         assert float(cosine(got[i], want).min()) >= MIN_COSINE, i

@@ -27,6 +27,13 @@ from .tokenizer import Tokenizer
 # and a 10 MB body would otherwise keep a worker busy for seconds only to be refused. TEI's
 # bound: a token of more than 250 characters on average does not occur in real text.
 MAX_CHARS_PER_TOKEN = 250
+# Inputs per slice (``token_slices``): the first slice is what the device waits for before its
+# first kernel; later ones are prepared while it computes, paced by the engine
+# (``Engine._slice_intake``). 8192 short queries on an H200, one process, passes alternated
+# (BENCHMARKS.md, issue 10, ninth pass): 512 then 2048 each 27.8-28.1 ms a call, 1024 each
+# 28.4-29.3, 256 then 1024 30.3-30.9 (a first step too short to hide the second's preparation).
+FIRST_SLICE = 512
+SLICE = 2048
 
 
 @dataclass(frozen=True)
@@ -93,10 +100,11 @@ class InputPreparer:
         truncation_side: str = "right",
         prompt_name: str | None = None,
         long_inputs: str = "error",
-        slice_size: int = 1024,
+        slice_size: int | None = None,
     ) -> Iterator[TokenSlice]:
         """Validate the options and, for texts, every input up front (empties, lengths in
-        characters), then tokenise and length-check ``slice_size`` inputs at a time. Token-id
+        characters), then tokenise and length-check ``FIRST_SLICE`` inputs, then ``SLICE`` at a
+        time (``slice_size`` at a time where given). Token-id
         inputs are checked a slice at a time (in bulk where they are numpy arrays), so the
         first slice is out before the last is looked at; an error names the input either way.
         Inputs as ``items`` takes them. ``long_inputs`` (see ``EngineConfig``): "truncate"
@@ -119,9 +127,9 @@ class InputPreparer:
         if all(isinstance(x, str) for x in items):
             checked = self.checked_texts(items, limit, longest, keep)
             texts = self._with_prompt(checked, prompt_name)
-            for lo in range(0, len(texts), slice_size):
+            for lo, hi in _slice_bounds(len(texts), slice_size):
                 flat, lengths = self.tokenizer.encode_flat(
-                    texts[lo : lo + slice_size], max_tokens=limit, keep=keep
+                    texts[lo:hi], max_tokens=limit, keep=keep
                 )
                 self._check_lengths(lo, lengths, longest)
                 yield TokenSlice(lo, flat, lengths)
@@ -129,12 +137,12 @@ class InputPreparer:
         if prompt_name is not None:
             raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")
         arrays = None  # every input as an array, once a slice needs the item-by-item check
-        for lo in range(0, len(items), slice_size):
-            packed = _pack_arrays(items[lo : lo + slice_size]) if arrays is None else None
+        for lo, hi in _slice_bounds(len(items), slice_size):
+            packed = _pack_arrays(items[lo:hi]) if arrays is None else None
             if packed is None:
                 if arrays is None:  # raises naming the first bad input, if there is one
                     arrays = self._token_arrays(items)
-                part = arrays[lo : lo + slice_size]
+                part = arrays[lo:hi]
                 lengths = np.fromiter((len(a) for a in part), dtype=np.int64, count=len(part))
                 packed = np.concatenate(part), lengths
             flat, lengths = packed
@@ -316,6 +324,15 @@ class InputPreparer:
         """Components of one output vector before Matryoshka truncation."""
         d = self.deployment
         return d.hidden_size if pooling == "all" else d.output_dim
+
+
+def _slice_bounds(n: int, size: int | None) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` of each slice of ``n`` inputs: ``size`` each where given, else
+    ``FIRST_SLICE`` then ``SLICE`` each."""
+    lo, hi = 0, size or FIRST_SLICE
+    while lo < n:
+        yield lo, min(hi, n)
+        lo, hi = hi, hi + (size or SLICE)
 
 
 def _pack_arrays(part: list) -> tuple[np.ndarray, np.ndarray] | None:

@@ -65,10 +65,14 @@ def add_parser(sub, help: str) -> None:
     )
     p.add_argument(
         "--gpu-busy",
-        action="store_true",
+        type=int,
+        nargs="?",
+        const=5,
+        metavar="PASSES",
         help="measure the share of wall time the GPU executes (torch.profiler's kernels and "
-        "copies over one more pass): 'busy' of that profiled pass's wall, 'busy*' of the median "
-        "timed pass's (the profiler slows a host-bound pass itself)",
+        "copies over PASSES more passes back to back, 5 unless given): 'busy' of those "
+        "profiled passes' wall, 'busy*' of the median timed pass's (the profiler slows a "
+        "host-bound pass itself, its first launches most)",
     )
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes")
     # A long workload on a large model (8B W1: ~25 s a pass) needs neither several warm-up
@@ -145,7 +149,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     trace = _write_trace(engine, since, until)
     busy_gpu = None
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
-        busy_gpu = gpu_busy(partial(run_engine, engine, workload, pooling))
+        busy_gpu = gpu_busy(partial(run_engine, engine, workload, pooling), args.gpu_busy)
     ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
     if args.profile and config.data_parallel_size == 1:
         profile(engine, workload, pooling)
@@ -229,15 +233,16 @@ def bench_one(config, workload_name: str, args) -> dict:
 
 
 def _busy_fields(busy: GpuBusy | None, timed_s: float) -> dict:
-    """The GPU's busy share of one profiled pass, of its own wall and of the wall of the
-    median pass timed without the profiler (``GpuBusy``)."""
+    """The GPU's busy share of the profiled passes, of their own wall and of the wall of the
+    median pass timed without the profiler (``GpuBusy``); milliseconds are a pass's."""
     if busy is None:
         return {"gpu_busy_fraction": None}
     return {
         "gpu_busy_fraction": round(busy.fraction, 3),
         "gpu_busy_fraction_of_timed_wall": round(busy.fraction_of(timed_s), 3),
-        "gpu_busy_ms": round(busy.busy_s * 1e3, 2),
-        "gpu_busy_profiled_wall_ms": round(busy.profiled_wall_s * 1e3, 2),
+        "gpu_busy_passes": busy.passes,
+        "gpu_busy_ms": round(busy.busy_s / busy.passes * 1e3, 2),
+        "gpu_busy_profiled_wall_ms": round(busy.profiled_wall_s / busy.passes * 1e3, 2),
     }
 
 
@@ -257,7 +262,7 @@ def bench_text(config, workload_name: str, args) -> dict:
     trace = _write_trace(engine, since, time.monotonic_ns())
     busy_gpu = None
     if args.gpu_busy:
-        busy_gpu = gpu_busy(partial(run_engine_text, engine, texts, d.pooling))
+        busy_gpu = gpu_busy(partial(run_engine_text, engine, texts, d.pooling), args.gpu_busy)
     engine.close()
     del engine
     free_device_memory()

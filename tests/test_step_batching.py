@@ -16,7 +16,7 @@ from tiny_models import cosine, long_prompts
 
 import pipepool
 from pipepool.config import EngineConfig
-from pipepool.inputs import FIRST_SLICE, SLICE
+from pipepool.inputs import FIRST_SLICE, _slice_bounds
 
 MIN_COSINE = 0.99999
 
@@ -96,12 +96,14 @@ def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
 def test_text_is_tokenised_in_slices_with_the_same_results(bert_path, reference):
     """More texts than one tokenisation slice: enqueued slice by slice, results in order."""
     ref = reference(bert_path)
-    n = FIRST_SLICE + SLICE + 100  # three slices
+    n = 3 * FIRST_SLICE + 100
+    slices = list(_slice_bounds(n, None))
+    assert len(slices) == 3
     texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(n)]
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=512, normalize=False) as engine:
         got = engine.pool(texts, pooling="cls")
         assert engine.stats.requests_finished == len(texts)
-    for i in (0, FIRST_SLICE - 1, FIRST_SLICE, FIRST_SLICE + SLICE - 1, FIRST_SLICE + SLICE, n - 1):
+    for i in sorted({i for lo, hi in slices for i in (lo, hi - 1)}):  # each slice's ends
         want = ref.pooled(ref.token_ids(texts[i]), "cls")
         assert cosine(got[i], want).min() >= MIN_COSINE, i
 
@@ -236,7 +238,8 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     certain on a slow machine."""
     monkeypatch.setattr(pipepool.engine, "_PACE_S", 10.0)
     rng = np.random.default_rng(1)
-    n = FIRST_SLICE + SLICE + 52
+    n = 3 * FIRST_SLICE + 52
+    slices = list(_slice_bounds(n, None))
     inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 8, size=n)]
     step = 256
     backlog_at_slice = []
@@ -250,9 +253,19 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
         engine._enqueue = recording
         got = engine.pool(inputs, pooling="mean", normalize=False)
         assert engine._backlog_tokens == 0
-    assert len(backlog_at_slice) == 3 and backlog_at_slice[0] == 0
+    assert len(backlog_at_slice) == len(slices) == 3 and backlog_at_slice[0] == 0
     assert all(0 <= tokens < step for tokens in backlog_at_slice[1:]), backlog_at_slice
     ref = reference(bert_path)
-    for i in (0, FIRST_SLICE, FIRST_SLICE + SLICE, n - 1):  # every slice
+    for i in [lo for lo, _ in slices] + [n - 1]:  # every slice
         want = ref.pooled(inputs[i].tolist(), "mean")
         assert float(cosine(got[i], want).min()) >= MIN_COSINE, i
+
+
+def test_slices_grow_from_the_first_doubling_up_to_the_largest(monkeypatch):
+    """A small first slice starts the device soon; each later one, twice the last, is
+    prepared while the device runs the steps of the slices before; ``slice_size`` fixes them."""
+    monkeypatch.setattr(pipepool.inputs, "FIRST_SLICE", 4)
+    monkeypatch.setattr(pipepool.inputs, "SLICE", 16)
+    assert list(_slice_bounds(50, None)) == [(0, 4), (4, 12), (12, 28), (28, 44), (44, 50)]
+    assert list(_slice_bounds(3, None)) == [(0, 3)]
+    assert list(_slice_bounds(10, 4)) == [(0, 4), (4, 8), (8, 10)]

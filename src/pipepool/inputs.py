@@ -28,10 +28,12 @@ from .tokenizer import Tokenizer
 # bound: a token of more than 250 characters on average does not occur in real text.
 MAX_CHARS_PER_TOKEN = 250
 # Inputs per slice (``token_slices``): the first slice is what the device waits for before its
-# first kernel; later ones are prepared while it computes, paced by the engine
-# (``Engine._slice_intake``). 8192 short queries on an H200, one process, passes alternated
-# (BENCHMARKS.md, issue 10, ninth pass): 512 then 2048 each 27.8-28.1 ms a call, 1024 each
-# 28.4-29.3, 256 then 1024 30.3-30.9 (a first step too short to hide the second's preparation).
+# first kernel; each later one, twice the last up to SLICE, is prepared while the device
+# computes the steps of those before (paced by ``Engine._slice_intake``). 8192 short queries
+# on an H200, passes alternated in one process (BENCHMARKS.md, issue 10, ninth pass): 512 then
+# 2048 each 27.8-28.1 ms a call against 28.4-29.3 for 1024 each; 512 doubling to 2048 within
+# noise of 1024 doubling to 2048, and of 1024 each on a slower host; a first slice of 256 was
+# 8-10% slower (its step too short to hide the next one's preparation).
 FIRST_SLICE = 512
 SLICE = 2048
 
@@ -328,11 +330,12 @@ class InputPreparer:
 
 def _slice_bounds(n: int, size: int | None) -> Iterator[tuple[int, int]]:
     """``[lo, hi)`` of each slice of ``n`` inputs: ``size`` each where given, else
-    ``FIRST_SLICE`` then ``SLICE`` each."""
-    lo, hi = 0, size or FIRST_SLICE
+    ``FIRST_SLICE``, then each twice the last up to ``SLICE``."""
+    lo, step = 0, size or FIRST_SLICE
     while lo < n:
-        yield lo, min(hi, n)
-        lo, hi = hi, hi + (size or SLICE)
+        yield lo, min(lo + step, n)
+        lo += step
+        step = size or min(2 * step, SLICE)
 
 
 def _pack_arrays(part: list) -> tuple[np.ndarray, np.ndarray] | None:

@@ -269,3 +269,25 @@ def test_slices_grow_from_the_first_doubling_up_to_the_largest(monkeypatch):
     assert list(_slice_bounds(50, None)) == [(0, 4), (4, 12), (12, 28), (28, 44), (44, 50)]
     assert list(_slice_bounds(3, None)) == [(0, 3)]
     assert list(_slice_bounds(10, 4)) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_result_callbacks_get_the_calls_own_rows_not_the_steps_buffer():
+    """On CUDA a step's vectors reach the driver as views of a pinned buffer that goes back to
+    torch's cache once delivered: a result callback (a replica forwarding rows to its front
+    end, later) gets the rows as written into the call's result, not that buffer."""
+    from pipepool.core.request import PoolingParams
+    from pipepool.submission import Submission
+
+    submission = Submission(PoolingParams("mean"), 4, 3, on_cancel=lambda s: None)
+    seen = []
+    submission.add_result_callback(lambda rows, values: seen.append((rows, values)))
+    step = np.arange(8, dtype=np.float32).reshape(2, 4)  # zero-padded past the 3 dimensions
+    submission.put_vectors(np.array([1, 2]), step)
+    submission.put_vectors(np.array([3, 0]), step + 10)  # rows out of order: a fancy index
+    step[:] = -1  # the buffer reused
+    assert [rows.tolist() for rows, _ in seen] == [[1, 2], [3, 0]]
+    assert seen[0][1].tolist() == [[0, 1, 2], [4, 5, 6]]
+    assert seen[1][1].tolist() == [[10, 11, 12], [14, 15, 16]]
+    assert submission.result(timeout=1).tolist() == [
+        [14, 15, 16], [0, 1, 2], [4, 5, 6], [10, 11, 12],
+    ]  # fmt: skip

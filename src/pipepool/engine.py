@@ -262,12 +262,13 @@ class Engine(ScoringMethods):
         prompt_name: str | None = None,
         long_inputs: str | None = None,
     ) -> Submission | CombinedSubmission:
-        """Validate, tokenise and enqueue; returns at once with the call's future.
+        """Validate, tokenise and enqueue; returns the call's future once every input is
+        enqueued.
 
         Raises InvalidInputError naming the input if any input is bad; then nothing of the
         call stays queued (slices already enqueued are cancelled). Long lists are tokenised
         and enqueued a slice at a time, so the device starts on the first slice while this
-        thread tokenises the next.
+        thread tokenises the next, paced by ``_slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
         refuse_embedding(self.deployment)
@@ -296,7 +297,8 @@ class Engine(ScoringMethods):
             with self._slice_intake() if more else contextlib.nullcontext(_nothing) as enqueued:
                 for part in itertools.chain([first], slices):
                     self._enqueue(submission, part)
-                    enqueued()  # before preparing the next slice
+                    if part.first + len(part.lengths) < len(items):
+                        enqueued()  # before preparing the next slice
         except BaseException:
             submission.cancel()
             raise

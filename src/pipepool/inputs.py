@@ -105,10 +105,10 @@ class InputPreparer:
         slice_size: int | None = None,
     ) -> Iterator[TokenSlice]:
         """Validate the options and, for texts, every input up front (empties, lengths in
-        characters), then tokenise and length-check ``FIRST_SLICE`` inputs, then ``SLICE`` at a
-        time (``slice_size`` at a time where given). Token-id
-        inputs are checked a slice at a time (in bulk where they are numpy arrays), so the
-        first slice is out before the last is looked at; an error names the input either way.
+        characters), then tokenise and length-check a slice at a time: ``FIRST_SLICE`` inputs,
+        then each slice twice the last up to ``SLICE`` (``slice_size`` each where given).
+        Token-id inputs are checked a slice at a time (in bulk where they are numpy arrays), so
+        the first slice is out before the last is looked at; an error names the input either way.
         Inputs as ``items`` takes them. ``long_inputs`` (see ``EngineConfig``): "truncate"
         cuts inputs to max_model_len, "chunk" lets them through whole (the engine splits them
         into windows), "error" refuses them."""

@@ -70,15 +70,19 @@ class Submission(Future):
 
     def put_vectors(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         """Rows ``rows`` (input indices) finished with these vectors (already cut to the
-        requested dimensions on the device, or zero-padded past them: cut here)."""
+        requested dimensions on the device, or zero-padded past them: cut here). ``vectors``
+        is copied: it may be a view of a buffer the engine reuses."""
         values = vectors[:, : self._outputs.shape[1]]
         n = len(rows)
         if n and bool((np.diff(rows) == 1).all()):  # consecutive (the usual step): a slice
-            self._outputs[int(rows[0]) : int(rows[0]) + n] = values
+            written = slice(int(rows[0]), int(rows[0]) + n)
         else:
-            self._outputs[rows] = values
-        for fn in self._results:
-            fn(rows, values)
+            written = rows
+        self._outputs[written] = values
+        if self._results:  # ours, not ``vectors``: that may be the step's pinned buffer
+            values = self._outputs[written]
+            for fn in self._results:
+                fn(rows, values)
         self._count(n)
 
     def put_tokens(self, rows: np.ndarray, values: list[np.ndarray]) -> None:

@@ -3,7 +3,9 @@
     python3 benchmarks/host_time.py minilm W4 [--budget 65536] [--switch-interval-ms 5]
 
 KEY is a checkpoint of ``gpu_suite.py`` (random weights from the real config, bf16 on CUDA);
-on a machine without CUDA, use ``--model DIR`` (fp32). Three parts, one engine, default
+on a machine without CUDA, use ``--model DIR`` (fp32). ``--stub-forward`` replaces the layers'
+forward by zeros, so that on the CPU the host's own work per step (scheduling, inputs, the
+digest chain, pooling, delivery) is what is left to time. Three parts, one engine, default
 settings unless given:
 
 1. passes timed without any instrument: milliseconds a pass and a step, tokens/s; then (CUDA)
@@ -79,6 +81,25 @@ def wrap_all(spent: collections.Counter, calls: collections.Counter) -> None:
         setattr(owner, name, timed)
 
 
+class ZeroLayers:
+    """A stage's forward that answers at once: rows of one zero buffer, grown when a step
+    needs more (zeroing a fresh [T, H] every step would be work of its own)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        self.zeros = torch.zeros(0, hidden, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor, inputs, kv) -> torch.Tensor:
+        if len(self.zeros) < len(x):
+            self.zeros = torch.zeros(len(x), self.zeros.shape[1], dtype=self.zeros.dtype)
+        return self.zeros[: len(x)]
+
+
+def stub_forward(engine: pipepool.Engine) -> None:
+    """Every in-process stage's layers answer zeros at once (``ZeroLayers``)."""
+    for runner in engine._executor.runners:
+        runner.forward = ZeroLayers(runner.model.hidden_size, runner.spec.dtype)
+
+
 def device_gaps(trace_file: str, window: tuple[int, int]) -> list[tuple[str, float]]:
     """(where, milliseconds) of every stretch of 20 us or more without the device's work of a
     step ("busy" spans: CUDA events on CUDA, the compute itself on the CPU) inside ``window``
@@ -112,6 +133,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, help="max_num_batched_tokens")
     parser.add_argument("--switch-interval-ms", type=float, help="the engine option")
     parser.add_argument("--passes", type=int, default=20)
+    parser.add_argument("--stub-forward", action="store_true", help="layers answer zeros")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -125,6 +147,8 @@ def main() -> None:
         options["switch_interval_ms"] = args.switch_interval_ms
     engine = pipepool.Engine(path, **options)
     engine.wait_until_compiled()
+    if args.stub_forward:
+        stub_forward(engine)
     d = engine.deployment
     workload = make_workload(args.workload, d.vocab_size, max_len=d.max_model_len)
 
@@ -160,6 +184,8 @@ def main() -> None:
     trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")
     with pipepool.Engine(path, trace=trace_file, **options) as traced:
         traced.wait_until_compiled()
+        if args.stub_forward:
+            stub_forward(traced)
         for _ in range(3):
             one_pass(traced)
         since = time.monotonic_ns()

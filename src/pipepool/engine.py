@@ -121,8 +121,7 @@ class Engine(ScoringMethods):
         # A caller's, pacing a call's slices (_slice_intake): a step took from the backlog.
         self._room = threading.Condition(lock)
         self._backlog_tokens = 0  # enqueued, and not yet in a plan handed to the stages
-        # Set by the loop thread each time it hands a plan to the stages (see _slice_intake).
-        self._dispatched = threading.Event()
+        self._plans_handed_over = 0  # since the engine started (see _slice_intake)
         self._slicing = 0  # calls still enqueueing slices (see _slice_intake)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
@@ -324,25 +323,27 @@ class Engine(ScoringMethods):
         blocking until the step in flight returns, so step k+1 is built while the device runs
         step k: blocking left the device idle 2.5 and 2.1 ms before such a call's second and
         third steps."""
-        self._dispatched.clear()
         if threading.current_thread() is self._thread:  # nothing to wait for
             yield _nothing
             return
         with self._wake:
             self._slicing += 1
+            handed_before = self._plans_handed_over
         first = True
+        step = self.deployment.max_num_batched_tokens
+
+        def ended() -> bool:
+            return self._stop or self._dead is not None
 
         def enqueued() -> None:
             nonlocal first
-            if first:
-                first = False
-                self._dispatched.wait(0.005)
-            step = self.deployment.max_num_batched_tokens
             with self._wake:
-                self._room.wait_for(
-                    lambda: self._backlog_tokens < step or self._stop or self._dead is not None,
-                    _PACE_S,
-                )
+                if first:
+                    first = False
+                    self._room.wait_for(
+                        lambda: self._plans_handed_over > handed_before or ended(), 0.005
+                    )
+                self._room.wait_for(lambda: self._backlog_tokens < step or ended(), _PACE_S)
 
         try:
             yield enqueued
@@ -649,8 +650,8 @@ class Engine(ScoringMethods):
         """A plan is with the stages: its tokens leave the backlog (``_slice_intake``)."""
         with self._wake:
             self._backlog_tokens -= plan.num_tokens
+            self._plans_handed_over += 1
             self._room.notify_all()
-        self._dispatched.set()
 
     def _heal(self, failure: BaseException) -> BaseException | None:
         """Start the failed pipeline again and queue every unfinished request once more.

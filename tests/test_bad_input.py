@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import cosine, long_prompts
 
 import pipepool
-from pipepool.inputs import FIRST_SLICE, MAX_CHARS_PER_TOKEN
+from pipepool.inputs import FIRST_SLICE_IDS, MAX_CHARS_PER_TOKEN
 
 MAX_LEN = 32
 LONG = long_prompts()[3]  # hundreds of tokens with any tiny tokenizer
@@ -86,7 +86,7 @@ def test_bad_inputs_raise_invalid_input_and_engine_keeps_serving(qwen3_engine, i
     ],
 )
 def test_bad_array_after_the_first_slice_names_it_and_loses_no_request(qwen3_engine, bad, message):
-    """Numpy inputs are checked a slice (``FIRST_SLICE`` inputs, then more) at a time, so a bad
+    """Numpy inputs are checked a slice (``FIRST_SLICE_IDS`` inputs, then more) at a time, so a bad
     one past the first slice is found after that slice went to the engine: the call still
     fails naming it, what was enqueued is cancelled, and every request of the next call is
     answered."""
@@ -102,7 +102,7 @@ def test_bad_array_after_the_first_slice_names_it_and_loses_no_request(qwen3_eng
     stats = qwen3_engine.stats
     # The first slice's requests were finished or aborted, none left pending.
     sent = stats.requests_submitted - submitted - 8
-    assert FIRST_SLICE < 1100 and sent in (0, FIRST_SLICE)
+    assert FIRST_SLICE_IDS < 1100 and sent in (0, FIRST_SLICE_IDS)
     assert stats.requests_finished + stats.requests_aborted - finished == sent + 8
     assert_still_serves(qwen3_engine)
 

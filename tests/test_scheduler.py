@@ -488,3 +488,37 @@ def test_results_independent_of_arrival_order(qwen3_engine):
         by_prompt[order] = vectors
         assert cosine(by_prompt, reference).min() >= 0.99999
     assert engine.stats.chunked_requests > chunked_before, "the budget never forced chunking"
+
+
+def test_a_smaller_budget_for_one_step_keeps_every_rule_within_it():
+    """``schedule(max_tokens)`` (the step that starts an idle pipeline): whole prompts up to the
+    smaller budget, an encoder prompt over it (but within the budget) alone rather than never,
+    a causal prompt chunked at it; the next step has the whole budget again."""
+    s = make_scheduler(16, 64, chunked=False)
+    t = Tracker(s, {}, encoder=True)
+    t.add(3, 4, 10, 12, 2)
+    small = s.schedule(max_tokens=8)
+    t.check(small)
+    assert small.req_ids.tolist() == [0, 1], "3 + 4 of 8; the 10 would overflow it"
+    alone = s.schedule(max_tokens=8)
+    t.check(alone)
+    assert alone.req_ids.tolist() == [2], "over the smaller budget: alone, not stuck"
+    whole = s.schedule()
+    t.check(whole)
+    assert whole.req_ids.tolist() == [3, 4] and whole.num_tokens == 14
+    for plan in (small, alone, whole):
+        t.collect(plan)
+    assert len(t.finished) == 5
+    t.assert_drained()
+
+    s = make_scheduler(16, 64)
+    t = Tracker(s, {})
+    t.add(20)
+    plans = [s.schedule(max_tokens=6), s.schedule(), s.schedule()]
+    assert [(int(p.starts[0]), int(p.ends[0])) for p in plans[:2]] == [(0, 6), (6, 20)]
+    assert plans[2] is None
+    for plan in plans[:2]:
+        t.check(plan)
+        t.collect(plan)
+    assert t.finished == {0: 0.0}
+    t.assert_drained()

@@ -16,7 +16,7 @@ from tiny_models import cosine, long_prompts
 
 import pipepool
 from pipepool.config import EngineConfig
-from pipepool.inputs import FIRST_SLICE, _slice_bounds
+from pipepool.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
 
 MIN_COSINE = 0.99999
 
@@ -195,21 +195,23 @@ def test_default_step_budget_grows_for_small_models_on_cuda():
     assert step_tokens(given, True, 21.2e6) == step_tokens(given, False, 21.2e6) == 4096
 
 
-def test_next_slice_is_scheduled_while_the_first_step_runs(bert_path, reference):
-    """Running ahead (depth 2, as on CUDA), a call of several slices: once the first slice is
-    all in flight, the loop waits for the caller's next slice and submits its step before
-    collecting the first one, rather than blocking on the step in flight (which left the
-    device idle). The wait is bounded; here it is widened so the order is certain on a slow
-    machine. Every vector still agrees with transformers."""
+def test_an_idle_pipeline_starts_with_half_a_step_then_whole_ones_built_while_each_runs(
+    bert_path, reference
+):
+    """Running ahead (depth 2, as on CUDA), a call of two slices: the step that starts the idle
+    pipeline holds at most half the budget, so the device starts soon; the loop builds the next
+    step while it runs (submitting it before collecting the first); and where a slice's rest is
+    less than a step, the loop waits for the caller's next slice rather than send a short step,
+    so every step but the first and the last is whole. The waits are bounded; here the bound is
+    widened so the order is certain on a slow machine. Every vector still agrees with
+    transformers."""
     rng = np.random.default_rng(0)
-    n = FIRST_SLICE + 76
-    inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 7, size=n)]
-    # A step holds the first slice exactly: had the loop seen both slices before its first
-    # step, the second would still be a step of its own.
-    first_slice = int(sum(map(len, inputs[:FIRST_SLICE])))
+    n = FIRST_SLICE_IDS + 300
+    inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 8, size=n)]
+    budget, longest = 256, 7
     events = []
     with pipepool.Engine(
-        str(bert_path), device="cpu", overlap_steps=True, max_num_batched_tokens=first_slice
+        str(bert_path), device="cpu", overlap_steps=True, max_num_batched_tokens=budget
     ) as engine:
         assert engine._executor.depth == 2
         executor = engine._executor
@@ -218,12 +220,19 @@ def test_next_slice_is_scheduled_while_the_first_step_runs(bert_path, reference)
         executor.collect = lambda: (events.append(("collect", None)), collect())[1]
         wait = engine._next_slice_arrived
         engine._next_slice_arrived = lambda: wait(timeout_s=10.0)
+        # The second slice comes late: only once the loop is short of a step (or after 5 s).
+        short, enqueue, loop_short = engine._short_of_a_step, engine._enqueue, threading.Event()
+        engine._short_of_a_step = lambda: short() and (loop_short.set() or True)
+        engine._enqueue = lambda sub, part: (part.first and loop_short.wait(5), enqueue(sub, part))
         got = engine.pool(inputs, pooling="mean", normalize=False)
     kinds = [kind for kind, _ in events]
     assert kinds[:3] == ["submit", "submit", "collect"], events
-    assert sum(n for kind, n in events if kind == "submit") == sum(map(len, inputs))
+    steps = [tokens for kind, tokens in events if kind == "submit"]
+    assert sum(steps) == sum(map(len, inputs))
+    assert steps[0] <= budget // 2, steps
+    assert all(budget - longest < tokens <= budget for tokens in steps[1:-1]), steps
     ref = reference(bert_path)
-    for i in (0, 1, FIRST_SLICE - 1, FIRST_SLICE, n - 1):  # both slices
+    for i in (0, 1, FIRST_SLICE_IDS - 1, FIRST_SLICE_IDS, n - 1):  # both slices
         want = ref.pooled(inputs[i].tolist(), "mean")
         assert float(cosine(got[i], want).min()) >= MIN_COSINE, i
 
@@ -238,8 +247,8 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     certain on a slow machine."""
     monkeypatch.setattr(pipepool.engine, "_PACE_S", 10.0)
     rng = np.random.default_rng(1)
-    n = 3 * FIRST_SLICE + 52
-    slices = list(_slice_bounds(n, None))
+    n = FIRST_SLICE_IDS + SLICE + 52
+    slices = list(_slice_bounds(n, None, FIRST_SLICE_IDS))
     inputs = [rng.integers(1000, 2000, size=int(k)) for k in rng.integers(3, 8, size=n)]
     step = 256
     backlog_at_slice = []
@@ -269,6 +278,7 @@ def test_slices_grow_from_the_first_doubling_up_to_the_largest(monkeypatch):
     assert list(_slice_bounds(50, None)) == [(0, 4), (4, 12), (12, 28), (28, 44), (44, 50)]
     assert list(_slice_bounds(3, None)) == [(0, 3)]
     assert list(_slice_bounds(10, 4)) == [(0, 4), (4, 8), (8, 10)]
+    assert list(_slice_bounds(40, None, 8)) == [(0, 8), (8, 24), (24, 40)]  # token-id inputs
 
 
 def test_result_callbacks_get_the_calls_own_rows_not_the_steps_buffer():

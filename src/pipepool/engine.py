@@ -66,6 +66,10 @@ _EXIT_JOIN_S = 10.0
 # The longest a caller enqueueing a call's slices waits for the backlog to fall below a step
 # (``_slice_intake``): a bound, not a pace; the backlog falls at every step.
 _PACE_S = 0.05
+# A step that starts an idle pipeline holds at most this share of the step budget, where steps
+# overlap: the device starts sooner, and the next step, a whole one, is built while this one
+# runs (W4 on the MiniLM shape on an H200: 28.8 against 30.7 ms a call, BENCHMARKS.md).
+_IDLE_STEP_SHARE = 0.5
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -319,10 +323,10 @@ class Engine(ScoringMethods):
           for it (BENCHMARKS.md, issue 10, ninth pass).
 
         And while the call lasts, the loop thread, with room for another step in flight and
-        nothing to schedule, waits for the next slice (``_next_slice_arrived``) instead of
-        blocking until the step in flight returns, so step k+1 is built while the device runs
-        step k: blocking left the device idle 2.5 and 2.1 ms before such a call's second and
-        third steps."""
+        less than a step to schedule (``_short_of_a_step``), waits for the next slice
+        (``_next_slice_arrived``) before it schedules, so step k+1 is built while the device
+        runs step k (blocking on the step in flight left the device idle 2.5 and 2.1 ms before
+        such a call's second and third steps) and holds a whole step where the call has one."""
         if threading.current_thread() is self._thread:  # nothing to wait for
             yield _nothing
             return
@@ -351,6 +355,26 @@ class Engine(ScoringMethods):
             with self._wake:
                 self._slicing -= 1
                 self._wake.notify()
+
+    def _short_of_a_step(self) -> bool:
+        """Whether a call is still enqueueing slices while less than a step's budget is
+        queued: a step scheduled now would be short (the rest of a slice) while its next slice
+        is being prepared. A short step costs the host as much as a full one, and a small
+        model's short step costs the device less than that: the device then waits for the
+        host (W4 on MiniLM took steps of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens)."""
+        return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
+
+    def _idle_step_tokens(self) -> int | None:
+        """The budget of a step scheduled while no step is in flight (``_IDLE_STEP_SHARE``);
+        None (the whole budget) where steps run one at a time."""
+        if self._executor.depth < 2:
+            return None
+        return int(self.deployment.max_num_batched_tokens * _IDLE_STEP_SHARE)
+
+    def _take_inbox(self) -> deque:
+        with self._wake:
+            inbox, self._inbox = self._inbox, deque()
+        return inbox
 
     def _next_slice_arrived(self, timeout_s: float = 0.002) -> bool:
         """Whether work arrived while waiting (``timeout_s`` at most, and only while a call
@@ -605,8 +629,10 @@ class Engine(ScoringMethods):
             # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
             gathering = tr is not None and bool(self._trace_wanted)
             while len(inflight) < executor.depth and not gathering:
+                if inflight and self._short_of_a_step() and self._next_slice_arrived():
+                    self._apply_inbox(self._take_inbox())
                 t0 = now() if tr is not None else 0
-                plan = scheduler.schedule()
+                plan = scheduler.schedule(None if inflight else self._idle_step_tokens())
                 if plan is None:
                     break
                 submitted = time.perf_counter()
@@ -619,14 +645,6 @@ class Engine(ScoringMethods):
                     tr.span("submit", t0, plan)
                 inflight.append((plan, submitted))
                 self.stats.on_plan(plan)
-            if (
-                inflight
-                and len(inflight) < executor.depth
-                and not gathering
-                and not scheduler.has_schedulable()  # not held back by capacity: by intake
-                and self._next_slice_arrived()
-            ):
-                continue  # schedule it while the step in flight still runs
             if inflight:
                 t0 = now() if tr is not None else 0
                 result = executor.collect()

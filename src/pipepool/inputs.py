@@ -35,6 +35,11 @@ MAX_CHARS_PER_TOKEN = 250
 # noise of 1024 doubling to 2048, and of 1024 each on a slower host; a first slice of 256 was
 # 8-10% slower (its step too short to hide the next one's preparation).
 FIRST_SLICE = 512
+# Token-id arrays pack in bulk at ~0.3 us each (texts tokenise far slower), so their first slice
+# is larger: with a step that starts an idle pipeline capped at half the budget
+# (``Engine._idle_step_tokens``), it holds that step and the start of the next, which the loop
+# then builds while the first runs (BENCHMARKS.md, issue 10, tenth pass).
+FIRST_SLICE_IDS = 1024
 SLICE = 2048
 
 
@@ -139,7 +144,7 @@ class InputPreparer:
         if prompt_name is not None:
             raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")
         arrays = None  # every input as an array, once a slice needs the item-by-item check
-        for lo, hi in _slice_bounds(len(items), slice_size):
+        for lo, hi in _slice_bounds(len(items), slice_size, FIRST_SLICE_IDS):
             packed = _pack_arrays(items[lo:hi]) if arrays is None else None
             if packed is None:
                 if arrays is None:  # raises naming the first bad input, if there is one
@@ -328,10 +333,10 @@ class InputPreparer:
         return d.hidden_size if pooling == "all" else d.output_dim
 
 
-def _slice_bounds(n: int, size: int | None) -> Iterator[tuple[int, int]]:
-    """``[lo, hi)`` of each slice of ``n`` inputs: ``size`` each where given, else
-    ``FIRST_SLICE``, then each twice the last up to ``SLICE``."""
-    lo, step = 0, size or FIRST_SLICE
+def _slice_bounds(n: int, size: int | None, first: int | None = None) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` of each slice of ``n`` inputs: ``size`` each where given, else ``first``
+    (``FIRST_SLICE`` unless given), then each twice the last up to ``SLICE``."""
+    lo, step = 0, size or first or FIRST_SLICE
     while lo < n:
         yield lo, min(lo + step, n)
         lo += step

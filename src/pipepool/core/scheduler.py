@@ -62,6 +62,7 @@ class _PlanBuilder:
     """Collects one plan's rows as array slices (each ``take`` adds one or many rows)."""
 
     def __init__(self, budget: int, max_seqs: int) -> None:
+        self.limit = budget  # the step's whole budget
         self.budget, self.seqs = budget, max_seqs
         self.ids: list[np.ndarray] = []
         self.starts: list[np.ndarray] = []
@@ -248,9 +249,13 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
-        """The next plan, or None when nothing can be scheduled now."""
-        step = _PlanBuilder(self.max_num_batched_tokens, self.max_num_seqs)
+    def schedule(self, max_tokens: int | None = None) -> StepPlan | None:
+        """The next plan, or None when nothing can be scheduled now. ``max_tokens``: a
+        smaller budget for this step alone (the same rules apply within it)."""
+        budget = self.max_num_batched_tokens
+        if max_tokens is not None:
+            budget = max(1, min(budget, max_tokens))
+        step = _PlanBuilder(budget, self.max_num_seqs)
         done = self._continue_splits(step)
         self._admit(step)
         # Only now: a block freed mid-plan could be handed to a request of this same plan,
@@ -337,7 +342,7 @@ class Scheduler:
 
     def _first_chunk(self, prompt_len: int, step: _PlanBuilder) -> int:
         """Tokens of a prompt that does not fit whole in the budget left to take now."""
-        full = self.max_num_batched_tokens
+        full = step.limit
         if not self.chunked:  # an encoder prompt over the whole budget runs alone
             return prompt_len if step.empty and prompt_len > full else 0
         if prompt_len <= full and 2 * (full - step.budget) >= full:

@@ -66,9 +66,10 @@ _EXIT_JOIN_S = 10.0
 # The longest a caller enqueueing a call's slices waits for the backlog to fall below a step
 # (``_slice_intake``): a bound, not a pace; the backlog falls at every step.
 _PACE_S = 0.05
-# A step that starts an idle pipeline holds at most this share of the step budget, where steps
-# overlap: the device starts sooner, and the next step, a whole one, is built while this one
-# runs (W4 on the MiniLM shape on an H200: 28.8 against 30.7 ms a call, BENCHMARKS.md).
+# A step that starts an idle pipeline holds at most this share of the step budget where steps
+# overlap (``overlap_steps``, CUDA's default): the device starts sooner, and the next step, a
+# whole one, is built while this one runs (W4 on the MiniLM shape on an H200, one engine, the
+# start of a call as in 0c9a1b4 and as now: 29.2 against 28.6 ms a call; BENCHMARKS.md).
 _IDLE_STEP_SHARE = 0.5
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -366,8 +367,9 @@ class Engine(ScoringMethods):
 
     def _idle_step_tokens(self) -> int | None:
         """The budget of a step scheduled while no step is in flight (``_IDLE_STEP_SHARE``);
-        None (the whole budget) where steps run one at a time."""
-        if self._executor.depth < 2:
+        None (the whole budget) where steps do not overlap (the CPU: the driver computes stage
+        0 itself, so nothing of the next step is built while a step runs)."""
+        if not self.deployment.overlap_steps:
             return None
         return int(self.deployment.max_num_batched_tokens * _IDLE_STEP_SHARE)
 

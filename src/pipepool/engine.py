@@ -362,7 +362,8 @@ class Engine(ScoringMethods):
         queued: a step scheduled now would be short (the rest of a slice) while its next slice
         is being prepared. A short step costs the host as much as a full one, and a small
         model's short step costs the device less than that: the device then waits for the
-        host (W4 on MiniLM took steps of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens)."""
+        host (W4 on MiniLM, its layers stubbed out on the CPU and steps overlapping, took steps
+        of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens; BENCHMARKS.md, issue 10, tenth pass)."""
         return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
 
     def _idle_step_tokens(self) -> int | None:

@@ -625,7 +625,7 @@ class Engine(ScoringMethods):
                     self._wake.wait()
                 if self._stop:
                     return
-                inbox, self._inbox = self._inbox, deque()
+                inbox = self._take_inbox()
             executor.check_alive()
             self._apply_inbox(inbox)
             tr = self._trace  # None unless tracing: then nothing below records anything
@@ -720,8 +720,7 @@ class Engine(ScoringMethods):
         """A fresh scheduler (every KV block free) holding the unfinished requests of every
         pending call, in their order (``Owners.requeue``)."""
         with self._wake:  # no call may slip a batch in between
-            inbox, self._inbox = self._inbox, deque()
-            self._apply_inbox(inbox)  # aborts apply; additions are taken over below
+            self._apply_inbox(self._take_inbox())  # aborts apply; additions are taken over below
             batches, self._next_id = self._owners.requeue(self._next_id)
             self._scheduler = self._new_scheduler()
             self._backlog_tokens = sum(batch.num_tokens for batch in batches)

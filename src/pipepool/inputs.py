@@ -110,8 +110,9 @@ class InputPreparer:
         slice_size: int | None = None,
     ) -> Iterator[TokenSlice]:
         """Validate the options and, for texts, every input up front (empties, lengths in
-        characters), then tokenise and length-check a slice at a time: ``FIRST_SLICE`` inputs,
-        then each slice twice the last up to ``SLICE`` (``slice_size`` each where given).
+        characters), then tokenise and length-check a slice at a time: ``FIRST_SLICE`` texts
+        or ``FIRST_SLICE_IDS`` token-id inputs, then each slice twice the last up to ``SLICE``
+        (``slice_size`` each where given).
         Token-id inputs are checked a slice at a time (in bulk where they are numpy arrays), so
         the first slice is out before the last is looked at; an error names the input either way.
         Inputs as ``items`` takes them. ``long_inputs`` (see ``EngineConfig``): "truncate"

@@ -80,6 +80,39 @@ def test_pp_stages_match_transformers_for_every_pooler(qwen3_path, reference, pp
         assert len(engine.stats.stage_busy_s) == pp
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_capped_first_step_chunks_and_matches_transformers(qwen3_path, reference, pp):
+    """Steps overlapping (CUDA's default, forced here on the CPU): the step that starts an idle
+    pipeline holds at most half the budget, so the long prompts' first chunks are cut at it and
+    their next chunks at the whole budget; every pooler still agrees with transformers."""
+    ref = reference(qwen3_path)
+    prompts = long_prompts()
+    budget = 16
+    with pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=pp, max_num_batched_tokens=budget,
+        overlap_steps=True, normalize=False,
+    ) as engine:  # fmt: skip
+        steps = []  # (the budget asked for, the plan's tokens)
+        schedule = engine._scheduler.schedule
+
+        def recording(max_tokens=None):
+            plan = schedule(max_tokens)
+            if plan is not None:
+                steps.append((max_tokens, plan.num_tokens))
+            return plan
+
+        engine._scheduler.schedule = recording
+        for pooling in POOLINGS:
+            outs = engine.pool(prompts, pooling=pooling)
+            refs = [ref.pooled(ref.token_ids(p), pooling) for p in prompts]
+            worst = _per_request_min_cosine(outs, refs)  # per token for "all"
+            assert worst >= MIN_COSINE, f"pp={pp} {pooling}: {worst}"
+        assert engine.stats.chunked_requests > 0
+    capped = [tokens for asked, tokens in steps if asked is not None]
+    assert len(capped) >= len(POOLINGS) and max(capped) == budget // 2, steps  # each call's first
+    assert max(tokens for asked, tokens in steps if asked is None) == budget, steps
+
+
 def test_pp_with_explicit_partition(decoder_paths, reference):
     path = decoder_paths["llama"]
     ref = reference(path)

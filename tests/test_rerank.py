@@ -224,7 +224,8 @@ def test_activation_is_the_one_sentence_transformers_reads(
         config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
     (folder / "config.json").write_text(json.dumps(config))
     head = read_classifier(
-        read_model_folder(folder), family="bert", causal=False, reranker="auto",
+        read_model_folder(folder), family="bert", decoder=False, head_kind="bert",
+        reranker="auto",
         checkpoint_names=(), model_name=None,
     )  # fmt: skip
     assert head.activation == expected and head.labels == ("LABEL_0",)

@@ -79,21 +79,24 @@ def read_classifier(
     folder: ModelFolder,
     *,
     family: str,
-    causal: bool,
+    decoder: bool,
+    head_kind: str,
     reranker: str,
     checkpoint_names: Collection[str],
     model_name: str | None,
 ) -> ClassifierHead | None:
-    """The head of a classifier checkpoint; None for an embedding model."""
+    """The head of a classifier checkpoint; None for an embedding model. ``head_kind``: what the
+    family's ``*ForSequenceClassification`` puts on its pooled row (one of HEAD_KINDS)."""
     if reranker not in RERANKERS:
         raise ModelLoadError(f"reranker must be one of {', '.join(RERANKERS)}; got {reranker!r}")
-    template = _template(reranker, folder, model_name, family, causal)
+    template = _template(reranker, folder, model_name, family, decoder)
     if folder.architecture.endswith("ForSequenceClassification"):
         labels = _labels(folder.hf_config)
-        kind = "linear" if causal else ("roberta" if family == "roberta" else "bert")
-        return ClassifierHead(kind, len(labels), labels, _activation(folder, len(labels)), template)
+        return ClassifierHead(
+            head_kind, len(labels), labels, _activation(folder, len(labels)), template
+        )
     if template == "qwen3":
-        if not causal:
+        if not decoder:
             raise ModelLoadError(
                 f"reranker='qwen3' needs a causal-LM checkpoint; {folder.architecture} is an "
                 "encoder"
@@ -112,14 +115,14 @@ def read_classifier(
 
 
 def _template(
-    reranker: str, folder: ModelFolder, model_name: str | None, family: str, causal: bool
+    reranker: str, folder: ModelFolder, model_name: str | None, family: str, decoder: bool
 ) -> str:
     if reranker != "auto":
         return "qwen3" if reranker == "qwen3" else "pair"
     # The folder name of a hub snapshot is its revision, so the whole path and the name the
     # user gave (a hub id) are both looked at.
     named = "reranker" in f"{model_name or ''} {folder.path}".lower()
-    return "qwen3" if causal and family == "qwen3" and named else "pair"
+    return "qwen3" if decoder and family == "qwen3" and named else "pair"
 
 
 def _labels(hf: dict) -> tuple[str, ...]:

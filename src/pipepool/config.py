@@ -20,6 +20,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TEI do by default), refused, or embedded window by window and combined (vLLM's chunked
 # processing).
 LONG_INPUTS = ("truncate", "error", "chunk")
+# A checkpoint's attention: "auto" = what its config says (``is_causal``); the others override it,
+# which a checkpoint whose auto_map names remote model code requires (models/checkpoint_math.py).
+ATTENTION = ("auto", "causal", "bidirectional")
 # Test-only fault injections (``stage/faults.py``); none is reachable from a user flag except
 # the hidden parity one.
 FAULTS = (
@@ -120,6 +123,13 @@ class EngineConfig:
         "causal-LM rerankers: qwen3 (Qwen3-Reranker's prompt and yes/no logits), none, or auto "
         "(qwen3 for Qwen3 checkpoints whose name contains 'reranker')",
         choices=RERANKERS,
+    )
+    attention: str = option(
+        "auto",
+        "the checkpoint's attention: auto (as its config says), or causal | bidirectional to "
+        "override it; needed to run a checkpoint whose auto_map names remote model code as its "
+        "built-in family",
+        choices=ATTENTION,
     )
     block_size: int = option(16, "tokens per KV-cache block", cli=False)
     kv_cache_tokens: int | None = option(None, "KV capacity in tokens (default: from memory)")
@@ -236,6 +246,11 @@ class EngineConfig:
             raise InvalidInputError(
                 f"reranker must be one of {', '.join(RERANKERS)}; got {self.reranker!r}",
                 param="reranker",
+            )
+        if self.attention not in ATTENTION:
+            raise InvalidInputError(
+                f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}",
+                param="attention",
             )
         if self.stage_restarts < 0:
             raise InvalidInputError("stage_restarts must be >= 0", param="stage_restarts")

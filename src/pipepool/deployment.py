@@ -18,6 +18,7 @@ from .layers import qk_rope
 from .layers.attention import choose_kernel
 from .model_folder import ModelFolder, read_model_folder
 from .models import Family, family_of
+from .models.checkpoint_math import check_config, decide_causal
 from .stage.kv_cache import KVCache
 from .stage.runner import StageSpec
 from .weights import Checkpoint
@@ -42,6 +43,8 @@ _GPU_MEMORY_UTILIZATION = 0.90
 class Deployment:
     config: EngineConfig
     folder: ModelFolder
+    # The checkpoint's attention (models/checkpoint_math.py): causal prompts chunk across steps
+    # and keep a KV cache; bidirectional ones (encoders, is_causal=false decoders) run whole.
     causal: bool
     hidden_size: int
     output_dim: int  # size of a pooled vector (after any Dense head)
@@ -101,6 +104,7 @@ class Deployment:
             classifier=self.classifier,
             attn_kernel=self.attn_kernel,
             fused_qk_rope=self.fused_qk_rope,
+            causal=self.causal,
         )
 
     def stage_device(self, index: int, local_rank: int | None = None) -> torch.device:
@@ -136,25 +140,32 @@ def plan_deployment(
     folder = read_model_folder(config.model)
     family = family_of(folder.architecture)
     hf = folder.hf_config
+    check_config(hf, family=family.name, decoder=family.decoder, architecture=folder.architecture)
+    causal = decide_causal(
+        hf, family=family.name, decoder=family.decoder, attention=config.attention
+    )
     device_kind = resolve_device_kind(config.device)
     dtype = _dtype(config.dtype, hf, device_kind)
     checkpoint = Checkpoint(folder.path, family)
     classifier = read_classifier(
         folder,
         family=family.name,
-        causal=family.causal,
+        decoder=family.decoder,
+        head_kind=family.head_kind,
         reranker=config.reranker,
         checkpoint_names=checkpoint.entries,
         model_name=config.model,
     )
     with torch.device("meta"):
-        whole = family.build(hf, range(family.num_layers(hf)), True, True, 1, classifier)
+        whole = family.build(
+            hf, range(family.num_layers(hf)), True, True, 1, classifier, causal=causal
+        )
     checkpoint.verify(whole.weight_specs())
 
     max_len = _max_model_len(config, folder, whole.max_positions)
     st = folder.st
     pooling = config.pooling or (st.pooling if st and st.pooling else None)
-    pooling = pooling or ("last" if family.causal else "cls")
+    pooling = pooling or family.default_pooling
     normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
     output_dim = st.dense[-1].out_features if st and st.dense else whole.hidden_size
     if classifier is not None:
@@ -165,7 +176,7 @@ def plan_deployment(
             )
         # The head reads the [CLS] / <s> row of an encoder and the last token of a decoder;
         # "normalize" is its activation, on unless switched off.
-        pooling = "last" if family.causal else "cls"
+        pooling = family.default_pooling
         normalize = config.normalize if config.normalize is not None else True
         output_dim = classifier.num_labels
 
@@ -179,11 +190,11 @@ def plan_deployment(
         devices = _stage_devices(device_kind, len(layers))
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     attn_kernel = choose_kernel(local, dtype, whole.attention_shape)
-    fused = attn_kernel != "portable" and family.causal and qk_rope.available(local, dtype)
+    fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, folder)
     budget = step_tokens(config, cuda, per_token)
     kv_tokens = 0
-    if family.causal:
+    if causal:
         kv_tokens = _kv_cache_tokens(
             config, budget, family, folder, whole, layers, dtype, devices, gpu_free_bytes
         )
@@ -191,7 +202,7 @@ def plan_deployment(
     return Deployment(
         config=config,
         folder=folder,
-        causal=family.causal,
+        causal=causal,
         hidden_size=whole.hidden_size,
         output_dim=output_dim,
         vocab_size=int(hf["vocab_size"]),
@@ -215,7 +226,7 @@ def plan_deployment(
             _graph_max_tokens(budget, per_token) if _auto(config.cuda_graphs, cuda) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
-        length_sorted=not cuda and not family.causal,
+        length_sorted=not cuda and not causal,
         classifier=classifier,
         attn_kernel=attn_kernel,
         fused_qk_rope=fused,

@@ -144,13 +144,16 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
+    st_config = path / "config_sentence_transformers.json"
+    extra = _read_json(st_config) if st_config.is_file() else {}
+    _check_st_model_type(st_config, extra.get("model_type"))
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None
     modules = _read_json(modules_file)
     pooling, normalize, dense = None, False, []
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind = module.get("type", "").rsplit(".", 1)[-1]
+        kind = _st_module_kind(modules_file, module.get("type", ""))
         folder = path / module.get("path", "")
         if kind == "Transformer":
             if module.get("path"):
@@ -158,6 +161,7 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
                     f"{path}: the transformer lives in subfolder {module['path']!r}; "
                     "pass that folder as the model"
                 )
+            _check_st_transformer(path / "sentence_bert_config.json")
         elif kind == "Pooling":
             pooling = _read_st_pooling(folder)
         elif kind == "Normalize":
@@ -168,8 +172,6 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             raise ModelLoadError(
                 f"{modules_file}: unsupported sentence-transformers module {kind!r}"
             )
-    st_config = path / "config_sentence_transformers.json"
-    extra = _read_json(st_config) if st_config.is_file() else {}
     bert_config = path / "sentence_bert_config.json"
     max_seq_length = (
         _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
@@ -190,6 +192,73 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
         max_seq_length=max_seq_length,
         similarity_fn_name=extra.get("similarity_fn_name"),
     )
+
+
+# config_sentence_transformers.json's model_type: what sentence-transformers class reads the
+# folder. Dense embedders and cross-encoders run here; the others compute other outputs.
+_ST_MODEL_TYPES = ("SentenceTransformer", "CrossEncoder")
+_ST_MODEL_TYPES_REFUSED = {
+    "SparseEncoder": "a SparseEncoder (SPLADE: sparse vocabulary weights)",
+    "ColBERT": "a PyLate ColBERT model (late interaction: one vector per token)",
+    "MultiVectorEncoder": "a MultiVectorEncoder (late interaction: one vector per token)",
+}
+# What the Transformer module may be asked to return (sentence_bert_config.json).
+_ST_TRANSFORMER_TASKS = {
+    "feature-extraction": "last_hidden_state",
+    "sequence-classification": "logits",
+}
+
+
+def _check_st_model_type(st_config: Path, model_type: str | None) -> None:
+    if model_type is None or model_type in _ST_MODEL_TYPES:
+        return
+    what = _ST_MODEL_TYPES_REFUSED.get(model_type, "a model type pipepool does not know")
+    raise ModelLoadError(
+        f"{st_config}: model_type {model_type!r} is {what}; pipepool computes dense "
+        f"embeddings and classifier scores ({', '.join(_ST_MODEL_TYPES)}) and refuses rather "
+        "than return other vectors"
+    )
+
+
+def _st_module_kind(modules_file: Path, module_type: str) -> str:
+    """The sentence-transformers module class a modules.json entry names. Modules of other
+    packages (PyLate's Dense, a custom module) are refused by their full name: one with a
+    familiar class name may still compute something else."""
+    if not module_type.startswith("sentence_transformers."):
+        raise ModelLoadError(
+            f"{modules_file}: module {module_type!r} is not a sentence-transformers module; "
+            "pipepool does not run it"
+        )
+    return module_type.rsplit(".", 1)[-1]
+
+
+def _check_st_transformer(bert_config: Path) -> None:
+    """The Transformer module's own settings that change what it computes."""
+    config = _read_json(bert_config) if bert_config.is_file() else {}
+    if config.get("do_lower_case"):
+        raise ModelLoadError(
+            f"{bert_config}: do_lower_case=true (sentence-transformers lowercases every text "
+            "before its tokenizer) is not supported"
+        )
+    if config.get("config_kwargs"):
+        raise ModelLoadError(
+            f"{bert_config}: config_kwargs {config['config_kwargs']!r} override the model's "
+            "config.json when sentence-transformers loads it; pipepool reads config.json alone "
+            "and refuses rather than compute without them"
+        )
+    task = config.get("transformer_task")
+    if task is not None and task not in _ST_TRANSFORMER_TASKS:
+        raise ModelLoadError(
+            f"{bert_config}: transformer_task {task!r} is not supported "
+            f"({', '.join(_ST_TRANSFORMER_TASKS)} are)"
+        )
+    text = (config.get("modality_config") or {}).get("text") or {}
+    output = text.get("method_output_name")
+    if task is not None and output is not None and output != _ST_TRANSFORMER_TASKS[task]:
+        raise ModelLoadError(
+            f"{bert_config}: the transformer's output is {output!r}; pipepool computes "
+            f"{_ST_TRANSFORMER_TASKS[task]!r} for {task}"
+        )
 
 
 def _read_st_pooling(folder: Path) -> str:

@@ -49,9 +49,12 @@ class DecoderConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     windows: tuple[int | None, ...]  # sliding window per layer (None = full causal)
+    # False: every token attends to the whole prompt (``is_causal: false`` checkpoints such as
+    # gte-Qwen2-instruct); such prompts run whole, like an encoder's, with no KV cache.
+    causal: bool = True
 
     @classmethod
-    def from_hf(cls, hf: dict, family: str) -> DecoderConfig:
+    def from_hf(cls, hf: dict, family: str, *, causal: bool = True) -> DecoderConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(
                 f"{family}: hidden_act {hf['hidden_act']!r} is not supported (silu)"
@@ -68,6 +71,12 @@ class DecoderConfig:
         )
         num_layers = hf["num_hidden_layers"]
         bias = bool(hf.get("attention_bias", False))
+        windows = _sliding_windows(hf, family, num_layers)
+        if not causal and any(w is not None for w in windows):
+            raise ModelLoadError(
+                f"{family}: bidirectional attention with a sliding window (sliding_window="
+                f"{hf.get('sliding_window')}) is not implemented"
+            )
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
@@ -85,7 +94,8 @@ class DecoderConfig:
             o_bias=False if family == "qwen2" else bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
-            windows=_sliding_windows(hf, family, num_layers),
+            windows=windows,
+            causal=causal,
         )
 
 
@@ -238,7 +248,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStage(StageModel):
-    causal = True
+    """A slice of a decoder's layers. Causal or bidirectional as its config says: causal
+    stages keep a KV cache and take prompts in chunks; bidirectional ones take whole prompts."""
 
     def __init__(
         self,
@@ -253,9 +264,10 @@ class DecoderStage(StageModel):
         self.cfg = cfg
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
         self.max_positions = cfg.max_positions
-        self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim)
+        self.causal = cfg.causal
+        self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim) if cfg.causal else None
         self.attention_shape = AttentionShape(
-            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, causal=True,
+            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, causal=cfg.causal,
             windowed=any(w is not None for w in cfg.windows),
         )  # fmt: skip
         self.attn_kernel = "portable"

@@ -86,7 +86,15 @@ def _transformers_reference(
     transformers = _require("transformers", "the transformers reference")
     import torch
 
-    model = transformers.AutoModel.from_pretrained(str(deployment.folder.path), dtype=dtype)
+    path = str(deployment.folder.path)
+    kwargs = {}
+    if deployment.config.attention != "auto":
+        # The user named the attention (a checkpoint with remote code, or an override): the
+        # reference is transformers' built-in family with that attention.
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config.is_causal = deployment.causal
+        kwargs = {"config": config, "trust_remote_code": False}
+    model = transformers.AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
     model = model.to(device).eval()
     outputs: dict[str, list[np.ndarray]] = {p: [] for p in poolings}
     try:

@@ -68,6 +68,7 @@ class StageSpec:
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
     attn_kernel: str = "portable"  # chosen once, in the deployment
     fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
+    causal: bool = False  # the checkpoint's attention, decided once (models/checkpoint_math.py)
 
     @property
     def is_first(self) -> bool:
@@ -366,8 +367,9 @@ def load_stage_model(
     with torch.device("meta"):
         model = family.build(
             folder.hf_config, spec.layers, spec.is_first, spec.is_last, spec.max_model_len,
-            spec.classifier,
+            spec.classifier, causal=spec.causal,
         )  # fmt: skip
+    assert model.causal == spec.causal
     model = model.to(dtype=spec.dtype)
     _allocate(model, spec.device)
     model.reset_buffers()

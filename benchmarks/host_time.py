@@ -43,8 +43,8 @@ WRAPPED = [
     ("pipepool.core.scheduler", "expected_parts"),
     ("pipepool.parallel.executor", "UniprocExecutor.submit"),
     ("pipepool.parallel.executor", "UniprocExecutor.collect"),
-    ("pipepool.engine", "Engine._deliver"),
-    ("pipepool.engine", "Engine._enqueue"),
+    ("pipepool.driver.local", "LocalPipeline._deliver"),
+    ("pipepool.driver.local", "LocalPipeline.enqueue"),
     ("pipepool.stage.runner", "StageRunner._forward"),
     ("pipepool.stage.runner", "StageRunner._digest"),
     ("pipepool.stage.runner", "build_host_batch"),
@@ -96,7 +96,7 @@ class ZeroLayers:
 
 def stub_forward(engine: pipepool.Engine) -> None:
     """Every in-process stage's layers answer zeros at once (``ZeroLayers``)."""
-    for runner in engine._executor.runners:
+    for runner in engine.pipeline._executor.runners:
         runner.forward = ZeroLayers(runner.model.hidden_size, runner.spec.dtype)
 
 

@@ -48,7 +48,7 @@ def main() -> None:
             trace = str(Path(folder) / f"t{r}.json") if mode == "on" else None
             with Engine(args.model, pipeline_parallel_size=args.pp,
                         max_num_batched_tokens=args.budget, trace=trace) as engine:  # fmt: skip
-                pids = [p.pid for p in getattr(engine._executor, "_procs", {}).values()]
+                pids = [p.pid for p in getattr(engine.pipeline._executor, "_procs", {}).values()]
                 d = engine.deployment
                 w = make_workload("W1", d.vocab_size, max_len=d.max_model_len,
                                   requests=args.requests)  # fmt: skip

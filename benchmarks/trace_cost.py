@@ -24,7 +24,7 @@ from pipepool.tracing.stage import StageTrace, traced
 
 
 def one_step(driver: DriverTrace, first: StageTrace, last: StageTrace, plan, link) -> None:
-    """The calls of engine._serve, StageRunner.execute and the worker loop, in their order."""
+    """The calls of LocalPipeline._serve, StageRunner.execute and the worker loop, in order."""
     t0 = now()
     driver.submitted(t0)
     t0 = driver.span("schedule", t0, plan)

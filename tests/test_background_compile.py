@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pipepool
-import pipepool.engine
+import pipepool.driver.local
 import pipepool.models.bert as bert
 from pipepool.deployment import plan_deployment
 
@@ -54,7 +54,7 @@ def background(monkeypatch):
     def install(fail: bool = False) -> SlowCompile:
         slow = SlowCompile(fail)
         monkeypatch.setattr(bert, "compile_layer_fn", slow)
-        monkeypatch.setattr(pipepool.engine, "deployment_for", deployment_for)
+        monkeypatch.setattr(pipepool.driver.local, "deployment_for", deployment_for)
         return slow
 
     return install

@@ -22,7 +22,7 @@ POOLINGS = ("last", "mean", "cls", "all")
 
 
 def _stage_pids(engine) -> list[int]:
-    return [p.pid for p in engine._executor._procs.values()]
+    return [p.pid for p in engine.pipeline._executor._procs.values()]
 
 
 def _gone(pid: int) -> bool:
@@ -93,7 +93,7 @@ def test_a_capped_first_step_chunks_and_matches_transformers(qwen3_path, referen
         overlap_steps=True, normalize=False,
     ) as engine:  # fmt: skip
         steps = []  # (the budget asked for, the plan's tokens)
-        schedule = engine._scheduler.schedule
+        schedule = engine.pipeline._scheduler.schedule
 
         def recording(max_tokens=None):
             plan = schedule(max_tokens)
@@ -101,7 +101,7 @@ def test_a_capped_first_step_chunks_and_matches_transformers(qwen3_path, referen
                 steps.append((max_tokens, plan.num_tokens))
             return plan
 
-        engine._scheduler.schedule = recording
+        engine.pipeline._scheduler.schedule = recording
         for pooling in POOLINGS:
             outs = engine.pool(prompts, pooling=pooling)
             refs = [ref.pooled(ref.token_ids(p), pooling) for p in prompts]
@@ -246,7 +246,7 @@ def test_killed_stages_are_restarted_and_every_request_still_matches(qwen3_path)
         max_num_seqs=2,
         normalize=False,
     )
-    engine._restarts.first_delay_s = 0.01
+    engine.pipeline._restarts.first_delay_s = 0.01
     with engine:
         for victim in (0, 1):
             submission = engine.submit(prompts)
@@ -262,7 +262,7 @@ def test_killed_stages_are_restarted_and_every_request_still_matches(qwen3_path)
         assert engine.stats.requests_retried > 0
         assert engine.stats.requests_finished == 2 * len(prompts)
         assert engine.kv_blocks_free == engine.deployment.num_kv_blocks
-        assert engine._backlog_tokens == 0  # counted again from the requests run again
+        assert engine.pipeline._backlog_tokens == 0  # counted again from the requests run again
         assert engine.health == "ok"
         pids = _stage_pids(engine)
     assert all(_gone(pid) for pid in pids)
@@ -278,7 +278,7 @@ def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3
         fault_step=2,  # every fresh pipeline fails again at its step 2
         stage_restarts=2,
     )
-    engine._restarts.first_delay_s = 0.01
+    engine.pipeline._restarts.first_delay_s = 0.01
     deaths = []
     engine.add_death_callback(deaths.append)
     with engine:
@@ -293,7 +293,7 @@ def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3
 
 def test_a_stage_killed_while_idle_is_replaced_before_any_request(qwen3_path):
     with pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2) as engine:
-        engine._restarts.first_delay_s = 0.01
+        engine.pipeline._restarts.first_delay_s = 0.01
         engine.embed(["warm"])
         (old,) = _stage_pids(engine)
         os.kill(old, signal.SIGKILL)
@@ -307,7 +307,9 @@ def test_a_stage_killed_while_idle_is_replaced_before_any_request(qwen3_path):
 
 def test_health_is_degraded_while_restarting_and_close_interrupts_the_restart(qwen3_path):
     engine = pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2)
-    engine._restarts.first_delay_s = 120.0  # the restart waits: health can be read meanwhile
+    engine.pipeline._restarts.first_delay_s = (
+        120.0  # the restart waits: health can be read meanwhile
+    )
     engine.embed(["warm"])
     assert engine.health == "ok"
     os.kill(_stage_pids(engine)[0], signal.SIGKILL)
@@ -328,7 +330,7 @@ def test_close_is_prompt_with_steps_in_flight_and_stages_exit_cleanly(qwen3_path
     nobody reads): under a second, pending calls fail with "engine closed", and every stage
     process exits by itself with code 0 (none is killed)."""
     engine = pipepool.Engine(str(qwen3_path), pipeline_parallel_size=3, max_num_batched_tokens=8)
-    procs = list(engine._executor._procs.values())
+    procs = list(engine.pipeline._executor._procs.values())
     submission = engine.submit(long_prompts() * 10)
     started = threading.Event()
     submission.add_progress_callback(lambda n: started.set())
@@ -374,7 +376,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view into 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import pipepool
 engine = pipepool.Engine(sys.argv[1], pipeline_parallel_size=2, max_num_batched_tokens=8)
-print(" ".join(str(p.pid) for p in engine._executor._procs.values()), flush=True)
+print(" ".join(str(p.pid) for p in engine.pipeline._executor._procs.values()), flush=True)
 try:
     with engine:
         engine.embed(["keep the pipeline busy " * 20])
@@ -509,7 +511,7 @@ def test_stage_processes_load_only_their_own_layers(qwen3_path):
     with pipepool.Engine(
         str(qwen3_path), pipeline_parallel_size=2, pipeline_backend="inproc"
     ) as engine:
-        first, last = engine._executor.runners
+        first, last = engine.pipeline._executor.runners
         first_params = {n for n, _ in first.model.named_parameters()}
         last_params = {n for n, _ in last.model.named_parameters()}
     assert "embed_tokens.weight" in first_params and "embed_tokens.weight" not in last_params
@@ -522,7 +524,7 @@ def test_pipeline_runs_plans_in_flight(qwen3_path):
     with pipepool.Engine(
         str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=16
     ) as engine:
-        assert engine._executor.depth == 2
+        assert engine.pipeline._executor.depth == 2
         engine.embed(long_prompts())
         assert engine.stats.steps > 2
 
@@ -547,11 +549,11 @@ def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
         overlap_steps=True,
         normalize=False,
     ) as engine:
-        assert engine._executor.depth == pp + 1
+        assert engine.pipeline._executor.depth == pp + 1
         got = [engine.pool(batch, pooling=pooling) for batch, pooling in batches]
         submission = engine.submit(REPRODUCER_PROMPTS, pooling="cls")
         got.append(list(submission.result(timeout=60)))
-        assert engine.kv_blocks_free == engine._scheduler.blocks.num_blocks
+        assert engine.kv_blocks_free == engine.pipeline._scheduler.blocks.num_blocks
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=4096, normalize=False) as ref:
         want = [
             ref.pool(batch, pooling=pooling)
@@ -575,7 +577,7 @@ def test_stop_signals_reach_only_the_main_thread(qwen3_path):
     with pipepool.Engine(str(qwen3_path), pipeline_parallel_size=2) as engine:
         engine.embed(["warm"])
         stop = {signal.SIGINT, signal.SIGTERM}
-        own = {engine._thread.native_id, engine._executor._supervisor.native_id}
+        own = {engine.pipeline._thread.native_id, engine.pipeline._executor._supervisor.native_id}
         for tid in own:
             assert stop <= _blocked_signals(tid)
         assert not stop & _blocked_signals(threading.main_thread().native_id)

@@ -19,9 +19,9 @@ import pipepool
 from pipepool.core.restarts import RestartPolicy
 from pipepool.errors import InvalidInputError
 from pipepool.replicas import placement as placement_mod
-from pipepool.replicas.engine import ReplicatedEngine
 from pipepool.replicas.handle import Rates
 from pipepool.replicas.messages import Snapshot
+from pipepool.replicas.pipeline import ReplicaPipeline
 from pipepool.replicas.routing import split_rows
 
 MIN_COSINE = 0.99999
@@ -129,7 +129,8 @@ def replicated(qwen3_path, server_process):
 
 
 def test_api_dp2_pp2_matches_one_pipeline_and_uses_both_replicas(replicated, reference):
-    assert isinstance(replicated, ReplicatedEngine) and isinstance(replicated, pipepool.Engine)
+    assert isinstance(replicated, pipepool.Engine)
+    assert isinstance(replicated.pipeline, ReplicaPipeline)
     assert replicated.health == "ok"
     assert [len(_descendants(s.pid)) for s in replicated.replica_status()] == [1, 1]
     prompts = _prompts(60)  # ~3k tokens: split across both replicas
@@ -165,7 +166,7 @@ def test_calls_fail_only_once_every_replica_is_gone_and_no_process_is_left(repli
     """(Last of the API tests: it ends the shared engine.) With no restarts left (as
     stage_restarts=0 would give), a killed replica is given up on; its work moves on; only when
     the last one goes do calls fail, naming every replica's cause."""
-    for slot in replicated._slots:
+    for slot in replicated.pipeline._slots:
         slot.policy = RestartPolicy(0)
     deaths = []
     replicated.add_death_callback(deaths.append)

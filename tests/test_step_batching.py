@@ -15,6 +15,7 @@ import pytest
 from tiny_models import cosine, long_prompts
 
 import pipepool
+import pipepool.driver.local
 from pipepool.config import EngineConfig
 from pipepool.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
 
@@ -89,7 +90,7 @@ def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
     after = qwen3_engine.embed(long_prompts()[:2])  # the engine is idle again, and serves
     assert after.shape[0] == 2
     assert qwen3_engine.kv_blocks_free == blocks
-    assert qwen3_engine._backlog_tokens == 0  # what no plan took left the backlog at abort
+    assert qwen3_engine.pipeline._backlog_tokens == 0  # what no plan took left the backlog at abort
     assert qwen3_engine.stats.requests_aborted > 0
 
 
@@ -115,7 +116,10 @@ def test_a_bad_input_in_a_later_slice_leaves_nothing_queued(bert_path):
         with pytest.raises(pipepool.PromptTooLongError, match="input 1400"):
             engine.embed(texts)
         assert engine.embed(["still serving"]).shape[0] == 1
-        assert engine._scheduler.num_waiting == 0 and engine._scheduler.num_admitted == 0
+        assert (
+            engine.pipeline._scheduler.num_waiting == 0
+            and engine.pipeline._scheduler.num_admitted == 0
+        )
 
 
 def test_empty_prompt_and_option_errors_name_the_problem(bert_path):
@@ -213,17 +217,24 @@ def test_an_idle_pipeline_starts_with_half_a_step_then_whole_ones_built_while_ea
     with pipepool.Engine(
         str(bert_path), device="cpu", overlap_steps=True, max_num_batched_tokens=budget
     ) as engine:
-        assert engine._executor.depth == 2
-        executor = engine._executor
+        assert engine.pipeline._executor.depth == 2
+        executor = engine.pipeline._executor
         submit, collect = executor.submit, executor.collect
         executor.submit = lambda plan: (events.append(("submit", plan.num_tokens)), submit(plan))[1]
         executor.collect = lambda: (events.append(("collect", None)), collect())[1]
-        wait = engine._next_slice_arrived
-        engine._next_slice_arrived = lambda: wait(timeout_s=10.0)
+        wait = engine.pipeline._next_slice_arrived
+        engine.pipeline._next_slice_arrived = lambda: wait(timeout_s=10.0)
         # The second slice comes late: only once the loop is short of a step (or after 5 s).
-        short, enqueue, loop_short = engine._short_of_a_step, engine._enqueue, threading.Event()
-        engine._short_of_a_step = lambda: short() and (loop_short.set() or True)
-        engine._enqueue = lambda sub, part: (part.first and loop_short.wait(5), enqueue(sub, part))
+        short, enqueue, loop_short = (
+            engine.pipeline._short_of_a_step,
+            engine.pipeline.enqueue,
+            threading.Event(),
+        )
+        engine.pipeline._short_of_a_step = lambda: short() and (loop_short.set() or True)
+        engine.pipeline.enqueue = lambda sub, part: (
+            part.first and loop_short.wait(5),
+            enqueue(sub, part),
+        )
         got = engine.pool(inputs, pooling="mean", normalize=False)
     kinds = [kind for kind, _ in events]
     assert kinds[:3] == ["submit", "submit", "collect"], events
@@ -245,7 +256,7 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     it prepares the next, so it does not contend with the loop thread for the GIL while the
     loop has a step to build. The wait is bounded; here the bound is widened so the order is
     certain on a slow machine."""
-    monkeypatch.setattr(pipepool.engine, "_PACE_S", 10.0)
+    monkeypatch.setattr(pipepool.driver.local, "_PACE_S", 10.0)
     rng = np.random.default_rng(1)
     n = FIRST_SLICE_IDS + SLICE + 52
     slices = list(_slice_bounds(n, None, FIRST_SLICE_IDS))
@@ -253,15 +264,15 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     step = 256
     backlog_at_slice = []
     with pipepool.Engine(str(bert_path), device="cpu", max_num_batched_tokens=step) as engine:
-        enqueue = engine._enqueue
+        enqueue = engine.pipeline.enqueue
 
         def recording(submission, part):
-            backlog_at_slice.append(engine._backlog_tokens)
+            backlog_at_slice.append(engine.pipeline._backlog_tokens)
             enqueue(submission, part)
 
-        engine._enqueue = recording
+        engine.pipeline.enqueue = recording
         got = engine.pool(inputs, pooling="mean", normalize=False)
-        assert engine._backlog_tokens == 0
+        assert engine.pipeline._backlog_tokens == 0
     assert len(backlog_at_slice) == len(slices) == 3 and backlog_at_slice[0] == 0
     assert all(0 <= tokens < step for tokens in backlog_at_slice[1:]), backlog_at_slice
     ref = reference(bert_path)

@@ -119,8 +119,8 @@ def test_inproc_trace_is_written_on_close(qwen3_path, tmp_path):
 def test_tracing_off_records_nothing(qwen3_path):
     with Engine(str(qwen3_path)) as engine:
         engine.embed(_prompts(2))
-        assert engine._trace is None
-        assert all(r.trace is None for r in engine._executor.runners)
+        assert engine.pipeline._trace is None
+        assert all(r.trace is None for r in engine.pipeline._executor.runners)
         with pytest.raises(InvalidInputError, match="tracing is off"):
             engine.write_trace()
 
@@ -321,8 +321,25 @@ def test_cuda_device_spans_map_onto_the_host_clock_drift_corrected():
     assert send.track == "transfer" and send.step == 50
 
 
-def test_trace_with_replicas_is_refused_by_name():
-    from pipepool import EngineConfig
-
-    with pytest.raises(InvalidInputError, match="data_parallel_size 1"):
-        EngineConfig(trace="t.json", data_parallel_size=2)
+def test_dp2_trace_holds_every_replicas_processes_and_a_summary_of_each(bert_path, tmp_path):
+    """Replicas are one Pipeline behind the Engine like one pipeline is: write_trace gathers
+    each replica's driver and stages (their own processes) into one file."""
+    path = tmp_path / "dp2.json"
+    with Engine(
+        str(bert_path), data_parallel_size=2, pipeline_parallel_size=2, trace=str(path),
+        max_num_batched_tokens=64,
+    ) as engine:  # fmt: skip
+        engine.pool(_prompts(40), pooling="mean")
+        summary = engine.write_trace()
+    processes, _threads, spans = _load(path)
+    names = sorted(processes.values())
+    assert names == sorted(
+        f"replica {r} {p}" for r in (0, 1) for p in ("driver", "stage 0", "stage 1")
+    ), names
+    assert [s.stage for s in summary.stages] == ["r0 stage 0", "r0 stage 1", "r1 stage 0",
+                                                "r1 stage 1"]  # fmt: skip
+    busy = {processes[s["pid"]] for s in spans if s["name"] == "forward"}
+    assert any(n.startswith("replica 0") for n in busy) and any(
+        n.startswith("replica 1") for n in busy
+    ), busy
+    assert summary.seconds > 0 and "r1 stage 1" in summary.text()

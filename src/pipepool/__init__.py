@@ -18,7 +18,7 @@ keep_bytecode()
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Engine": "engine",
+    "Engine": "api.engine",
     "EngineConfig": "config",
     "Submission": "submission",
     "EngineDeadError": "errors",
@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .api.engine import Engine
     from .config import EngineConfig
-    from .engine import Engine
     from .errors import (
         EngineDeadError,
         InvalidInputError,

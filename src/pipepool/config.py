@@ -214,13 +214,6 @@ class EngineConfig:
                 f"data_parallel_size={self.data_parallel_size} replicas there are (--dp)",
                 param="replicas_per_gpu",
             )
-        if self.trace and self.data_parallel_size > 1:
-            # Each replica is an engine of its own in its own process: one timeline per
-            # pipeline is what the trace shows; trace one replica (--dp 1) for now.
-            raise InvalidInputError(
-                "trace follows one pipeline: use it with data_parallel_size 1 (--dp 1)",
-                param="trace",
-            )
         if not 0.0 < self.gpu_memory_share <= 1.0:
             raise InvalidInputError("gpu_memory_share must be in (0, 1]", param="gpu_memory_share")
         if self.pp_partition is not None:

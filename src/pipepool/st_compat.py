@@ -12,7 +12,7 @@ from .errors import InvalidInputError
 from .progress import follow
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .api.engine import Engine
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..api.engine import Engine
 from ..bench import (
     TEXT_WORKLOADS,
     WORKLOADS,
@@ -33,7 +34,6 @@ from ..bench import (
     write_json,
 )
 from ..deployment import plan_deployment
-from ..engine import Engine
 from .common import add_engine_args, engine_config
 
 # bf16 matmul (8192^3) measured on the H200 machine (GPU-NOTES.md): the "fraction of peak" base.
@@ -318,14 +318,12 @@ def _device_used_gib(device: str) -> float:
 
 def _weights_gib(engine: Engine) -> float:
     """Weights of stage 0 (all of them with one stage)."""
-    runners = getattr(engine._executor, "runners", None) or [engine._executor.runner]
-    model = runners[0].model
+    model = engine.pipeline.runners[0].model
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:
-    runners = getattr(engine._executor, "runners", None) or [engine._executor.runner]
-    cache = runners[0].kv_cache
+    cache = engine.pipeline.runners[0].kv_cache
     if cache is None:
         return 0
     return cache.storage[0, :, 0].numel() * cache.storage.element_size() * cache.storage.shape[0]

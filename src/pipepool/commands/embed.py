@@ -157,7 +157,7 @@ def check_output(output: Path | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine import Engine  # torch only now: `pipepool embed --help` stays quick
+    from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
     from ..progress import follow
 
     inputs = read_inputs(args.texts, args.input)

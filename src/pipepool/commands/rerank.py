@@ -42,7 +42,7 @@ def add_parser(sub, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine import Engine  # torch only now: `pipepool rerank --help` stays quick
+    from ..api.engine import Engine  # torch only now: `pipepool rerank --help` stays quick
 
     if not args.documents and args.input is None:
         raise InvalidInputError(

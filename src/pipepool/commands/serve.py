@@ -125,11 +125,11 @@ def run(args: argparse.Namespace) -> int:
     # The server extras are imported here only: the rest of pipepool must work without them
     # (cli.py turns their absence into one line naming the extra); torch only now, so that
     # `--help` is quick.
-    from ..engine import Engine
+    from ..api.engine import Engine
     from ..parallel.launch import deployment_for
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
-    from ..replicas.engine import ReplicatedEngine
+    from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import ApiServers
     from ..server.front import AsyncEngine
     from ..server.logs import log_config
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     api_servers = sockets = socket_dir = None
     if settings.api_server_count > 1:
         socket_dir = tempfile.mkdtemp(prefix="pipepool-")
-        owner = EngineOwner(lambda: ReplicatedEngine.shared(config, socket_dir))
+        owner = EngineOwner(lambda: Engine.from_config(config, ReplicaPipeline(config, socket_dir)))
     else:
         owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)

@@ -169,7 +169,7 @@ def _apply_dense(dense: list, vector: np.ndarray, device: str, dtype) -> np.ndar
 def _engine_reference(
     config: EngineConfig, token_ids: list[np.ndarray], poolings: Sequence[str]
 ) -> ReferenceOutputs:
-    from ..engine import Engine
+    from ..api.engine import Engine
 
     budget = max(len(ids) for ids in token_ids)  # every prompt fits in one step: no chunking
     ref_config = config.replace(

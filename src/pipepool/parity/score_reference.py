@@ -106,7 +106,7 @@ def _transformers(deployment: Deployment, tokens: TokenSlice, device, dtype) -> 
 def _engine_reference(
     config: EngineConfig, pairs: tuple[Sequence[str], Sequence[str]], tokens: TokenSlice
 ) -> ReferenceOutputs:
-    from ..engine import Engine
+    from ..api.engine import Engine
 
     budget = int(tokens.lengths.max())  # every prompt fits in one step: no chunking
     ref_config = config.replace(

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..api.engine import Engine
 from ..config import EngineConfig
 from ..deployment import Deployment
-from ..engine import Engine
 from ..inputs import InputPreparer
 from ..pairs import PairEncoder
 from .prompts import builtin_prompts

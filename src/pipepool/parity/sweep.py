@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..api.engine import Engine
 from ..config import POOLING_TYPES, EngineConfig
 from ..deployment import Deployment, plan_deployment
-from ..engine import Engine
 from ..errors import InvalidInputError, PromptTooLongError
 from ..inputs import InputPreparer
 from .compare import Row, fill_row, score_request

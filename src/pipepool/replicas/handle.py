@@ -11,6 +11,7 @@ owns the replicas); ``ReplicaLink`` connects to one another process started (the
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import subprocess
@@ -19,12 +20,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..errors import EngineDeadError, PipepoolError
 from ..signal_mask import block_stop_signals
-from .messages import Ready, Report, Snapshot, Start, StartFailed, Stop, receive, send
+from .messages import (
+    Ready,
+    Report,
+    Snapshot,
+    Start,
+    StartFailed,
+    Stop,
+    TraceReply,
+    TraceRequest,
+    receive,
+    send,
+)
 from .placement import ReplicaPlacement
 
 _STOP_WAIT_S = 10.0  # a replica asked to stop closes its engine (kills its stages) in ~1 s
@@ -53,6 +66,8 @@ class ReplicaHandle:
         self._outbox: deque = deque()
         self._wake = threading.Condition()
         self._closing = False
+        self._trace_replies: dict[int, Future] = {}
+        self._next_token = itertools.count()
 
     def _start_threads(self, conn: Connection) -> None:
         self._conn = conn
@@ -83,6 +98,18 @@ class ReplicaHandle:
             self._outbox.append(message)
             self._wake.notify()
 
+    def request_trace(self, timeout: float | None) -> list:
+        """The spans of every process of the replica's pipeline (waits for its steps in
+        flight); raises EngineDeadError if the replica goes away meanwhile."""
+        future: Future = Future()
+        token = next(self._next_token)
+        self._trace_replies[token] = future
+        self.post(TraceRequest(token, timeout))
+        try:
+            return future.result(timeout=None if timeout is None else timeout + 5)
+        finally:
+            self._trace_replies.pop(token, None)
+
     def _send(self) -> None:
         block_stop_signals()  # Ctrl-C and SIGTERM are the main thread's
         while True:
@@ -111,8 +138,13 @@ class ReplicaHandle:
                     elif isinstance(message, StartFailed):
                         self._start_error = message.error
                         self._ready.set()
+                    elif isinstance(message, TraceReply):
+                        self._answer_trace(message)
         except (EOFError, OSError):
             pass
+        for future in list(self._trace_replies.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError(f"replica {self.index} went away"))
         if self._closing:
             return
         cause = self._exit_cause()
@@ -121,6 +153,15 @@ class ReplicaHandle:
             self._ready.set()
             return  # the starter reports it
         self._listener.on_lost(self, cause)
+
+    def _answer_trace(self, reply: TraceReply) -> None:
+        future = self._trace_replies.get(reply.token)
+        if future is None or future.done():
+            return
+        if reply.error is not None:
+            future.set_exception(reply.error)
+        else:
+            future.set_result(reply.traces)
 
     def _exit_cause(self) -> BaseException:
         raise NotImplementedError

@@ -54,6 +54,14 @@ class Stop:
     """Close the engine and exit."""
 
 
+@dataclass(frozen=True)
+class TraceRequest:
+    """Send the spans of every process of this replica's pipeline (``TraceReply``)."""
+
+    token: int  # names the reply
+    timeout_s: float | None
+
+
 # -- replica -> front end ---------------------------------------------------------------------
 
 
@@ -98,6 +106,15 @@ class Snapshot:
     errors: dict[str, int] = field(default_factory=dict)
     kv_blocks_free: int | None = None
     cause: str | None = None  # why the engine died, when it did
+
+
+@dataclass(frozen=True)
+class TraceReply:
+    """The replica's answer to ``TraceRequest``: its processes' spans, or why none came."""
+
+    token: int
+    traces: list | None  # [ProcessTrace], on the replica's host clock
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``SharedReplicas``: the engine of one more front-end process, over replicas it does not own.
 
 With ``pipepool serve --api-server-count K``, the server's main process owns the replicas (a
-``ReplicatedEngine`` built with ``shared``: each replica also listens on a Unix socket) and
+``ReplicaPipeline`` with a ``socket_dir``: each replica also listens on a Unix socket) and
 K - 1 more processes serve HTTP beside it, each with one of these. It is the same front end —
 validation, tokenisation, routing by each replica's outstanding tokens (as this process
 counts them), re-running a lost replica's rows on the others — over connections
@@ -13,8 +13,8 @@ replica is given up on, the main process exits, and this process with it.
 
 from __future__ import annotations
 
-from .engine import ReplicatedEngine, replica_socket
 from .handle import ReplicaHandle, ReplicaLink
+from .pipeline import ReplicaPipeline, replica_socket
 from .slot import Slot
 
 # How soon a lost link tries again: the owner restarts the replica after its own backoff, and
@@ -22,9 +22,9 @@ from .slot import Slot
 _RELINK_DELAY_S = 0.2
 
 
-class SharedReplicas(ReplicatedEngine):
-    """``SharedReplicas.shared(config, socket_dir)`` blocks until every replica has answered
-    (they listen once they serve)."""
+class SharedReplicas(ReplicaPipeline):
+    """The pipeline of one more front end: ``SharedReplicas(config, socket_dir)`` blocks
+    until every replica has answered (they listen once they serve)."""
 
     def _start_replica(self, placement, cancelled=lambda: False) -> ReplicaHandle:
         path = replica_socket(self.socket_dir, placement.index)

@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from multiprocessing.connection import Connection
 
-from ..engine import Engine
+from ..api.engine import Engine
 from ..parallel.worker import _die_with_parent
 from ..signal_mask import block_stop_signals
 from ..submission import Submission
@@ -42,6 +42,8 @@ from .messages import (
     Start,
     StartFailed,
     Stop,
+    TraceReply,
+    TraceRequest,
     Work,
     receive,
     send,
@@ -60,6 +62,7 @@ class ReplicaServer:
         self.owner = owner
         self._submissions: dict[int, Submission] = {}  # batch first id -> its call
         self._outbox: deque[Result] = deque()
+        self._replies: deque[TraceReply] = deque()  # sent ahead of the next report
         self._wake = threading.Condition()
         self._stop = False
         self._sender = threading.Thread(target=self._send_loop, name="replica-sender", daemon=True)
@@ -76,13 +79,17 @@ class ReplicaServer:
                         self._work(message)
                     elif isinstance(message, Abort):
                         self._abort(message.first_ids)
+                    elif isinstance(message, TraceRequest):
+                        threading.Thread(
+                            target=self._trace, args=(message,), name="replica-trace", daemon=True
+                        ).start()
                     elif isinstance(message, Stop):
                         return 0
         except (EOFError, OSError):
             code = 1  # the front end is gone: nobody to answer
         finally:
             if self.owner:
-                self.engine.close()
+                self.engine.close(write_trace=False)  # the front end writes the trace
             else:  # another front end hung up: its work here has nobody to go to
                 self._abort(tuple(self._submissions.copy()))  # copy(): atomic
             with self._wake:
@@ -115,6 +122,17 @@ class ReplicaServer:
             if submission is not None:
                 submission.cancel()
 
+    def _trace(self, request: TraceRequest) -> None:
+        """Gather the pipeline's spans (waiting for its steps in flight) and send them."""
+        try:
+            (traces,) = self.engine.pipeline.gather_trace(request.timeout_s)
+            reply = TraceReply(request.token, traces)
+        except BaseException as exc:
+            reply = TraceReply(request.token, None, _picklable(exc))
+        with self._wake:
+            self._replies.append(reply)
+            self._wake.notify()
+
     def _wake_sender(self) -> None:
         with self._wake:
             self._wake.notify()
@@ -123,16 +141,20 @@ class ReplicaServer:
         last_health, waited = None, 0.0
         while True:
             with self._wake:
-                if not self._outbox and not self._stop:
+                if not self._outbox and not self._replies and not self._stop:
                     self._wake.wait(_HEALTH_POLL_S)
                 results, self._outbox = list(self._outbox), deque()
+                replies, self._replies = list(self._replies), deque()
                 stopping = self._stop
             health = self.engine.health
             waited += _HEALTH_POLL_S if not results else 0.0
-            if results or health != last_health or waited >= STATUS_INTERVAL_S or stopping:
+            if (
+                results or replies or health != last_health or waited >= STATUS_INTERVAL_S
+                or stopping
+            ):  # fmt: skip
                 waited, last_health = 0.0, health
                 try:
-                    send(self.conn, [Report(results, snapshot(self.engine))])
+                    send(self.conn, [*replies, Report(results, snapshot(self.engine))])
                 except OSError:
                     return
             if stopping or health == "dead":
@@ -145,7 +167,7 @@ class ReplicaServer:
 
 def snapshot(engine: Engine) -> Snapshot:
     s = engine.stats
-    dead = engine._dead
+    dead = engine.pipeline.cause_of_death
     return Snapshot(
         health=engine.health,
         requests_finished=s.requests_finished,

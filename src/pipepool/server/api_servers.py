@@ -42,7 +42,7 @@ class ApiServerSpec:
 
     settings: ServerSettings  # api_server_index says which one it is
     config: EngineConfig
-    socket_dir: str  # where the replicas listen (replicas.engine.replica_socket)
+    socket_dir: str  # where the replicas listen (replicas.pipeline.replica_socket)
 
 
 class ApiServers:

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: os._exit(0))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
+    from ..api.engine import Engine
     from ..replicas.shared import SharedReplicas
     from .front import AsyncEngine
     from .logs import log_config
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
 
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
-    owner = EngineOwner(lambda: SharedReplicas.shared(spec.config, spec.socket_dir))
+    owner = EngineOwner(
+        lambda: Engine.from_config(spec.config, SharedReplicas(spec.config, spec.socket_dir))
+    )
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
 
     def serving() -> None:

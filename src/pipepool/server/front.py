@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..engine import Engine
+from ..api.engine import Engine
 from ..errors import EngineDeadError
 from ..submission import Submission
 from .owner import EngineOwner

@@ -8,8 +8,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from ..api.engine import Engine
 from ..core.stats import STEP_BUCKETS
-from ..engine import Engine
 from .errors import APIError
 from .front import AsyncEngine
 
@@ -217,10 +217,11 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
     if free is not None:  # encoders keep no KV cache
         out.gauge("pipepool_kv_blocks_free", "KV-cache blocks free", free)
         out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.kv_blocks_total)
-    if hasattr(engine, "replica_status"):  # data_parallel_size > 1
+    replicas = engine.replica_status()  # empty for one pipeline
+    if replicas:
         from .replica_metrics import replica_metrics
 
-        replica_metrics(out, engine.replica_status())
+        replica_metrics(out, replicas)
 
 
 class _Text:

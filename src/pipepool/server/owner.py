@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ..engine import Engine
+from ..api.engine import Engine
 
 log = logging.getLogger("pipepool.server")
 

@@ -9,6 +9,6 @@ imported by a step: callers hold ``None`` instead of a recorder and check it.
 from __future__ import annotations
 
 from .recorder import ProcessTrace, Recorder, Span
-from .summary import TraceSummary, summarize
+from .summary import TraceSummary, summarize, summarize_pipelines
 
-__all__ = ["ProcessTrace", "Recorder", "Span", "TraceSummary", "summarize"]
+__all__ = ["ProcessTrace", "Recorder", "Span", "TraceSummary", "summarize", "summarize_pipelines"]

@@ -16,7 +16,7 @@ spans are stage 0's waits for input, as "wait plan" is for a stage process.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .intervals import Intervals, intersect, length, subtract, union
 from .recorder import ProcessTrace
@@ -150,3 +150,34 @@ def _stage_time(trace: ProcessTrace, periods: Intervals, total: int, plan_waits:
         steps=steps,
         busy_ms_per_step=length(busy) / steps / 1e6 if steps else 0.0,
     )
+
+
+def summarize_pipelines(
+    per_pipeline: list[list[ProcessTrace]], since_ns: int | None = None, until_ns: int | None = None
+) -> tuple[TraceSummary, list[ProcessTrace]]:
+    """The summary of one or more pipelines' traces (replicas: one list each) and the traces
+    to write. Several pipelines: each is summed up on its own (its own periods), their stages
+    listed as "rK stage N", the driver shares averaged, and each process named after its
+    replica in the file."""
+    if len(per_pipeline) == 1:
+        return summarize(per_pipeline[0], since_ns, until_ns), per_pipeline[0]
+    summaries = [summarize(traces, since_ns, until_ns) for traces in per_pipeline]
+    stages = tuple(
+        replace(stage, stage=f"r{r} {stage.stage}")
+        for r, summary in enumerate(summaries)
+        for stage in summary.stages
+    )
+    names = summaries[0].driver.keys() if summaries else ()
+    driver = {k: sum(s.driver.get(k, 0.0) for s in summaries) / len(summaries) for k in names}
+    merged = TraceSummary(
+        max((s.seconds for s in summaries), default=0.0),
+        sum(s.periods for s in summaries),
+        stages,
+        driver,
+    )
+    traces = [
+        replace(trace, name=f"replica {r} {trace.name}", sort=r * 1000 + trace.sort)
+        for r, pipeline in enumerate(per_pipeline)
+        for trace in pipeline
+    ]
+    return merged, traces

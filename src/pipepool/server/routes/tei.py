@@ -9,10 +9,11 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
-from .. import __version__
-from ..errors import PipepoolError
-from . import protocol
-from .errors import from_engine
+from ... import __version__
+from ...errors import PipepoolError
+from .. import protocol
+from ..errors import from_engine
+from .shared import run_model_outputs
 
 router = APIRouter()
 
@@ -20,10 +21,8 @@ router = APIRouter()
 @router.post("/embed", tags=["TEI"])
 async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     """One vector per input, as a JSON array of arrays."""
-    from .app import _run_model_outputs  # the shared path: limits, queue, disconnects
-
     state = request.app.state.pipepool
-    done = await _run_model_outputs(
+    done = await run_model_outputs(
         request,
         body.texts(),
         dimensions=body.dimensions,

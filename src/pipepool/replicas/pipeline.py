@@ -1,9 +1,10 @@
-"""``ReplicatedEngine``: the ``Engine`` API over N replica pipelines (``data_parallel_size``).
+"""``ReplicaPipeline``: the ``Pipeline`` of an Engine over N replica pipelines
+(``data_parallel_size``).
 
-The front end keeps what ``Engine`` does before the scheduler — validation, tokenisation,
-long-input windows, scoring pairs (all inherited) — and replaces the one seam behind it,
-``_enqueue``: each token batch is routed (``routing.split_rows``) to the replicas with the
-fewest outstanding tokens, and their results stream back into the caller's ``Submission``.
+The Engine facade does what comes before the scheduler — validation, tokenisation,
+long-input windows, scoring pairs — and hands token batches to ``enqueue``: each is routed
+(``routing.split_rows``) to the replicas with the fewest outstanding tokens, and their results
+stream back into the caller's ``Submission``.
 
 Failures reuse the single-pipeline mechanism one level up. Each replica's ``Owners`` records
 which rows of which call it holds; when a replica is lost (its process died) or is healing (a
@@ -27,14 +28,14 @@ from ..config import EngineConfig
 from ..core.request import RequestBatch
 from ..core.restarts import RestartPolicy
 from ..core.stats import EngineStats
-from ..engine import Engine
+from ..driver.pipeline import Probe
 from ..errors import EngineDeadError, PipepoolError
-from ..inputs import InputPreparer, TokenSlice
-from ..memory import bound_heap_growth
+from ..inputs import TokenSlice
 from ..model_folder import read_model_folder
 from ..owners import Owner
 from ..signal_mask import block_stop_signals
 from ..submission import Submission
+from ..tracing.recorder import ProcessTrace
 from .handle import Listener, ReplicaHandle, ReplicaProcess, start_error
 from .messages import Abort, Report, Work
 from .placement import plan_placement
@@ -50,33 +51,27 @@ def replica_socket(socket_dir: str, index: int) -> str:
     return os.path.join(socket_dir, f"replica-{index}.sock")
 
 
-class ReplicatedEngine(Engine):
-    """``Engine(model, data_parallel_size=N)``: the same methods and attributes, over N
-    replicas (``replicas/``). ``deployment`` is replica 0's (devices as it sees them);
-    ``placements`` say where every replica runs; ``replica_status()`` reports each one.
+class ReplicaPipeline:
+    """The pipeline of ``Engine(model, data_parallel_size=N)``: N replicas (``replicas/``),
+    each a process running a one-pipeline engine. ``deployment`` is replica 0's (devices as it
+    sees them); ``placements`` say where every replica runs; ``replica_status()`` reports each.
 
-    ``shared(config, socket_dir)`` builds one whose replicas also serve the front ends of
-    other processes (``shared.SharedReplicas``), each through ``replica_socket(socket_dir, r)``.
+    ``socket_dir``: the replicas also serve the front ends of other processes
+    (``shared.SharedReplicas``), each through ``replica_socket(socket_dir, r)``; None: only
+    this one. Callbacks from the replicas arrive on their reader threads; ``_lock`` guards
+    every slot.
     """
 
-    socket_dir: str | None = None  # where the replicas accept other front ends; None: nowhere
     _restart_message = "starting replica %d again"
-
-    @classmethod
-    def shared(cls, config: EngineConfig, socket_dir: str) -> ReplicatedEngine:
-        engine = object.__new__(cls)
-        engine.socket_dir = socket_dir
-        engine._init(config)
-        return engine
 
     def _start_replica(self, placement, cancelled=lambda: False) -> ReplicaHandle:
         """A handle on a new process of this replica (its wait_ready() follows)."""
         path = None if self.socket_dir is None else replica_socket(self.socket_dir, placement.index)
         return ReplicaProcess(placement, self._listener, path)
 
-    def _init(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, socket_dir: str | None = None) -> None:
+        self.socket_dir = socket_dir
         self._closed = True  # until fully started, close() has nothing to stop
-        bound_heap_growth()
         self.config = config
         self.placements = plan_placement(config)
         # A missing or malformed folder is reported now, not after N interpreters started (and
@@ -103,7 +98,6 @@ class ReplicatedEngine(Engine):
                     slot.proc.kill()
             raise start_error(exc) from exc
         self.deployment = self._slots[0].proc.deployment
-        self.inputs = InputPreparer(self.deployment)
         # A batch worth splitting fills at least one step of each replica it goes to.
         self._min_split = self.deployment.max_num_batched_tokens
         for slot in self._slots:
@@ -124,6 +118,14 @@ class ReplicatedEngine(Engine):
         """Per replica: state, pid, devices, load, queue, tokens/s, busy fraction, restarts."""
         with self._lock:
             return [replica_status(slot) for slot in self._slots]
+
+    @property
+    def tracing(self) -> bool:
+        return bool(self.config.trace)
+
+    @property
+    def cause_of_death(self) -> BaseException | None:
+        return self._dead
 
     @property
     def kv_blocks_free(self) -> int | None:
@@ -149,28 +151,31 @@ class ReplicatedEngine(Engine):
             return "ok"
         return "degraded"
 
-    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+    def wait_until_compiled(self, timeout: float | None, probe: Probe) -> bool:
         """Replicas report ready once compiled (``worker.py``): nothing to wait for."""
         return True
 
-    def stage_busy_s(self) -> list[float]:
+    def stage_busy_s(self, probe: Probe) -> list[float]:
         """Seconds each stage of each replica (replica-major) has computed so far; a one-token
         request to every serving replica brings the figures up to date first."""
-        params = self.inputs.params("last", None, False)
         probes = []
         with self._lock:
-            self._raise_if_dead()
+            self.raise_if_dead()
             for slot in self._slots:
                 if slot.state == State.OK:
-                    submission = self._new_submission(params, 1)
-                    batch = self._new_batch(
-                        submission, TokenSlice(0, np.zeros(1, np.int64), np.ones(1, np.int64))
-                    )
-                    self._assign(slot, submission, 0, batch)
+                    submission, part = probe()
+                    self._assign(slot, submission, 0, self._new_batch(submission, part))
                     probes.append(submission)
         for submission in probes:
             submission.result()
         return list(self.stats.stage_busy_s)
+
+    def gather_trace(self, timeout: float | None) -> list[list[ProcessTrace]]:
+        """Every serving replica's processes' spans (each replica's driver and stages)."""
+        with self._lock:
+            self.raise_if_dead()
+            procs = [slot.proc for slot in self._slots if slot.state == State.OK]
+        return [proc.request_trace(timeout) for proc in procs]
 
     def add_death_callback(self, fn) -> None:
         with self._lock:
@@ -180,7 +185,7 @@ class ReplicatedEngine(Engine):
         if dead is not None:
             fn(dead)
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 30.0) -> None:
         """Stop every replica (each closes its engine and stage processes) and fail what is
         pending with EngineDeadError."""
         with self._lock:
@@ -191,7 +196,7 @@ class ReplicatedEngine(Engine):
             self._lock.notify_all()
             restarting = list(self._restarting)
         for thread in restarting:
-            thread.join(timeout=30)
+            thread.join(timeout=join_timeout)
         procs = [slot.proc for slot in self._slots if slot.proc is not None]
         for proc in procs:
             proc.request_stop()
@@ -201,14 +206,14 @@ class ReplicatedEngine(Engine):
 
     # -- intake --------------------------------------------------------------------------------
 
-    def _slice_intake(self) -> contextlib.AbstractContextManager:
+    def slice_intake(self) -> contextlib.AbstractContextManager:
         """Nothing to wait for or tell: the replicas' loop threads run in their own processes
         and see each slice as it comes."""
         return contextlib.nullcontext(lambda: None)
 
-    def _enqueue(self, submission: Submission, part: TokenSlice) -> None:
+    def enqueue(self, submission: Submission, part: TokenSlice) -> None:
         with self._lock:
-            self._raise_if_dead()
+            self.raise_if_dead()
             batch = self._new_batch(submission, part)
             self._place(submission, part.first, batch, known=False)
         self.front_stats.on_submit(len(batch), batch.num_tokens)
@@ -244,7 +249,7 @@ class ReplicatedEngine(Engine):
             Work(batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids)
         )
 
-    def _cancel(self, submission: Submission) -> None:
+    def cancel(self, submission: Submission) -> None:
         with self._lock:
             for slot in self._slots:
                 dropped = []
@@ -415,7 +420,7 @@ class ReplicatedEngine(Engine):
         for owner in owners:
             owner.submission.fail(exc)
 
-    def _raise_if_dead(self) -> None:
+    def raise_if_dead(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead}") from self._dead
         if self._closed:

@@ -11,22 +11,28 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from ..engine import Engine
-from ..errors import InvalidInputError
-from ..scoring import check_top_n, pair_up, ranking
-from ..submission import Submission
-from . import scoring_protocol as sp
-from .errors import APIError, from_engine
-from .front import Encoded
-from .protocol import ErrorResponse
+from ...api.engine import Engine
+from ...errors import InvalidInputError
+from ...scoring import check_top_n, pair_up, ranking
+from ...submission import Submission
+from .. import scoring_protocol as sp
+from ..errors import APIError, from_engine
+from ..front import Encoded
+from .shared import (
+    CLIENT_CLOSED,
+    ERRORS,
+    ClientGone,
+    check_model,
+    state_of,
+    unless_client_leaves,
+)
 
 router = APIRouter(tags=["rerank, score, classify"])
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
-@router.post("/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
-@router.post("/v1/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
-@router.post("/v2/rerank", response_model=sp.RerankResponse, responses=_ERRORS)
+@router.post("/rerank", response_model=sp.RerankResponse, responses=ERRORS)
+@router.post("/v1/rerank", response_model=sp.RerankResponse, responses=ERRORS)
+@router.post("/v2/rerank", response_model=sp.RerankResponse, responses=ERRORS)
 async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     """Documents by relevance to the query, most relevant first (Cohere v2 / Jina; with
     ``texts`` instead of ``documents``, TEI's request and answer)."""
@@ -60,14 +66,14 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     if body.tei:
         return _json(sp.tei_rerank_response(documents, scores, order, return_text=body.return_text))
     keep = body.return_documents if body.return_documents is not None else True
-    name = body.model or _state(request).settings.model_name
+    name = body.model or state_of(request).settings.model_name
     return _json(
         sp.rerank_response(name, documents, scores, order, done.num_tokens, return_documents=keep)
     )
 
 
-@router.post("/score", response_model=sp.ScoreResponse, responses=_ERRORS)
-@router.post("/v1/score", response_model=sp.ScoreResponse, responses=_ERRORS)
+@router.post("/score", response_model=sp.ScoreResponse, responses=ERRORS)
+@router.post("/v1/score", response_model=sp.ScoreResponse, responses=ERRORS)
 async def score(body: sp.ScoreRequest, request: Request) -> Response:
     """One score per pair: text_1 against every text_2, or text_1[i] with text_2[i] (vLLM)."""
     try:
@@ -92,12 +98,12 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
     if isinstance(done, Response):
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
-    name = body.model or _state(request).settings.model_name
+    name = body.model or state_of(request).settings.model_name
     return _json(sp.score_response(name, scores, done.num_tokens))
 
 
-@router.post("/classify", response_model=sp.ClassifyResponse, responses=_ERRORS)
-@router.post("/v1/classify", response_model=sp.ClassifyResponse, responses=_ERRORS)
+@router.post("/classify", response_model=sp.ClassifyResponse, responses=ERRORS)
+@router.post("/v1/classify", response_model=sp.ClassifyResponse, responses=ERRORS)
 async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     """Label probabilities and the top label per input (vLLM)."""
     texts = body.texts()
@@ -116,14 +122,10 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    labels = _state(request).front.engine.deployment.classifier.labels
-    name = body.model or _state(request).settings.model_name
+    labels = state_of(request).front.engine.deployment.classifier.labels
+    name = body.model or state_of(request).settings.model_name
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
     return _json(sp.classify_response(name, probs, labels, done.num_tokens))
-
-
-def _state(request: Request):
-    return request.app.state.pipepool
 
 
 async def _run(
@@ -138,10 +140,8 @@ async def _run(
     """The shared path of the model routes: the model name, the per-request input limit, the
     tokenising lane (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx,
     and a 499 if the client leaves meanwhile."""
-    from .app import CLIENT_CLOSED, _check_model, _ClientGone, _unless_client_leaves
-
-    state = _state(request)
-    _check_model(state, model)
+    state = state_of(request)
+    check_model(state, model)
     limit = state.settings.max_inputs_per_request
     if n > limit:
         raise APIError(
@@ -152,8 +152,8 @@ async def _run(
             code="too_many_inputs",
         )
     try:
-        return await _unless_client_leaves(request, state.front.run(n, submit, texts))
-    except _ClientGone:
+        return await unless_client_leaves(request, state.front.run(n, submit, texts))
+    except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 
 

@@ -1,0 +1,1 @@
+"""The user's door: the ``Engine`` facade and its result types."""

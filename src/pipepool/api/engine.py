@@ -1,0 +1,394 @@
+"""The Engine: the one object every front end (Python API, CLI, HTTP server) sits on.
+
+A facade: it turns a call's inputs into validated token slices (``inputs``), hands them to its
+``Pipeline`` (one pipeline of stages, or replicas of it: ``driver/pipeline.py``) and returns the
+call's future. Everything behind the first token batch — scheduling, stages, healing,
+tracing — is the pipeline's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..config import EngineConfig, check_long_inputs
+from ..core.request import PoolingParams
+from ..core.stats import EngineStats
+from ..deployment import Deployment
+from ..driver import open_pipeline
+from ..driver.pipeline import Pipeline
+from ..errors import InvalidInputError
+from ..inputs import InputPreparer, TokenSlice
+from ..long_inputs import CombinedSubmission, split_windows, window_params
+from ..memory import bound_heap_growth
+from ..scoring import ScoringMethods, refuse_embedding
+from ..submission import Submission
+
+if TYPE_CHECKING:
+    from ..tracing import TraceSummary
+
+log = logging.getLogger("pipepool")
+# At interpreter exit a loop thread still inside a step is waited for this long: the
+# interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
+_EXIT_JOIN_S = 10.0
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _nothing() -> None:
+    """After a slice is enqueued: nothing to wait for."""
+
+
+class Engine(ScoringMethods):
+    """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
+    scores, reranks and classifies with a classifier (``ScoringMethods``).
+
+    Every method is thread-safe and may be called concurrently; results come back in input
+    order. Use as a context manager, or call ``close()``. Keyword options are the fields of
+    ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...);
+    ``data_parallel_size=N`` runs N replicas of the pipeline behind the same methods.
+    ``pipeline`` is what computes (``driver.pipeline.Pipeline``).
+    """
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        self._start(EngineConfig.from_options(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, pipeline: Pipeline | None = None) -> Engine:
+        """An engine for ``config``; ``pipeline``: one already started for it (shared
+        replicas of several front-end processes), else the one the config asks for."""
+        engine = object.__new__(cls)
+        engine._start(config, pipeline)
+        return engine
+
+    def _start(self, config: EngineConfig, pipeline: Pipeline | None = None) -> None:
+        self._trace_written = True  # until started, close() has no trace to write
+        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
+        self.config = config
+        self.pipeline: Pipeline = pipeline if pipeline is not None else open_pipeline(config)
+        self.deployment: Deployment = self.pipeline.deployment
+        self.inputs = InputPreparer(self.deployment)
+        self._trace_written = False
+        _open_engines.add(self)
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters of the engine (every replica's, summed, for replicas)."""
+        return self.pipeline.stats
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def model_path(self) -> str:
+        return str(self.deployment.folder.path)
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        prompt_name: str | None = None,
+        long_inputs: str | None = None,
+    ) -> np.ndarray:
+        """One vector per input, ``[n, dim]`` float32, in input order (``[0, dim]`` for no
+        input)."""
+        return self.submit(
+            inputs,
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            long_inputs=long_inputs,
+        ).result()
+
+    def embed_tokens(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        normalize: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        prompt_name: str | None = None,
+        long_inputs: str | None = None,
+    ) -> list[np.ndarray]:
+        """Token embeddings (ALL pooling): one ``[len, hidden]`` float32 array per input."""
+        return self.pool(
+            inputs,
+            pooling="all",
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            long_inputs=long_inputs,
+        )
+
+    def pool(self, inputs, *, pooling: str, **kwargs) -> list[np.ndarray]:
+        """Any pooling (last | mean | cls | all) for a batch of inputs; blocks until done.
+        One array per input; ``kwargs`` as for ``submit``."""
+        return list(self.submit(inputs, pooling=pooling, **kwargs).result())
+
+    # sentence-transformers' names, so code written for SentenceTransformer runs unchanged.
+
+    def encode(
+        self,
+        sentences: str | Sequence[str],
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str = "sentence_embedding",
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+        prompt_name: str | None = None,
+        truncate_dim: int | None = None,
+    ):
+        """``SentenceTransformer.encode``: a ``[n, dim]`` array (one ``[dim]`` vector for a
+        single string), ``[0, dim]`` for an empty list. ``batch_size`` is accepted and unused:
+        the engine batches by tokens (``max_num_batched_tokens``), not by count.
+        ``normalize_embeddings=False`` keeps the model's own normalisation, as there.
+        ``output_value="token_embeddings"`` gives one ``[len, hidden]`` array per input."""
+        from ..st_compat import encode
+
+        return encode(
+            self,
+            sentences,
+            show_progress_bar=show_progress_bar,
+            output_value=output_value,
+            precision=precision,
+            convert_to_numpy=convert_to_numpy,
+            convert_to_tensor=convert_to_tensor,
+            normalize_embeddings=normalize_embeddings,
+            prompt_name=prompt_name,
+            truncate_dim=truncate_dim,
+        )
+
+    def get_embedding_dimension(self) -> int:
+        """Size of one embedding (after any Dense head), as sentence-transformers says it."""
+        return self.deployment.output_dim
+
+    get_sentence_embedding_dimension = get_embedding_dimension  # its name before version 6
+
+    def similarity(self, a, b) -> np.ndarray:
+        """``[len(a), len(b)]`` similarities by the model's ``similarity_fn_name`` (cosine
+        unless its sentence-transformers config says dot, euclidean or manhattan)."""
+        from ..st_compat import similarity
+
+        st = self.deployment.folder.st
+        return similarity(a, b, st.similarity_fn_name if st else None)
+
+    def submit(
+        self,
+        inputs,
+        *,
+        pooling: str | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        prompt_name: str | None = None,
+        long_inputs: str | None = None,
+    ) -> Submission | CombinedSubmission:
+        """Validate, tokenise and enqueue; returns the call's future once every input is
+        enqueued.
+
+        Raises InvalidInputError naming the input if any input is bad; then nothing of the
+        call stays queued (slices already enqueued are cancelled). Long lists are tokenised
+        and enqueued a slice at a time, so the device starts on the first slice while this
+        thread tokenises the next, paced by the pipeline's ``slice_intake``.
+        ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
+        """
+        refuse_embedding(self.deployment)
+        params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
+        policy = check_long_inputs(long_inputs or self.config.long_inputs)
+        items = self.inputs.items(inputs)
+        slices = self.inputs.token_slices(
+            items,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            long_inputs=policy,
+        )
+        if (
+            not isinstance(inputs, str)
+            and isinstance(inputs, (Sequence, np.ndarray))
+            and not len(inputs)
+        ):
+            return self._new_submission(params, 0)  # already done: an empty result
+        first = next(slices)  # options (and every text) validated before anything is enqueued
+        if policy == "chunk":
+            return self._submit_windows(params, [first, *slices])
+        submission = self._new_submission(params, len(items))
+        more = len(first.lengths) < len(items)
+        try:
+            with (
+                self.pipeline.slice_intake()
+                if more
+                else contextlib.nullcontext(_nothing) as enqueued
+            ):
+                for part in itertools.chain([first], slices):
+                    self.pipeline.enqueue(submission, part)
+                    if part.first + len(part.lengths) < len(items):
+                        enqueued()  # before preparing the next slice
+        except BaseException:
+            submission.cancel()
+            raise
+        return submission
+
+    def _submit_windows(
+        self, params: PoolingParams, parts: list[TokenSlice]
+    ) -> Submission | CombinedSubmission:
+        """long_inputs="chunk": inputs over max_model_len become several requests."""
+        token_ids = np.concatenate([p.token_ids for p in parts])
+        lengths = np.concatenate([p.lengths for p in parts])
+        d = self.deployment
+        size = min(d.max_model_len, d.kv_cache_tokens) if d.causal else d.max_model_len
+        windows = split_windows(token_ids, lengths, size)
+        if len(windows.lengths) == len(lengths):  # nothing to split
+            return self.submit_tokens(token_ids, lengths, params)
+        inner = self.submit_tokens(token_ids, windows.lengths, window_params(params))
+        return CombinedSubmission(inner, windows, params)
+
+    def submit_tokens(
+        self,
+        token_ids: np.ndarray,
+        lengths: np.ndarray,
+        params: PoolingParams,
+        type_ids: np.ndarray | None = None,
+    ) -> Submission:
+        """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
+        type ids of pair inputs if any."""
+        submission = self._new_submission(params, len(lengths))
+        self.pipeline.enqueue(submission, TokenSlice(0, token_ids, lengths, type_ids))
+        return submission
+
+    def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
+        """Token ids per input, as ``submit`` would enqueue them (truncation included)."""
+        kwargs.setdefault("long_inputs", self.config.long_inputs)
+        return self.inputs.prepare(inputs, **kwargs)
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every stage computes with its compiled layer bodies; False if that
+        takes longer than ``timeout`` seconds. Where ``compile`` is left to the engine it is
+        ready, and serves, while it compiles (README, "Start-up"); a benchmark waits here."""
+        return self.pipeline.wait_until_compiled(timeout, self._probe)
+
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has spent computing so far (for idle fractions; replica-major
+        with replicas)."""
+        return self.pipeline.stage_busy_s(self._probe)
+
+    def _probe(self) -> tuple[Submission, TokenSlice]:
+        """A one-token call, not yet enqueued, that runs one step through every stage."""
+        params = self.inputs.params("last", None, False)
+        part = TokenSlice(0, np.zeros(1, np.int64), np.ones(1, np.int64))
+        return self._new_submission(params, 1), part
+
+    @property
+    def kv_blocks_free(self) -> int | None:
+        """Free KV-cache blocks now (None where the model keeps no KV cache)."""
+        return self.pipeline.kv_blocks_free
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """KV-cache blocks of the pipeline (every replica's; 0 without a KV cache)."""
+        return self.pipeline.kv_blocks_total
+
+    @property
+    def is_alive(self) -> bool:
+        """False once closed, or once the pipeline failed for good (even with no request in
+        flight); True while a failed pipeline is being restarted."""
+        return self.health in ("ok", "degraded")
+
+    @property
+    def health(self) -> str:
+        """ok | degraded (a stage or replica died and is being restarted; calls wait) | dead |
+        closed."""
+        return self.pipeline.health
+
+    def replica_status(self) -> list:
+        """Per replica: state, pid, devices, load, queue, tokens/s, busy fraction, restarts
+        (``replicas.stats.ReplicaStatus``); empty for one pipeline."""
+        return self.pipeline.replica_status()
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        """``fn(cause)`` once the engine fails for good (not on ``close()``); called on the
+        thread that saw the failure, or at once if it is dead already."""
+        self.pipeline.add_death_callback(fn)
+
+    def write_trace(
+        self,
+        path: str | None = None,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        timeout: float | None = 300.0,
+    ) -> TraceSummary:
+        """Write the step timeline so far to ``path`` (default: ``config.trace``) as Chrome
+        trace events and return where each stage's time went. ``since_ns`` / ``until_ns``
+        (``time.monotonic_ns()`` of this process) keep only that window. Waits for the plans
+        in flight to finish; new plans wait meanwhile. Tracing must be on (``trace=``). With
+        replicas, every replica's processes are in the file, and the summary lists the stages
+        of each."""
+        from ..tracing import summarize_pipelines
+        from ..tracing.chrome import write_chrome_trace
+
+        if not self.pipeline.tracing:
+            raise InvalidInputError("tracing is off: start the engine with trace=FILE.json")
+        per_pipeline = self.pipeline.gather_trace(timeout)
+        summary, traces = summarize_pipelines(per_pipeline, since_ns, until_ns)
+        write_chrome_trace(path or self.config.trace, traces, since_ns, until_ns)
+        self._trace_written = True
+        return summary
+
+    def close(self, *, write_trace: bool = True) -> None:
+        """Stop the pipeline and every stage process now (well under a second); pending calls
+        fail with EngineDeadError("engine closed"). With tracing on and no trace written yet,
+        the steps in flight finish first and the trace is written (its summary logged), unless
+        ``write_trace`` is False."""
+        if write_trace and not self._trace_written and self.pipeline.tracing and self.is_alive:
+            try:
+                summary = self.write_trace(timeout=60)
+                log.info("%s\ntrace written to %s", summary.text(), self.config.trace)
+            except Exception as exc:  # the trace must not keep the engine from closing
+                log.warning("could not write the trace: %r", exc)
+        self._trace_written = True
+        self.pipeline.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Not contextlib.suppress: at interpreter exit module globals may already be None.
+        try:  # noqa: SIM105
+            self.close()
+        except Exception:
+            pass
+
+    def _new_submission(self, params: PoolingParams, num_inputs: int) -> Submission:
+        width = params.dimensions or self.inputs.output_width(params.pooling)
+        return Submission(params, num_inputs, width, on_cancel=self.pipeline.cancel)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the engines a program left open. Without this a program that exits with work
+    in flight (no close(), no ``with``) dies of SIGABRT ("terminate called without an active
+    exception", exit code 134): the interpreter tears down while the loop thread still runs a
+    step's torch ops. Runs before the interpreter's own teardown."""
+    for engine in list(_open_engines):
+        with contextlib.suppress(Exception):
+            engine.close()
+            engine.pipeline.close(join_timeout=_EXIT_JOIN_S)

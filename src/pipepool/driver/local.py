@@ -1,0 +1,603 @@
+"""``LocalPipeline``: one pipeline's scheduler, executor and loop thread, behind the Engine.
+
+Calls from any thread put request batches into an inbox (``enqueue``); one loop thread owns the
+scheduler and the executor, keeps up to ``executor.depth`` plans in flight, and writes each
+step's outputs into the calls' results (``Submission``).
+
+When a stage process dies, the loop heals the pipeline: it starts the stages again and runs
+every unfinished request once more (pooling is a pure function of a prompt, so callers see a
+delay, not an error), within ``RestartPolicy``'s bounds. A failure it cannot heal (a divergence,
+a stage in this process, too many restarts) fails every pending and later call with the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import switch_interval
+from ..config import EngineConfig
+from ..core.kv_blocks import BlockAllocator
+from ..core.plan import StepPlan, StepResult
+from ..core.request import RequestBatch
+from ..core.restarts import RestartPolicy
+from ..core.scheduler import Ledger, Scheduler
+from ..core.stats import EngineStats
+from ..errors import EngineDeadError, PipepoolError, StageFailure, StateDivergence
+from ..inputs import TokenSlice
+from ..owners import Owners
+from ..parallel.executor import Executor
+from ..parallel.launch import deployment_for, start_executor
+from ..signal_mask import block_stop_signals
+from ..submission import Submission
+from ..tracing.driver import DriverTrace
+from ..tracing.recorder import ProcessTrace, now
+from .pipeline import Probe
+
+log = logging.getLogger("pipepool")
+_CLOSE_JOIN_S = 0.3
+# The longest a caller enqueueing a call's slices waits for the backlog to fall below a step
+# (``slice_intake``): a bound, not a pace; the backlog falls at every step.
+_PACE_S = 0.05
+# A step that starts an idle pipeline holds at most this share of the step budget where steps
+# overlap (``overlap_steps``, CUDA's default): the device starts sooner, and the next step, a
+# whole one, is built while this one runs (BENCHMARKS.md, issue 10, tenth pass).
+_IDLE_STEP_SHARE = 0.5
+
+
+def _nothing() -> None:
+    """After a slice is enqueued: nothing to wait for."""
+
+
+# What callers put in the loop's inbox, applied by the loop thread in order.
+@dataclass(frozen=True)
+class AddBatch:
+    """Schedule these prompts."""
+
+    batch: RequestBatch
+
+
+@dataclass(frozen=True)
+class AbortCall:
+    """A cancelled call: drop whatever of its batches is unfinished."""
+
+    submission: Submission
+
+
+@dataclass(frozen=True)
+class GatherTrace:
+    """Answer with every process's spans once no plan is in flight."""
+
+    future: Future
+
+
+InboxMessage = AddBatch | AbortCall | GatherTrace
+
+
+class LocalPipeline:
+    """One pipeline of stages (in this process, or one process per stage) driven by a loop
+    thread of its own.
+
+    Owns the scheduler (touched by the loop thread only), the executor and the owners of every
+    unfinished request. Callers on any thread ``enqueue`` token batches and ``cancel`` calls;
+    results are written into their ``Submission`` by the loop thread. Once it fails for good
+    (or is closed) every pending and later call fails with ``EngineDeadError``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.deployment = deployment_for(config)
+        d = self.deployment
+        self.stats = EngineStats(d.num_stages)
+        self._scheduler = self._new_scheduler()
+        # The step timeline (config.trace): None when off. Requests for the stages' spans wait
+        # in _trace_wanted until no plan is in flight.
+        self._trace = DriverTrace() if config.trace else None
+        self._trace_wanted: list[Future] = []
+        self._closed = True  # until the stages run, close() has nothing to stop
+        self._executor: Executor = start_executor(d)  # last: it starts processes
+        self._restarts = RestartPolicy(config.stage_restarts)
+        self._next_id = 0
+        self._owners = Owners()  # which call each batch's results go to
+        self._inbox: deque[InboxMessage] = deque()
+        lock = threading.RLock()
+        self._wake = threading.Condition(lock)  # the loop's: work arrived, or stop
+        # A caller's, pacing a call's slices (slice_intake): a step took from the backlog.
+        self._room = threading.Condition(lock)
+        self._backlog_tokens = 0  # enqueued, and not yet in a plan handed to the stages
+        self._plans_handed_over = 0  # since the pipeline started (see slice_intake)
+        self._slicing = 0  # calls still enqueueing slices (see slice_intake)
+        self._dead: BaseException | None = None
+        self._restarting = False  # the loop is starting a failed pipeline again
+        self._on_death: list[Callable[[BaseException], None]] = []
+        self._closed = False
+        self._stop = False
+        self._executor.set_failure_listener(self._wake_loop)
+        self._lowered_switch = switch_interval.lower(config.switch_interval_ms / 1000)
+        self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
+        self._thread.start()
+
+    def _new_scheduler(self) -> Scheduler:
+        d = self.deployment
+        blocks = BlockAllocator(d.num_kv_blocks, self.config.block_size) if d.causal else None
+        return Scheduler(
+            max_num_batched_tokens=d.max_num_batched_tokens,
+            max_num_seqs=d.max_num_seqs,
+            chunked=d.causal,
+            blocks=blocks,
+            verify_state=self.config.verify_state,
+        )
+
+    # -- what the Engine asks of its pipeline ---------------------------------------------------
+
+    @property
+    def tracing(self) -> bool:
+        return self._trace is not None
+
+    @property
+    def runners(self) -> list:
+        """The stage runners in this process (stage 0 of a multi-process pipeline, every stage
+        of an in-process one), for memory figures."""
+        executor = self._executor
+        return list(getattr(executor, "runners", None) or [executor.runner])
+
+    @property
+    def kv_blocks_free(self) -> int | None:
+        """Free KV-cache blocks now (None for bidirectional models, which keep no KV cache).
+        Safe from any thread: the loop thread owns the allocator, this only reads a length."""
+        blocks = self._scheduler.blocks
+        return None if blocks is None else blocks.num_free
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.deployment.num_kv_blocks
+
+    @property
+    def health(self) -> str:
+        """ok | degraded (a stage died; the pipeline is being restarted, calls wait) | dead |
+        closed."""
+        if self._closed:
+            return "closed"
+        if self._dead is not None:
+            return "dead"
+        if self._restarting or self._executor.failure is not None:
+            return "degraded" if self._may_heal() else "dead"
+        return "ok"
+
+    @property
+    def cause_of_death(self) -> BaseException | None:
+        return self._dead
+
+    def replica_status(self) -> list:
+        return []  # one pipeline, no replicas
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        with self._wake:
+            dead = self._dead
+            if dead is None:
+                self._on_death.append(fn)
+        if dead is not None:
+            fn(dead)
+
+    def wait_until_compiled(self, timeout: float | None, probe: Probe) -> bool:
+        if not self.deployment.compile_in_background:
+            return True  # compiled before the pipeline was ready, or not at all
+        if not self._executor.wait_compiled(timeout):
+            return False
+        self._run(probe)  # the stages install the compiled bodies between two steps: this one
+        return True
+
+    def stage_busy_s(self, probe: Probe) -> list[float]:
+        """Stages report with their step results, device time only once the device got
+        there, so a one-token step brings every figure up to date first."""
+        self._run(probe)
+        return list(self.stats.stage_busy_s)
+
+    def _run(self, probe: Probe) -> None:
+        submission, part = probe()
+        self.enqueue(submission, part)
+        submission.result()
+
+    def gather_trace(self, timeout: float | None) -> list[list[ProcessTrace]]:
+        """Every process's spans so far, one list (one pipeline); waits for the plans in
+        flight to finish, while new plans wait."""
+        wanted: Future = Future()
+        with self._wake:
+            self.raise_if_dead()
+            self._inbox.append(GatherTrace(wanted))
+            self._wake.notify()
+        return [wanted.result(timeout=timeout)]
+
+    def close(self, join_timeout: float = _CLOSE_JOIN_S) -> None:
+        """Stop the loop and every stage process now; pending calls fail with
+        EngineDeadError("engine closed"). Stages are not asked to finish the steps in flight:
+        nothing they would still compute is wanted, so they exit at once."""
+        with self._wake:
+            first = not self._closed
+            self._closed = True
+            self._stop = True
+            self._wake.notify()
+            self._room.notify_all()
+        if first:
+            self._executor.abort()  # a loop waiting on a stage's answer fails over at once
+        # The loop leaves at its next check of _stop; one still inside a long step on the
+        # driver's own stage is not waited for longer (it is a daemon, and delivers nothing).
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_timeout)
+        if not first:
+            return
+        self._fail_pending(EngineDeadError("engine closed"))
+        self._executor.shutdown()
+        if self._lowered_switch:
+            self._lowered_switch = False
+            switch_interval.restore()
+
+    def cancel(self, submission: Submission) -> None:
+        with self._wake:
+            self._inbox.append(AbortCall(submission))
+            self._wake.notify()
+
+    @contextlib.contextmanager
+    def slice_intake(self) -> Iterator[Callable[[], object]]:
+        """Around the enqueueing of a call whose inputs come in several slices. Both threads
+        need the GIL, so the caller preparing slices contends with the loop thread preparing
+        steps; this yields what the caller runs after each slice it enqueues, to keep out of
+        the loop's way while the loop has enough to do:
+
+        - after the first: a wait (5 ms at most) until the loop thread has handed a step to
+          the stages. Preparing the next slices meanwhile only delayed the device's first
+          kernel: 4.4 ms of an 8192-query call's 37 ms on an H200.
+        - after each: a wait (``_PACE_S`` at most) while the backlog (tokens enqueued and in
+          no plan handed to the stages yet) holds a whole step. Preparing all slices at once
+          slowed the preparation of the second step so much that the device waited 2.2 ms
+          for it (BENCHMARKS.md, issue 10, ninth pass).
+
+        And while the call lasts, the loop thread, with room for another step in flight and
+        less than a step to schedule (``_short_of_a_step``), waits for the next slice
+        (``_next_slice_arrived``) before it schedules, so step k+1 is built while the device
+        runs step k (blocking on the step in flight left the device idle 2.5 and 2.1 ms before
+        such a call's second and third steps) and holds a whole step where the call has one."""
+        if threading.current_thread() is self._thread:  # nothing to wait for
+            yield _nothing
+            return
+        with self._wake:
+            self._slicing += 1
+            handed_before = self._plans_handed_over
+        first = True
+        step = self.deployment.max_num_batched_tokens
+
+        def ended() -> bool:
+            return self._stop or self._dead is not None
+
+        def enqueued() -> None:
+            nonlocal first
+            with self._wake:
+                if first:
+                    first = False
+                    self._room.wait_for(
+                        lambda: self._plans_handed_over > handed_before or ended(), 0.005
+                    )
+                self._room.wait_for(lambda: self._backlog_tokens < step or ended(), _PACE_S)
+
+        try:
+            yield enqueued
+        finally:
+            with self._wake:
+                self._slicing -= 1
+                self._wake.notify()
+
+    def _short_of_a_step(self) -> bool:
+        """Whether a call is still enqueueing slices while less than a step's budget is
+        queued: a step scheduled now would be short (the rest of a slice) while its next slice
+        is being prepared. A short step costs the host as much as a full one, and a small
+        model's short step costs the device less than that: the device then waits for the
+        host (W4 on MiniLM, its layers stubbed out on the CPU and steps overlapping, took steps
+        of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens; BENCHMARKS.md, issue 10, tenth pass)."""
+        return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
+
+    def _idle_step_tokens(self) -> int | None:
+        """The budget of a step scheduled while no step is in flight (``_IDLE_STEP_SHARE``);
+        None (the whole budget) where steps do not overlap (the CPU: the driver computes stage
+        0 itself, so nothing of the next step is built while a step runs)."""
+        if not self.deployment.overlap_steps:
+            return None
+        return int(self.deployment.max_num_batched_tokens * _IDLE_STEP_SHARE)
+
+    def _take_inbox(self) -> deque:
+        with self._wake:
+            inbox, self._inbox = self._inbox, deque()
+        return inbox
+
+    def _next_slice_arrived(self, timeout_s: float = 0.002) -> bool:
+        """Whether work arrived while waiting (``timeout_s`` at most, and only while a call
+        is still enqueueing slices) for the slice that a call is preparing."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._inbox or self._stop or not self._slicing, timeout_s)
+            return bool(self._inbox)
+
+    def enqueue(self, submission: Submission, part: TokenSlice) -> None:
+        """Queue a slice of a call's prompts (validated, tokenised) for the loop thread."""
+        rows = None  # the call's row of each batch row, where not part.first onwards
+        if self.deployment.length_sorted and len(part.lengths) > 1:
+            part, order = part.longest_first()
+            rows = part.first + order
+        with self._wake:  # under the lock, so a request cannot slip in after the engine died
+            self.raise_if_dead()
+            batch = RequestBatch(
+                self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids
+            )
+            self._next_id += len(batch)
+            if rows is None:
+                submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
+            else:
+                submission.num_tokens[rows] = part.lengths
+            submission.batches.append(batch)
+            self._backlog_tokens += batch.num_tokens
+            self._owners.add(submission, part.first, batch, rows)
+            self._inbox.append(AddBatch(batch))
+            self._wake.notify()
+        self.stats.on_submit(len(batch), batch.num_tokens)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        block_stop_signals()  # Ctrl-C is the main thread's (and so are the threads we start)
+        while True:
+            try:
+                self._serve()
+                return  # closed
+            except BaseException as exc:
+                if self._stop:
+                    return  # close() killed the stages under us; it fails what is pending
+                cause = self._heal(exc)
+                if cause is not None:  # nothing more can be trusted
+                    self._die(cause)
+                    return
+            # Healed. The failed pipeline's sockets and threads hang in a reference cycle (the
+            # failure's traceback holds the frames that used them): free them now, not at
+            # some later collection.
+            gc.collect()
+
+    def _serve(self) -> None:
+        """Schedule, execute and deliver until closed; raises what failed the pipeline."""
+        inflight: deque[tuple[StepPlan, float]] = deque()  # (plan, when it was submitted)
+        executor, scheduler = self._executor, self._scheduler
+        while True:
+            with self._wake:
+                while not (
+                    self._inbox
+                    or self._stop
+                    or inflight
+                    or scheduler.has_schedulable()
+                    or executor.failure is not None
+                    or self._trace_wanted
+                ):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                inbox = self._take_inbox()
+            executor.check_alive()
+            self._apply_inbox(inbox)
+            tr = self._trace  # None unless tracing: then nothing below records anything
+            # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
+            gathering = tr is not None and bool(self._trace_wanted)
+            while len(inflight) < executor.depth and not gathering:
+                if inflight and self._short_of_a_step() and self._next_slice_arrived():
+                    self._apply_inbox(self._take_inbox())
+                t0 = now() if tr is not None else 0
+                plan = scheduler.schedule(None if inflight else self._idle_step_tokens())
+                if plan is None:
+                    break
+                submitted = time.perf_counter()
+                if tr is not None:
+                    tr.submitted(t0)
+                    t0 = tr.span("schedule", t0, plan)
+                executor.submit(plan)
+                self._handed_over(plan)
+                if tr is not None:
+                    tr.span("submit", t0, plan)
+                inflight.append((plan, submitted))
+                self.stats.on_plan(plan)
+            if inflight:
+                t0 = now() if tr is not None else 0
+                result = executor.collect()
+                plan, submitted = inflight.popleft()
+                if tr is not None:
+                    t0 = tr.span("wait result", t0, plan)
+                ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
+                self.stats.on_result(plan, result, time.perf_counter() - submitted)
+                self._deliver(result, ledger)
+                if tr is not None:
+                    end = tr.span("deliver", t0, plan)
+                    if not inflight and not scheduler.has_schedulable():
+                        tr.drained(end)  # the pipeline ran dry: a busy period ends
+            elif gathering:
+                self._answer_trace()
+            self.stats.set_queue(
+                scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
+            )
+
+    def _handed_over(self, plan: StepPlan) -> None:
+        """A plan is with the stages: its tokens leave the backlog (``_slice_intake``)."""
+        with self._wake:
+            self._backlog_tokens -= plan.num_tokens
+            self._plans_handed_over += 1
+            self._room.notify_all()
+
+    def _heal(self, failure: BaseException) -> BaseException | None:
+        """Start the failed pipeline again and queue every unfinished request once more.
+        Returns None when healed (or closing), else the cause to die of."""
+        while self._may_heal() and isinstance(failure, StageFailure):
+            if isinstance(failure, StateDivergence):
+                return failure  # a logic error: a fresh pipeline would diverge again
+            delay = self._restarts.on_failure(time.monotonic())
+            if delay is None:
+                log.error("pipeline failed again (%s); giving up after %d restarts", failure,
+                          self._restarts.limit)  # fmt: skip
+                return failure
+            with self._wake:
+                self._restarting = True
+            self.stats.on_error(failure)
+            log.warning("pipeline failed (%s); restarting its stages in %.1f s", failure, delay)
+            old = self._executor
+            old.shutdown()
+            self._requeue()
+            with self._wake:
+                if self._wake.wait_for(lambda: self._stop, timeout=delay):
+                    return None
+            try:
+                executor = start_executor(
+                    self.deployment, replacing=old, cancelled=lambda: self._stop
+                )
+            except BaseException as exc:
+                if self._stop:
+                    return None
+                failure = exc
+                continue
+            executor.set_failure_listener(self._wake_loop)
+            self.stats.on_restart()
+            with self._wake:
+                self._executor = executor
+                self._restarting = False  # every stage loaded and connected again
+            log.warning("pipeline restarted; %d requests to run again", self._owners.num_unfinished)
+            return None
+        return failure
+
+    def _may_heal(self) -> bool:
+        return self._restarts.limit > 0 and self._executor.can_restart
+
+    def _requeue(self) -> None:
+        """A fresh scheduler (every KV block free) holding the unfinished requests of every
+        pending call, in their order (``Owners.requeue``)."""
+        with self._wake:  # no call may slip a batch in between
+            self._apply_inbox(self._take_inbox())  # aborts apply; additions are taken over below
+            batches, self._next_id = self._owners.requeue(self._next_id)
+            self._scheduler = self._new_scheduler()
+            self._backlog_tokens = sum(batch.num_tokens for batch in batches)
+            for batch in batches:
+                self._scheduler.add(batch)
+                self.stats.on_retry(len(batch))
+
+    def _die(self, cause: BaseException) -> None:
+        with self._wake:
+            self._dead = cause
+            self._restarting = False
+            callbacks, self._on_death = self._on_death, []
+            self._room.notify_all()
+        self.stats.on_error(cause)
+        # Callbacks first: a caller whose call fails with the cause may look for them at once.
+        for fn in callbacks:
+            fn(cause)
+        self._fail_pending(cause)
+        self._executor.shutdown()
+
+    def _wake_loop(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _answer_trace(self) -> None:
+        """Every process's spans for the callers of ``write_trace`` (no plan is in flight)."""
+        wanted, self._trace_wanted = self._trace_wanted, []
+        try:
+            traces = [self._trace.export(), *self._executor.gather_trace()]
+        except BaseException as exc:
+            for future in wanted:
+                future.set_exception(exc)
+            raise
+        for future in wanted:
+            future.set_result(traces)
+
+    def _apply_inbox(self, inbox: deque[InboxMessage]) -> None:
+        for message in inbox:
+            if isinstance(message, AddBatch):
+                self._scheduler.add(message.batch)
+                continue
+            if isinstance(message, GatherTrace):
+                self._trace_wanted.append(message.future)
+                continue
+            for batch in message.submission.batches:  # a cancelled call: every batch of it
+                owner = self._owners.pop(batch.first_id)
+                if owner is not None:
+                    unplanned = self._scheduler.abort(batch)
+                    with self._wake:
+                        self._backlog_tokens -= unplanned
+                    self.stats.on_abort(owner.remaining)
+
+    def _deliver(self, result: StepResult, ledger: Ledger) -> None:
+        """Write the step's finished outputs into their calls' results, one slice per batch."""
+        for batch, sel in _by_batch(ledger.batches, result.vector_ids):
+            owner = self._finish(batch, result.vector_ids[sel])
+            if owner is not None:
+                submission, rows = owner
+                submission.put_vectors(rows, result.vectors[sel])
+        for batch, sel in _by_batch(ledger.batches, result.token_owner_ids):
+            owner = self._finish(batch, result.token_owner_ids[sel])
+            if owner is not None:
+                submission, rows = owner
+                offsets = result.token_offsets
+                picked = np.arange(len(result.token_owner_ids))[sel].tolist()
+                values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in picked]
+                submission.put_tokens(rows, values)
+
+    def _finish(self, batch: RequestBatch, ids: np.ndarray) -> tuple[Submission, np.ndarray] | None:
+        """(call, its rows) for finished requests of a batch; None if the call was cancelled."""
+        rows = ids - batch.first_id
+        self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
+        return self._owners.finish(batch, ids)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        if not isinstance(exc, PipepoolError):
+            exc = EngineDeadError(f"engine stopped: {exc!r}")
+        with self._wake:
+            owners = self._owners.take_all()
+            wanted, self._trace_wanted = self._trace_wanted, []
+            wanted += [m.future for m in self._inbox if isinstance(m, GatherTrace)]
+        for owner in owners:
+            owner.submission.fail(exc)
+        for future in wanted:
+            if not future.done():
+                future.set_exception(exc)
+
+    def raise_if_dead(self) -> None:
+        if self._dead is None and self._executor.failure is not None and not self._may_heal():
+            self._dead = self._executor.failure  # a stage died while the engine was idle
+        if self._dead is not None:
+            cause = self._dead
+            if isinstance(cause, PipepoolError):
+                raise EngineDeadError(f"engine is dead: {cause}") from cause
+            raise EngineDeadError(f"engine is dead: {cause!r}") from cause
+        if self._closed:
+            raise EngineDeadError("engine is closed")
+
+
+def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):
+    """(batch, where its ids are in ``ids``) for every batch holding some of ``ids``: a slice
+    where they lie together (the usual step: outputs come in plan order, and a slice of the
+    step's output array is a view, not a copy), else an index array."""
+    if not len(ids):
+        return
+    if len(batches) == 1:
+        yield batches[0], slice(0, len(ids))
+        return
+    firsts = np.array([b.first_id for b in batches])
+    which = np.searchsorted(firsts, ids, side="right") - 1
+    steps = np.diff(which)
+    if (steps >= 0).all():
+        edges = [0, *(np.flatnonzero(steps) + 1).tolist(), len(ids)]
+        for lo, hi in itertools.pairwise(edges):
+            yield batches[int(which[lo])], slice(lo, hi)
+        return
+    order = np.argsort(which, kind="stable")
+    bounds = np.flatnonzero(np.diff(which[order])) + 1
+    for group in np.split(order, bounds):
+        yield batches[int(which[group[0]])], group

@@ -1,0 +1,95 @@
+"""OpenAI's /v1/embeddings and /v1/models, and vLLM's /pooling and /tokenize (TEI's form of
+/tokenize goes to ``tei.py``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from ...errors import PipepoolError
+from .. import protocol
+from ..errors import from_engine
+from . import tei
+from .shared import ERRORS, check_model, run_model_outputs, state_of
+
+# (model name, outputs, tokens per input, encoding format) -> response body
+Respond = Callable[[str, list[np.ndarray], list[int], str], dict]
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings", response_model=protocol.EmbeddingResponse, responses=ERRORS)
+async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
+    """One vector per input (OpenAI's embeddings API)."""
+    return await _run_model(
+        request,
+        body,
+        protocol.embedding_response,
+        dimensions=body.dimensions,
+        normalize=body.normalize,
+    )
+
+
+@router.post("/pooling", response_model=protocol.PoolingResponse, responses=ERRORS)
+async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
+    """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input."""
+    return await _run_model(
+        request, body, protocol.pooling_response, pooling="all", normalize=body.normalize
+    )
+
+
+@router.post("/tokenize", response_model=protocol.TokenizeResponse, responses=ERRORS)
+async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict | JSONResponse:
+    """Token ids of a text, special tokens included, as the model routes see them."""
+    state = state_of(request)
+    check_model(state, body.model)
+    if body.inputs is not None:
+        return JSONResponse(await tei.tokenize(state, body.inputs))  # TEI's shape, not ours
+    try:
+        ids = await state.front.tokenize(body.text)
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+    max_len = state.front.engine.deployment.max_model_len
+    return {"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len}
+
+
+async def _run_model(
+    request: Request, body: protocol.InputsRequest, respond: Respond, **options
+) -> Response:
+    state = state_of(request)
+    check_model(state, body.model)
+    done = await run_model_outputs(
+        request,
+        body.inputs(),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        long_inputs=body.long_inputs,
+        **options,
+    )
+    if isinstance(done, Response):
+        return done
+    name, fmt = body.model or state.settings.model_name, body.encoding_format
+    # Serializing thousands of floats takes a while: keep it off the event loop.
+    text = await state.front.offload(
+        lambda: json.dumps(
+            respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":")
+        ),
+        size=sum(out.size for out in done.outputs),
+    )
+    return Response(text, media_type="application/json")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = state_of(request)
+    engine = state.front.owner.engine
+    cards = []
+    for name in state.settings.model_names:
+        card = {"id": name, "object": "model", "created": state.started, "owned_by": "pipepool"}
+        if engine is not None:
+            card["max_model_len"] = engine.deployment.max_model_len
+        cards.append(card)
+    return {"object": "list", "data": cards}

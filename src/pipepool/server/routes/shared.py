@@ -1,0 +1,134 @@
+"""What every route shares: the server's state, the model-name and input checks, and the one
+path of a model call (limits, the engine queue, the engine's errors as 4xx/5xx, a 499 when the
+client leaves meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request, Response
+
+from ...errors import PipepoolError
+from .. import protocol
+from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, model_not_found
+from ..front import AsyncEngine, Encoded, QueueFullError
+from ..metrics import HttpMetrics
+from ..settings import ServerSettings
+
+T = TypeVar("T")
+
+# Status for a request whose client went away: nobody reads it, the access log and the
+# metrics do (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+ERRORS = {
+    status: {"model": protocol.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
+}
+
+
+@dataclass
+class ServerState:
+    """What the routes share; one per app, at ``app.state.pipepool``."""
+
+    settings: ServerSettings
+    front: AsyncEngine
+    http: HttpMetrics = field(default_factory=HttpMetrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.pipepool
+
+
+async def run_model_outputs(request: Request, inputs: list, **options) -> Encoded | Response:
+    """Checks, engine call, outputs; a bare Response (499) if the client left meanwhile."""
+    state = state_of(request)
+    check_inputs(state, inputs)
+    limit = state.settings.max_inputs_per_request
+    if len(inputs) > limit:
+        raise APIError(
+            400,
+            f"input has {len(inputs)} items; this server takes at most {limit} per request",
+            param="input",
+            code="too_many_inputs",
+        )
+    try:
+        return await unless_client_leaves(request, state.front.encode(inputs, **options))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in state.settings.model_names:
+        raise model_not_found(name, state.settings.model_names)
+
+
+def check_inputs(state: ServerState, inputs: list) -> None:
+    """400 for an empty input list, and for token ids unless the server was told to take
+    them (``--allow-token-ids``): ids of another tokenizer would give wrong vectors silently."""
+    if not inputs:
+        raise APIError(400, "input is empty: send at least one text", param="input")
+    if isinstance(inputs[0], str) or state.settings.allow_token_ids:
+        return
+    raise APIError(
+        400,
+        "this server takes text, not token ids: ids are read as this model's own token ids, "
+        "and ids from another tokenizer give wrong vectors without any error. LangChain's "
+        "OpenAIEmbeddings sends OpenAI tokenizer ids unless you pass "
+        "check_embedding_ctx_length=False; set that (or send text). If these are ids of this "
+        "model's tokenizer, start the server with --allow-token-ids.",
+        param="input",
+        code="token_ids_not_allowed",
+    )
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await the engine; if the client disconnects first, cancel (which aborts the engine
+    requests and frees their KV blocks) and raise ClientGone. If the server stops waiting
+    first (shutdown timeout), cancel and answer 503."""
+    abandoned = state_of(request).front.abandoned
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    giving_up = asyncio.ensure_future(abandoned.wait())
+    try:
+        await asyncio.wait({task, watcher, giving_up}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # cancelled from outside (uvicorn's own last resort)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+        giving_up.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # let it abort before we return
+        if abandoned.is_set():
+            raise APIError(
+                503,
+                "the server is shutting down and stopped waiting for this request; retry it",
+                type=SERVER,
+                code="shutting_down",
+            )
+        raise ClientGone
+    try:
+        return task.result()
+    except QueueFullError as exc:
+        raise APIError(
+            429, str(exc), type=RATE_LIMIT, code="queue_full", headers={"Retry-After": "1"}
+        ) from None
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read already, so the next message is the disconnect (uvicorn sends it
+    # when the connection drops; it never comes if the response completes first).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -96,7 +96,7 @@ class ZeroLayers:
 
 def stub_forward(engine: pipepool.Engine) -> None:
     """Every in-process stage's layers answer zeros at once (``ZeroLayers``)."""
-    for runner in engine.pipeline._executor.runners:
+    for runner in engine.pipeline.runners:
         runner.forward = ZeroLayers(runner.model.hidden_size, runner.spec.dtype)
 
 

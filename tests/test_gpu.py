@@ -34,7 +34,7 @@ def test_bf16_gpu_decoder_matches_fp32_reference(decoder_paths, reference, famil
     with pipepool.Engine(
         str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget, compile=compile
     ) as engine:
-        assert engine.pipeline._executor.runners[0].model.attn_kernel in ("triton", "flash")
+        assert engine.pipeline.runners[0].model.attn_kernel in ("triton", "flash")
         for pooling in POOLINGS:
             worst = _worst(engine, ref, long_prompts(), pooling)
             assert worst >= MIN_COSINE_BF16, f"{family} {budget} {pooling}: {worst}"
@@ -71,7 +71,7 @@ def test_fused_qk_norm_rope_kernel_equals_torch_ops(dtype, qk_norm):
 
 def test_decoders_use_the_fused_kernel_on_cuda(qwen3_path):
     with pipepool.Engine(str(qwen3_path), device="cuda", compile=False) as engine:
-        assert engine.pipeline._executor.runners[0].model.ops.fused_qk_rope
+        assert engine.pipeline.runners[0].model.ops.fused_qk_rope
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -87,7 +87,7 @@ def test_gpu_fp32_portable_kernel_is_exact(qwen3_path, reference):
     with pipepool.Engine(
         str(qwen3_path), device="cuda", dtype="float32", max_num_batched_tokens=16, compile=False
     ) as engine:
-        assert engine.pipeline._executor.runners[0].model.attn_kernel == "portable"
+        assert engine.pipeline.runners[0].model.attn_kernel == "portable"
         for pooling in POOLINGS:
             assert _worst(engine, ref, long_prompts(), pooling) >= 0.99999
 
@@ -134,7 +134,7 @@ def test_inproc_pp2_moves_hidden_states_between_gpus(qwen3_path, reference):
         str(qwen3_path), device="cuda", pipeline_parallel_size=2, pipeline_backend="inproc",
         max_num_batched_tokens=16,
     ) as engine:  # fmt: skip
-        devices = [r.spec.device for r in engine.pipeline._executor.runners]
+        devices = [r.spec.device for r in engine.pipeline.runners]
         assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
         for pooling in ("last", "mean"):
             assert _worst(engine, ref, long_prompts(), pooling) >= MIN_COSINE_BF16
@@ -160,7 +160,7 @@ def test_cuda_graphs_match_eager_and_the_reference(
     got = {}
     for graphs in (False, True):
         with pipepool.Engine(str(path), cuda_graphs=graphs, **kw) as engine:
-            runner = engine.pipeline._executor.runners[0]
+            runner = engine.pipeline.runners[0]
             got[graphs] = {p: engine.pool(prompts, pooling=p, normalize=False) for p in POOLINGS}
             assert bool(getattr(runner.forward, "captured", None)) == graphs
     for pooling in POOLINGS:
@@ -198,7 +198,8 @@ def test_gpu_graphed_rerank_scores_equal_cpu_fp32(request, model):
     with pipepool.Engine(path, device="cuda", dtype="float32", cuda_graphs=True, **options) as gpu:
         # compile left to the engine: graphs are captured once the compiled bodies are in
         assert gpu.wait_until_compiled(timeout=300)
-        assert gpu._executor.runners[0].forward is not gpu._executor.runners[0].model  # graphed
+        runner = gpu.pipeline.runners[0]
+        assert runner.forward is not runner.model  # graphed
         got = gpu.score(QUERY, DOCUMENTS, use_activation=False)
         again = gpu.score(QUERY, DOCUMENTS, use_activation=False)  # replays the captured graphs
     assert abs(got - expected).max() <= 1e-3
@@ -230,7 +231,7 @@ def test_whole_step_graphs_take_steps_of_many_short_requests(bert_d32_path, refe
     for graphs in (False, True):
         with pipepool.Engine(str(bert_path), cuda_graphs=graphs, **kw) as engine:
             got[graphs] = [engine.pool(c, pooling="mean", normalize=False) for c in calls]
-            forward = engine.pipeline._executor.runners[0].forward
+            forward = engine.pipeline.runners[0].forward
             if graphs:
                 assert forward.whole
                 grids = {programs for _, programs in forward.captured}

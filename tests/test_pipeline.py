@@ -511,7 +511,7 @@ def test_stage_processes_load_only_their_own_layers(qwen3_path):
     with pipepool.Engine(
         str(qwen3_path), pipeline_parallel_size=2, pipeline_backend="inproc"
     ) as engine:
-        first, last = engine.pipeline._executor.runners
+        first, last = engine.pipeline.runners
         first_params = {n for n, _ in first.model.named_parameters()}
         last_params = {n for n, _ in last.model.named_parameters()}
     assert "embed_tokens.weight" in first_params and "embed_tokens.weight" not in last_params

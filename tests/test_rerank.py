@@ -155,7 +155,7 @@ def test_qwen3_reranker_matches_cross_encoder_with_its_chat_template(qwen3_reran
 def test_qwen3_reranker_reads_only_the_yes_and_no_rows(qwen3_reranker_path):
     with pipepool.Engine(str(qwen3_reranker_path), device="cpu") as engine:
         head = engine.deployment.classifier
-        runner = engine.pipeline._executor.runners[-1]
+        runner = engine.pipeline.runners[-1]
         rows = runner.model.score_head.rows
     vocab = json.loads((qwen3_reranker_path / "tokenizer.json").read_text())["model"]["vocab"]
     assert head.kind == "yes_no" and head.token_rows == (vocab["yes"], vocab["no"])

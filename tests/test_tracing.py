@@ -120,7 +120,7 @@ def test_tracing_off_records_nothing(qwen3_path):
     with Engine(str(qwen3_path)) as engine:
         engine.embed(_prompts(2))
         assert engine.pipeline._trace is None
-        assert all(r.trace is None for r in engine.pipeline._executor.runners)
+        assert all(r.trace is None for r in engine.pipeline.runners)
         with pytest.raises(InvalidInputError, match="tracing is off"):
             engine.write_trace()
 

@@ -3,6 +3,7 @@ CPU reference of transformers. Skipped where there is no CUDA device (CI)."""
 
 from __future__ import annotations
 
+import faults
 import pytest
 import torch
 from tiny_models import REPRODUCER_PROMPTS, cosine, long_prompts
@@ -111,14 +112,14 @@ def test_pp2_over_nccl_matches_reference(qwen3_path, reference, budget):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_pp2_nccl_bug_injection_is_caught(qwen3_path):
+def test_pp2_nccl_bug_injection_is_caught(qwen3_path, monkeypatch):
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
     with (
         pipepool.Engine(
             str(qwen3_path),
             device="cuda",
             pipeline_parallel_size=2,
             max_num_batched_tokens=64,
-            inject_fault="skip_post_step_on_non_last_stage",
         ) as engine,
         pytest.raises(pipepool.StateDivergence),
     ):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import faults
 import numpy as np
 import pytest
 
@@ -36,12 +37,16 @@ BUDGET = 8  # tokens per step: a 40-token prompt takes five steps
 class SteppedPipeline:
     """Scheduler and in-process stages, one step at a time."""
 
-    def __init__(self, path, *, pp: int, **options) -> None:
+    def __init__(self, path, *, pp: int, fault=None, monkeypatch=None, **options) -> None:
+        """``fault``: (kind, stage) of tests/faults.py, installed through ``monkeypatch``."""
         config = EngineConfig(
             model=str(path), pipeline_parallel_size=pp, pipeline_backend="inproc",
             max_num_batched_tokens=BUDGET, **options,
         )  # fmt: skip
         self.deployment = plan_deployment(config)
+        if fault is not None:
+            faults.install(monkeypatch, fault[0], stage=fault[1])
+            self.deployment = faults.with_faults(self.deployment)
         self.executor = start_executor(self.deployment)
         d = self.deployment
         self.scheduler = Scheduler(
@@ -91,10 +96,12 @@ def test_mirror_check_refuses_a_plan_whose_chunks_disagree_with_the_stages(qwen3
     assert "before computing" in str(err)
 
 
-def test_neighbour_check_stops_the_step_before_the_last_stage_answers(qwen3_path):
+def test_neighbour_check_stops_the_step_before_the_last_stage_answers(qwen3_path, monkeypatch):
     """Stage 0 registers a wrong block table: stage 1 sees it in stage 0's digest during the
     step itself; the step never produces a result for the driver."""
-    pipe = SteppedPipeline(qwen3_path, pp=2, inject_fault="wrong_block_table", fault_stage=0)
+    pipe = SteppedPipeline(
+        qwen3_path, pp=2, fault=("wrong_block_table", 0), monkeypatch=monkeypatch
+    )
     pipe.add([40])
     with pytest.raises(StateDivergence) as info:
         pipe.executor.submit(pipe.plan())  # stage 1's neighbour check fires in here
@@ -103,10 +110,12 @@ def test_neighbour_check_stops_the_step_before_the_last_stage_answers(qwen3_path
     assert "block tables" in str(err)
 
 
-def test_driver_check_catches_a_fault_on_the_last_stage(qwen3_path):
+def test_driver_check_catches_a_fault_on_the_last_stage(qwen3_path, monkeypatch):
     """The last stage keeps an aborted request's mirror: no stage comes after it, and the
     request is never scheduled again for a mirror check to see; only the driver can tell."""
-    pipe = SteppedPipeline(qwen3_path, pp=2, inject_fault="keep_aborted_mirror", fault_stage=1)
+    pipe = SteppedPipeline(
+        qwen3_path, pp=2, fault=("keep_aborted_mirror", 1), monkeypatch=monkeypatch
+    )
     batch = pipe.add([40])
     pipe.run(pipe.plan())
     pipe.scheduler.abort(batch)
@@ -129,10 +138,12 @@ def test_driver_check_catches_a_fault_on_the_last_stage(qwen3_path):
         ("drop_request", "last", False, "set of live requests"),
     ],
 )
-def test_stage_local_fault_on_a_middle_stage_is_named(qwen3_path, fault, pooling, abort, part):
+def test_stage_local_fault_on_a_middle_stage_is_named(
+    qwen3_path, fault, pooling, abort, part, monkeypatch
+):
     """PP=3, the fault on stage 1: caught in the step it happens, by stage 2, naming stage 1
     (the chain carries stage 0's state through it) and the part of the state that differs."""
-    pipe = SteppedPipeline(qwen3_path, pp=3, inject_fault=fault, fault_stage=1)
+    pipe = SteppedPipeline(qwen3_path, pp=3, fault=(fault, 1), monkeypatch=monkeypatch)
     batch = pipe.add([40, 5], pooling=pooling)
     step = 0
     if abort:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import faults
 import numpy as np
 import pytest
 from tiny_models import REPRODUCER_PROMPTS
@@ -26,7 +25,6 @@ from pipepool.parity import (
 )
 from pipepool.parity.compare import cosine_rows, fill_row, score_request
 
-FAULT = ["--inject-fault", "skip_post_step_on_non_last_stage"]
 # Caps the built-in prompts at 256 tokens (the tiny Qwen3 allows 4096): still several chunks
 # at both budgets, and fast.
 SMALL = ["--max-model-len", "256"]
@@ -70,10 +68,11 @@ def test_qwen3_pp1_pp2_chunked_matches_transformers(qwen3_path, tmp_path, capsys
 
 
 def test_injected_bug_with_lockstep_checks_fails_with_state_divergence(
-    qwen3_path, tmp_path, capsys
+    qwen3_path, tmp_path, capsys, monkeypatch
 ):
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
     args = ["--model", str(qwen3_path), "--pp", "1,2", "--max-num-batched-tokens", "16"]
-    rc, report = _parity([*args, *SMALL, *FAULT], tmp_path)
+    rc, report = _parity([*args, *SMALL], tmp_path)
     out = capsys.readouterr().out
     assert rc == 1 and not report["passed"]
     for row in _rows(report, pp=1):  # one stage: the fault has no non-last stage to hit
@@ -88,24 +87,25 @@ def test_injected_bug_with_lockstep_checks_fails_with_state_divergence(
     assert "parity FAILED: 4 of 8" in out
 
 
-def test_injected_bug_without_checks_no_longer_reaches_the_vectors(qwen3_path, tmp_path):
-    """The end-to-end command (a subprocess) with no lockstep checks: stage 0 never advances
-    its mirror, yet positions and KV slots come from the plan, so every vector still matches
-    PP=1 (they did not when stages derived positions from their own state: issue 11)."""
-    out = tmp_path / "parity.json"
-    cmd = [sys.executable, "-m", "pipepool", "parity", "--model", str(qwen3_path)]
-    cmd += ["--pp", "2", "--max-num-batched-tokens", "16", "--pooling", "last,mean,all"]
-    cmd += ["--reference", "pp1", "--no-verify-state", "--json", str(out), *SMALL, *FAULT]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+def test_injected_bug_without_checks_no_longer_reaches_the_vectors(
+    qwen3_path, tmp_path, capsys, monkeypatch
+):
+    """The parity command with no lockstep checks, its stage processes committing the bug:
+    stage 0 never advances its mirror, yet positions and KV slots come from the plan, so every
+    vector still matches PP=1 (they did not when stages derived positions from their own
+    state: issue 11)."""
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
+    args = ["--model", str(qwen3_path), "--pp", "2", "--max-num-batched-tokens", "16"]
+    args += ["--pooling", "last,mean,all", "--reference", "pp1", "--no-verify-state", *SMALL]
+    rc, report = _parity(args, tmp_path)
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
     assert report["reference"].startswith("pipepool PP=1")
     for row in report["rows"]:
         assert row["error"] is None and row["passed"], row
         assert row["min_cosine"] >= MIN_COSINE_FP32
         assert row["worst_prompt_tokens"] > 16  # a chunked prompt
-    assert "parity OK: 3 of 3" in proc.stdout
+    assert "parity OK: 3 of 3" in stdout
 
 
 def test_sentence_transformers_reference_with_dense_head(st_bert_path, tmp_path):

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import faults
 import pytest
 from tiny_models import REPRODUCER_PROMPTS, cosine, long_prompts
 
@@ -137,16 +138,18 @@ def test_minilm_pp2_matches_sentence_transformers(minilm_path):
 
 
 @pytest.mark.parametrize("backend", ["mp", "inproc"])
-def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_path, backend):
+def test_skipped_post_step_raises_state_divergence_on_first_affected_step(
+    qwen3_path, backend, monkeypatch
+):
     """The original bug, injected: stage 0 skips its post-step. The next stage's check of the
     digest it receives catches it in the very step the state first drifts, before any vector
     is returned."""
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
     engine = pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=2,
         max_num_batched_tokens=64,
         max_num_seqs=5,
-        inject_fault="skip_post_step_on_non_last_stage",
         pipeline_backend=backend,
     )
     pids = _stage_pids(engine) if backend == "mp" else []
@@ -164,17 +167,17 @@ def test_skipped_post_step_raises_state_divergence_on_first_affected_step(qwen3_
     assert all(_gone(pid) for pid in pids)
 
 
-def test_positions_come_from_the_plan_even_with_the_checks_off(qwen3_path, reference):
+def test_positions_come_from_the_plan_even_with_the_checks_off(qwen3_path, reference, monkeypatch):
     """With verify_state off, the historical bug (stage 0 never advances its mirror) cannot
     move positions or KV slots any more: they come from the plan, so vectors stay right."""
     ref = reference(qwen3_path)
     expected = [ref.pooled(ref.token_ids(p), "last") for p in REPRODUCER_PROMPTS]
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
     with pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=2,
         max_num_batched_tokens=64,
         max_num_seqs=5,
-        inject_fault="skip_post_step_on_non_last_stage",
         verify_state=False,
         pipeline_backend="inproc",
         normalize=False,
@@ -213,14 +216,12 @@ def test_killed_stage_without_restarts_fails_every_request_fast_and_leaves_no_pr
     assert all(_gone(pid) for pid in pids)
 
 
-def test_stage_that_raises_fails_requests_with_its_error(qwen3_path):
+def test_stage_that_raises_fails_requests_with_its_error(qwen3_path, monkeypatch):
+    faults.install(monkeypatch, "raise_on_stage", stage=1, step=2)
     engine = pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=2,
         max_num_batched_tokens=16,
-        inject_fault="raise_on_stage",
-        fault_stage=1,
-        fault_step=2,
         stage_restarts=0,
     )
     pids = _stage_pids(engine)
@@ -268,14 +269,13 @@ def test_killed_stages_are_restarted_and_every_request_still_matches(qwen3_path)
     assert all(_gone(pid) for pid in pids)
 
 
-def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3_path):
+def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3_path, monkeypatch):
+    # Every fresh pipeline fails again at its step 2.
+    faults.install(monkeypatch, "raise_on_stage", stage=1, step=2)
     engine = pipepool.Engine(
         str(qwen3_path),
         pipeline_parallel_size=2,
         max_num_batched_tokens=16,
-        inject_fault="raise_on_stage",
-        fault_stage=1,
-        fault_step=2,  # every fresh pipeline fails again at its step 2
         stage_restarts=2,
     )
     engine.pipeline._restarts.first_delay_s = 0.01

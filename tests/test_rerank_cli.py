@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import faults
 import numpy as np
 from tiny_models import SENTENCES
 
@@ -56,10 +57,11 @@ def test_parity_of_a_reranker_pp1_pp2_chunked(qwen3_reranker_path, tmp_path, cap
         assert row["max_abs_diff"] <= 1e-4 and row["same_order"] is True
 
 
-def test_parity_of_a_reranker_fails_on_the_historical_bug(qwen3_reranker_path, capsys):
+def test_parity_of_a_reranker_fails_on_the_historical_bug(qwen3_reranker_path, capsys, monkeypatch):
+    faults.install(monkeypatch, "skip_post_step_on_non_last_stage")
     args = ["parity", "--model", str(qwen3_reranker_path), "--pp", "2"]
     args += ["--max-num-batched-tokens", "16", "--max-model-len", "256"]
-    assert main([*args, "--inject-fault", "skip_post_step_on_non_last_stage"]) == 1
+    assert main(args) == 1
     out = capsys.readouterr().out
     assert "StateDivergence" in out and "parity FAILED: 0 of 1" in out
 

@@ -23,16 +23,6 @@ LONG_INPUTS = ("truncate", "error", "chunk")
 # A checkpoint's attention: "auto" = what its config says (``is_causal``); the others override it,
 # which a checkpoint whose auto_map names remote model code requires (models/checkpoint_math.py).
 ATTENTION = ("auto", "causal", "bidirectional")
-# Test-only fault injections (``stage/faults.py``); none is reachable from a user flag except
-# the hidden parity one.
-FAULTS = (
-    "skip_post_step_on_non_last_stage",
-    "raise_on_stage",
-    "wrong_block_table",
-    "pool_on_non_last_stage",
-    "keep_aborted_mirror",
-    "drop_request",
-)
 
 
 def option(default, help: str, *, flag: str | None = None, cli: bool = True, **extra):
@@ -168,9 +158,6 @@ class EngineConfig:
         "ui.perfetto.dev or chrome://tracing) and print where each stage's time went",
         metavar="FILE.json",
     )
-    inject_fault: str | None = option(None, "", cli=False)  # test-only; one of FAULTS
-    fault_stage: int = option(0, "", cli=False)  # the stage an injected fault is on
-    fault_step: int = option(0, "", cli=False)  # the first step at which it fires
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
@@ -249,8 +236,6 @@ class EngineConfig:
             raise InvalidInputError("stage_restarts must be >= 0", param="stage_restarts")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise InvalidInputError("kv_cache_tokens must be >= 1", param="kv_cache_tokens")
-        if self.inject_fault is not None and self.inject_fault not in FAULTS:
-            raise InvalidInputError(f"unknown fault {self.inject_fault!r}", param="inject_fault")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -20,7 +20,7 @@ from .model_folder import ModelFolder, read_model_folder
 from .models import Family, family_of
 from .models.checkpoint_math import check_config, decide_causal
 from .stage.kv_cache import KVCache
-from .stage.runner import StageSpec
+from .stage.runner import StageRunner, StageSpec, runner_class
 from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
@@ -82,6 +82,13 @@ class Deployment:
     # A classifier's head (cross-encoders, rerankers; classifier.py); None: an embedding model.
     # Its outputs are num_labels scores (output_dim), its pooling the head's own token.
     classifier: ClassifierHead | None = None
+    # What runs each stage, as an import path ``module:Class``: StageRunner, or a subclass of
+    # it that changes one of its steps (the tests' fault injection does).
+    stage_runner: str = "pipepool.stage.runner:StageRunner"
+
+    def new_runner(self, spec: StageSpec) -> StageRunner:
+        """Load a stage (``spec``: one of ``stage_spec``'s) with the deployment's runner."""
+        return runner_class(self.stage_runner)(self.config, self.folder, spec)
 
     @property
     def num_stages(self) -> int:

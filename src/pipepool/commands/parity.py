@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import FAULTS, POOLING_TYPES
+from ..config import POOLING_TYPES
 from ..parity import DEFAULT_BUDGETS, DEFAULT_PPS, REFERENCES, Sweep, run_parity
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
@@ -84,8 +84,6 @@ def add_parser(sub, help: str) -> None:
         "5e-2 for 16-bit)",
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
-    # Test-only: reproduce the historical bug to show that parity catches it.
-    p.add_argument("--inject-fault", choices=FAULTS[:1], help=argparse.SUPPRESS)
     add_engine_args(
         p, skip=("pipeline_parallel_size", "max_num_batched_tokens", "pooling", "trace")
     )
@@ -98,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
         pipeline_parallel_size=1,
         max_num_batched_tokens=max(args.max_num_batched_tokens),
         pooling=None,
-        inject_fault=args.inject_fault,
     )
     sweep = Sweep(
         pps=args.pp or _default_pps(args.device),

@@ -95,7 +95,7 @@ class MultiprocExecutor(Executor):
         spec = place_stage(deployment, 0, local_rank)
         try:
             limit_cpu_threads(deployment, spec)
-            self.runner = stage0 or StageRunner(deployment.config, deployment.folder, spec)
+            self.runner = stage0 or deployment.new_runner(spec)
             self._wait_loaded(cancelled or (lambda: False))
             self.groups = make_groups(store, rdv, 0, spec.device)
         except BaseException:

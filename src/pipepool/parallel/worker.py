@@ -18,7 +18,7 @@ import torch
 from ..deployment import Deployment
 from ..memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
-from ..stage.runner import StageRunner, StageSpec
+from ..stage.runner import StageSpec
 from ..tracing.recorder import now
 from .dist_transport import (
     TAG_PLAN,
@@ -108,7 +108,7 @@ def run_stage(
     try:
         spec = place_stage(deployment, rank, local_rank)  # the device is current from here
         limit_cpu_threads(deployment, spec)
-        runner = StageRunner(deployment.config, deployment.folder, spec)
+        runner = deployment.new_runner(spec)
         store.set(f"loaded/{rank}", b"1")
         groups = make_groups(store, rdv, rank, spec.device)
         inbound = DistInbound(

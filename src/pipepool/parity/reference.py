@@ -176,7 +176,6 @@ def _engine_reference(
         pipeline_parallel_size=1,
         pp_partition=None,
         max_num_batched_tokens=budget,
-        inject_fault=None,
     )
     try:
         with Engine.from_config(ref_config) as engine:

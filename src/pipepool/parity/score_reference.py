@@ -110,9 +110,8 @@ def _engine_reference(
 
     budget = int(tokens.lengths.max())  # every prompt fits in one step: no chunking
     ref_config = config.replace(
-        pipeline_parallel_size=1, pp_partition=None, max_num_batched_tokens=budget,
-        inject_fault=None,
-    )  # fmt: skip
+        pipeline_parallel_size=1, pp_partition=None, max_num_batched_tokens=budget
+    )
     try:
         with Engine.from_config(ref_config) as engine:
             if pairs[0]:

@@ -16,6 +16,7 @@ The role of a stage decides only what it sends, never what state it advances.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 import warnings
@@ -39,7 +40,6 @@ from ..weights import Checkpoint
 from .background_compile import BackgroundCompile, compiled_layer_body
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward
-from .faults import StageFaults
 from .heads import DenseHead, ScoreHead
 from .kv_cache import KVCache
 from .mirror import Mirror, StepView
@@ -114,6 +114,17 @@ class BusyClock:
 
 
 class StageRunner:
+    """One pipeline stage: its slice of the model, its KV cache, its mirror of every request's
+    progress and (last stage) the pooler and heads.
+
+    ``execute(plan, inbound, outbound)`` applies one plan: the mirror check against the plan,
+    the forward over the packed batch, the post-step (every stage advances every scheduled
+    request by its chunk, whatever its role), the drop of finished requests, and the digest of
+    its state for the next stage or the driver. Plans are applied strictly in order, by one
+    thread. The steps of ``execute`` are methods (``_view``, ``_post_step``, ``_drop``,
+    ``_pools``) so that a subclass named by ``Deployment.stage_runner`` can change one.
+    """
+
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
         # The load-time kernel self-check and the warm-up launch kernels on the current device.
         with current_device(spec.device):
@@ -134,9 +145,8 @@ class StageRunner:
                 dtype=spec.dtype,
                 device=spec.device,
             )
-        self.faults = StageFaults.of(config, spec.index, spec.is_last)
         self.pooler = None
-        if spec.is_last or (self.faults is not None and self.faults.pools):
+        if self._pools():
             dense = None
             if folder.st is not None and folder.st.dense:
                 dense = DenseHead(folder.st.dense).to(spec.device)
@@ -208,17 +218,13 @@ class StageRunner:
     ) -> StageOutput | None:
         """Run one plan. Non-last stages send through ``outbound`` and return None; the last
         stage returns what goes back to the driver."""
-        spec, faults, verify, tr = self.spec, self.faults, self.config.verify_state, self.trace
+        spec, verify, tr = self.spec, self.config.verify_state, self.trace
         if self.compiling is not None:
             self._install_compiled()
         if tr is not None:
             tr.begin_step(plan)
             inbound, outbound = traced(tr, inbound, outbound)
-        if faults is not None:
-            faults.maybe_raise(plan)
-        view = self.mirror.view(plan)
-        if faults is not None:
-            faults.after_register(view, len(view.entries) - (plan.num_reqs - len(plan.new)))
+        view = self._view(plan)
         if verify:
             self._check_mirror(plan, view.mirror_starts)
 
@@ -234,12 +240,7 @@ class StageRunner:
             tr.phase("post-step")
 
         post = self._post_step(view)
-        keep_freed = faults is not None and faults.keeps_freed
-        for rid in self.mirror.drop(plan, view, freed=not keep_freed):
-            if self.pooler is not None:
-                self.pooler.drop(rid)
-        if faults is not None:
-            faults.after_post_step(self.mirror, plan)
+        self._drop(plan, view)
         busy = list(incoming.stage_busy_s()) if incoming is not None else []
         busy.append(self.clock.seconds)
         digest = self._digest(plan, view, post, incoming) if verify else None
@@ -296,7 +297,7 @@ class StageRunner:
         prep = None
         types = plan.token_type_ids if spec.is_first and len(plan.token_type_ids) else None
         extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
-        pools = self.pooler is not None  # the last stage (or a fault that pools elsewhere)
+        pools = self.pooler is not None  # the last stage (or a subclass's choice: _pools)
         if pools:
             prep = Pooler.prepare(plan.req_ids, view, batch.cu_q, by_segments=self.mean_by_segments)
             extra += prep.upload_arrays()
@@ -330,13 +331,33 @@ class StageRunner:
         self.clock.stop()
         return hidden, pooled
 
+    def _pools(self) -> bool:
+        """Whether this stage keeps pooling state and pools: the last one only."""
+        return self.spec.is_last
+
+    def _view(self, plan: StepPlan) -> StepView:
+        """The plan's requests as this stage's mirror holds them (new ones registered)."""
+        return self.mirror.view(plan)
+
     def _post_step(self, view: StepView) -> np.ndarray:
         """Advance every scheduled request by its chunk, on every stage, whatever the forward
-        returned; returns their num_computed_tokens after the step. (The injected fault
-        reproduces the historical bug, for tests only: the mirror is left behind.)"""
-        if self.faults is not None and self.faults.skips_post_step:
-            return view.mirror_starts.copy()
+        returned; returns their num_computed_tokens after the step."""
         return self.mirror.advance(view)
+
+    def _drop(self, plan: StepPlan, view: StepView) -> None:
+        """Forget the requests that finished or were aborted (mirror and pooling state)."""
+        for rid in self.mirror.drop(plan, view, freed=True):
+            if self.pooler is not None:
+                self.pooler.drop(rid)
+
+
+def runner_class(path: str) -> type[StageRunner]:
+    """The class a ``Deployment.stage_runner`` import path (``module:Class``) names."""
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, StageRunner)):
+        raise TypeError(f"stage_runner {path!r} is not a StageRunner")
+    return cls
 
 
 def _allocate(model: torch.nn.Module, device: torch.device) -> None:

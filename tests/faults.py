@@ -1,0 +1,100 @@
+"""Test-only faults a stage can be made to commit, each a stage-local slip that the lockstep
+checks of DESIGN.md §1 must catch. Never shipped: a test installs one (``install``), which
+makes every engine it starts run ``FaultyRunner`` (a StageRunner subclass) through
+``Deployment.stage_runner``; stage processes import this module too (the tests folder is put
+on their PYTHONPATH) and read the fault from the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pipepool.core.plan import StepPlan
+from pipepool.stage.mirror import StepView
+from pipepool.stage.runner import StageRunner
+
+FAULTS = (
+    "skip_post_step_on_non_last_stage",  # the historical bug: every non-last stage
+    "raise_on_stage",
+    "wrong_block_table",
+    "pool_on_non_last_stage",
+    "keep_aborted_mirror",
+    "drop_request",
+)
+_ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
+RUNNER = "faults:FaultyRunner"
+
+
+def install(monkeypatch, kind: str, *, stage: int = 0, step: int = 0) -> None:
+    """From now until the test ends, engines started in this process (and their stage
+    processes) commit ``kind`` on ``stage`` from step ``step`` on."""
+    assert kind in FAULTS, kind
+    import pipepool.driver.local
+
+    monkeypatch.setenv(_ENV, f"{kind}:{stage}:{step}")
+    here = str(Path(__file__).resolve().parent)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", here if not path else f"{here}{os.pathsep}{path}")
+    plan = pipepool.driver.local.deployment_for
+    monkeypatch.setattr(
+        pipepool.driver.local, "deployment_for", lambda config: with_faults(plan(config))
+    )
+
+
+def with_faults(deployment):
+    """The deployment, its stages run by ``FaultyRunner``."""
+    return dataclasses.replace(deployment, stage_runner=RUNNER)
+
+
+class FaultyRunner(StageRunner):
+    """A StageRunner that commits the fault named in the environment, on its stage."""
+
+    def _load(self, config, folder, spec) -> None:
+        kind, stage, step = os.environ[_ENV].split(":")
+        if kind == "skip_post_step_on_non_last_stage":
+            on = not spec.is_last
+        else:
+            on = spec.index == int(stage)
+        self.fault = kind if on else None
+        self.fault_step = int(step)
+        super()._load(config, folder, spec)
+
+    def execute(self, plan: StepPlan, inbound, outbound):
+        if self.fault == "raise_on_stage" and plan.step_id >= self.fault_step:
+            raise RuntimeError(
+                f"injected failure on stage {self.spec.index} at step {plan.step_id}"
+            )
+        return super().execute(plan, inbound, outbound)
+
+    def _pools(self) -> bool:
+        """``pool_on_non_last_stage``: a stage that is not the last keeps pooling state."""
+        return super()._pools() or self.fault == "pool_on_non_last_stage"
+
+    def _view(self, plan: StepPlan) -> StepView:
+        """``wrong_block_table``: the tables of requests registered this step are one block
+        off."""
+        view = super()._view(plan)
+        registered = len(view.entries) - (plan.num_reqs - len(plan.new))
+        if self.fault == "wrong_block_table" and registered:
+            for entry in view.entries[-registered:]:
+                entry.block_ids = np.asarray(entry.block_ids) + 1
+        return view
+
+    def _post_step(self, view: StepView) -> np.ndarray:
+        """The historical bug: the mirror is left behind."""
+        if self.fault == "skip_post_step_on_non_last_stage":
+            return view.mirror_starts.copy()
+        return super()._post_step(view)
+
+    def _drop(self, plan: StepPlan, view: StepView) -> None:
+        if self.fault == "keep_aborted_mirror":  # aborted requests' mirrors are left behind
+            for rid in self.mirror.drop(plan, view, freed=False):
+                if self.pooler is not None:
+                    self.pooler.drop(rid)
+        else:
+            super()._drop(plan, view)
+        if self.fault == "drop_request" and plan.step_id >= self.fault_step and self.mirror.entries:
+            self.mirror.entries.pop(min(self.mirror.entries))  # a request with chunks to go

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from test_replicas import _descendants, _prompts
 from test_server import ServerProcess, _alive, wait_for
-from tiny_models import cosine
+from tiny_models import MIN_COSINE, cosine
 
 import pipepool
 
-MIN_COSINE = 0.99999
 BUDGET = 32
 
 

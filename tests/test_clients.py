@@ -18,9 +18,8 @@ import numpy as np
 import openai
 import pytest
 from test_server import ServerProcess
-from tiny_models import SENTENCES, cosine
+from tiny_models import MIN_COSINE, SENTENCES, cosine
 
-MIN_COSINE = 0.99999
 TEXTS = SENTENCES[:4]
 SHORT = "all-MiniLM-L6-v2"
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"

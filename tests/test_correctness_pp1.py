@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import cosine, long_prompts
+from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 
 POOLINGS = ("last", "mean", "cls", "all")
-MIN_COSINE = 0.99999
 
 
 def _check_against_reference(engine, ref, prompts, pooling):

@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import cosine, long_prompts
+from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 from pipepool.layers import cpu_linear, cpu_tiles
-
-MIN_COSINE = 0.99999
 
 
 def test_plan_tiles_sorts_longest_first_and_covers_every_row():

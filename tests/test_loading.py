@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import cosine, long_prompts
+from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 
 PROMPTS = long_prompts()[:6]
-MIN_COSINE = 0.99999
 
 
 def _embed(path: Path) -> np.ndarray:

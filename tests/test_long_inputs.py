@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import SENTENCES, cosine
+from tiny_models import MIN_COSINE, SENTENCES, cosine
 
 import pipepool
 from pipepool.long_inputs import split_windows
 
-MIN_COSINE = 0.99999
 MAX_LEN = 24
 LONG = " ".join(SENTENCES)  # far over MAX_LEN tokens
 

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from test_server import ServerProcess, _alive, _parent, _processes, wait_for
-from tiny_models import SENTENCES, cosine, long_prompts
+from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 
 import pipepool
 from pipepool.core.restarts import RestartPolicy
@@ -24,7 +24,6 @@ from pipepool.replicas.messages import Snapshot
 from pipepool.replicas.pipeline import ReplicaPipeline
 from pipepool.replicas.routing import split_rows
 
-MIN_COSINE = 0.99999
 BUDGET = 32  # small, so long prompts take several steps on every replica
 OPTIONS = {"max_num_batched_tokens": BUDGET}
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import SENTENCES, cosine
+from tiny_models import MIN_COSINE, SENTENCES, cosine
 
 import pipepool
-
-MIN_COSINE = 0.99999
 
 
 @pytest.fixture(scope="module")

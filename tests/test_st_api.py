@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import SENTENCES, cosine
+from tiny_models import MIN_COSINE, SENTENCES, cosine
 
 import pipepool
 
-MIN_COSINE = 0.99999
 TEXTS = SENTENCES[:6]
 
 

@@ -12,14 +12,12 @@ from dataclasses import fields
 
 import numpy as np
 import pytest
-from tiny_models import cosine, long_prompts
+from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 import pipepool.driver.local
 from pipepool.config import EngineConfig
 from pipepool.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
-
-MIN_COSINE = 0.99999
 
 
 @pytest.fixture(scope="module")

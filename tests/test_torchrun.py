@@ -19,11 +19,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from tiny_models import cosine, long_prompts
+from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 
-MIN_COSINE = 0.99999
 BUDGET = "16"  # tokens per step: the long prompts chunk
 _TIMEOUT_S = 180
 

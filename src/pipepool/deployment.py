@@ -41,6 +41,11 @@ _GPU_MEMORY_UTILIZATION = 0.90
 
 @dataclass(frozen=True)
 class Deployment:
+    """Every decision made for one engine before any stage starts: the checkpoint's math
+    (``causal``), model limits, default heads, devices, layer split, KV-cache size, kernels
+    and every "auto" option. Made once on the driver (``plan_deployment``), shipped pickled
+    to every stage, which checks its ``fingerprint``; immutable."""
+
     config: EngineConfig
     folder: ModelFolder
     # The checkpoint's attention (models/checkpoint_math.py): causal prompts chunk across steps

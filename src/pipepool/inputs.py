@@ -66,6 +66,12 @@ class TokenSlice:
 
 
 class InputPreparer:
+    """Turns a call's inputs (texts or token-id lists) into validated token slices for one
+    deployment: prompt names, the character bound, tokenisation, truncation or refusal of
+    inputs over ``max_model_len``, pooling parameters. Raises ``InvalidInputError`` naming
+    the input; holds no per-call state, so any thread may use it.
+    """
+
     def __init__(self, deployment: Deployment) -> None:
         self.deployment = deployment
         self.tokenizer = Tokenizer(deployment.folder.tokenizer_file)

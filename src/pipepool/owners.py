@@ -35,6 +35,11 @@ class Owner:
 
 
 class Owners:
+    """Which call (``Submission``) and which of its rows each enqueued request batch
+    belongs to, so step results can be written into the right call and a restarted
+    pipeline (or a lost replica) can run the unfinished rows again (``requeue``). Callers
+    hold the owning engine's lock."""
+
     def __init__(self) -> None:
         self._by_first: dict[int, Owner] = {}  # batch first id -> its owner
 

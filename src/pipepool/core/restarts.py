@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RestartPolicy:
+    """When to start a failed pipeline (or replica) again: at most ``limit`` restarts within
+    ``window_s``, after a pause that doubles with each failure still in the window."""
+
     limit: int  # restarts allowed within the window; 0: never restart
     window_s: float = 300.0
     first_delay_s: float = 0.5  # doubles with each failure still in the window

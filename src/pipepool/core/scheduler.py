@@ -193,6 +193,18 @@ def _new_requests(parts: list[tuple]) -> NewRequests:
 
 
 class Scheduler:
+    """The driver's FIFO of request batches, cut into steps.
+
+    ``schedule(max_tokens)`` returns the next immutable ``StepPlan`` (or None): requests in
+    arrival order within the token budget and the request cap; causal prompts (``chunked``)
+    split into chunks across steps, admitted only when KV blocks for the whole prompt are
+    free; bidirectional prompts whole, one longer than the budget alone in its step. Every
+    plan carries each request's expected ``num_computed_tokens`` and, with ``verify_state``,
+    what every stage's state must hash to after it. ``update(plan, result)`` checks the
+    result against those expectations (``StateDivergence`` naming the stage) and frees what
+    finished. Torch-free; one thread (the engine's loop) calls it.
+    """
+
     def __init__(
         self,
         *,

@@ -14,6 +14,10 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 @dataclass
 class EngineStats:
+    """Counters of one engine (requests, tokens, steps, restarts, step-time histogram, busy
+    seconds per stage), updated by its loop thread and read by anyone (metrics, replicas'
+    snapshots); a read may see one step's updates half applied."""
+
     num_stages: int
     requests_submitted: int = 0
     requests_finished: int = 0

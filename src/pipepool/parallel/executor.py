@@ -18,6 +18,14 @@ from ..stage.transport import LocalLink
 
 
 class Executor(ABC):
+    """Delivers plans to the stages and their results back, in FIFO order.
+
+    ``submit(plan)`` hands a plan to stage 0 (up to ``depth`` plans may be in flight);
+    ``collect()`` returns the oldest plan's ``StepResult`` (blocking). A stage failure is
+    raised from either as ``StageFailure`` (``failure`` says so without raising).
+    Called from the engine's loop thread only.
+    """
+
     num_stages: int
     depth: int  # how many plans may be in flight at once
     # Whether a failed pipeline can be replaced by a fresh one (stage processes this process

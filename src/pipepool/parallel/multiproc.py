@@ -64,6 +64,12 @@ _POLL_S = 0.05  # after a stage dies, time for the others' error reports to land
 
 
 class MultiprocExecutor(Executor):
+    """Stages 1..N-1 in processes of their own (started here, or torchrun's ranks), stage 0
+    in this process: plans go out over the rendezvous store's control plane, hidden states
+    between stages over torch.distributed, results come back from the last stage. Keeps
+    ``depth`` plans in flight; a stage process that dies is reported as ``StageFailure``.
+    """
+
     def __init__(
         self,
         deployment: Deployment,

@@ -27,6 +27,9 @@ _STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
 @dataclass(frozen=True)
 class Rendezvous:
+    """The pipeline's meeting point: a TCP store on port 0 with a unique key prefix, through
+    which stages find each other and the driver's control plane runs."""
+
     host: str
     port: int
     world: int

@@ -23,6 +23,9 @@ from ..errors import InvalidInputError
 
 @dataclass(frozen=True)
 class ReplicaPlacement:
+    """Where one replica runs: its index, its stages' devices (or CPU threads) and the config
+    its engine is built from."""
+
     index: int
     devices: tuple[str, ...]  # one per stage, as this host names them (cuda:3, cpu)
     visible_devices: str | None  # CUDA_VISIBLE_DEVICES of the replica process; None on CPU

@@ -25,6 +25,9 @@ class State(Enum):
 
 @dataclass(eq=False)
 class Slot:
+    """The front end's record of one replica: its placement, process handle, state, the work
+    it holds (``owners``) and its restart policy. Guarded by the replica pipeline's lock."""
+
     placement: ReplicaPlacement
     policy: RestartPolicy  # the same bounds as a pipeline's own stage restarts
     proc: ReplicaHandle | None = None

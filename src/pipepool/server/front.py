@@ -49,6 +49,10 @@ LARGE_REQUEST = 1 << 16
 
 
 class AsyncEngine:
+    """The server's side of the engine: asyncio calls over the engine's threads, with the
+    queue limit (429 past ``max_queued``), tokenising lanes by request size, and the
+    engine's owner (loading, health)."""
+
     def __init__(self, owner: EngineOwner, *, max_queued: int, threads: int | None = None) -> None:
         self.owner = owner
         self.max_queued = max_queued

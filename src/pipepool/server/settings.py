@@ -17,6 +17,8 @@ _HF_CACHE_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """Everything the HTTP server is told at start (address, names, limits, keys, logs)."""
+
     host: str = "127.0.0.1"  # loopback unless told otherwise: no accidental exposure
     port: int = 8000
     api_key: str | None = None  # None: no authentication

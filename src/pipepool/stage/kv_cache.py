@@ -9,6 +9,10 @@ from ..models import KVLayout
 
 
 class KVCache:
+    """One stage's paged KV cache: per layer, key and value rows of ``num_blocks`` blocks of
+    ``block_size`` slots, written and read by the attention layers at the slots the step
+    plan gives (never chosen by the stage itself)."""
+
     def __init__(
         self,
         layout: KVLayout,

@@ -55,6 +55,10 @@ class StepView:
 
 
 class Mirror:
+    """One stage's copy of the progress of every request that spans several steps: its
+    ``num_computed_tokens``, prompt length and block table. Checked against each plan before
+    computing, advanced by the post-step after it, hashed into the stage's digest."""
+
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self.entries: dict[int, MirrorEntry] = {}

@@ -23,10 +23,15 @@ class Incoming(Protocol):
 
 
 class Inbound(Protocol):
+    """Where a stage receives its inputs for each plan: the previous stage's hidden states
+    and digest (``post(plan)`` returns them as an ``Incoming`` to wait on lazily)."""
+
     def post(self, plan: StepPlan) -> Incoming: ...
 
 
 class Outbound(Protocol):
+    """Where a non-last stage sends its hidden states and digest for the next stage."""
+
     # Returns the transfer's work handle where there is one (torch.distributed), else None.
     def send_hidden(self, hidden: torch.Tensor) -> object | None: ...
 

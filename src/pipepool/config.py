@@ -149,7 +149,7 @@ class EngineConfig:
     # so no device waits for the host between steps. None: on for CUDA. Off on CPU, where
     # a step computes synchronously and running ahead would only hold results back.
     overlap_steps: bool | None = option(None, "", cli=False)
-    # The step timeline (issue 12): a Chrome trace-event file with one track per process
+    # The step timeline: a Chrome trace-event file with one track per process
     # (driver, each stage), written when the engine closes or on ``Engine.write_trace``, and a
     # summary of where each stage's time went. Off (None), no step records anything.
     trace: str | None = option(

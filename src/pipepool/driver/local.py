@@ -51,7 +51,7 @@ _CLOSE_JOIN_S = 0.3
 _PACE_S = 0.05
 # A step that starts an idle pipeline holds at most this share of the step budget where steps
 # overlap (``overlap_steps``, CUDA's default): the device starts sooner, and the next step, a
-# whole one, is built while this one runs (BENCHMARKS.md, issue 10, tenth pass).
+# whole one, is built while this one runs (BENCHMARKS.md).
 _IDLE_STEP_SHARE = 0.5
 
 
@@ -260,7 +260,7 @@ class LocalPipeline:
         - after each: a wait (``_PACE_S`` at most) while the backlog (tokens enqueued and in
           no plan handed to the stages yet) holds a whole step. Preparing all slices at once
           slowed the preparation of the second step so much that the device waited 2.2 ms
-          for it (BENCHMARKS.md, issue 10, ninth pass).
+          for it (BENCHMARKS.md).
 
         And while the call lasts, the loop thread, with room for another step in flight and
         less than a step to schedule (``_short_of_a_step``), waits for the next slice
@@ -302,7 +302,7 @@ class LocalPipeline:
         is being prepared. A short step costs the host as much as a full one, and a small
         model's short step costs the device less than that: the device then waits for the
         host (W4 on MiniLM, its layers stubbed out on the CPU and steps overlapping, took steps
-        of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens; BENCHMARKS.md, issue 10, tenth pass)."""
+        of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens; BENCHMARKS.md)."""
         return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
 
     def _idle_step_tokens(self) -> int | None:

@@ -122,7 +122,7 @@ def compile_layer_fn(fn, *, round_like_eager: bool):
     ``emulate_precision_casts``), so compiled vectors equal eager ones. The decoders need it:
     without it a per-token ALL output fell to cosine 0.99878 against fp32 on the GPU
     (BENCHMARKS.md). It costs: the all-MiniLM-L6-v2 shape ran W1 at 2.16M tokens/s with it and
-    2.83M without (commit 8f5b546, one H200, same call), so encoders, whose compiled parts
+    2.83M without (one H200, same call), so encoders, whose compiled parts
     (embeddings; output projection, residual, LayerNorm, MLP) only gain precision from fewer
     roundings, go without.
 

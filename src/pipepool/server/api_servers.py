@@ -1,7 +1,7 @@
 """The other HTTP front-end processes of ``pipepool serve --api-server-count K``.
 
 One Python process parses, validates, tokenises, routes and serialises every request under one
-GIL; on a small model that process, not the GPUs, sets the server's throughput (issue 14 in
+GIL; on a small model that process, not the GPUs, sets the server's throughput (see
 BENCHMARKS.md: about 0.6M tokens/s of short queries with one core busy). With K > 1 the main
 process binds the port and owns the replicas (their processes, restarts and placement), and
 K - 1 processes started here serve on the same listening socket (the kernel hands each new

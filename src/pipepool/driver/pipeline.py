@@ -91,4 +91,3 @@ class Pipeline(Protocol):
         """Stop everything now; pending calls fail with EngineDeadError("engine closed").
         ``join_timeout``: how long to wait for a loop thread still inside a step."""
         ...
-

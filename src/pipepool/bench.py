@@ -95,23 +95,27 @@ class RunResult:
     detail: dict = field(default_factory=dict)
 
 
-def flops(hf: dict, lengths: list[int], causal: bool) -> float:
-    """Model FLOPs of one forward over the given prompts: 2 x parameters in the matmuls per
-    token, plus attention (QK^T and PV), halved for causal masks."""
-    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or h // heads
-    kv_heads = hf.get("num_key_value_heads") or heads
-    inter = hf["intermediate_size"]
-    if causal:
-        per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter
-    else:
-        per_layer = 4 * h * h + 2 * h * inter
+def flops(hf: dict, lengths: list[int], causal: bool, linear_per_token: float) -> float:
+    """Model FLOPs of one forward over the given prompts: ``linear_per_token`` (2 x the
+    parameters in the matmuls, ``deployment.flops_per_token``) per token, plus attention (QK^T
+    and PV), halved for causal masks."""
+    layers = _first(hf, "num_hidden_layers", "n_layers", "num_layers")
+    heads = _first(hf, "num_attention_heads", "n_heads", "num_heads")
+    hidden = _first(hf, "hidden_size", "dim", "d_model")
+    head_dim = hf.get("head_dim") or hf.get("d_kv") or hidden // heads
     lengths_a = np.asarray(lengths, dtype=np.float64)
-    linear = 2.0 * per_layer * layers * lengths_a.sum()
+    linear = linear_per_token * lengths_a.sum()
     pairs = (lengths_a * (lengths_a + 1) / 2).sum() if causal else (lengths_a**2).sum()
     attention = 4.0 * pairs * heads * head_dim * layers
     return linear + attention
+
+
+def _first(hf: dict, *keys: str) -> int:
+    """The first of ``keys`` that the config has (families name the same size differently)."""
+    for key in keys:
+        if hf.get(key):
+            return int(hf[key])
+    raise KeyError(f"config.json has none of {', '.join(keys)}")
 
 
 def warm_up(run: Callable[[], object], max_passes: int = 6, settled: float = 0.1) -> int:

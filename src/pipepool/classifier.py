@@ -6,6 +6,12 @@ Heads, by checkpoint:
   (dense + tanh) on the [CLS] row, then ``classifier``.
 - RoBERTa / XLM-R ``*ForSequenceClassification`` (bge-reranker): ``classifier.dense`` + tanh +
   ``classifier.out_proj`` on the <s> row.
+- ModernBERT ``*ForSequenceClassification`` (gte-reranker-modernbert-base): ``head`` (dense,
+  activation, LayerNorm) on the [CLS] row, then ``classifier``.
+- DistilBERT ``*ForSequenceClassification``: ``pre_classifier`` + ReLU on the [CLS] row, then
+  ``classifier``.
+- ELECTRA ``*ForSequenceClassification`` (ms-marco-electra-base): ``classifier.dense`` + GELU +
+  ``classifier.out_proj`` on the first token.
 - Decoder ``*ForSequenceClassification`` (Qwen2/Qwen3/Llama/Mistral): ``score`` (no bias) on
   the last token.
 - Qwen3-Reranker's causal checkpoints: the LM head's "yes" and "no" rows on the last token of
@@ -33,7 +39,7 @@ from .model_folder import ModelFolder
 # and yes/no logits; "none" = they do not; "auto" = "qwen3" for Qwen3 checkpoints whose name
 # says Reranker (Qwen/Qwen3-Reranker-*, and seq-cls conversions that keep the name).
 RERANKERS = ("auto", "qwen3", "none")
-HEAD_KINDS = ("bert", "roberta", "linear", "yes_no")
+HEAD_KINDS = ("bert", "roberta", "linear", "yes_no", "modernbert", "distilbert", "electra")
 TEMPLATES = ("pair", "qwen3")
 SCORE_ACTIVATIONS = ("identity", "sigmoid", "softmax", "tanh", "relu")
 
@@ -62,6 +68,9 @@ class ClassifierHead:
     template: str  # one of TEMPLATES
     token_rows: tuple[int, ...] = ()  # yes_no: vocabulary rows of "yes" and "no"
     rows_from: str = ""  # yes_no: the checkpoint tensor holding them (LM head or tied embedding)
+    # The row the head reads where the checkpoint says (ModernBERT's classifier_pooling: cls or
+    # mean); None: the family's (the first token of an encoder, the last of a decoder).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         assert self.kind in HEAD_KINDS and self.template in TEMPLATES
@@ -92,9 +101,13 @@ def read_classifier(
     template = _template(reranker, folder, model_name, family, decoder)
     if folder.architecture.endswith("ForSequenceClassification"):
         labels = _labels(folder.hf_config)
-        return ClassifierHead(
-            head_kind, len(labels), labels, _activation(folder, len(labels)), template
-        )
+        pooling = folder.hf_config.get("classifier_pooling")
+        if pooling not in (None, "cls", "mean"):
+            raise ModelLoadError(
+                f"{folder.path}: classifier_pooling {pooling!r} is not supported (cls, mean are)"
+            )
+        activation = _activation(folder, len(labels))
+        return ClassifierHead(head_kind, len(labels), labels, activation, template, pooling=pooling)
     if template == "qwen3":
         if not decoder:
             raise ModelLoadError(

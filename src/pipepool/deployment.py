@@ -186,9 +186,10 @@ def plan_deployment(
                 f"{folder.architecture} pools the token its head reads; pooling cannot be set",
                 param="pooling",
             )
-        # The head reads the [CLS] / <s> row of an encoder and the last token of a decoder;
-        # "normalize" is its activation, on unless switched off.
-        pooling = family.default_pooling
+        # The head reads the row its checkpoint says (ModernBERT: cls or mean), else the
+        # [CLS] / <s> row of an encoder and the last token of a decoder; "normalize" is its
+        # activation, on unless switched off.
+        pooling = classifier.pooling or family.default_pooling
         normalize = config.normalize if config.normalize is not None else True
         output_dim = classifier.num_labels
 
@@ -235,7 +236,7 @@ def plan_deployment(
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
         graph_max_tokens=(
-            _graph_max_tokens(budget, per_token) if _auto(config.cuda_graphs, cuda) else 0
+            _graph_max_tokens(budget, per_token) if _cuda_graphs(config, cuda, whole) else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
         length_sorted=not cuda and not causal,
@@ -256,6 +257,17 @@ def step_tokens(config: EngineConfig, cuda: bool, flops_per_token: float) -> int
                _CUDA_MAX_STEP_TOKENS)  # fmt: skip
 
 
+def _cuda_graphs(config: EngineConfig, cuda: bool, whole) -> bool:
+    """CUDA graphs where asked for (or on CUDA by default) and the model can be captured."""
+    if config.cuda_graphs and not whole.graph_safe:
+        raise InvalidInputError(
+            f"{config.model}: this model's attention reads each step's offsets on the host and "
+            "cannot be captured as CUDA graphs; leave cuda_graphs to the engine or set it off",
+            param="cuda_graphs",
+        )
+    return _auto(config.cuda_graphs, cuda) and whole.graph_safe
+
+
 def _auto(wanted: bool | None, default: bool) -> bool:
     return default if wanted is None else wanted
 
@@ -274,9 +286,14 @@ def flops_per_token(family: Family, folder: ModelFolder) -> float:
     params = sum(
         _numel(e.shape)
         for name, e in checkpoint.entries.items()
-        if not family.ignored.match(name) and "embed" not in name
+        if not family.ignored.match(name) and not _is_embedding(name)
     )
     return max(2.0 * params, 1.0)
+
+
+def _is_embedding(name: str) -> bool:
+    """A lookup table, not a matmul (T5 calls its token embedding ``shared``)."""
+    return "embed" in name or name == "shared.weight" or "relative_attention_bias" in name
 
 
 def _graph_max_tokens(budget: int, per_token: float) -> int:

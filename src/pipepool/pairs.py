@@ -9,8 +9,9 @@
   <Document>: {document}``; prefix and suffix tokenized apart, the middle cut to fit.
 
 Token types ride with the token ids (``TokenSlice.type_ids``) only where the model reads them:
-BERT-family encoders with more than one token type. RoBERTa / XLM-R tokenizers give the model
-no token types (transformers feeds zeros), and decoders have none.
+encoders of a family that reads them (BERT, ELECTRA) with more than one token type. RoBERTa /
+XLM-R tokenizers give the model no token types (transformers feeds zeros), and decoders have
+none.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class PairEncoder:
         self.deployment, self.inputs, self.template = deployment, inputs, head.template
         self.tokenizer = inputs.tokenizer
         hf = deployment.folder.hf_config
-        family = family_of(deployment.folder.architecture).name
-        self.use_types = family == "bert" and int(hf.get("type_vocab_size", 2)) > 1
+        family = family_of(deployment.folder.architecture)
+        self.use_types = family.reads_token_types and int(hf.get("type_vocab_size", 2)) > 1
         if self.template == "qwen3":
             self.prefix = self.tokenizer.encode_plain(QWEN3_PREFIX)
             self.suffix = self.tokenizer.encode_plain(QWEN3_SUFFIX)

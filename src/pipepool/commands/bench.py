@@ -33,7 +33,8 @@ from ..bench import (
     warm_up,
     write_json,
 )
-from ..deployment import plan_deployment
+from ..deployment import flops_per_token, plan_deployment
+from ..models import family_of
 from .common import add_engine_args, engine_config
 
 # bf16 matmul (8192^3) measured on the H200 machine (GPU-NOTES.md): the "fraction of peak" base.
@@ -173,7 +174,12 @@ def bench_one(config, workload_name: str, args) -> dict:
     del engine
     free_device_memory()
 
-    total_flops = flops(d.folder.hf_config, lengths, d.causal)
+    total_flops = flops(
+        d.folder.hf_config,
+        lengths,
+        d.causal,
+        flops_per_token(family_of(d.folder.architecture), d.folder),
+    )
     row = {
         "model": d.folder.path.name,
         "workload": workload_name,

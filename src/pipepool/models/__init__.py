@@ -15,6 +15,10 @@ from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
 from .decoder import DecoderConfig, DecoderStage
+from .encoders import RelativeConfig, RelativeEncoderStage
+from .gemma import GemmaConfig, GemmaStage
+from .modernbert import ModernBertConfig, ModernBertStage
+from .t5 import T5Config, T5EncoderStage
 
 __all__ = ["Family", "KVLayout", "StageModel", "StepInputs", "WeightSpec", "family_of"]
 
@@ -26,7 +30,7 @@ class Family:
     checkpoint's to say (``checkpoint_math.decide_causal``), not the family's: ``decoder`` only
     says whether the family *can* be causal and how its classifiers read a prompt."""
 
-    name: str  # qwen3 | qwen2 | llama | mistral | bert | roberta
+    name: str  # qwen3 | qwen2 | llama | mistral | bert | roberta | t5
     decoder: bool  # a decoder (causal unless its config says otherwise); else an encoder
     make_config: Callable[..., object]  # (hf, family name, causal=...) -> the stage's config
     stage: type[StageModel]
@@ -36,11 +40,19 @@ class Family:
     head_kind: str
     # Old TF-converted checkpoints name LayerNorm weight/bias gamma/beta.
     gamma_beta_names: bool = False
+    # The family's own default pooling where its kind's does not fit (None: the kind's).
+    pooling: str | None = None
+    # Whether its encoder reads token types (BERT, ELECTRA: pairs' second text is type 1);
+    # the others are fed none (RoBERTa / XLM-R, MPNet, DistilBERT, decoders).
+    reads_token_types: bool = False
 
     @property
     def default_pooling(self) -> str:
-        """Without a sentence-transformers Pooling module: the last token of a decoder, the
-        first ([CLS]) of an encoder; classifiers read the same token."""
+        """Without a sentence-transformers Pooling module: the family's own where it names one
+        (T5 has no [CLS]: mean), else the last token of a decoder, the first ([CLS]) of an
+        encoder; classifiers read the same token."""
+        if self.pooling is not None:
+            return self.pooling
         return "last" if self.decoder else "cls"
 
     def config(self, hf: dict, causal: bool):
@@ -82,6 +94,33 @@ def _encoder_config(hf: dict, family: str, *, causal: bool) -> EncoderConfig:
     return EncoderConfig.from_hf(hf, family)
 
 
+@dataclass(frozen=True)
+class T5Family(Family):
+    """T5 checkpoints count their blocks in ``num_layers`` and store the (tied) token embedding
+    as ``shared.weight`` (transformers' own saves) or ``encoder.embed_tokens.weight`` (the hub's
+    safetensors conversions of sentence-t5 / gtr-t5): either is read as ``shared.weight``. A
+    checkpoint holding both is refused by the loader (a tensor named twice), since
+    transformers then embeds with ``encoder.embed_tokens.weight`` and ``shared`` may differ."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(hf.get("num_layers", 6))
+
+    def canonical_name(self, name: str) -> str:
+        return "shared.weight" if name == "encoder.embed_tokens.weight" else name
+
+
+@dataclass(frozen=True)
+class DistilBertFamily(Family):
+    """DistilBERT's config counts its layers in ``n_layers``."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(hf["n_layers"])
+
+
+def _t5_config(hf: dict, family: str, *, causal: bool) -> T5Config:
+    return T5Config.from_hf(hf, family, causal=causal)
+
+
 _DECODER_IGNORED = re.compile(r"^(lm_head\..*|.*rotary_emb\.inv_freq)$")
 _ENCODER_IGNORED = re.compile(
     r"^(pooler\..*|cls\..*|lm_head\..*|embeddings\.position_ids|embeddings\.token_type_ids)$"
@@ -93,12 +132,47 @@ _FAMILIES = {
     )
     for name in ("qwen3", "qwen2", "llama", "mistral")
 }
+_FAMILIES.update(
+    (name, Family(name, True, GemmaConfig.from_hf, GemmaStage, ("model.",), _DECODER_IGNORED,
+                  "linear"))
+    for name in ("gemma2", "gemma3")
+)  # fmt: skip
 _FAMILIES["bert"] = Family(
-    "bert", False, _encoder_config, EncoderStage, ("bert.",), _ENCODER_IGNORED, "bert", True
-)
+    "bert", False, _encoder_config, EncoderStage, ("bert.",), _ENCODER_IGNORED, "bert", True,
+    reads_token_types=True,
+)  # fmt: skip
 _FAMILIES["roberta"] = Family(
     "roberta", False, _encoder_config, EncoderStage, ("roberta.",), _ENCODER_IGNORED, "roberta",
     True,
+)  # fmt: skip
+# ModernBertForMaskedLM's head and decoder (the MLM logits) are not part of the encoder.
+_FAMILIES["modernbert"] = Family(
+    "modernbert", False, ModernBertConfig.from_hf, ModernBertStage, ("model.",),
+    re.compile(r"^(head\..*|decoder\..*)$"), "modernbert",
+)  # fmt: skip
+# T5Model / T5ForConditionalGeneration: only the encoder computes an embedding.
+_FAMILIES["t5"] = T5Family(
+    "t5", False, _t5_config, T5EncoderStage, (), re.compile(r"^(decoder\..*|lm_head\..*)$"),
+    "none", pooling="mean",
+)  # fmt: skip
+
+# BERT's relatives (models/encoders.py); their LM and pre-training heads are not the encoder.
+_FAMILIES["distilbert"] = DistilBertFamily(
+    "distilbert", False, RelativeConfig.from_hf, RelativeEncoderStage, ("distilbert.",),
+    re.compile(r"^(vocab_transform\..*|vocab_layer_norm\..*|vocab_projector\..*|"
+               r"embeddings\.position_ids)$"),
+    "distilbert", True,
+)  # fmt: skip
+_FAMILIES["electra"] = Family(
+    "electra", False, RelativeConfig.from_hf, RelativeEncoderStage, ("electra.",),
+    re.compile(r"^(discriminator_predictions\..*|embeddings\.position_ids|"
+               r"embeddings\.token_type_ids)$"),
+    "electra", True, reads_token_types=True,
+)  # fmt: skip
+# MPNetForSequenceClassification's head has RoBERTa's shape; the architecture is not registered.
+_FAMILIES["mpnet"] = Family(
+    "mpnet", False, RelativeConfig.from_hf, RelativeEncoderStage, ("mpnet.",),
+    re.compile(r"^(pooler\..*|lm_head\..*|embeddings\.position_ids)$"), "roberta", True,
 )  # fmt: skip
 
 _ARCHITECTURES = {
@@ -117,14 +191,35 @@ _ARCHITECTURES = {
     "RobertaForMaskedLM": "roberta",
     "XLMRobertaModel": "roberta",
     "XLMRobertaForMaskedLM": "roberta",
+    "T5EncoderModel": "t5",
+    "T5Model": "t5",
+    "T5ForConditionalGeneration": "t5",
+    "ModernBertModel": "modernbert",
+    "ModernBertForMaskedLM": "modernbert",
+    "DistilBertModel": "distilbert",
+    "DistilBertForMaskedLM": "distilbert",
+    "ElectraModel": "electra",
+    "ElectraForPreTraining": "electra",
+    "MPNetModel": "mpnet",
+    "MPNetForMaskedLM": "mpnet",
     # Classifiers (cross-encoders, rerankers): the same stages plus a head (score_heads.py).
     "BertForSequenceClassification": "bert",
     "RobertaForSequenceClassification": "roberta",
     "XLMRobertaForSequenceClassification": "roberta",
+    "ModernBertForSequenceClassification": "modernbert",
+    "DistilBertForSequenceClassification": "distilbert",
+    "ElectraForSequenceClassification": "electra",
     "Qwen3ForSequenceClassification": "qwen3",
     "Qwen2ForSequenceClassification": "qwen2",
     "LlamaForSequenceClassification": "llama",
     "MistralForSequenceClassification": "mistral",
+    "Gemma2Model": "gemma2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma2ForSequenceClassification": "gemma2",
+    # Gemma3 text only (model_type gemma3_text): EmbeddingGemma, Gemma3ForCausalLM.
+    "Gemma3TextModel": "gemma3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3TextForSequenceClassification": "gemma3",
 }
 
 

@@ -63,6 +63,10 @@ class StageModel(nn.Module):
     kv_layout: KVLayout | None  # None for encoders
     attention_shape: AttentionShape  # what the attention kernel is chosen and checked for
     attn_kernel: str  # the deployment's choice (layers/attention.py)
+    # Whether the forward can be captured as CUDA graphs (cut at every ``attend()`` call):
+    # False where some attention of the model reads the step's offsets on the host (additive
+    # position bias, soft-capping, symmetric windows), so the deployment runs it eagerly.
+    graph_safe: bool = True
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()

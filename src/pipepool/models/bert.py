@@ -25,6 +25,8 @@ from .score_heads import build_score_head
 
 @dataclass(frozen=True)
 class EncoderConfig:
+    """What a BERT / RoBERTa / XLM-R config.json says the encoder computes."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -172,6 +174,9 @@ class EncoderLayer(nn.Module):
 
 
 class EncoderStage(StageModel):
+    """A slice of a BERT-style encoder's layers (the first stage also embeds): bidirectional,
+    whole prompts, no KV cache."""
+
     causal = False
     kv_layout = None
 
@@ -287,7 +292,7 @@ class EncoderStage(StageModel):
                     (cfg.type_vocab_size, h),
                     "token_type_embeddings.weight",
                 ),
-                *_norm_specs("embeddings.LayerNorm", "emb_norm", h),
+                *norm_specs("embeddings.LayerNorm", "emb_norm", h),
             ]
         for i in self.layer_range:
             c, p = f"encoder.layer.{i}", f"layers.{i}"
@@ -296,14 +301,14 @@ class EncoderStage(StageModel):
                     f"{c}.attention.self.{name}", f"{p}.qkv_proj", h, h, True, (j * h, (j + 1) * h)
                 )
             specs += linear_specs(f"{c}.attention.output.dense", f"{p}.attn_out", h, h, True)
-            specs += _norm_specs(f"{c}.attention.output.LayerNorm", f"{p}.attn_norm", h)
+            specs += norm_specs(f"{c}.attention.output.LayerNorm", f"{p}.attn_norm", h)
             specs += linear_specs(
                 f"{c}.intermediate.dense", f"{p}.ffn_in", cfg.intermediate_size, h, True
             )
             specs += linear_specs(
                 f"{c}.output.dense", f"{p}.ffn_out", h, cfg.intermediate_size, True
             )
-            specs += _norm_specs(f"{c}.output.LayerNorm", f"{p}.ffn_norm", h)
+            specs += norm_specs(f"{c}.output.LayerNorm", f"{p}.ffn_norm", h)
         return specs + self.head_specs()
 
 
@@ -314,7 +319,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _norm_specs(ckpt: str, param: str, dim: int) -> list[WeightSpec]:
+def norm_specs(ckpt: str, param: str, dim: int) -> list[WeightSpec]:
     return [
         WeightSpec(f"{ckpt}.weight", (dim,), f"{param}.weight"),
         WeightSpec(f"{ckpt}.bias", (dim,), f"{param}.bias"),

@@ -2,8 +2,9 @@
 families do not implement.
 
 A checkpoint's config decides its math, never the family's habit: a decoder whose config says
-``is_causal: false`` attends bidirectionally (as transformers runs it), and a field that would
-change the math in a way no family here computes is refused by name. Remote code named by
+``is_causal: false`` attends bidirectionally (as transformers runs it; Gemma3 reads
+``use_bidirectional_attention`` instead), and a field that would change the math in a way no
+family here computes is refused by name. Remote code named by
 ``auto_map`` is refused: pipepool would run its built-in family in its place, and that code may
 compute something else (gte-Qwen2's ``Qwen2Model`` in its own ``modeling_qwen.py`` is
 bidirectional while the built-in one is causal). The user may say which attention the remote
@@ -29,11 +30,38 @@ MODEL_TYPES = {
     "mistral": ("mistral",),
     "bert": ("bert",),
     "roberta": ("roberta", "xlm-roberta"),
+    "distilbert": ("distilbert",),
+    "electra": ("electra",),
+    "mpnet": ("mpnet",),
+    "modernbert": ("modernbert",),
+    "gemma2": ("gemma2",),
+    "gemma3": ("gemma3_text",),
+    "t5": ("t5",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
 # bidirectional when it is false). None of them reads ``use_bidirectional_attention``.
 _READS_IS_CAUSAL = ("qwen3", "qwen2", "llama", "mistral")
+# Decoders whose transformers implementation takes its direction from
+# ``use_bidirectional_attention`` (true: every layer bidirectional, sliding layers a symmetric
+# window), in its masks and its attention layers alike.
+_READS_BIDIRECTIONAL = ("gemma3",)
+# Why ``use_bidirectional_attention`` or ``is_causal: false`` cannot decide these families'
+# direction: transformers reads them in some places and not in others, so what it computes
+# depends on the attention implementation (eager or sdpa) and on the prompt's length.
+_HALF_READ = {
+    ("gemma2", "use_bidirectional_attention"): (
+        "transformers' gemma2 reads it in its attention layers but builds causal masks"
+    ),
+    ("gemma2", "is_causal"): (
+        "transformers' gemma2 builds bidirectional masks from it but its attention layers stay "
+        "causal (they read use_bidirectional_attention)"
+    ),
+    ("gemma3", "is_causal"): (
+        "transformers' gemma3 builds bidirectional masks from it but its attention layers read "
+        "use_bidirectional_attention"
+    ),
+}
 
 # auto_map keys that load model code (or a config class that may read fields differently).
 _CODE_KEYS = ("AutoConfig", "AutoModel")
@@ -49,6 +77,7 @@ def _falsy(value: Any) -> bool:
 
 # Config fields that change the math, by family, with the values this implementation computes.
 # A checkpoint with any other value is refused by name rather than computed without it.
+# The Qwen, Llama and Mistral families:
 _DECODER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attn_logit_softcapping": (_absent_or(0, 0.0), "attention logit soft-capping"),
     "final_logit_softcapping": (_absent_or(0, 0.0), "final logit soft-capping"),
@@ -60,11 +89,88 @@ _DECODER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "no_rope_layers": (_falsy, "layers without RoPE"),
     "attention_chunk_size": (_absent_or(), "chunked attention"),
 }
+# Gemma computes attention soft-capping and its own query scale (models/gemma.py).
+# final_logit_softcapping caps LM-head logits only, which no output here computes (pooled hidden
+# states, score heads on them), so any value leaves the math unchanged.
+_GEMMA2_FIELDS = {
+    name: check
+    for name, check in _DECODER_FIELDS.items()
+    if name not in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+}
+_GEMMA3_FIELDS = {
+    **_GEMMA2_FIELDS,
+    # transformers 5.17's Gemma3 reads the field but never passes it to its attention.
+    "attn_logit_softcapping": (
+        _absent_or(),
+        "attention logit soft-capping, which transformers' gemma3 reads but never applies",
+    ),
+}
 _ENCODER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "is_decoder": (_falsy, "a causal (decoder) mask"),
     "is_causal": (lambda v: v is None or v is False, "a causal mask"),
     "use_bidirectional_attention": (lambda v: v is None or v is True, "a causal mask"),
     "add_cross_attention": (_falsy, "cross-attention"),
+}
+
+
+def _default_rope(value: Any) -> bool:
+    """rope_parameters whose every layer type has the default rope_type."""
+    return value is None or (
+        isinstance(value, dict)
+        and all((p or {}).get("rope_type", "default") == "default" for p in value.values())
+    )
+
+
+def _full_or_sliding(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, list) and all(t in ("full_attention", "sliding_attention") for t in value)
+    )
+
+
+# ModernBERT reads its layer types, window and RoPE bases (models/modernbert.py); RoPE other
+# than the default and attention types other than full and sliding are not computed.
+_MODERNBERT_FIELDS = {
+    **_ENCODER_FIELDS,
+    "rope_scaling": (_absent_or(), "RoPE scaling"),
+    "rope_parameters": (_default_rope, "a rope_type other than the default"),
+    "layer_types": (_full_or_sliding, "attention other than full_attention and sliding_attention"),
+}
+# ELECTRA: transformers 5 computes absolute positions whatever the field says; a checkpoint
+# trained with relative ones (older transformers) asked for other math.
+_ELECTRA_FIELDS = {
+    **_ENCODER_FIELDS,
+    "position_embedding_type": (_absent_or("absolute"), "relative position embeddings"),
+}
+# MPNet: transformers buckets distances into 32 buckets whatever the table's size, so a smaller
+# table cannot hold them.
+_MPNET_FIELDS = {
+    **_ENCODER_FIELDS,
+    "relative_attention_num_buckets": (
+        lambda v: v is None or (isinstance(v, int) and v >= 32),
+        "a relative position bias table of fewer than the 32 buckets transformers reads",
+    ),
+}
+# The T5 encoder (models/t5.py): a ReLU or gated-GELU feed-forward. T5Config derives
+# dense_act_fn and is_gated_act from feed_forward_proj unless config.json sets them, so their
+# combination is checked where the config is read (T5Config.from_hf).
+_T5_FIELDS = {
+    **_ENCODER_FIELDS,
+    "feed_forward_proj": (
+        _absent_or("relu", "gated-gelu"),
+        "a feed-forward other than relu and gated-gelu",
+    ),
+    "dense_act_fn": (
+        _absent_or("relu", "gelu_new"),
+        "a feed-forward activation other than relu and gelu_new",
+    ),
+}
+_FAMILY_FIELDS = {
+    "gemma2": _GEMMA2_FIELDS,
+    "gemma3": _GEMMA3_FIELDS,
+    "modernbert": _MODERNBERT_FIELDS,
+    "electra": _ELECTRA_FIELDS,
+    "mpnet": _MPNET_FIELDS,
+    "t5": _T5_FIELDS,
 }
 
 
@@ -79,7 +185,7 @@ def check_config(hf: dict, *, family: str, decoder: bool, architecture: str) -> 
             f"model_type {model_type!r}; pipepool runs only what both agree on "
             f"(model_type {' or '.join(map(repr, expected))})"
         )
-    fields = _DECODER_FIELDS if decoder else _ENCODER_FIELDS
+    fields = _FAMILY_FIELDS.get(family, _DECODER_FIELDS if decoder else _ENCODER_FIELDS)
     for name, (implemented, what) in fields.items():
         value = hf.get(name)
         if not implemented(value):
@@ -109,19 +215,33 @@ def decide_causal(hf: dict, *, family: str, decoder: bool, attention: str) -> bo
         return False
     if attention != "auto":
         return attention == "causal"
-    if hf.get("use_bidirectional_attention") is not None:
+    for name in ("use_bidirectional_attention", "is_causal"):
+        value = hf.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ModelLoadError(f"config.json sets {name}={value!r}; expected true or false")
+    bidirectional, is_causal = hf.get("use_bidirectional_attention"), hf.get("is_causal")
+    for name, value, harmless in (
+        ("use_bidirectional_attention", bidirectional, False),
+        ("is_causal", is_causal, True),
+    ):
+        why = _HALF_READ.get((family, name))
+        if why is not None and value not in (None, harmless):
+            raise ModelLoadError(
+                f"config.json sets {name}={value!r}, but {why}; say which attention the "
+                "checkpoint was trained with: --attention bidirectional or --attention causal"
+            )
+    if family in _READS_BIDIRECTIONAL:
+        return not bidirectional  # transformers' default: causal
+    if bidirectional is not None and (family, "use_bidirectional_attention") not in _HALF_READ:
         raise ModelLoadError(
-            f"config.json sets use_bidirectional_attention="
-            f"{hf['use_bidirectional_attention']!r}, which transformers' {family} does not read "
-            "(it reads is_causal); say which attention the checkpoint was trained with: "
-            "--attention bidirectional or --attention causal"
+            f"config.json sets use_bidirectional_attention={bidirectional!r}, which "
+            f"transformers' {family} does not read (it reads is_causal); say which attention "
+            "the checkpoint was trained with: --attention bidirectional or --attention causal"
         )
-    is_causal = hf.get("is_causal")
     if is_causal is None:  # transformers' default
         return True
-    if not isinstance(is_causal, bool):
-        raise ModelLoadError(f"config.json sets is_causal={is_causal!r}; expected true or false")
-    assert family in _READS_IS_CAUSAL, family
+    # The families that read it, and gemma2 where only the harmless true got this far.
+    assert family in _READS_IS_CAUSAL or is_causal, family
     return is_causal
 
 

@@ -32,6 +32,8 @@ from .score_heads import build_score_head
 
 @dataclass(frozen=True)
 class DecoderConfig:
+    """What a Qwen3 / Qwen2 / Llama / Mistral config.json says the decoder computes."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int

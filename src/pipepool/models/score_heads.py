@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..classifier import ClassifierHead
+from ..layers.activation import get_activation
 from .base import WeightSpec, linear_specs
 
 
@@ -55,6 +56,64 @@ class RobertaClassifier(nn.Module):
         )
 
 
+class ModernBertClassifier(nn.Module):
+    """ModernBERT: ``head`` (dense, activation, LayerNorm) on the pooled row, then
+    ``classifier``. The dense layer's bias follows the config's classifier_bias and the norm's
+    its norm_bias; ``classifier`` always has one. Built by models/modernbert.py, which knows
+    those switches."""
+
+    def __init__(
+        self, hidden: int, num_labels: int, *, activation: str, eps: float, dense_bias: bool,
+        norm_bias: bool,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden, bias=dense_bias)
+        self.norm = nn.LayerNorm(hidden, eps=eps, bias=norm_bias)
+        self.classifier = nn.Linear(hidden, num_labels)
+        self.activation = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        bias = norm.bias.float() if norm.bias is not None else None
+        y = self.activation(_linear(x, self.dense))
+        y = F.layer_norm(y, norm.normalized_shape, norm.weight.float(), bias, norm.eps)
+        return _linear(y, self.classifier)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.dense.in_features, self.classifier.out_features
+        specs = linear_specs("head.dense", f"{param}.dense", h, h, self.dense.bias is not None)
+        specs.append(WeightSpec("head.norm.weight", (h,), f"{param}.norm.weight"))
+        if self.norm.bias is not None:
+            specs.append(WeightSpec("head.norm.bias", (h,), f"{param}.norm.bias"))
+        return specs + linear_specs("classifier", f"{param}.classifier", n, h, True)
+
+
+class DistilBertClassifier(nn.Module):
+    """DistilBERT: ``pre_classifier`` + ReLU on the [CLS] row, then ``classifier``."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.pre_classifier = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(F.relu(_linear(x, self.pre_classifier)), self.classifier)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.pre_classifier.in_features, self.classifier.out_features
+        return linear_specs("pre_classifier", f"{param}.pre_classifier", h, h, True) + linear_specs(
+            "classifier", f"{param}.classifier", n, h, True
+        )
+
+
+class ElectraClassifier(RobertaClassifier):
+    """ELECTRA: RoBERTa's head and tensor names on the first token, with GELU (the erf form,
+    as transformers' ElectraClassificationHead) in place of tanh."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(F.gelu(_linear(x, self.dense)), self.out_proj)
+
+
 class LinearScore(nn.Module):
     """Decoders' ``score``: one linear layer without bias on the last token."""
 
@@ -97,4 +156,10 @@ def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> nn.M
         return RobertaClassifier(hidden, head.num_labels)
     if head.kind == "linear":
         return LinearScore(hidden, head.num_labels)
+    if head.kind == "distilbert":
+        return DistilBertClassifier(hidden, head.num_labels)
+    if head.kind == "electra":
+        return ElectraClassifier(hidden, head.num_labels)
+    if head.kind == "modernbert":  # its switches are in the config: models/modernbert.py builds it
+        raise ValueError("a ModernBERT head is built by its stage (ModernBertClassifier)")
     return YesNoScore(hidden, head, vocab_size)

@@ -88,13 +88,20 @@ def _transformers_reference(
 
     path = str(deployment.folder.path)
     kwargs = {}
+    hf = deployment.folder.hf_config
+    if hf.get("model_type") == "gemma2" or hf.get("attn_logit_softcapping") is not None:
+        # Gemma2 soft-caps attention logits (50 unless its config says): transformers' default
+        # (sdpa) attention ignores that; its eager attention applies it.
+        kwargs["attn_implementation"] = "eager"
     if deployment.config.attention != "auto":
         # The user named the attention (a checkpoint with remote code, or an override): the
         # reference is transformers' built-in family with that attention.
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
         config.is_causal = deployment.causal
-        kwargs = {"config": config, "trust_remote_code": False}
+        kwargs.update(config=config, trust_remote_code=False)
     model = transformers.AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
+    if getattr(model.config, "is_encoder_decoder", False):
+        model = model.get_encoder()  # T5: embedding models run its encoder only
     model = model.to(device).eval()
     outputs: dict[str, list[np.ndarray]] = {p: [] for p in poolings}
     try:

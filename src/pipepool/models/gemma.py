@@ -1,0 +1,437 @@
+"""Gemma decoders: Gemma2 (bge-multilingual-gemma2) and Gemma3 text (EmbeddingGemma,
+Gemma3ForCausalLM), computed as transformers 5.17's ``modeling_gemma2.py`` /
+``modeling_gemma3.py`` do.
+
+What sets them apart from the Llama-style decoders (``decoder.py``): embeddings scaled by
+sqrt(hidden) rounded to the model's dtype; RMSNorm scaling by ``1 + weight`` in float32 before the
+cast back; "sandwich" norms around both attention and MLP; a GeGLU MLP; queries scaled by
+``query_pre_attn_scalar ** -0.5``; sliding-window layers by ``layer_types``; Gemma2's attention
+logit soft-capping; Gemma3's q/k norms, RoPE base per layer type and, with
+``use_bidirectional_attention``, bidirectional layers whose sliding window is symmetric.
+
+Layers whose attention :func:`..layers.attention.attend` computes (causal with or without a
+window, bidirectional without one, no soft-capping) go through it and its fast kernels; the
+others through :func:`..layers.softcap_attention.softcap_attend`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..classifier import ClassifierHead
+from ..errors import ModelLoadError
+from ..layers.activation import get_activation
+from ..layers.attention import AttentionShape, attend
+from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..layers.softcap_attention import softcap_attend
+from .base import (
+    KVLayout,
+    StageModel,
+    StepInputs,
+    WeightSpec,
+    compile_layer_fn,
+    embedding,
+    linear_specs,
+)
+from .score_heads import build_score_head
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+# The config classes' defaults, which apply where config.json leaves a field out.
+_COMMON_DEFAULTS = dict(
+    hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+)  # fmt: skip
+_DEFAULTS = {
+    "gemma2": dict(
+        _COMMON_DEFAULTS, vocab_size=256000, max_position_embeddings=8192,
+        attn_logit_softcapping=50.0,
+    ),
+    "gemma3": dict(
+        _COMMON_DEFAULTS, vocab_size=262208, max_position_embeddings=131072,
+        attn_logit_softcapping=None,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What a Gemma2 / Gemma3-text checkpoint's config.json asks for, with transformers'
+    defaults filled in and the attention direction the deployment decided."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str  # hidden_activation: the gate's activation in the GeGLU MLP
+    scale: float  # query_pre_attn_scalar ** -0.5
+    softcap: float | None  # attn_logit_softcapping (Gemma2): tanh(s / cap) * cap; None: off
+    attention_bias: bool  # bias on q/k/v/o
+    qk_norm: bool  # Gemma3: (1 + w) RMSNorm over head_dim on q and k, before RoPE
+    layer_types: tuple[str, ...]  # FULL or SLIDING, per layer
+    rope: dict[str, dict]  # layer type -> RoPE parameters (rope_type, rope_theta, factor...)
+    # Per layer: None for no window; causal: the keys a query sees up to itself; bidirectional:
+    # a key is visible when it is less than this far away on either side.
+    windows: tuple[int | None, ...]
+    max_positions: int
+    # False: Gemma3 with use_bidirectional_attention; prompts run whole, with no KV cache.
+    causal: bool = True
+    # final_logit_softcapping is not here: it caps LM-head logits, which no output computes.
+
+    @classmethod
+    def from_hf(cls, hf: dict, family: str, *, causal: bool = True) -> GemmaConfig:
+        c = {**_DEFAULTS[family], **hf}
+        get_activation(c["hidden_activation"])  # refused at load, not mid-request
+        num_layers = int(c["num_hidden_layers"])
+        types = tuple(c.get("layer_types") or _default_layer_types(hf, family, num_layers))
+        if len(types) != num_layers or not set(types) <= {FULL, SLIDING}:
+            raise ModelLoadError(
+                f"{family}: layer_types {list(types)} is not one of {FULL!r} / {SLIDING!r} for "
+                f"each of the {num_layers} layers"
+            )
+        softcap = c["attn_logit_softcapping"]
+        return cls(
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=int(c["num_attention_heads"]),
+            num_kv_heads=int(c["num_key_value_heads"]),
+            head_dim=int(c["head_dim"]),
+            rms_norm_eps=float(c["rms_norm_eps"]),
+            activation=c["hidden_activation"],
+            scale=float(c["query_pre_attn_scalar"]) ** -0.5,
+            softcap=float(softcap) if softcap is not None else None,
+            attention_bias=bool(c["attention_bias"]),
+            qk_norm=family == "gemma3",
+            layer_types=types,
+            rope=_rope_parameters(hf, family),
+            windows=_windows(c, family, types, causal),
+            max_positions=int(c["max_position_embeddings"]),
+            causal=causal,
+        )
+
+    def own_attention(self, layer: int) -> bool:
+        """Whether the layer's attention is one ``attend`` does not compute."""
+        return self.softcap is not None or (not self.causal and self.windows[layer] is not None)
+
+
+def _default_layer_types(hf: dict, family: str, num_layers: int) -> list[str]:
+    # Gemma2 alternates from a sliding layer; Gemma3 makes every sliding_window_pattern-th full.
+    pattern = 2 if family == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+
+
+def _windows(c: dict, family: str, types: tuple[str, ...], causal: bool) -> tuple[int | None, ...]:
+    window = c["sliding_window"]
+    if SLIDING not in types:
+        return (None,) * len(types)
+    if window is None:
+        raise ModelLoadError(f"{family}: sliding layers without a sliding_window")
+    if not causal:
+        if family != "gemma3":
+            raise ModelLoadError(
+                f"{family}: bidirectional attention with sliding layers (sliding_window="
+                f"{window}) is not what transformers computes for any config; not implemented"
+            )
+        # Gemma3TextConfig halves the window of bidirectional checkpoints ("fa exclusive
+        # bounds"), and its mask then admits keys at a distance below the result.
+        window = int(window) // 2 + 1
+    return tuple(int(window) if t == SLIDING else None for t in types)
+
+
+def _rope_parameters(hf: dict, family: str) -> dict[str, dict]:
+    """RoPE parameters per layer type, from the 5.x ``rope_parameters`` or the older top-level
+    fields, with the precedence of transformers' config classes."""
+    if family == "gemma2":
+        params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        by_type = {FULL: params, SLIDING: params}
+    else:
+        nested = hf.get("rope_parameters") or {}
+        if not set(nested) <= {FULL, SLIDING}:
+            raise ModelLoadError(
+                f"gemma3: rope_parameters has {sorted(nested)}; expected one entry per layer "
+                f"type ({FULL!r}, {SLIDING!r})"
+            )
+        nested = {kind: dict(params) if params else None for kind, params in nested.items()}
+        full = nested.get(FULL) or {"rope_type": "default"}
+        full.update(hf.get("rope_scaling") or {})  # older checkpoints scale global layers only
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        sliding = nested.get(SLIDING) or {"rope_type": "default"}
+        sliding.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        by_type = {FULL: full, SLIDING: sliding}
+    for kind, params in by_type.items():
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ModelLoadError(
+                f"{family}: partial_rotary_factor={partial!r} ({kind}) is not implemented"
+            )
+    return by_type
+
+
+# -- the layer's math, as plain functions (compiled as one graph per piece when asked) ---------
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by ``1 + weight`` in float32, then cast back (Llama
+    casts before scaling, which rounds differently in bf16)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+@functools.cache
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden) rounded to the model's dtype, as transformers multiplies it (55.4256 is
+    55.5 in bf16)."""
+    return float(torch.tensor(hidden_size**0.5).to(dtype))
+
+
+class AttnWeights(NamedTuple):
+    """What the block needs before attention (None where the checkpoint has no such tensor)."""
+
+    norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class MlpWeights(NamedTuple):
+    """What the block needs after attention."""
+
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+
+
+def qkv_projection(
+    cfg: GemmaConfig, x: torch.Tensor, w: AttnWeights
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input norm -> fused q|k|v -> (Gemma3) q/k norms. x: [T, hidden] -> [T, H, D] each."""
+    qkv = F.linear(gemma_rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+    k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+    v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+    if w.q_norm is not None:
+        q = gemma_rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+        k = gemma_rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    return q, k, v
+
+
+def post_attention(
+    cfg: GemmaConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
+) -> torch.Tensor:
+    """x += norm(o_proj(attn)); x += norm(GeGLU(norm(x))). x: [T, hidden]."""
+    eps = cfg.rms_norm_eps
+    x = x + gemma_rms_norm(F.linear(attn_out.flatten(1), w.o, w.o_bias), w.post_attention_norm, eps)
+    gate, up = F.linear(gemma_rms_norm(x, w.pre_feedforward_norm, eps), w.gate_up).chunk(2, -1)
+    mlp = F.linear(get_activation(cfg.activation)(gate) * up, w.down)
+    return x + gemma_rms_norm(mlp, w.post_feedforward_norm, eps)
+
+
+class GemmaOps(NamedTuple):
+    """The pieces around attention: plain functions, or torch.compile'd graphs shared by every
+    layer (weights are arguments, so layers do not recompile)."""
+
+    qkv: object = qkv_projection
+    rope: object = apply_rotary
+    post: object = post_attention
+
+
+class GemmaNorm(nn.Module):
+    """Holds an RMSNorm weight of the checkpoint; applies ``gemma_rms_norm``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+class GemmaLayer(nn.Module):
+    """Sandwich-norm block: x += norm(attn(norm(x))); x += norm(mlp(norm(x))). q|k|v and
+    gate|up are fused; ``layer_type`` picks the RoPE table and whether a window applies."""
+
+    def __init__(self, cfg: GemmaConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.window = cfg, cfg.windows[layer]
+        self.layer_type, self.own_attention = cfg.layer_types[layer], cfg.own_attention(layer)
+        h, q_dim, kv_dim = (
+            cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+        )  # fmt: skip
+        for name in _LAYER_NORMS:
+            setattr(self, name, GemmaNorm(h, cfg.rms_norm_eps))
+        self.qkv_proj = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = GemmaNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(q_dim, h, bias=cfg.attention_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: GemmaOps, kernel: str):
+        cfg = self.cfg
+        qk = cfg.qk_norm
+        w = AttnWeights(
+            self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
+            self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
+        )  # fmt: skip
+        q, k, v = ops.qkv(cfg, x, w)
+        q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.head_dim)
+        if self.own_attention:
+            attn_out = softcap_attend(
+                q, k, v, inputs.attn, kv_cache, scale=cfg.scale, softcap=cfg.softcap,
+                window=self.window,
+            )  # fmt: skip
+        else:
+            attn_out = attend(
+                q, k, v, inputs.attn, kv_cache, scale=cfg.scale, window=self.window,
+                kernel=kernel,
+            )  # fmt: skip
+        mlp = MlpWeights(
+            self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
+            self.pre_feedforward_layernorm.weight, self.gate_up_proj.weight,
+            self.down_proj.weight, self.post_feedforward_layernorm.weight,
+        )  # fmt: skip
+        return ops.post(cfg, x, attn_out, mlp)
+
+
+class GemmaStage(StageModel):
+    """A slice of a Gemma2 / Gemma3-text model's layers. Causal stages keep a KV cache and take
+    prompts in chunks; bidirectional ones (Gemma3 with use_bidirectional_attention) take whole
+    prompts. Returns the final-normed hidden states on the last stage (no LM head)."""
+
+    def __init__(
+        self,
+        cfg: GemmaConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        max_len: int,
+        head: ClassifierHead | None = None,
+    ):
+        super().__init__(layers, first, last)
+        self.cfg = cfg
+        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
+        self.max_positions = cfg.max_positions
+        self.causal = cfg.causal
+        self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim) if cfg.causal else None
+        standard = [i for i in range(cfg.num_layers) if not cfg.own_attention(i)]
+        self.attention_shape = AttentionShape(
+            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, causal=cfg.causal,
+            windowed=any(cfg.windows[i] is not None for i in standard),
+        )  # fmt: skip
+        self.attn_kernel = "portable"
+        self.graph_safe = not any(cfg.own_attention(i) for i in range(cfg.num_layers))
+        self.ops = GemmaOps()
+        if first:
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): GemmaLayer(cfg, i) for i in layers})
+        self.rotary = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(
+                    cfg.head_dim, cfg.head_dim, float(params["rope_theta"]), params, max_len
+                )
+                for kind, params in cfg.rope.items()
+                if kind in {cfg.layer_types[i] for i in layers}
+            }
+        )
+        if last:
+            self.norm = GemmaNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if head is not None:
+                self.score_head = build_score_head(head, cfg.hidden_size, cfg.vocab_size)
+
+    def attention_block_rows(self) -> int | None:
+        # A whole-step CUDA graph would freeze the host loop of softcap_attend into it.
+        if any(layer.own_attention for layer in self.layers.values()):
+            return None
+        return super().attention_block_rows()
+
+    def reset_buffers(self) -> None:
+        for rotary in self.rotary.values():
+            rotary.reset_table()
+
+    def set_compiled(self, on: bool) -> None:
+        self.ops = GemmaOps()
+        if on:
+            self.ops = GemmaOps(*(compile_layer_fn(fn, round_like_eager=True) for fn in GemmaOps()))
+
+    def layer_body(self) -> object:
+        return self.ops
+
+    def use_layer_body(self, body: object) -> None:
+        self.ops = body
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed_tokens(x)
+            x = x * embed_scale(self.cfg.hidden_size, x.dtype)
+        for j, layer in enumerate(self.layers.values()):
+            kv = kv_caches[j] if kv_caches is not None else None
+            cos_sin = self.rotary[layer.layer_type].cos_sin
+            x = layer(x, inputs, kv, cos_sin, self.ops, self.attn_kernel)
+        if self.is_last:
+            x = self.norm(x)
+        return x
+
+    def weight_specs(self) -> list[WeightSpec]:
+        cfg, specs = self.cfg, []
+        h, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.attention_bias
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if self.is_first:
+            specs.append(
+                WeightSpec("embed_tokens.weight", (cfg.vocab_size, h), "embed_tokens.weight")
+            )
+        for i in self.layer_range:
+            p = f"layers.{i}"
+            specs += [WeightSpec(f"{p}.{n}.weight", (h,), f"{p}.{n}.weight") for n in _LAYER_NORMS]
+            if cfg.qk_norm:
+                specs += [
+                    WeightSpec(f"{p}.self_attn.{n}.weight", (cfg.head_dim,), f"{p}.{n}.weight")
+                    for n in ("q_norm", "k_norm")
+                ]
+            # (checkpoint name, fused parameter, its rows, with a bias)
+            for name, fused, lo, hi, with_bias in (
+                ("self_attn.q_proj", "qkv_proj", 0, q, bias),
+                ("self_attn.k_proj", "qkv_proj", q, q + kv, bias),
+                ("self_attn.v_proj", "qkv_proj", q + kv, q + 2 * kv, bias),
+                ("mlp.gate_proj", "gate_up_proj", 0, inter, False),
+                ("mlp.up_proj", "gate_up_proj", inter, 2 * inter, False),
+            ):
+                specs += linear_specs(
+                    f"{p}.{name}", f"{p}.{fused}", hi - lo, h, with_bias, (lo, hi)
+                )
+            specs += linear_specs(f"{p}.self_attn.o_proj", f"{p}.o_proj", h, q, bias)
+            specs += linear_specs(f"{p}.mlp.down_proj", f"{p}.down_proj", h, inter, False)
+        if self.is_last:
+            specs.append(WeightSpec("norm.weight", (h,), "norm.weight"))
+        return specs + self.head_specs()

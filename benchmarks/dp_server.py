@@ -50,7 +50,7 @@ class Outcome:
 
 
 def build_bodies(model: Path, workload: str, per_request: int, limit: int | None) -> list[bytes]:
-    from pipepool.bench import make_workload
+    from pipepool.commands.workloads import make_workload
 
     hf = json.loads((model / "config.json").read_text())
     max_len = 512 if hf.get("model_type") == "bert" else hf["max_position_embeddings"]
@@ -267,7 +267,9 @@ def _worst_cosine(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--workload", default="W1", help="a token-id workload of pipepool.bench")
+    p.add_argument(
+        "--workload", default="W1", help="a token-id workload of pipepool.commands.workloads"
+    )
     p.add_argument("--requests", type=int, help="only the first N inputs of the workload")
     p.add_argument("--inputs-per-request", type=int, default=4)
     p.add_argument("--passes", type=int, default=2, help="timed passes over the workload")

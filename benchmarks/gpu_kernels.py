@@ -20,7 +20,7 @@ import gpu_suite
 import torch
 
 import pipepool
-from pipepool.bench import Peer, busy_us, cuda_activity, make_workload
+from pipepool.commands.workloads import Peer, busy_us, cuda_activity, make_workload
 
 
 def category(name: str) -> str:

@@ -26,6 +26,8 @@ CHECKPOINTS = Path("/tmp/pipepool-bench")
 MODELS = {
     "0.6b": ("qwen3-embedding-0.6b.json", "Qwen3Model", []),
     "8b": ("qwen3-embedding-8b.json", "Qwen3Model", []),
+    "mpnet": ("all-mpnet-base-v2.json", "MPNetModel", ["--max-model-len", "512"]),
+    "modernbert": ("gte-modernbert-base.json", "ModernBertModel", ["--max-model-len", "8192"]),
     "minilm": (
         "all-minilm-l6-v2.json",
         "BertModel",

@@ -34,7 +34,7 @@ import gpu_suite
 import torch
 
 import pipepool
-from pipepool.bench import gpu_busy, make_workload
+from pipepool.commands.workloads import gpu_busy, make_workload
 
 # (module, function or Class.method): the loop thread's host work, stage side and driver side.
 WRAPPED = [

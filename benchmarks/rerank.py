@@ -36,8 +36,8 @@ import torch
 
 import pipepool
 from pipepool.config import EngineConfig
-from pipepool.deployment import plan_deployment
-from pipepool.pairs import QWEN3_CHAT_TEMPLATE
+from pipepool.intake.pairs import QWEN3_CHAT_TEMPLATE
+from pipepool.loading.deployment import plan_deployment
 
 HERE = Path(__file__).resolve().parent
 CHECKPOINTS = Path("/tmp/pipepool-bench")

@@ -32,8 +32,8 @@ from served import free_port
 def _prompts(model: str, device: str):
     """(texts, their token ids, the deployment the reference is placed by)."""
     from pipepool.config import EngineConfig
-    from pipepool.deployment import plan_deployment
-    from pipepool.inputs import InputPreparer
+    from pipepool.intake.inputs import InputPreparer
+    from pipepool.loading.deployment import plan_deployment
     from pipepool.parity import REPRODUCER_PROMPTS
 
     d = plan_deployment(EngineConfig(model=model, device=device, max_model_len=1024))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipepool import Engine
-from pipepool.bench import make_workload
+from pipepool.commands.workloads import make_workload
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -16,7 +16,7 @@ import pytest
 import pipepool
 import pipepool.driver.local
 import pipepool.models.bert as bert
-from pipepool.deployment import plan_deployment
+from pipepool.loading.deployment import plan_deployment
 
 TEXTS = [f"text number {i} " + "word " * (i % 23) for i in range(40)]
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import cosine, long_prompts
 
 import pipepool
-from pipepool.inputs import FIRST_SLICE_IDS, MAX_CHARS_PER_TOKEN
+from pipepool.intake.inputs import FIRST_SLICE_IDS, MAX_CHARS_PER_TOKEN
 
 MAX_LEN = 32
 LONG = long_prompts()[3]  # hundreds of tokens with any tiny tokenizer

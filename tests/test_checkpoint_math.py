@@ -251,7 +251,7 @@ def test_parity_command_checks_a_remote_code_checkpoint_run_as_its_family(
     """``pipepool parity --attention bidirectional`` on gte-Qwen2's kind of config: the
     reference is transformers' built-in Qwen2 with that attention, and every PP and budget
     agrees with it."""
-    from pipepool.cli import main
+    from pipepool.commands.cli import main
 
     path = _edit_config(
         bidirectional_paths["qwen2"], tmp_path / "gte-qwen2",

@@ -16,7 +16,7 @@ import pytest
 from tiny_models import SENTENCES
 
 import pipepool
-from pipepool.cli import main
+from pipepool.commands.cli import main
 
 TEXTS = SENTENCES[:5]
 
@@ -159,7 +159,7 @@ _LEAN = (
     "import sys\n"
     "for name in ('transformers', 'sentence_transformers', 'scipy', 'sklearn'):\n"
     "    sys.modules[name] = None  # importing it now raises ImportError\n"
-    "from pipepool.cli import main\n"
+    "from pipepool.commands.cli import main\n"
     "code = main(sys.argv[1:])\n"
     "for slow in ('torch._dynamo', 'sympy'):  # seconds of start-up, needed by neither\n"
     "    assert slow not in sys.modules, f'{slow} was imported'\n"
@@ -240,7 +240,7 @@ def test_no_input_at_all_says_how_to_give_some(capsys):
 def test_progress_bar_moves_as_requests_finish(bert_path, monkeypatch):
     import tqdm
 
-    from pipepool.progress import follow
+    from pipepool.api.progress import follow
 
     seen = []
     original = tqdm.tqdm.update

@@ -8,10 +8,10 @@ import numpy as np
 from tiny_models import cosine
 
 import pipepool
+from pipepool.api.submission import Submission
 from pipepool.core.request import PoolingParams, RequestBatch
-from pipepool.inputs import TokenSlice
-from pipepool.owners import Owners
-from pipepool.submission import Submission
+from pipepool.driver.owners import Owners
+from pipepool.intake.inputs import TokenSlice
 
 
 def test_longest_first_moves_each_prompts_tokens_and_types_together():
@@ -56,7 +56,7 @@ def test_cpu_encoder_results_and_token_counts_come_back_in_input_order(bert_path
 def test_decoders_keep_input_order(qwen3_path, bert_path):
     """Decoders chunk prompts across steps (and CUDA's varlen kernels take any mix): no sort."""
     from pipepool.config import EngineConfig
-    from pipepool.deployment import plan_deployment
+    from pipepool.loading.deployment import plan_deployment
 
     assert not plan_deployment(EngineConfig(model=str(qwen3_path), device="cpu")).length_sorted
     assert plan_deployment(EngineConfig(model=str(bert_path), device="cpu")).length_sorted

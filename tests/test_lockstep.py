@@ -28,7 +28,7 @@ from pipepool.core.kv_blocks import BlockAllocator
 from pipepool.core.plan import StepPlan
 from pipepool.core.request import PoolingParams, RequestBatch
 from pipepool.core.scheduler import Scheduler
-from pipepool.deployment import plan_deployment
+from pipepool.loading.deployment import plan_deployment
 from pipepool.parallel.launch import start_executor
 
 BUDGET = 8  # tokens per step: a 40-token prompt takes five steps

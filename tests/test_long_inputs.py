@@ -10,7 +10,7 @@ import pytest
 from tiny_models import MIN_COSINE, SENTENCES, cosine
 
 import pipepool
-from pipepool.long_inputs import split_windows
+from pipepool.intake.long_inputs import split_windows
 
 MAX_LEN = 24
 LONG = " ".join(SENTENCES)  # far over MAX_LEN tokens

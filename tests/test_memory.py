@@ -14,7 +14,7 @@ import pytest
 _STEPS = """
 import random, sys
 import numpy as np
-from pipepool.memory import bound_heap_growth, trim_heap
+from pipepool.runtime.memory import bound_heap_growth, trim_heap
 
 bounded = bound_heap_growth() if sys.argv[1] == "bounded" else False
 
@@ -68,7 +68,7 @@ libc.mallinfo2.restype = MallInfo2
 _THRESHOLD = """
 import sys
 import numpy as np
-from pipepool.memory import bound_heap_growth
+from pipepool.runtime.memory import bound_heap_growth
 
 if sys.argv[1] == "bounded":
     bound_heap_growth()
@@ -96,7 +96,7 @@ def test_large_blocks_come_from_the_heap_and_its_holes_go_back_when_trimmed():
 
 
 def test_an_operators_own_threshold_wins(monkeypatch):
-    from pipepool.memory import bound_heap_growth
+    from pipepool.runtime.memory import bound_heap_growth
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert bound_heap_growth() is False
@@ -105,7 +105,11 @@ def test_an_operators_own_threshold_wins(monkeypatch):
 def test_onednn_kernel_caches_are_bounded_unless_the_operator_sized_them(monkeypatch):
     """oneDNN and ideep read their capacities when they build their first kernel; every
     engine process calls bound_heap_growth before any compute."""
-    from pipepool.memory import IDEEP_CACHE_CAPACITY, ONEDNN_CACHE_CAPACITY, bound_heap_growth
+    from pipepool.runtime.memory import (
+        IDEEP_CACHE_CAPACITY,
+        ONEDNN_CACHE_CAPACITY,
+        bound_heap_growth,
+    )
 
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         monkeypatch.delenv(name, raising=False)
@@ -123,7 +127,7 @@ _ROW_COUNTS = """
 import sys
 import torch
 from pipepool.layers import cpu_linear
-from pipepool.memory import bound_heap_growth
+from pipepool.runtime.memory import bound_heap_growth
 
 if sys.argv[1] == "bounded":
     bound_heap_growth()  # after importing torch, as an engine does
@@ -174,7 +178,7 @@ def test_fused_linear_kernels_of_ever_new_row_counts_stay_bounded():
 _SCATTERED = """
 import sys, threading
 import numpy as np
-from pipepool.memory import trim_heap
+from pipepool.runtime.memory import trim_heap
 
 def rss_mb():
     with open("/proc/self/status") as f:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tiny_models import REPRODUCER_PROMPTS
 
-from pipepool.cli import main
+from pipepool.commands.cli import main
 from pipepool.parity import (
     MIN_COSINE_FP32,
     ParityReport,

@@ -14,9 +14,9 @@ import torch
 from tiny_models import SENTENCES, Qwen3RerankerReference, long_prompts
 
 import pipepool
-from pipepool.classifier import read_classifier
 from pipepool.errors import InvalidInputError, PromptTooLongError
-from pipepool.model_folder import read_model_folder
+from pipepool.loading.classifier import read_classifier
+from pipepool.loading.model_folder import read_model_folder
 
 TOLERANCE = 1e-4  # per pair, fp32
 QUERY = "What does a pipeline stage keep for each request it serves?"

@@ -11,7 +11,7 @@ import numpy as np
 from tiny_models import SENTENCES
 
 import pipepool
-from pipepool.cli import main
+from pipepool.commands.cli import main
 from pipepool.parity.score_sweep import same_order
 
 QUERY = "How do pipeline stages stay in lockstep?"

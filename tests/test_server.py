@@ -459,8 +459,9 @@ def test_engine_and_cli_import_without_the_server_extras():
         "import sys\n"
         "for name in ('fastapi', 'uvicorn', 'starlette', 'pydantic'):\n"
         "    sys.modules[name] = None  # importing it now raises ImportError\n"
-        "import pipepool, pipepool.cli\n"
-        "args = pipepool.cli.build_parser().parse_args(['serve', '--port', '9', '--pp', '2'])\n"
+        "import pipepool, pipepool.commands.cli\n"
+        "parser = pipepool.commands.cli.build_parser()\n"
+        "args = parser.parse_args(['serve', '--port', '9', '--pp', '2'])\n"
         "assert (args.port, args.pipeline_parallel_size, args.host) == (9, 2, '127.0.0.1'), args\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEPOOL_")}
@@ -469,7 +470,7 @@ def test_engine_and_cli_import_without_the_server_extras():
 
 
 def test_server_flags_read_pipepool_environment_variables(monkeypatch):
-    from pipepool.cli import build_parser
+    from pipepool.commands.cli import build_parser
 
     monkeypatch.setenv("PIPEPOOL_API_KEY", "k")
     monkeypatch.setenv("PIPEPOOL_MAX_INPUTS_PER_REQUEST", "7")

@@ -27,7 +27,8 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_import_help_and_version_need_no_torch():
     code = (
-        _NO_TORCH + "import pipepool\nfrom pipepool.cli import main\nsys.exit(main(sys.argv[1:]))"
+        _NO_TORCH
+        + "import pipepool\nfrom pipepool.commands.cli import main\nsys.exit(main(sys.argv[1:]))"
     )
     r = _python(code, "--help")
     assert r.returncode == 0, r.stderr
@@ -44,7 +45,7 @@ def test_serve_without_the_server_extras_says_what_to_install():
     code = (
         "import sys\n"
         "sys.modules['uvicorn'] = None  # as if the extras were not installed\n"
-        "from pipepool.cli import main\n"
+        "from pipepool.commands.cli import main\n"
         "sys.exit(main(['serve']))\n"
     )
     r = _python(code)

@@ -17,7 +17,7 @@ from tiny_models import MIN_COSINE, cosine, long_prompts
 import pipepool
 import pipepool.driver.local
 from pipepool.config import EngineConfig
-from pipepool.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
+from pipepool.intake.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_empty_prompt_and_option_errors_name_the_problem(bert_path):
 
 def test_every_offered_option_has_a_flag_and_an_environment_variable(monkeypatch):
     """One source of truth: the CLI derives its engine flags from EngineConfig."""
-    from pipepool.cli import build_parser
+    from pipepool.commands.cli import build_parser
     from pipepool.commands.common import engine_config
 
     parser = build_parser()
@@ -150,7 +150,7 @@ def test_every_offered_option_has_a_flag_and_an_environment_variable(monkeypatch
 
 
 def test_auto_options_are_resolved_once_in_the_deployment(minilm_path):
-    from pipepool.deployment import plan_deployment
+    from pipepool.loading.deployment import plan_deployment
 
     d = plan_deployment(EngineConfig(model=str(minilm_path), device="cpu"))
     assert (d.compile, d.graph_max_tokens, d.overlap_steps) == (False, 0, False)
@@ -188,7 +188,7 @@ def test_default_step_budget_grows_for_small_models_on_cuda():
     """A step of ~2 TFLOP on CUDA, between TEI's 16384 tokens and 65536: MiniLM-sized models
     (~21 MFLOP a token) get 65536, bge-small-sized (~42) 32768, larger ones 16384; the CPU
     keeps 2048 and a budget the user gives wins everywhere."""
-    from pipepool.deployment import step_tokens
+    from pipepool.loading.deployment import step_tokens
 
     default, given = EngineConfig(), EngineConfig(max_num_batched_tokens=4096)
     budgets = [step_tokens(default, True, mflops * 1e6) for mflops in (21.2, 42.5, 170, 1200)]
@@ -282,8 +282,8 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
 def test_slices_grow_from_the_first_doubling_up_to_the_largest(monkeypatch):
     """A small first slice starts the device soon; each later one, twice the last, is
     prepared while the device runs the steps of the slices before; ``slice_size`` fixes them."""
-    monkeypatch.setattr(pipepool.inputs, "FIRST_SLICE", 4)
-    monkeypatch.setattr(pipepool.inputs, "SLICE", 16)
+    monkeypatch.setattr(pipepool.intake.inputs, "FIRST_SLICE", 4)
+    monkeypatch.setattr(pipepool.intake.inputs, "SLICE", 16)
     assert list(_slice_bounds(50, None)) == [(0, 4), (4, 12), (12, 28), (28, 44), (44, 50)]
     assert list(_slice_bounds(3, None)) == [(0, 3)]
     assert list(_slice_bounds(10, 4)) == [(0, 4), (4, 8), (8, 10)]
@@ -294,8 +294,8 @@ def test_result_callbacks_get_the_calls_own_rows_not_the_steps_buffer():
     """On CUDA a step's vectors reach the driver as views of a pinned buffer that goes back to
     torch's cache once delivered: a result callback (a replica forwarding rows to its front
     end, later) gets the rows as written into the call's result, not that buffer."""
+    from pipepool.api.submission import Submission
     from pipepool.core.request import PoolingParams
-    from pipepool.submission import Submission
 
     submission = Submission(PoolingParams("mean"), 4, 3, on_cancel=lambda s: None)
     seen = []

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import pipepool
-from pipepool import switch_interval
+from pipepool.runtime import switch_interval
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny_models import REPRODUCER_PROMPTS, SENTENCES, long_prompts
 
-from pipepool.tokenizer import Tokenizer
+from pipepool.intake.tokenizer import Tokenizer
 
 # Beyond the test sentences: whitespace, accents, typography, emoji, case, control characters,
 # special-token text typed by a user.

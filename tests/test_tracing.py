@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipepool import Engine, InvalidInputError
-from pipepool.cli import main
+from pipepool.commands.cli import main
 from pipepool.tracing import ProcessTrace, Span, summarize
 from pipepool.tracing.chrome import chrome_events, write_chrome_trace
 from pipepool.tracing.clock import estimate_offset, offset_for

@@ -298,7 +298,7 @@ def make_qwen3_reranker(path: Path, *, num_layers: int = 4, seed: int = 0) -> Pa
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(config).eval().save_pretrained(str(path))
     # What sentence-transformers' CrossEncoder needs to read the model's prompt from pairs.
-    from pipepool.pairs import QWEN3_CHAT_TEMPLATE
+    from pipepool.intake.pairs import QWEN3_CHAT_TEMPLATE
 
     (path / "chat_template.jinja").write_text(QWEN3_CHAT_TEMPLATE)
     return path

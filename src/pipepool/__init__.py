@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .user_cache import keep_bytecode
+from .runtime.user_cache import keep_bytecode
 
 # Before anything of ours imports torch: where its install has no bytecode, every start would
 # compile its source again (user_cache.py).
@@ -44,6 +44,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .api.engine import Engine
+    from .api.submission import Submission
     from .config import EngineConfig
     from .errors import (
         EngineDeadError,
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
         StageFailure,
         StateDivergence,
     )
-    from .submission import Submission
 
 
 def __getattr__(name: str):

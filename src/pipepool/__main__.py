@@ -1,3 +1,3 @@
-from .cli import run_as_program
+from .commands.cli import run_as_program
 
 run_as_program()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .classifier import RERANKERS
 from .errors import InvalidInputError
+from .loading.classifier import RERANKERS
 
 POOLING_TYPES = ("last", "mean", "cls", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

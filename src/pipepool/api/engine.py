@@ -21,15 +21,15 @@ import numpy as np
 from ..config import EngineConfig, check_long_inputs
 from ..core.request import PoolingParams
 from ..core.stats import EngineStats
-from ..deployment import Deployment
 from ..driver import open_pipeline
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
-from ..inputs import InputPreparer, TokenSlice
-from ..long_inputs import CombinedSubmission, split_windows, window_params
-from ..memory import bound_heap_growth
-from ..scoring import ScoringMethods, refuse_embedding
-from ..submission import Submission
+from ..intake.inputs import InputPreparer, TokenSlice
+from ..intake.long_inputs import CombinedSubmission, split_windows, window_params
+from ..loading.deployment import Deployment
+from ..runtime.memory import bound_heap_growth
+from .scoring import ScoringMethods, refuse_embedding
+from .submission import Submission
 
 if TYPE_CHECKING:
     from ..tracing import TraceSummary
@@ -157,7 +157,7 @@ class Engine(ScoringMethods):
         the engine batches by tokens (``max_num_batched_tokens``), not by count.
         ``normalize_embeddings=False`` keeps the model's own normalisation, as there.
         ``output_value="token_embeddings"`` gives one ``[len, hidden]`` array per input."""
-        from ..st_compat import encode
+        from .st_compat import encode
 
         return encode(
             self,
@@ -181,7 +181,7 @@ class Engine(ScoringMethods):
     def similarity(self, a, b) -> np.ndarray:
         """``[len(a), len(b)]`` similarities by the model's ``similarity_fn_name`` (cosine
         unless its sentence-transformers config says dot, euclidean or manhattan)."""
-        from ..st_compat import similarity
+        from .st_compat import similarity
 
         st = self.deployment.folder.st
         return similarity(a, b, st.similarity_fn_name if st else None)

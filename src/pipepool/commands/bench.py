@@ -14,7 +14,10 @@ import numpy as np
 import torch
 
 from ..api.engine import Engine
-from ..bench import (
+from ..loading.deployment import flops_per_token, plan_deployment
+from ..models import family_of
+from .common import add_engine_args, engine_config
+from .workloads import (
     TEXT_WORKLOADS,
     WORKLOADS,
     GpuBusy,
@@ -33,9 +36,6 @@ from ..bench import (
     warm_up,
     write_json,
 )
-from ..deployment import flops_per_token, plan_deployment
-from ..models import family_of
-from .common import add_engine_args, engine_config
 
 # bf16 matmul (8192^3) measured on the H200 machine (GPU-NOTES.md): the "fraction of peak" base.
 DEFAULT_PEAK_TFLOPS = 792.0

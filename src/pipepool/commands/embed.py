@@ -158,7 +158,7 @@ def check_output(output: Path | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
-    from ..progress import follow
+    from ..api.progress import follow
 
     inputs = read_inputs(args.texts, args.input)
     check_output(args.output)

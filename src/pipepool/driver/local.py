@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import switch_interval
+from ..api.submission import Submission
 from ..config import EngineConfig
 from ..core.kv_blocks import BlockAllocator
 from ..core.plan import StepPlan, StepResult
@@ -34,14 +34,14 @@ from ..core.restarts import RestartPolicy
 from ..core.scheduler import Ledger, Scheduler
 from ..core.stats import EngineStats
 from ..errors import EngineDeadError, PipepoolError, StageFailure, StateDivergence
-from ..inputs import TokenSlice
-from ..owners import Owners
+from ..intake.inputs import TokenSlice
 from ..parallel.executor import Executor
 from ..parallel.launch import deployment_for, start_executor
-from ..signal_mask import block_stop_signals
-from ..submission import Submission
+from ..runtime import switch_interval
+from ..runtime.signal_mask import block_stop_signals
 from ..tracing.driver import DriverTrace
 from ..tracing.recorder import ProcessTrace, now
+from .owners import Owners
 from .pipeline import Probe
 
 log = logging.getLogger("pipepool")

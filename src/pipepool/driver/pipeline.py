@@ -13,10 +13,10 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..api.submission import Submission
     from ..core.stats import EngineStats
-    from ..deployment import Deployment
-    from ..inputs import TokenSlice
-    from ..submission import Submission
+    from ..intake.inputs import TokenSlice
+    from ..loading.deployment import Deployment
     from ..tracing.recorder import ProcessTrace
 
 # Makes a one-token call (not yet enqueued) for a pipeline to run where it needs fresh figures

@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
+from ..loading.classifier import ClassifierHead
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
 from .decoder import DecoderConfig, DecoderStage

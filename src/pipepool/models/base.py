@@ -10,7 +10,7 @@ from torch import nn
 
 from ..layers import triton_attention
 from ..layers.attention import AttentionMetadata, AttentionShape
-from ..user_cache import cache_dir
+from ..runtime.user_cache import cache_dir
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import qk_rope
 from ..layers.attention import AttentionShape, attend
@@ -18,6 +17,7 @@ from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..loading.classifier import ClassifierHead
 from .base import (
     KVLayout,
     StageModel,

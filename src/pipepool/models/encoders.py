@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..classifier import ClassifierHead
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape
 from ..layers.biased_attention import LengthBias, biased_attention, relative_position_bucket
+from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..classifier import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.softcap_attention import softcap_attend
+from ..loading.classifier import ClassifierHead
 from .base import (
     KVLayout,
     StageModel,

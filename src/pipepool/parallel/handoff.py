@@ -18,8 +18,8 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..deployment import Deployment, plan_deployment, resolve_device_kind
 from ..errors import ModelLoadError, StageFailure
+from ..loading.deployment import Deployment, plan_deployment, resolve_device_kind
 from .rendezvous import TorchrunEnv, engine_store, torchrun_store
 
 PLAN_KEY = "deployment"

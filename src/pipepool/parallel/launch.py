@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import EngineConfig
-from ..deployment import Deployment, plan_deployment
+from ..loading.deployment import Deployment, plan_deployment
 from .executor import Executor, UniprocExecutor
 
 

@@ -30,9 +30,9 @@ from collections import deque
 from collections.abc import Callable
 
 from ..core.plan import StepPlan, StepResult, flush_plan
-from ..deployment import Deployment
 from ..errors import PipepoolError, StageFailure
-from ..signal_mask import block_stop_signals
+from ..loading.deployment import Deployment
+from ..runtime.signal_mask import block_stop_signals
 from ..stage.runner import StageRunner
 from .dist_transport import (
     TAG_PLAN,

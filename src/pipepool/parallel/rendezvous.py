@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..signal_mask import stop_signals_blocked
+from ..runtime.signal_mask import stop_signals_blocked
 from .dist_transport import Groups
 
 # Failures are detected by the supervisor (process exits, error reports), not by timeouts:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..deployment import Deployment
-from ..memory import bound_heap_growth
+from ..loading.deployment import Deployment
+from ..runtime.memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
 from ..stage.runner import StageSpec
 from ..tracing.recorder import now

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import EngineConfig
-from ..deployment import Deployment
 from ..errors import PipepoolError
+from ..loading.deployment import Deployment
 
 REFERENCES = ("transformers", "pp1")
 

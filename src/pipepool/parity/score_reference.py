@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..config import EngineConfig
-from ..deployment import Deployment
 from ..errors import PipepoolError
-from ..inputs import TokenSlice
+from ..intake.inputs import TokenSlice
+from ..loading.deployment import Deployment
 from .reference import ParityError, ReferenceOutputs, _dtype_name, _release, _require
 
 

@@ -16,9 +16,9 @@ import torch
 
 from ..api.engine import Engine
 from ..config import EngineConfig
-from ..deployment import Deployment
-from ..inputs import InputPreparer
-from ..pairs import PairEncoder
+from ..intake.inputs import InputPreparer
+from ..intake.pairs import PairEncoder
+from ..loading.deployment import Deployment
 from .prompts import builtin_prompts
 from .report import _finite, _num, markdown_table
 from .score_reference import score_reference

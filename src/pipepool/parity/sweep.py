@@ -14,9 +14,9 @@ import torch
 
 from ..api.engine import Engine
 from ..config import POOLING_TYPES, EngineConfig
-from ..deployment import Deployment, plan_deployment
 from ..errors import InvalidInputError, PromptTooLongError
-from ..inputs import InputPreparer
+from ..intake.inputs import InputPreparer
+from ..loading.deployment import Deployment, plan_deployment
 from .compare import Row, fill_row, score_request
 from .prompts import builtin_prompts
 from .reference import compute_reference

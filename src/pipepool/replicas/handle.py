@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..errors import EngineDeadError, PipepoolError
-from ..signal_mask import block_stop_signals
+from ..runtime.signal_mask import block_stop_signals
 from .messages import (
     Ready,
     Report,

@@ -24,17 +24,17 @@ import time
 
 import numpy as np
 
+from ..api.submission import Submission
 from ..config import EngineConfig
 from ..core.request import RequestBatch
 from ..core.restarts import RestartPolicy
 from ..core.stats import EngineStats
+from ..driver.owners import Owner
 from ..driver.pipeline import Probe
 from ..errors import EngineDeadError, PipepoolError
-from ..inputs import TokenSlice
-from ..model_folder import read_model_folder
-from ..owners import Owner
-from ..signal_mask import block_stop_signals
-from ..submission import Submission
+from ..intake.inputs import TokenSlice
+from ..loading.model_folder import read_model_folder
+from ..runtime.signal_mask import block_stop_signals
 from ..tracing.recorder import ProcessTrace
 from .handle import Listener, ReplicaHandle, ReplicaProcess, start_error
 from .messages import Abort, Report, Work

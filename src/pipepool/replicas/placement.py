@@ -83,7 +83,7 @@ def _under_torchrun() -> bool:
 def _device_kind(device: str) -> str:
     """As every engine decides it (``deployment.resolve_device_kind``); imported here only,
     so that planning placements of a CPU run does not import torch before it must."""
-    from ..deployment import resolve_device_kind
+    from ..loading.deployment import resolve_device_kind
 
     return resolve_device_kind(device)
 

@@ -9,7 +9,7 @@ from enum import Enum
 import numpy as np
 
 from ..core.restarts import RestartPolicy
-from ..owners import Owner, Owners
+from ..driver.owners import Owner, Owners
 from .handle import Rates, ReplicaHandle
 from .messages import Snapshot
 from .placement import ReplicaPlacement

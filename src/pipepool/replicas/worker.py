@@ -30,9 +30,9 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from ..api.engine import Engine
+from ..api.submission import Submission
 from ..parallel.worker import _die_with_parent
-from ..signal_mask import block_stop_signals
-from ..submission import Submission
+from ..runtime.signal_mask import block_stop_signals
 from .messages import (
     Abort,
     Ready,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from ..config import EngineConfig
 from ..core.restarts import RestartPolicy
-from ..signal_mask import block_stop_signals
+from ..runtime.signal_mask import block_stop_signals
 from .settings import ServerSettings
 
 log = logging.getLogger("pipepool.server")

@@ -18,7 +18,7 @@ import socket
 import sys
 
 from ..parallel.worker import _die_with_parent
-from ..signal_mask import unblock_stop_signals
+from ..runtime.signal_mask import unblock_stop_signals
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..api.engine import Engine
+from ..api.submission import Submission
 from ..errors import EngineDeadError
-from ..submission import Submission
 from .owner import EngineOwner
 
 T = TypeVar("T")

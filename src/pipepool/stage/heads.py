@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..model_folder import DenseModule
-from ..weights import load_linear
+from ..loading.model_folder import DenseModule
+from ..loading.weights import load_linear
 
 
 class DenseHead(nn.Module):

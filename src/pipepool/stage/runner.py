@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..classifier import ClassifierHead
 from ..config import EngineConfig
 from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
 from ..layers import segment_sum
-from ..model_folder import ModelFolder
+from ..loading.classifier import ClassifierHead
+from ..loading.model_folder import ModelFolder
+from ..loading.weights import Checkpoint
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
-from ..weights import Checkpoint
 from .background_compile import BackgroundCompile, compiled_layer_body
 from .batch import DeviceUploader, build_host_batch, to_step_inputs
 from .cuda_graphs import GraphedForward

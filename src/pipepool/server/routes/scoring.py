@@ -12,9 +12,9 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
+from ...api.scoring import check_top_n, pair_up, ranking
+from ...api.submission import Submission
 from ...errors import InvalidInputError
-from ...scoring import check_top_n, pair_up, ranking
-from ...submission import Submission
 from .. import scoring_protocol as sp
 from ..errors import APIError, from_engine
 from ..front import Encoded

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .model_folder import ModelFolder
 
 # How causal-LM checkpoints rerank (EngineConfig.reranker): "qwen3" = Qwen3-Reranker's prompt

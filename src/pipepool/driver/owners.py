@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.request import RequestBatch
-from .submission import Submission
+from ..api.submission import Submission
+from ..core.request import RequestBatch
 
 
 @dataclass(eq=False)

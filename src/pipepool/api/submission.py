@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from .core.request import PoolingParams
+from ..core.request import PoolingParams
 
 
 class Submission(Future):

@@ -16,10 +16,10 @@ from operator import attrgetter
 
 import numpy as np
 
-from .config import check_long_inputs
-from .core.request import POOLING_NAMES, PoolingParams
-from .deployment import Deployment
-from .errors import InvalidInputError, PromptTooLongError
+from ..config import check_long_inputs
+from ..core.request import POOLING_NAMES, PoolingParams
+from ..errors import InvalidInputError, PromptTooLongError
+from ..loading.deployment import Deployment
 from .tokenizer import Tokenizer
 
 # A text longer than this many characters per token of the limit is refused (or, when

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 from .progress import follow
 
 if TYPE_CHECKING:
-    from .api.engine import Engine
+    from .engine import Engine
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")

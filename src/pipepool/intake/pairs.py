@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .classifier import ClassifierHead
-from .deployment import Deployment
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
+from ..loading.classifier import ClassifierHead
+from ..loading.deployment import Deployment
+from ..models import family_of
 from .inputs import InputPreparer, TokenSlice
-from .models import family_of
 
 # Qwen3-Reranker's prompt (its model card, 2025-06): the model answers "yes" or "no" after it.
 QWEN3_PREFIX = (

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import ModelLoadError
-from .models import Family, StageModel, WeightSpec
+from ..errors import ModelLoadError
+from ..models import Family, StageModel, WeightSpec
 
 
 @dataclass(frozen=True)

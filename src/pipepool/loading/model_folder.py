@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 # sentence-transformers pooling mode -> pipepool pooling type
 _ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last"}

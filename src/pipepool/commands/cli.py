@@ -8,8 +8,8 @@ import importlib
 import sys
 from typing import NoReturn
 
-from . import __version__
-from .errors import PipepoolError
+from .. import __version__
+from ..errors import PipepoolError
 
 # name -> module under pipepool.commands with add_parser(subparsers) and run(args) -> int.
 # Imported lazily: `serve` needs the server extras, the others must not.

@@ -11,16 +11,16 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..config import EngineConfig, split_layers
+from ..errors import InvalidInputError, ModelLoadError
+from ..layers import qk_rope
+from ..layers.attention import choose_kernel
+from ..models import Family, family_of
+from ..models.checkpoint_math import check_config, decide_causal
+from ..stage.kv_cache import KVCache
+from ..stage.runner import StageRunner, StageSpec, runner_class
 from .classifier import ClassifierHead, read_classifier
-from .config import EngineConfig, split_layers
-from .errors import InvalidInputError, ModelLoadError
-from .layers import qk_rope
-from .layers.attention import choose_kernel
 from .model_folder import ModelFolder, read_model_folder
-from .models import Family, family_of
-from .models.checkpoint_math import check_config, decide_causal
-from .stage.kv_cache import KVCache
-from .stage.runner import StageRunner, StageSpec, runner_class
 from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .api.engine import Engine
+from ..api.engine import Engine
 
 WORKLOADS = {
     "W1": (4096, 16, 512),

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.request import PoolingParams
-from .submission import Submission
+from ..api.submission import Submission
+from ..core.request import PoolingParams
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 
 class Tokenizer:

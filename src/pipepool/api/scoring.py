@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import check_long_inputs
-from .core.request import PoolingParams
-from .errors import InvalidInputError
-from .pairs import PairEncoder
+from ..config import check_long_inputs
+from ..core.request import PoolingParams
+from ..errors import InvalidInputError
+from ..intake.pairs import PairEncoder
 from .submission import Submission
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .deployment import Deployment
-    from .inputs import InputPreparer
+    from ..config import EngineConfig
+    from ..intake.inputs import InputPreparer
+    from ..loading.deployment import Deployment
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +39,8 @@ from ..runtime import switch_interval
 from ..runtime.signal_mask import block_stop_signals
 from ..tracing.driver import DriverTrace
 from ..tracing.recorder import ProcessTrace, now
+from .delivery import deliver
+from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pipeline import Probe
 
@@ -57,31 +57,6 @@ _IDLE_STEP_SHARE = 0.5
 
 def _nothing() -> None:
     """After a slice is enqueued: nothing to wait for."""
-
-
-# What callers put in the loop's inbox, applied by the loop thread in order.
-@dataclass(frozen=True)
-class AddBatch:
-    """Schedule these prompts."""
-
-    batch: RequestBatch
-
-
-@dataclass(frozen=True)
-class AbortCall:
-    """A cancelled call: drop whatever of its batches is unfinished."""
-
-    submission: Submission
-
-
-@dataclass(frozen=True)
-class GatherTrace:
-    """Answer with every process's spans once no plan is in flight."""
-
-    future: Future
-
-
-InboxMessage = AddBatch | AbortCall | GatherTrace
 
 
 class LocalPipeline:
@@ -249,24 +224,13 @@ class LocalPipeline:
 
     @contextlib.contextmanager
     def slice_intake(self) -> Iterator[Callable[[], object]]:
-        """Around the enqueueing of a call whose inputs come in several slices. Both threads
-        need the GIL, so the caller preparing slices contends with the loop thread preparing
-        steps; this yields what the caller runs after each slice it enqueues, to keep out of
-        the loop's way while the loop has enough to do:
-
-        - after the first: a wait (5 ms at most) until the loop thread has handed a step to
-          the stages. Preparing the next slices meanwhile only delayed the device's first
-          kernel: 4.4 ms of an 8192-query call's 37 ms on an H200.
-        - after each: a wait (``_PACE_S`` at most) while the backlog (tokens enqueued and in
-          no plan handed to the stages yet) holds a whole step. Preparing all slices at once
-          slowed the preparation of the second step so much that the device waited 2.2 ms
-          for it (BENCHMARKS.md).
-
-        And while the call lasts, the loop thread, with room for another step in flight and
-        less than a step to schedule (``_short_of_a_step``), waits for the next slice
-        (``_next_slice_arrived``) before it schedules, so step k+1 is built while the device
-        runs step k (blocking on the step in flight left the device idle 2.5 and 2.1 ms before
-        such a call's second and third steps) and holds a whole step where the call has one."""
+        """Around the enqueueing of a call whose inputs come in several slices: yields what
+        the caller runs after each slice, to keep out of the loop thread's way (both need the
+        GIL) while the loop has enough to do: after the first slice, a wait (5 ms at most)
+        until a step is with the stages; after each, a wait (``_PACE_S`` at most) while the
+        backlog (tokens enqueued, in no plan handed over yet) holds a whole step. While the
+        call lasts the loop, short of a step, waits for its next slice (``_short_of_a_step``)
+        rather than send a short one. Why, with the measurements: BENCHMARKS.md."""
         if threading.current_thread() is self._thread:  # nothing to wait for
             yield _nothing
             return
@@ -298,11 +262,8 @@ class LocalPipeline:
 
     def _short_of_a_step(self) -> bool:
         """Whether a call is still enqueueing slices while less than a step's budget is
-        queued: a step scheduled now would be short (the rest of a slice) while its next slice
-        is being prepared. A short step costs the host as much as a full one, and a small
-        model's short step costs the device less than that: the device then waits for the
-        host (W4 on MiniLM, its layers stubbed out on the CPU and steps overlapping, took steps
-        of 22k, 44k, 66k, 23k, 66k, 25k, ... tokens; BENCHMARKS.md)."""
+        queued: a step scheduled now would be short, and a short step costs the host as much
+        as a full one while giving a small model's device less to do."""
         return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
 
     def _idle_step_tokens(self) -> int | None:
@@ -535,19 +496,7 @@ class LocalPipeline:
 
     def _deliver(self, result: StepResult, ledger: Ledger) -> None:
         """Write the step's finished outputs into their calls' results, one slice per batch."""
-        for batch, sel in _by_batch(ledger.batches, result.vector_ids):
-            owner = self._finish(batch, result.vector_ids[sel])
-            if owner is not None:
-                submission, rows = owner
-                submission.put_vectors(rows, result.vectors[sel])
-        for batch, sel in _by_batch(ledger.batches, result.token_owner_ids):
-            owner = self._finish(batch, result.token_owner_ids[sel])
-            if owner is not None:
-                submission, rows = owner
-                offsets = result.token_offsets
-                picked = np.arange(len(result.token_owner_ids))[sel].tolist()
-                values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in picked]
-                submission.put_tokens(rows, values)
+        deliver(result, ledger, self._finish)
 
     def _finish(self, batch: RequestBatch, ids: np.ndarray) -> tuple[Submission, np.ndarray] | None:
         """(call, its rows) for finished requests of a batch; None if the call was cancelled."""
@@ -578,26 +527,3 @@ class LocalPipeline:
             raise EngineDeadError(f"engine is dead: {cause!r}") from cause
         if self._closed:
             raise EngineDeadError("engine is closed")
-
-
-def _by_batch(batches: tuple[RequestBatch, ...], ids: np.ndarray):
-    """(batch, where its ids are in ``ids``) for every batch holding some of ``ids``: a slice
-    where they lie together (the usual step: outputs come in plan order, and a slice of the
-    step's output array is a view, not a copy), else an index array."""
-    if not len(ids):
-        return
-    if len(batches) == 1:
-        yield batches[0], slice(0, len(ids))
-        return
-    firsts = np.array([b.first_id for b in batches])
-    which = np.searchsorted(firsts, ids, side="right") - 1
-    steps = np.diff(which)
-    if (steps >= 0).all():
-        edges = [0, *(np.flatnonzero(steps) + 1).tolist(), len(ids)]
-        for lo, hi in itertools.pairwise(edges):
-            yield batches[int(which[lo])], slice(lo, hi)
-        return
-    order = np.argsort(which, kind="stable")
-    bounds = np.flatnonzero(np.diff(which[order])) + 1
-    for group in np.split(order, bounds):
-        yield batches[int(which[group[0]])], group

@@ -12,6 +12,8 @@ Heads, by checkpoint:
   ``classifier``.
 - ELECTRA ``*ForSequenceClassification`` (ms-marco-electra-base): ``classifier.dense`` + GELU +
   ``classifier.out_proj`` on the first token.
+- DeBERTa-v2 ``*ForSequenceClassification`` (mxbai-rerank-base-v1): ``pooler.dense`` + the
+  config's ``pooler_hidden_act`` on the [CLS] row, then ``classifier``.
 - Decoder ``*ForSequenceClassification`` (Qwen2/Qwen3/Llama/Mistral): ``score`` (no bias) on
   the last token.
 - Qwen3-Reranker's causal checkpoints: the LM head's "yes" and "no" rows on the last token of
@@ -39,7 +41,9 @@ from .model_folder import ModelFolder
 # and yes/no logits; "none" = they do not; "auto" = "qwen3" for Qwen3 checkpoints whose name
 # says Reranker (Qwen/Qwen3-Reranker-*, and seq-cls conversions that keep the name).
 RERANKERS = ("auto", "qwen3", "none")
-HEAD_KINDS = ("bert", "roberta", "linear", "yes_no", "modernbert", "distilbert", "electra")
+HEAD_KINDS = (
+    "bert", "roberta", "linear", "yes_no", "modernbert", "distilbert", "electra", "deberta",
+)  # fmt: skip
 TEMPLATES = ("pair", "qwen3")
 SCORE_ACTIVATIONS = ("identity", "sigmoid", "softmax", "tanh", "relu")
 

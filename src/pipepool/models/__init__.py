@@ -14,6 +14,7 @@ from ..errors import ModelLoadError
 from ..loading.classifier import ClassifierHead
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
+from .deberta import DebertaConfig, DebertaStage
 from .decoder import DecoderConfig, DecoderStage
 from .encoders import RelativeConfig, RelativeEncoderStage
 from .gemma import GemmaConfig, GemmaStage
@@ -174,6 +175,14 @@ _FAMILIES["mpnet"] = Family(
     "mpnet", False, RelativeConfig.from_hf, RelativeEncoderStage, ("mpnet.",),
     re.compile(r"^(pooler\..*|lm_head\..*|embeddings\.position_ids)$"), "roberta", True,
 )  # fmt: skip
+# DeBERTa-v2 / v3 (models/deberta.py). Its MLM heads are not the encoder; a position table
+# stored while position_biased_input is false is never read (transformers drops it on load).
+_FAMILIES["deberta"] = Family(
+    "deberta", False, DebertaConfig.from_hf, DebertaStage, ("deberta.",),
+    re.compile(r"^(cls\..*|lm_predictions\..*|mask_predictions\..*|embeddings\.position_ids|"
+               r"embeddings\.position_embeddings\.weight)$"),
+    "deberta", reads_token_types=True,
+)  # fmt: skip
 
 _ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -220,6 +229,9 @@ _ARCHITECTURES = {
     "Gemma3TextModel": "gemma3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3TextForSequenceClassification": "gemma3",
+    "DebertaV2Model": "deberta",
+    "DebertaV2ForMaskedLM": "deberta",
+    "DebertaV2ForSequenceClassification": "deberta",
 }
 
 

@@ -37,6 +37,7 @@ MODEL_TYPES = {
     "gemma2": ("gemma2",),
     "gemma3": ("gemma3_text",),
     "t5": ("t5",),
+    "deberta": ("deberta-v2",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -164,6 +165,34 @@ _T5_FIELDS = {
         "a feed-forward activation other than relu and gelu_new",
     ),
 }
+
+
+def _deberta_terms(value: Any) -> bool:
+    """pos_att_type as transformers reads it (a list or a "p2c|c2p" string): c2p, p2c only."""
+    if value is None:
+        return True
+    terms = value.lower().split("|") if isinstance(value, str) else value
+    return isinstance(terms, list) and all(str(t).strip() in ("c2p", "p2c") for t in terms)
+
+
+def _deberta_rel_norm(value: Any) -> bool:
+    """norm_rel_ebd: transformers acts on "layer_norm" only; anything but it and "none" was
+    meant to do something it does not."""
+    return value is None or (
+        isinstance(value, str)
+        and all(t.strip() in ("none", "layer_norm") for t in value.lower().split("|"))
+    )
+
+
+# DeBERTa-v2 (models/deberta.py): the ConvLayer after the first layer is not implemented.
+# attention_head_size and pooler_hidden_size are checked against the hidden size where the
+# config is read (DebertaConfig.from_hf).
+_DEBERTA_FIELDS = {
+    **_ENCODER_FIELDS,
+    "conv_kernel_size": (_falsy, "a convolution layer after the first layer (ConvLayer)"),
+    "pos_att_type": (_deberta_terms, "relative attention terms other than c2p and p2c"),
+    "norm_rel_ebd": (_deberta_rel_norm, "a relative-embedding norm other than layer_norm"),
+}
 _FAMILY_FIELDS = {
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,
@@ -171,6 +200,7 @@ _FAMILY_FIELDS = {
     "electra": _ELECTRA_FIELDS,
     "mpnet": _MPNET_FIELDS,
     "t5": _T5_FIELDS,
+    "deberta": _DEBERTA_FIELDS,
 }
 
 

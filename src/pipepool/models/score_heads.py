@@ -114,6 +114,27 @@ class ElectraClassifier(RobertaClassifier):
         return _linear(F.gelu(_linear(x, self.dense)), self.out_proj)
 
 
+class DebertaClassifier(nn.Module):
+    """DeBERTa-v2: ``pooler.dense`` + the config's ``pooler_hidden_act`` on the first token
+    (transformers' ContextPooler), then ``classifier``. Built by models/deberta.py, which knows
+    the activation."""
+
+    def __init__(self, hidden: int, num_labels: int, *, activation: str) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, num_labels)
+        self.activation = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self.activation(_linear(x, self.pooler)), self.classifier)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.pooler.in_features, self.classifier.out_features
+        return linear_specs("pooler.dense", f"{param}.pooler", h, h, True) + linear_specs(
+            "classifier", f"{param}.classifier", n, h, True
+        )
+
+
 class LinearScore(nn.Module):
     """Decoders' ``score``: one linear layer without bias on the last token."""
 
@@ -162,4 +183,6 @@ def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> nn.M
         return ElectraClassifier(hidden, head.num_labels)
     if head.kind == "modernbert":  # its switches are in the config: models/modernbert.py builds it
         raise ValueError("a ModernBERT head is built by its stage (ModernBertClassifier)")
+    if head.kind == "deberta":  # its activation is in the config: models/deberta.py builds it
+        raise ValueError("a DeBERTa head is built by its stage (DebertaClassifier)")
     return YesNoScore(hidden, head, vocab_size)

@@ -15,6 +15,7 @@ import torch
 
 from ..api.engine import Engine
 from ..loading.deployment import flops_per_token, plan_deployment
+from ..loading.weights import Checkpoint
 from ..models import family_of
 from .common import add_engine_args, engine_config
 from .workloads import (
@@ -174,11 +175,12 @@ def bench_one(config, workload_name: str, args) -> dict:
     del engine
     free_device_memory()
 
+    family = family_of(d.folder.architecture)
     total_flops = flops(
         d.folder.hf_config,
         lengths,
         d.causal,
-        flops_per_token(family_of(d.folder.architecture), d.folder),
+        flops_per_token(family, Checkpoint(d.folder.path, family)),
     )
     row = {
         "model": d.folder.path.name,

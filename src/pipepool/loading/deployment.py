@@ -204,12 +204,12 @@ def plan_deployment(
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     attn_kernel = choose_kernel(local, dtype, whole.attention_shape)
     fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
-    per_token = flops_per_token(family, folder)
+    per_token = flops_per_token(family, checkpoint)
     budget = step_tokens(config, cuda, per_token)
     kv_tokens = 0
     if causal:
         kv_tokens = _kv_cache_tokens(
-            config, budget, family, folder, whole, layers, dtype, devices, gpu_free_bytes
+            config, budget, family, checkpoint, whole, layers, dtype, devices, gpu_free_bytes
         )
     block = config.block_size
     return Deployment(
@@ -280,9 +280,8 @@ _STEP_FLOPS = 2e12
 _GRAPH_MIN_TOKENS = 512
 
 
-def flops_per_token(family: Family, folder: ModelFolder) -> float:
+def flops_per_token(family: Family, checkpoint: Checkpoint) -> float:
     """Forward FLOPs per token of the linear layers (2 per weight; embeddings excluded)."""
-    checkpoint = Checkpoint(folder.path, family)
     params = sum(
         _numel(e.shape)
         for name, e in checkpoint.entries.items()
@@ -354,7 +353,7 @@ def _max_model_len(config: EngineConfig, folder: ModelFolder, model_limit: int) 
 
 
 def _kv_cache_tokens(
-    config, budget: int, family: Family, folder, whole, layers, dtype, devices, free_bytes
+    config, budget: int, family: Family, checkpoint, whole, layers, dtype, devices, free_bytes
 ) -> int:
     """Tokens of KV every stage can hold: the user's number, or what memory allows."""
     largest = max(len(r) for r in layers)
@@ -365,7 +364,7 @@ def _kv_cache_tokens(
         tokens = _CPU_KV_BYTES // per_token
     else:
         tokens = _gpu_kv_tokens(
-            config, budget, folder, family, whole, layers, dtype, devices, per_token, free_bytes
+            config, budget, checkpoint, family, whole, layers, dtype, devices, per_token, free_bytes
         )
     if tokens < config.block_size:
         raise ModelLoadError(f"KV cache of {tokens} tokens is smaller than one block")
@@ -373,11 +372,10 @@ def _kv_cache_tokens(
 
 
 def _gpu_kv_tokens(
-    config, step_tokens, folder, family, whole, layers, dtype, devices, per_token, free_bytes
+    config, step_tokens, checkpoint, family, whole, layers, dtype, devices, per_token, free_bytes
 ) -> int:
     """What is left of the smallest GPU after the largest stage's weights and a working set
     for one step's activations (set by the token budget)."""
-    checkpoint = Checkpoint(folder.path, family)
     itemsize = torch.empty((), dtype=dtype).element_size()
     weights = (
         sum(

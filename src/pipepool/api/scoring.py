@@ -168,9 +168,14 @@ class ScoringMethods:
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
         long_inputs: str | None = None,
+        per_token: bool = False,
     ) -> Submission:
-        """Enqueue texts to classify; the future's result is ``[n, num_labels]``."""
-        need_classifier(self.deployment, "classification")
+        """Enqueue texts to classify; the future's result is ``[n, num_labels]`` (a list of
+        ``[len, num_labels]`` for a token classifier: ``per_token``)."""
+        need_classifier(
+            self.deployment, "token classification" if per_token else "classification",
+            per_token=per_token,
+        )  # fmt: skip
         policy = self._policy(long_inputs)
         parts = list(
             self.inputs.token_slices(
@@ -180,6 +185,41 @@ class ScoringMethods:
         token_ids = np.concatenate([p.token_ids for p in parts])
         lengths = np.concatenate([p.lengths for p in parts])
         return self.submit_tokens(token_ids, lengths, self._score_params(use_activation))
+
+    def classify_tokens(
+        self,
+        texts: str | Sequence[str],
+        *,
+        aggregation_strategy: str = "simple",
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> list[list[dict]]:
+        """Named entities per text, as transformers' token-classification pipeline gives them
+        (its default ``ignore_labels=["O"]``): ``aggregation_strategy`` "none" (one dict per
+        token: entity, score, index, word, start, end), "simple" (adjacent tokens of one type
+        grouped: entity_group, score (their mean), word, start, end) or "first" (words
+        labelled by their first sub-token, then grouped). ``start``/``end`` are character
+        offsets into the text. Needs a ``*ForTokenClassification`` checkpoint."""
+        from .token_classification import TokenAggregator
+
+        single = isinstance(texts, str)
+        items = [texts] if single else list(texts)
+        if not all(isinstance(t, str) for t in items):
+            raise InvalidInputError("classify_tokens takes texts", param="input")
+        head = self.deployment.classifier
+        submission = self.submit_classify(
+            items, truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=long_inputs,
+            per_token=True,
+        )  # fmt: skip
+        probs = submission.result()  # [len, labels] per text
+        policy = self._policy(long_inputs)
+        ids = self.tokenize(items, truncate_prompt_tokens=truncate_prompt_tokens,
+                            long_inputs=policy)  # fmt: skip
+        aggregator = TokenAggregator(self.inputs.tokenizer.backend, head.labels)
+        return [
+            aggregator.entities(text, tokens, p, aggregation_strategy)
+            for text, tokens, p in zip(items, ids, probs, strict=True)
+        ]
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -225,7 +265,9 @@ def refuse_embedding(deployment: Deployment) -> None:
         )
 
 
-def need_classifier(deployment: Deployment, task: str, *, one_label: bool = False) -> None:
+def need_classifier(
+    deployment: Deployment, task: str, *, one_label: bool = False, per_token: bool = False
+) -> None:
     head = deployment.classifier
     if head is None:
         raise InvalidInputError(
@@ -234,6 +276,14 @@ def need_classifier(deployment: Deployment, task: str, *, one_label: bool = Fals
             "checkpoint, or Qwen3-Reranker)",
             param="model",
         )
+    if head is not None and head.per_token != per_token:
+        raise InvalidInputError(
+            f"this model ({deployment.folder.architecture}) is "
+            + ("a token classifier: use classify_tokens" if head.per_token
+               else "not a token classifier (a *ForTokenClassification checkpoint)")
+            + f", not {task}",
+            param="model",
+        )  # fmt: skip
     if one_label and not head.can_rerank:
         raise InvalidInputError(
             f"this classifier has {head.num_labels} labels; {task} needs one score per pair "

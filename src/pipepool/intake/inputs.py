@@ -337,7 +337,8 @@ class InputPreparer:
     def output_width(self, pooling: str) -> int:
         """Components of one output vector before Matryoshka truncation."""
         d = self.deployment
-        return d.hidden_size if pooling == "all" else d.output_dim
+        per_token_logits = d.classifier is not None and d.classifier.per_token
+        return d.hidden_size if pooling == "all" and not per_token_logits else d.output_dim
 
 
 def _slice_bounds(n: int, size: int | None, first: int | None = None) -> Iterator[tuple[int, int]]:

@@ -26,6 +26,11 @@ class Tokenizer:
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (offsets, decoder, vocabulary)."""
+        return self._tok
+
     def encode_batch(
         self, texts: list[str], *, max_tokens: int | None = None, keep: str = "first"
     ) -> list[np.ndarray]:

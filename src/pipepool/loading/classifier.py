@@ -43,6 +43,7 @@ from .model_folder import ModelFolder
 RERANKERS = ("auto", "qwen3", "none")
 HEAD_KINDS = (
     "bert", "roberta", "linear", "yes_no", "modernbert", "distilbert", "electra", "deberta",
+    "token",
 )  # fmt: skip
 TEMPLATES = ("pair", "qwen3")
 SCORE_ACTIVATIONS = ("identity", "sigmoid", "softmax", "tanh", "relu")
@@ -83,6 +84,11 @@ class ClassifierHead:
         assert (self.kind == "yes_no") == bool(self.token_rows)
 
     @property
+    def per_token(self) -> bool:
+        """A token classifier (``*ForTokenClassification``: NER): logits for every token."""
+        return self.kind == "token"
+
+    @property
     def can_rerank(self) -> bool:
         """One score per pair (sentence-transformers' ``rank`` needs exactly one label)."""
         return self.num_labels == 1
@@ -103,6 +109,11 @@ def read_classifier(
     if reranker not in RERANKERS:
         raise ModelLoadError(f"reranker must be one of {', '.join(RERANKERS)}; got {reranker!r}")
     template = _template(reranker, folder, model_name, family, decoder)
+    if folder.architecture.endswith("ForTokenClassification"):
+        # transformers' token-classification pipeline takes the softmax over the labels of
+        # every token, whatever their number.
+        labels = _labels(folder.hf_config)
+        return ClassifierHead("token", len(labels), labels, "softmax", "pair")
     if folder.architecture.endswith("ForSequenceClassification"):
         labels = _labels(folder.hf_config)
         pooling = folder.hf_config.get("classifier_pooling")

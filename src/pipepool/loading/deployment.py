@@ -190,6 +190,8 @@ def plan_deployment(
         # [CLS] / <s> row of an encoder and the last token of a decoder; "normalize" is its
         # activation, on unless switched off.
         pooling = classifier.pooling or family.default_pooling
+        if classifier.per_token:
+            pooling = "all"  # logits for every token
         normalize = config.normalize if config.normalize is not None else True
         output_dim = classifier.num_labels
 

@@ -185,6 +185,13 @@ _FAMILIES["deberta"] = Family(
 )  # fmt: skip
 
 _ARCHITECTURES = {
+    # Token classifiers (NER): the encoder plus ``classifier`` on every token.
+    "BertForTokenClassification": "bert",
+    "RobertaForTokenClassification": "roberta",
+    "XLMRobertaForTokenClassification": "roberta",
+    "DistilBertForTokenClassification": "distilbert",
+    "ElectraForTokenClassification": "electra",
+    "DebertaV2ForTokenClassification": "deberta",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3Model": "qwen3",
     "Qwen2ForCausalLM": "qwen2",

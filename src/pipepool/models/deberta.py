@@ -36,7 +36,7 @@ from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention
-from .score_heads import DebertaClassifier
+from .score_heads import DebertaClassifier, build_score_head
 
 POS_ATT_TYPES = ("c2p", "p2c")
 
@@ -264,7 +264,9 @@ class DebertaStage(EncoderStage):
                 self.register_buffer(
                     name, torch.empty(distances, dtype=torch.long), persistent=False
                 )
-        if last and head is not None:
+        if last and head is not None and head.per_token:
+            self.score_head = build_score_head(head, h, cfg.vocab_size)
+        elif last and head is not None:
             self.score_head = DebertaClassifier(h, head.num_labels, activation=cfg.pooler_act)
 
     def reset_buffers(self) -> None:

@@ -135,6 +135,22 @@ class DebertaClassifier(nn.Module):
         )
 
 
+class TokenClassifier(nn.Module):
+    """``*ForTokenClassification``: ``classifier`` (with bias) on every token's final hidden
+    state."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.classifier)
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        h, n = self.classifier.in_features, self.classifier.out_features
+        return linear_specs("classifier", f"{param}.classifier", n, h, True)
+
+
 class LinearScore(nn.Module):
     """Decoders' ``score``: one linear layer without bias on the last token."""
 
@@ -171,6 +187,8 @@ class YesNoScore(nn.Module):
 
 
 def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> nn.Module:
+    if head.kind == "token":
+        return TokenClassifier(hidden, head.num_labels)
     if head.kind == "bert":
         return BertClassifier(hidden, head.num_labels)
     if head.kind == "roberta":

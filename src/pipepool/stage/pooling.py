@@ -195,7 +195,9 @@ class Pooler:
         elif vec is not None:
             vec = apply_heads(vec, prep.vector_heads, vdims_t, vnorm_t)
         tok = _cat(tokens)
-        if tok is not None:
+        if tok is not None and self.score is not None:  # a token classifier: logits per token
+            tok = self.score(tok, prep.token_heads, tnorm_t)
+        elif tok is not None:
             tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
         offsets = np.zeros(len(prep.token_lens) + 1, dtype=np.int64)
         np.cumsum(prep.token_lens, out=offsets[1:])

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from ...errors import PipepoolError
 from .. import protocol
 from ..errors import from_engine
-from . import tei
+from . import scoring, tei
 from .shared import ERRORS, check_model, run_model_outputs, state_of
 
 # (model name, outputs, tokens per input, encoding format) -> response body
@@ -36,7 +36,14 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
 
 @router.post("/pooling", response_model=protocol.PoolingResponse, responses=ERRORS)
 async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
-    """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input."""
+    """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input; on a token
+    classifier (``*ForTokenClassification``), each token's label probabilities instead
+    (vLLM's token_classify), one [num_tokens, num_labels] matrix per input."""
+    engine = state_of(request).front.owner.engine
+    head = engine.deployment.classifier if engine is not None else None
+    if head is not None and head.per_token:
+        check_model(state_of(request), body.model)
+        return await scoring.token_classify(body, request)
     return await _run_model(
         request, body, protocol.pooling_response, pooling="all", normalize=body.normalize
     )

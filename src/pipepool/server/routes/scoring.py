@@ -128,6 +128,33 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     return _json(sp.classify_response(name, probs, labels, done.num_tokens))
 
 
+async def token_classify(body, request: Request) -> Response:
+    """``/pooling`` on a token classifier (vLLM's token_classify): every token's label
+    probabilities, one ``[num_tokens, num_labels]`` matrix per input."""
+    from ..protocol import pooling_response
+
+    texts = body.inputs()
+    if not texts:
+        raise APIError(400, "input is empty: send at least one text", param="input")
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "token classification takes texts", param="input")
+    done = await _run(
+        request,
+        body.model,
+        len(texts),
+        lambda engine: engine.submit_classify(
+            texts, truncate_prompt_tokens=body.truncate_prompt_tokens, per_token=True
+        ),
+        param="input",
+        texts=texts,
+    )
+    if isinstance(done, Response):
+        return done
+    name = body.model or state_of(request).settings.model_name
+    outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
+    return _json(pooling_response(name, outputs, done.num_tokens, body.encoding_format))
+
+
 async def _run(
     request: Request,
     model: str | None,

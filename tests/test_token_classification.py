@@ -18,7 +18,7 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog near Microsoft's HQ in Redmond!",
     *long_prompts()[:3],  # within both models' 512 positions (the pipeline does not truncate)
 ]
-STRATEGIES = ("none", "simple", "first")
+STRATEGIES = ("none", "simple", "first", "average", "max")
 
 
 def _make(path: Path, family: str) -> Path:
@@ -34,6 +34,13 @@ def _make(path: Path, family: str) -> Path:
         _copy_minilm_tokenizer(path)
         config = transformers.BertConfig(vocab_size=30522, **common)
         model = transformers.BertForTokenClassification(config)
+    elif family == "modernbert":  # head (dense, activation, norm) + classifier on every token
+        _copy_minilm_tokenizer(path)
+        config = transformers.ModernBertConfig(
+            vocab_size=30522, pad_token_id=0, cls_token_id=101, sep_token_id=102,
+            global_attn_every_n_layers=2, local_attention=16, **common,
+        )  # fmt: skip
+        model = transformers.ModernBertForTokenClassification(config)
     else:  # XLM-R: a unigram tokenizer with no sub-word marks (the pipeline's fallback rule)
         vocab_size = _train_unigram(path)
         config = transformers.XLMRobertaConfig(
@@ -45,7 +52,7 @@ def _make(path: Path, family: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["bert", "xlmr"])
+@pytest.fixture(scope="module", params=["bert", "xlmr", "modernbert"])
 def ner(request, model_dir):
     import transformers
 
@@ -90,7 +97,7 @@ def test_a_token_classifier_refuses_sequence_tasks_and_bad_options(ner):
         with pytest.raises(pipepool.InvalidInputError, match="token classifier"):
             e.score("a", ["b"])
         with pytest.raises(pipepool.InvalidInputError, match="aggregation_strategy"):
-            e.classify_tokens(["a text"], aggregation_strategy="max")
+            e.classify_tokens(["a text"], aggregation_strategy="longest")
         assert e.classify_tokens(["still serving"])[0] is not None
 
 

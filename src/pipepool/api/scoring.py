@@ -197,8 +197,9 @@ class ScoringMethods:
         """Named entities per text, as transformers' token-classification pipeline gives them
         (its default ``ignore_labels=["O"]``): ``aggregation_strategy`` "none" (one dict per
         token: entity, score, index, word, start, end), "simple" (adjacent tokens of one type
-        grouped: entity_group, score (their mean), word, start, end) or "first" (words
-        labelled by their first sub-token, then grouped). ``start``/``end`` are character
+        grouped: entity_group, score (their mean), word, start, end), or "first" / "average" /
+        "max" (words labelled by their first sub-token / their sub-tokens' mean / their most
+        confident sub-token, then grouped). ``start``/``end`` are character
         offsets into the text. Needs a ``*ForTokenClassification`` checkpoint."""
         from .token_classification import TokenAggregator
 

@@ -1,6 +1,7 @@
 """Token classification (NER) results as transformers' token-classification pipeline gives them:
 per token, or grouped into entities with character offsets ("simple": adjacent tokens of one
-entity type; "first": words labelled by their first sub-token, then grouped).
+entity type; "first", "average", "max": words labelled by their first sub-token, by the mean of
+their sub-tokens' probabilities, or by their most confident sub-token, then grouped).
 
 The engine returns each token's label probabilities (``*ForTokenClassification`` heads run on
 the last stage); this module only reads the tokenizer's offsets, words and sub-word marks of the
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 
-AGGREGATIONS = ("none", "simple", "first")
+AGGREGATIONS = ("none", "simple", "first", "average", "max")
 IGNORED_LABELS = ("O",)  # the pipeline's default: tokens outside any entity are not reported
 
 
@@ -50,8 +51,8 @@ class TokenAggregator:
             offsets = [*offsets[: n - 1], offsets[-1]]
             special = [*special[: n - 1], special[-1]]
         pre = self._pre_entities(text, ids, probs, offsets, special)
-        if strategy == "first":
-            tokens = self._first_of_words(pre)
+        if strategy in ("first", "average", "max"):
+            tokens = self._words(pre, strategy)
         else:
             tokens = [self._token_entity(p) for p in pre]
         if strategy == "none":
@@ -90,8 +91,8 @@ class TokenAggregator:
             "end": pre["end"],
         }
 
-    def _first_of_words(self, pre: list[dict]) -> list[dict]:
-        """Each word (a token and the sub-tokens after it) labelled by its first token."""
+    def _words(self, pre: list[dict], strategy: str) -> list[dict]:
+        """Each word (a token and the sub-tokens after it) with one label for all of it."""
         words: list[list[dict]] = []
         for p in pre:
             if words and p["is_subword"]:
@@ -100,9 +101,15 @@ class TokenAggregator:
                 words.append([p])
         out = []
         for word in words:
-            best = int(word[0]["scores"].argmax())
+            if strategy == "first":
+                scores = word[0]["scores"]
+            elif strategy == "max":
+                scores = max(word, key=lambda p: p["scores"].max())["scores"]
+            else:  # average
+                scores = np.nanmean(np.stack([p["scores"] for p in word]), axis=0)
+            best = int(scores.argmax())
             out.append(
-                {"entity": self.labels[best], "score": float(word[0]["scores"][best]),
+                {"entity": self.labels[best], "score": float(scores[best]),
                  "word": self._decode([p["word"] for p in word]),
                  "start": word[0]["start"], "end": word[-1]["end"]}
             )  # fmt: skip

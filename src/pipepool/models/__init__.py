@@ -192,6 +192,7 @@ _ARCHITECTURES = {
     "DistilBertForTokenClassification": "distilbert",
     "ElectraForTokenClassification": "electra",
     "DebertaV2ForTokenClassification": "deberta",
+    "ModernBertForTokenClassification": "modernbert",  # head + classifier on every token
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3Model": "qwen3",
     "Qwen2ForCausalLM": "qwen2",

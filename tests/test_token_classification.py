@@ -4,6 +4,7 @@ last stage, aggregated as transformers' token-classification pipeline does ("non
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_pooling_route_answers_each_tokens_label_probabilities(model_dir, tmp_pa
         assert r.status_code == 400 and "classifier" in r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_ner_command_writes_the_engines_entities(ner, tmp_path, capsys):
+    from pipepool.commands.cli import main
+
+    path, pipe = ner
+    out = tmp_path / "entities.jsonl"
+    assert main(["ner", "--model", str(path), *TEXTS[:2], "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["text"] for r in rows] == TEXTS[:2]
+    for row in rows:
+        _same(row["entities"], pipe(row["text"], aggregation_strategy="simple"))
+    assert main(["ner", "--model", str(path), TEXTS[0]]) == 0
+    assert capsys.readouterr().out.startswith("[0] ")

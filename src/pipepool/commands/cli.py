@@ -1,4 +1,4 @@
-"""``pipepool embed | rerank | serve | parity | bench``."""
+"""``pipepool embed | rerank | ner | serve | parity | bench``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..errors import PipepoolError
 SUBCOMMANDS = {
     "embed": "embed texts or token ids and print or save the vectors",
     "rerank": "rank documents by relevance to a query with a cross-encoder or reranker",
+    "ner": "tag named entities of texts with a token classifier",
     "serve": "run an OpenAI-, TEI- and Cohere-compatible embedding and rerank server",
     "parity": "check vectors against transformers or PP=1, per request",
     "bench": "measure throughput against Hugging Face transformers",

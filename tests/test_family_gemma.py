@@ -217,3 +217,18 @@ def test_gpu_bf16_error_is_no_worse_than_transformers_bf16(
                 assert ours.max() <= 1 - 0.999, ours.max()
                 ours, hf = ours.mean(keepdims=True), hf.mean(keepdims=True)
             assert (ours <= 1.5 * hf + 1e-5).all(), (pooling, ours, hf)
+
+
+def test_parity_command_applies_gemma2_soft_capping_in_its_reference(gemma_paths, tmp_path):
+    """``pipepool parity`` on Gemma2: its transformers reference runs the eager attention, the
+    one that applies soft-capping (the default SDPA one ignores it), so every row passes."""
+    import json
+
+    from pipepool.commands.cli import main
+
+    out = tmp_path / "parity.json"
+    args = ["parity", "--model", str(gemma_paths["gemma2"]), "--pp", "1,2"]
+    args += ["--max-num-batched-tokens", "16", "--max-model-len", "128", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and all(r["passed"] and r["chunked"] > 0 for r in report["rows"])

@@ -225,3 +225,19 @@ def test_gpu_t5_matches_transformers(t5_paths, t5_refs, variant):
                 theirs = [{"mean": h.mean(0), "cls": h[0], "all": h}[pooling] for h in rows]
                 bar = 1.5 * _errors(theirs, expected) + 1e-5
                 assert (got <= bar).all(), f"{pooling}: engine {got}, bar {bar}"
+
+
+def test_parity_command_checks_a_t5_encoder(t5_paths, tmp_path, capsys):
+    """``pipepool parity``'s transformers reference runs T5's encoder (T5EncoderModel), the
+    model pipepool computes, at every pooling, PP=1 and PP=2, chunk-sized budget."""
+    import json
+
+    from pipepool.commands.cli import main
+
+    out = tmp_path / "parity.json"
+    args = ["parity", "--model", str(next(iter(t5_paths.values()))), "--pp", "1,2"]
+    args += ["--max-num-batched-tokens", "16", "--max-model-len", "128", "--json", str(out)]
+    assert main(args) == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["reference"].startswith("transformers ")
+    assert len(report["rows"]) == 8 and all(r["passed"] for r in report["rows"])

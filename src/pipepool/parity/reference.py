@@ -99,9 +99,9 @@ def _transformers_reference(
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
         config.is_causal = deployment.causal
         kwargs.update(config=config, trust_remote_code=False)
-    model = transformers.AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
-    if getattr(model.config, "is_encoder_decoder", False):
-        model = model.get_encoder()  # T5: embedding models run its encoder only
+    # T5: an embedding model runs its encoder only (AutoModel would build the whole T5Model).
+    auto = transformers.T5EncoderModel if hf.get("model_type") == "t5" else transformers.AutoModel
+    model = auto.from_pretrained(path, dtype=dtype, **kwargs)
     model = model.to(device).eval()
     outputs: dict[str, list[np.ndarray]] = {p: [] for p in poolings}
     try:

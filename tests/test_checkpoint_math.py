@@ -223,6 +223,11 @@ def test_sparse_encoder_folder_is_refused_by_name(st_bert_path, tmp_path):
         ({"do_lower_case": True}, "do_lower_case"),
         ({"config_kwargs": {"is_causal": True}}, "config_kwargs"),
         ({"transformer_task": "fill-mask"}, "transformer_task 'fill-mask'"),
+        ({"config_args": {"is_causal": True}}, "config_args"),
+        ({"model_kwargs": {"rope_scaling": {"factor": 2}}}, "model_kwargs sets 'rope_scaling'"),
+        ({"tokenizer_args": {"do_lower_case": True}}, "tokenizer_args sets 'do_lower_case'"),
+        ({"processing_kwargs": {"text": {"padding": True}}}, "processing_kwargs"),
+        ({"query_expansion": True}, "query_expansion"),
     ],
 )
 def test_transformer_module_settings_that_change_the_output_are_refused(
@@ -233,6 +238,20 @@ def test_transformer_module_settings_that_change_the_output_are_refused(
     bert_config.write_text(json.dumps({**json.loads(bert_config.read_text()), **setting}))
     with pytest.raises(pipepool.ModelLoadError, match=message):
         pipepool.Engine(str(path))
+
+
+def test_harmless_transformer_module_settings_load(st_bert_path, tmp_path):
+    """Loading options and the precision sentence-transformers passes on do not change the
+    math: a folder that names them loads."""
+    path = shutil.copytree(st_bert_path, tmp_path / "st")
+    bert_config = path / "sentence_bert_config.json"
+    settings = {
+        "model_kwargs": {"torch_dtype": "auto", "attn_implementation": "sdpa"},
+        "tokenizer_args": {"use_fast": True},
+    }
+    bert_config.write_text(json.dumps({**json.loads(bert_config.read_text()), **settings}))
+    with pipepool.Engine(str(path)) as engine:
+        assert engine.embed(["loads"]).shape == (1, 32)
 
 
 def test_the_sentence_transformers_folder_still_matches_after_the_checks(st_bert_path):

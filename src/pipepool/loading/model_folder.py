@@ -232,6 +232,17 @@ def _st_module_kind(modules_file: Path, module_type: str) -> str:
     return module_type.rsplit(".", 1)[-1]
 
 
+# Keyword arguments of the Transformer module that leave the math alone (loading options, the
+# precision, which attention kernel computes the same attention); any other is refused.
+_ST_MODEL_KWARGS = frozenset(
+    {"torch_dtype", "dtype", "attn_implementation", "low_cpu_mem_usage", "device_map",
+     "trust_remote_code", "add_pooling_layer", "revision", "cache_dir", "token"}
+)  # fmt: skip
+_ST_TOKENIZER_KWARGS = frozenset(
+    {"use_fast", "padding_side", "trust_remote_code", "revision", "cache_dir", "token"}
+)
+
+
 def _check_st_transformer(bert_config: Path) -> None:
     """The Transformer module's own settings that change what it computes."""
     config = _read_json(bert_config) if bert_config.is_file() else {}
@@ -240,12 +251,30 @@ def _check_st_transformer(bert_config: Path) -> None:
             f"{bert_config}: do_lower_case=true (sentence-transformers lowercases every text "
             "before its tokenizer) is not supported"
         )
-    if config.get("config_kwargs"):
-        raise ModelLoadError(
-            f"{bert_config}: config_kwargs {config['config_kwargs']!r} override the model's "
-            "config.json when sentence-transformers loads it; pipepool reads config.json alone "
-            "and refuses rather than compute without them"
-        )
+    for key in ("config_kwargs", "config_args"):  # the second: its older name
+        if config.get(key):
+            raise ModelLoadError(
+                f"{bert_config}: {key} {config[key]!r} override the model's config.json when "
+                "sentence-transformers loads it; pipepool reads config.json alone and refuses "
+                "rather than compute without them"
+            )
+    for key, allowed in (
+        ("model_kwargs", _ST_MODEL_KWARGS), ("model_args", _ST_MODEL_KWARGS),
+        ("processor_kwargs", _ST_TOKENIZER_KWARGS), ("tokenizer_args", _ST_TOKENIZER_KWARGS),
+    ):  # fmt: skip
+        unknown = sorted(set(config.get(key) or {}) - allowed)
+        if unknown:
+            raise ModelLoadError(
+                f"{bert_config}: {key} sets {unknown[0]!r}, which may change what the model or "
+                f"its tokenizer computes; pipepool does not apply it (it takes "
+                f"{', '.join(sorted(allowed))})"
+            )
+    for key in ("processing_kwargs", "query_length", "document_length", "query_expansion"):
+        if config.get(key):
+            raise ModelLoadError(
+                f"{bert_config}: {key} {config[key]!r} is not supported (it changes how texts "
+                "are prepared or pooled)"
+            )
     task = config.get("transformer_task")
     if task is not None and task not in _ST_TRANSFORMER_TASKS:
         raise ModelLoadError(

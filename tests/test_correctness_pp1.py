@@ -88,3 +88,46 @@ def test_embed_tokens_returns_one_array_per_input(bert_path, reference):
     with pipepool.Engine(str(bert_path)) as engine:
         outs = engine.embed_tokens(texts)
     assert [o.shape for o in outs] == [(len(ref.token_ids(t)), 64) for t in texts]
+
+
+SENTENCE_TRANSFORMERS_MODES = ("max", "mean_sqrt_len", "weightedmean")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sentence_transformers_pooling_modes_chunked_match_the_reference(
+    decoder_paths, bert_path, reference, pp
+):
+    """max, mean_sqrt_len and weightedmean over a causal model's chunked prompts (running
+    state across chunks) and an encoder's whole ones, against the hidden states of
+    transformers pooled independently."""
+    for path in (decoder_paths["qwen3"], bert_path):
+        ref = reference(path)
+        prompts = long_prompts()
+        with pipepool.Engine(
+            str(path), pipeline_parallel_size=pp, max_num_batched_tokens=7
+        ) as engine:
+            for pooling in SENTENCE_TRANSFORMERS_MODES:
+                _check_against_reference(engine, ref, prompts, pooling)
+            if engine.deployment.causal:
+                assert engine.stats.chunked_requests > 0
+
+
+@pytest.mark.parametrize("mode", ["max", "mean_sqrt_len_tokens", "weightedmean"])
+def test_sentence_transformers_folder_with_each_pooling_mode(model_dir, mode):
+    import tiny_models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    folder = model_dir / f"st-pooling-{mode}"
+    if not (folder / "modules.json").exists():
+        bert_dir = tiny_models.make_bert(model_dir / f"st-pooling-{mode}-transformer")
+        st = SentenceTransformer(
+            modules=[modules.Transformer(str(bert_dir)), modules.Pooling(64, pooling_mode=mode)],
+            device="cpu",
+        )
+        st.save(str(folder))
+    texts = long_prompts()[:5]
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    with pipepool.Engine(str(folder), pipeline_parallel_size=2) as engine:
+        got = engine.encode(texts)
+    assert cosine(got, expected).min() >= MIN_COSINE

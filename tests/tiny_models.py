@@ -395,6 +395,13 @@ class Reference:
 
     def pooled(self, ids: list[int], pooling: str) -> np.ndarray:
         h = self.hidden(ids)
+        if pooling == "max":
+            return h.max(0)
+        if pooling == "mean_sqrt_len":
+            return h.sum(0) / np.sqrt(len(h))
+        if pooling == "weightedmean":  # sentence-transformers' position weights 1..len
+            weights = np.arange(1, len(h) + 1, dtype=np.float32)[:, None]
+            return (h * weights).sum(0) / weights.sum()
         return {"last": h[-1], "mean": h.mean(0), "cls": h[0], "all": h}[pooling]
 
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .core.request import POOLING_NAMES
 from .errors import InvalidInputError
 from .loading.classifier import RERANKERS
 
-POOLING_TYPES = ("last", "mean", "cls", "all")
+# Every pooling a request may ask for, and those that give one vector per input (what a model's
+# default pooling can be).
+POOLING_TYPES = POOLING_NAMES
+VECTOR_POOLINGS = tuple(p for p in POOLING_NAMES if p != "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What happens to an input longer than max_model_len: cut to fit (what sentence-transformers and
 # TEI do by default), refused, or embedded window by window and combined (vLLM's chunked
@@ -104,7 +108,7 @@ class EngineConfig:
     # How stages run when pipeline_parallel_size > 1: "mp", one process per stage (the real
     # thing); "inproc", all stages in this process, one after the other (tests, debugging).
     pipeline_backend: str = option("mp", "", cli=False)
-    pooling: str | None = option(None, "override the model's pooling", choices=POOLING_TYPES[:3])
+    pooling: str | None = option(None, "override the model's pooling", choices=VECTOR_POOLINGS)
     normalize: bool | None = option(None, "override the model's default L2 normalisation")
     # How causal-LM checkpoints rerank (classifier.py): Qwen3-Reranker's prompt and yes/no
     # logits, or not at all; auto: by the checkpoint's name (Qwen3 checkpoints named *Reranker*).
@@ -218,9 +222,10 @@ class EngineConfig:
             raise InvalidInputError(
                 "pipeline_backend must be 'mp' or 'inproc'", param="pipeline_backend"
             )
-        if self.pooling is not None and self.pooling not in POOLING_TYPES[:3]:
+        if self.pooling is not None and self.pooling not in VECTOR_POOLINGS:
             raise InvalidInputError(
-                f"pooling must be one of last, mean, cls; got {self.pooling!r}", param="pooling"
+                f"pooling must be one of {', '.join(VECTOR_POOLINGS)}; got {self.pooling!r}",
+                param="pooling",
             )
         if self.reranker not in RERANKERS:
             raise InvalidInputError(

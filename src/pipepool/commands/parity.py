@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..config import POOLING_TYPES
 from ..parity import DEFAULT_BUDGETS, DEFAULT_PPS, REFERENCES, Sweep, run_parity
+from ..parity.sweep import DEFAULT_POOLINGS
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
@@ -44,8 +45,8 @@ def add_parser(sub, help: str) -> None:
         "--pooling",
         type=_pooling_list,
         metavar="LIST",
-        default=POOLING_TYPES,
-        help=f"poolings to compare, comma-separated (default: {_join(POOLING_TYPES)})",
+        default=DEFAULT_POOLINGS,
+        help=f"poolings to compare, comma-separated (default: {_join(DEFAULT_POOLINGS)})",
     )
     p.add_argument(
         "--reference-device",

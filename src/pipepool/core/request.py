@@ -16,6 +16,11 @@ class Pooling(IntEnum):
     MEAN = 1
     CLS = 2
     ALL = 3  # token embeddings: one vector per prompt token
+    # sentence-transformers' other Pooling modes: the elementwise max over the tokens; the sum
+    # over sqrt(length); the mean weighted by position (1, 2, ..., length).
+    MAX = 4
+    MEAN_SQRT_LEN = 5
+    WEIGHTEDMEAN = 6
 
     @classmethod
     def parse(cls, name: str) -> Pooling:
@@ -23,7 +28,7 @@ class Pooling(IntEnum):
 
     @property
     def is_vector(self) -> bool:
-        """One vector per request (LAST, MEAN, CLS), as opposed to one per token (ALL)."""
+        """One vector per request, as opposed to one per token (ALL)."""
         return self != Pooling.ALL
 
 
@@ -35,7 +40,7 @@ class PoolingParams:
     """What the last stage computes for a request (pooling, then Matryoshka truncation, then
     L2 normalisation; per token for ALL)."""
 
-    pooling: str  # last | mean | cls | all
+    pooling: str  # one of POOLING_NAMES
     normalize: bool = False
     dimensions: int | None = None  # keep the first `dimensions` components
 

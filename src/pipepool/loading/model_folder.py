@@ -15,7 +15,14 @@ from pathlib import Path
 from ..errors import ModelLoadError
 
 # sentence-transformers pooling mode -> pipepool pooling type
-_ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+_ST_POOLING = {
+    "mean": "mean",
+    "cls": "cls",
+    "lasttoken": "last",
+    "max": "max",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weightedmean",
+}
 _ST_LEGACY_POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_max_tokens": "max",
@@ -49,7 +56,7 @@ class DenseModule:
 class SentenceTransformersInfo:
     """What a sentence-transformers folder says beyond the transformer itself."""
 
-    pooling: str | None = None  # last | mean | cls
+    pooling: str | None = None  # one of core.request.POOLING_NAMES but "all"
     normalize: bool = False
     dense: tuple[DenseModule, ...] = ()
     prompts: dict[str, str] = field(default_factory=dict)
@@ -302,7 +309,7 @@ def _read_st_pooling(folder: Path) -> str:
         mode = mode[0] if len(mode) == 1 else tuple(mode)
     if mode not in _ST_POOLING:
         raise ModelLoadError(
-            f"{folder}: pooling mode {mode!r} is not supported (last, mean, cls are)"
+            f"{folder}: pooling mode {mode!r} is not supported ({', '.join(_ST_POOLING)} are)"
         )
     if config.get("include_prompt") is False:
         raise ModelLoadError(f"{folder}: include_prompt=false (INSTRUCTOR-style) is not supported")

@@ -63,8 +63,16 @@ def pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
         return hidden[-1]
     if pooling == "cls":
         return hidden[0]
+    h = hidden.astype(np.float64)
     if pooling == "mean":
-        return hidden.astype(np.float64).mean(0).astype(np.float32)
+        return h.mean(0).astype(np.float32)
+    if pooling == "max":
+        return hidden.max(0)
+    if pooling == "mean_sqrt_len":
+        return (h.sum(0) / np.sqrt(len(h))).astype(np.float32)
+    if pooling == "weightedmean":  # sentence-transformers' weights: 1, 2, ..., length
+        w = np.arange(1, len(h) + 1, dtype=np.float64)[:, None]
+        return ((h * w).sum(0) / w.sum()).astype(np.float32)
     if pooling == "all":
         return hidden
     raise ParityError(f"unknown pooling {pooling!r}")

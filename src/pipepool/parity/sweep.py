@@ -22,6 +22,10 @@ from .prompts import builtin_prompts
 from .reference import compute_reference
 from .report import ParityReport
 
+# What a sweep compares unless told: the four every model has (the other sentence-transformers
+# modes are there for the asking).
+DEFAULT_POOLINGS = ("last", "mean", "cls", "all")
+
 if TYPE_CHECKING:
     from .score_sweep import ScoreReport
 
@@ -40,7 +44,7 @@ class Sweep:
 
     pps: tuple[int, ...] = DEFAULT_PPS
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    poolings: tuple[str, ...] = POOLING_TYPES
+    poolings: tuple[str, ...] = DEFAULT_POOLINGS
     reference: str = "transformers"  # transformers | pp1
     min_cosine: float | None = None  # None: by dtype (see default_min_cosine)
     # Where the transformers reference runs; None: the engine's own device / dtype.

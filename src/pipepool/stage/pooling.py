@@ -2,7 +2,10 @@
 
 - LAST reads the final token of the final chunk.
 - CLS captures the first token of the first chunk and holds it until the final chunk.
-- MEAN keeps a running fp32 sum over chunks and divides by the prompt length at the end.
+- MEAN keeps a running fp32 sum over chunks and divides by the prompt length at the end;
+  MEAN_SQRT_LEN divides the same sum by the length's square root, WEIGHTEDMEAN sums each token
+  weighted by its position + 1 and divides by the weights' sum (sentence-transformers' modes).
+- MAX keeps a running elementwise max over chunks.
 - ALL copies every chunk into one prompt-sized buffer (token embeddings).
 
 Two phases, so that nothing syncs the device mid-step: ``prepare`` (host, before the
@@ -37,7 +40,16 @@ class PoolingPrep:
     # (layers/segment_sum.py), or a per-row slot for index_add_ (mean_slots = none).
     mean_bounds: np.ndarray | None  # [2 * mean_slots]: first rows, then lengths
     seg: np.ndarray | None  # [T] slot of each token row
-    whole_mean_lens: np.ndarray  # [num_whole_means] their token counts (the divisors)
+    whole_mean_lens: np.ndarray  # [num_whole_means] their token counts
+    # [num_whole_means] their pooling kinds where some is not MEAN (whose divisor is not the
+    # length: ``_divide``); None when all are MEAN.
+    whole_mean_kinds: np.ndarray | None
+    # [T] int64 weight of each token row in the sums (its position + 1 for WEIGHTEDMEAN rows,
+    # 1 elsewhere); None when no request of the step weights its tokens.
+    sum_weights: np.ndarray | None
+    # MAX: [T] slot of each token row (the last slot: none); None when no request pools MAX.
+    max_seg: np.ndarray | None
+    num_whole_maxes: int  # the first slots are MAX prompts whole in this step
     all_rows: np.ndarray  # token rows of ALL prompts whole in this step, back to back
     partial: tuple[tuple[int, int], ...]  # (row, slot or -1) of multi-chunk requests
     vector_ids: np.ndarray  # request ids of the output vectors, in output order
@@ -50,6 +62,7 @@ class PoolingPrep:
         return [
             self.pick_rows, self.seg, self.mean_bounds, self.whole_mean_lens, self.all_rows,
             *self.vector_heads.upload_arrays(), *self.token_heads.upload_arrays(),
+            self.whole_mean_kinds, self.sum_weights, self.max_seg,
         ]  # fmt: skip
 
 
@@ -102,7 +115,8 @@ class Pooler:
         first, final = starts == 0, ends == view.prompt_lens
         whole = first & final
         is_last, is_cls = kind == Pooling.LAST, kind == Pooling.CLS
-        is_mean, is_all = kind == Pooling.MEAN, kind == Pooling.ALL
+        is_mean = np.isin(kind, _SUMS)  # every pooling over a sum of the tokens
+        is_all, is_max = kind == Pooling.ALL, kind == Pooling.MAX
 
         emitted = np.nonzero((is_last & final) | (is_cls & whole))[0]
         held = np.nonzero(is_cls & first & ~final)[0]  # CLS rows kept for a later chunk
@@ -120,16 +134,34 @@ class Pooler:
             slot_of[mean_req] = np.arange(len(mean_req))
             seg = np.repeat(slot_of, view.lens)
 
+        sum_weights = None
+        weighted = np.nonzero(kind == Pooling.WEIGHTEDMEAN)[0]
+        if len(weighted):  # each token's position + 1, from the chunk's start
+            sum_weights = np.ones(int(cu_q[-1]), dtype=np.int64)
+            rows = _row_ranges(cu_q[weighted], view.lens[weighted])
+            positions = _row_ranges(starts[weighted], view.lens[weighted])
+            sum_weights[rows] = positions + 1
+
+        max_whole = np.nonzero(is_max & whole)[0]
+        max_part = np.nonzero(is_max & ~whole)[0]
+        max_req = np.concatenate([max_whole, max_part])
+        max_seg = None
+        if len(max_req):
+            slot_of = np.full(len(kind), len(max_req), dtype=np.int64)
+            slot_of[max_req] = np.arange(len(max_req))
+            max_seg = np.repeat(slot_of, view.lens)
+
         all_whole = np.nonzero(is_all & whole)[0]
         all_rows = _row_ranges(cu_q[all_whole], view.lens[all_whole])
 
-        multi = np.nonzero(~whole & (is_cls | is_mean | is_all))[0]
+        multi = np.nonzero(~whole & (is_cls | is_mean | is_all | is_max))[0]
         slot_of_mean = {int(r): len(mean_whole) + j for j, r in enumerate(mean_part.tolist())}
+        slot_of_mean |= {int(r): len(max_whole) + j for j, r in enumerate(max_part.tolist())}
         partial = tuple((int(r), slot_of_mean.get(int(r), -1)) for r in multi.tolist())
         partial_vec = multi[final[multi] & ~is_all[multi]]  # emitted from partial state
         partial_all = multi[final[multi] & is_all[multi]]
 
-        vec_rows = np.concatenate([emitted, mean_whole, partial_vec])
+        vec_rows = np.concatenate([emitted, mean_whole, max_whole, partial_vec])
         tok_rows = np.concatenate([all_whole, partial_all])
         tok_lens = view.prompt_lens[tok_rows]
         return PoolingPrep(
@@ -140,6 +172,14 @@ class Pooler:
             mean_bounds=bounds,
             seg=seg,
             whole_mean_lens=view.lens[mean_whole],
+            whole_mean_kinds=(
+                kind[mean_whole].astype(np.int64)
+                if (kind[mean_whole] != Pooling.MEAN).any()
+                else None
+            ),
+            sum_weights=sum_weights,
+            max_seg=max_seg,
+            num_whole_maxes=len(max_whole),
             all_rows=all_rows,
             partial=partial,
             vector_ids=req_ids[vec_rows],
@@ -161,17 +201,23 @@ class Pooler:
         view: StepView,
         cu_q: np.ndarray,
     ) -> PooledStep:
-        pick_t, seg_t, bounds_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t = (
-            uploaded
-        )
+        (pick_t, seg_t, bounds_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t,
+         mean_kinds_t, weights_t, max_seg_t) = uploaded  # fmt: skip
         h = hidden.shape[1]
         picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
+        summed = hidden if weights_t is None else hidden.float() * weights_t.unsqueeze(1)
         sums = None
         if bounds_t is not None:
-            sums = segment_sums(hidden, bounds_t)  # [slots, H]
+            sums = segment_sums(summed, bounds_t)  # [slots, H]
         elif seg_t is not None:
             sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
-            sums.index_add_(0, seg_t, hidden.float())  # [slots + 1, H]; the last: no slot
+            sums.index_add_(0, seg_t, summed.float())  # [slots + 1, H]; the last: no slot
+        maxes = None
+        if max_seg_t is not None:
+            slots = int(prep.max_seg.max()) + 1
+            maxes = hidden.new_full((slots, h), float("-inf"), dtype=torch.float32)
+            index = max_seg_t.unsqueeze(1).expand(-1, h)
+            maxes.scatter_reduce_(0, index, hidden.float(), "amax")  # the last slot: none
         vectors = []
         if prep.num_emitted_picks:
             vectors.append(picked[: prep.num_emitted_picks])
@@ -179,11 +225,16 @@ class Pooler:
             # Divisors from the host: torch.bincount would wait for the device (its output
             # size depends on the data), and the host must never wait mid-step.
             n = prep.num_whole_means
-            vectors.append(sums[:n] / mean_lens_t.unsqueeze(1))
+            vectors.append(_divide(sums[:n], mean_lens_t, mean_kinds_t))
+        if prep.num_whole_maxes:
+            vectors.append(maxes[: prep.num_whole_maxes])
         tokens = [hidden.index_select(0, all_rows_t).float()] if len(prep.all_rows) else []
         held = iter(range(prep.num_emitted_picks, len(prep.pick_rows)))
         for row, slot in prep.partial:
-            out = self._advance_partial(hidden, picked, held, sums, req_ids, view, cu_q, row, slot)
+            sums_of = maxes if view.poolings[row] == Pooling.MAX else sums
+            out = self._advance_partial(
+                hidden, picked, held, sums_of, req_ids, view, cu_q, row, slot
+            )
             if out is not None:
                 (tokens if view.poolings[row] == Pooling.ALL else vectors).append(out)
 
@@ -219,11 +270,20 @@ class Pooler:
                 self._partial[rid] = picked[next(held)].clone()
                 return None
             return self._partial.pop(rid).unsqueeze(0) if final else None
-        if kind == Pooling.MEAN:
+        if kind == Pooling.MAX:  # ``sums`` holds the step's maxima here
+            top = sums[slot] if first else torch.maximum(self._partial[rid], sums[slot])
+            if final:
+                self._partial.pop(rid, None)
+                return top.unsqueeze(0)
+            self._partial[rid] = top
+            return None
+        if kind in _SUMS:
             total = sums[slot] if first else self._partial[rid] + sums[slot]
             if final:
                 self._partial.pop(rid, None)
-                return (total / prompt_len).unsqueeze(0)
+                kinds = torch.tensor([kind], device=total.device)
+                lens = torch.tensor([prompt_len], device=total.device)
+                return _divide(total.unsqueeze(0), lens, kinds)
             self._partial[rid] = total
             return None
         # ALL: each chunk goes to its place in a prompt-sized buffer
@@ -231,6 +291,20 @@ class Pooler:
             self._partial[rid] = hidden.new_empty((prompt_len, hidden.shape[1]))
         self._partial[rid][start:end] = hidden[int(cu_q[row]) : int(cu_q[row + 1])]
         return self._partial.pop(rid).float() if final else None
+
+
+# Poolings over a (weighted) sum of a prompt's tokens; they differ in weights and divisor.
+_SUMS = (Pooling.MEAN, Pooling.MEAN_SQRT_LEN, Pooling.WEIGHTEDMEAN)
+
+
+def _divide(sums: torch.Tensor, lengths: torch.Tensor, kinds: torch.Tensor | None) -> torch.Tensor:
+    """[n, H] sums over their divisors: the length (MEAN), its square root (MEAN_SQRT_LEN), or
+    the sum of the weights 1..length (WEIGHTEDMEAN). ``kinds`` None: every row is MEAN."""
+    n = lengths.to(torch.float64)
+    if kinds is not None:
+        n = torch.where(kinds == Pooling.MEAN_SQRT_LEN, n.sqrt(), n)
+        n = torch.where(kinds == Pooling.WEIGHTEDMEAN, n * (n + 1) / 2, n)
+    return sums / n.to(sums.dtype).unsqueeze(1)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:

@@ -201,10 +201,11 @@ class ScoringMethods:
         "max" (words labelled by their first sub-token / their sub-tokens' mean / their most
         confident sub-token, then grouped). ``start``/``end`` are character
         offsets into the text. Needs a ``*ForTokenClassification`` checkpoint."""
-        from .token_classification import TokenAggregator
+        from .token_classification import TokenAggregator, check_strategy
 
-        single = isinstance(texts, str)
-        items = [texts] if single else list(texts)
+        check_strategy(aggregation_strategy)  # before the engine computes anything
+
+        items = [texts] if isinstance(texts, str) else list(texts)
         if not all(isinstance(t, str) for t in items):
             raise InvalidInputError("classify_tokens takes texts", param="input")
         head = self.deployment.classifier
@@ -213,13 +214,10 @@ class ScoringMethods:
             per_token=True,
         )  # fmt: skip
         probs = submission.result()  # [len, labels] per text
-        policy = self._policy(long_inputs)
-        ids = self.tokenize(items, truncate_prompt_tokens=truncate_prompt_tokens,
-                            long_inputs=policy)  # fmt: skip
         aggregator = TokenAggregator(self.inputs.tokenizer.backend, head.labels)
         return [
-            aggregator.entities(text, tokens, p, aggregation_strategy)
-            for text, tokens, p in zip(items, ids, probs, strict=True)
+            aggregator.entities(text, p, aggregation_strategy)
+            for text, p in zip(items, probs, strict=True)
         ]
 
     # -- helpers --------------------------------------------------------------------------------

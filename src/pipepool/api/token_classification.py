@@ -21,6 +21,14 @@ AGGREGATIONS = ("none", "simple", "first", "average", "max")
 IGNORED_LABELS = ("O",)  # the pipeline's default: tokens outside any entity are not reported
 
 
+def check_strategy(strategy: str) -> None:
+    if strategy not in AGGREGATIONS:
+        raise InvalidInputError(
+            f"aggregation_strategy must be one of {', '.join(AGGREGATIONS)}, got {strategy!r}",
+            param="aggregation_strategy",
+        )
+
+
 class TokenAggregator:
     """Turns one text's token probabilities into the pipeline's entity dicts. Holds the
     tokenizer (``tokenizers.Tokenizer``) and the label names; no per-call state."""
@@ -33,23 +41,17 @@ class TokenAggregator:
         self.subword_prefix = getattr(tokenizer.model, "continuing_subword_prefix", None)
         self.unk_id = _unk_id(tokenizer)
 
-    def entities(self, text: str, ids: np.ndarray, probs: np.ndarray, strategy: str) -> list:
-        """The entities of ``text`` whose token ids (as the engine embedded them) are ``ids``
-        and whose per-token label probabilities are ``probs`` [len, labels]."""
-        if strategy not in AGGREGATIONS:
-            raise InvalidInputError(
-                f"aggregation_strategy must be one of {', '.join(AGGREGATIONS)}, got {strategy!r}",
-                param="aggregation_strategy",
-            )
+    def entities(self, text: str, probs: np.ndarray, strategy: str) -> list:
+        """The entities of ``text`` from its per-token label probabilities ``probs`` [len,
+        labels], as the engine computed them for the tokenizer's own tokens of the text."""
+        check_strategy(strategy)
         encoding = self.tokenizer.encode(text, add_special_tokens=True)
-        n = len(ids)
-        if list(encoding.ids[: n - 1]) != list(ids[: n - 1]):
-            # The engine's tokens are the same tokenizer's; a truncated text keeps its head.
-            raise InvalidInputError("token classification needs the text's own tokens")
-        offsets, special = encoding.offsets, encoding.special_tokens_mask
-        if n < len(encoding.ids):  # truncated: the engine kept the closing special token
-            offsets = [*offsets[: n - 1], offsets[-1]]
+        n = len(probs)
+        ids, offsets, special = encoding.ids, encoding.offsets, encoding.special_tokens_mask
+        if n < len(ids):  # truncated: the engine kept the head and the closing special token
+            ids, offsets = [*ids[: n - 1], ids[-1]], [*offsets[: n - 1], offsets[-1]]
             special = [*special[: n - 1], special[-1]]
+        ids = np.asarray(ids, dtype=np.int64)
         pre = self._pre_entities(text, ids, probs, offsets, special)
         if strategy in ("first", "average", "max"):
             tokens = self._words(pre, strategy)

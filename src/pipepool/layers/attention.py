@@ -85,14 +85,7 @@ def attend(
     (the triton kernel writes there directly, the others copy), or None for a new tensor."""
     if meta.graph_split is not None:
         return meta.graph_split(q, k, v, kv_cache, scale=scale, window=window, kernel=kernel)
-    if kv_cache is not None and meta.write_slots is not None:
-        k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
-        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
-    if meta.prefix_slots is not None:
-        assert kv_cache is not None, "a chunk continues a request but this layer has no KV cache"
-        k = _with_prefix(k, kv_cache[0], meta)
-        v = _with_prefix(v, kv_cache[1], meta)
+    k, v = with_cached_keys(k, v, meta, kv_cache)
     if kernel == "triton":
         return triton_attention.varlen_attention(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=meta.causal,
@@ -109,6 +102,26 @@ def attend(
     else:
         result = _portable(q, k, v, meta, scale, window)
     return result if out is None else out.copy_(result)
+
+
+def with_cached_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write this step's K/V rows that later chunks read into the cache, then return each
+    request's keys and values ``[0, end)`` packed: the cached prefix, then this chunk (every
+    attention over chunked prompts starts here)."""
+    if kv_cache is not None and meta.write_slots is not None:
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
+        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+    if meta.prefix_slots is not None:
+        assert kv_cache is not None, "a chunk continues a request but this layer has no KV cache"
+        k = _with_prefix(k, kv_cache[0], meta)
+        v = _with_prefix(v, kv_cache[1], meta)
+    return k, v
 
 
 def _with_prefix(x: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, _with_prefix
+from .attention import AttentionMetadata, with_cached_keys
 from .grouped_attention import plan_runs
 
 # Score elements computed at once (per tile of query rows): 64 MiB of float32 scores.
@@ -50,14 +50,7 @@ def softcap_attend(
             "soft-capped / symmetric-window attention reads the step's host-side offsets and "
             "cannot be captured in a CUDA graph"
         )
-    if kv_cache is not None and meta.write_slots is not None:
-        k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
-        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
-    if meta.prefix_slots is not None:
-        assert kv_cache is not None, "a chunk continues a request but this layer has no KV cache"
-        k = _with_prefix(k, kv_cache[0], meta)
-        v = _with_prefix(v, kv_cache[1], meta)
+    k, v = with_cached_keys(k, v, meta, kv_cache)
     if meta.group_plan is None:  # the runs depend on the step only: shared by every layer
         meta.group_plan = plan_runs(meta.cu_q_host, meta.cu_k_host, meta.causal)
     out = torch.empty_like(q)

@@ -189,16 +189,7 @@ class EncoderStage(StageModel):
         max_len: int,
         head: ClassifierHead | None = None,
     ):
-        super().__init__(layers, first, last)
-        self.cfg = cfg
-        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
-        self.max_positions = cfg.max_positions
-        self.attention_shape = AttentionShape(
-            cfg.hidden_size // cfg.num_heads, 1, causal=False, windowed=False
-        )
-        self.attn_kernel = "portable"
-        self.post = post_attention  # or one torch.compile'd graph shared by every layer
-        self.embed = embed  # or its torch.compile'd graph (first stage)
+        self._init_body(cfg, layers, first, last)
         h = cfg.hidden_size
         if first:
             self.word_embeddings = embedding(cfg.vocab_size, h)
@@ -208,6 +199,20 @@ class EncoderStage(StageModel):
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in layers})
         if last and head is not None:
             self.score_head = build_score_head(head, h, cfg.vocab_size)
+
+    def _init_body(self, cfg: EncoderConfig, layers: range, first: bool, last: bool) -> None:
+        """What every BERT-style encoder stage sets before its own embeddings and layers (the
+        relatives in encoders.py and deberta.py build theirs, around the same block)."""
+        StageModel.__init__(self, layers, first, last)
+        self.cfg = cfg
+        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_layers
+        self.max_positions = cfg.max_positions
+        self.attention_shape = AttentionShape(
+            cfg.hidden_size // cfg.num_heads, 1, causal=False, windowed=False
+        )
+        self.attn_kernel = "portable"
+        self.post = post_attention  # or one torch.compile'd graph shared by every layer
+        self.embed = embed  # or its torch.compile'd graph (first stage)
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches=None) -> torch.Tensor:
         if x.device.type == "cpu":

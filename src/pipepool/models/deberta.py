@@ -25,7 +25,6 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
-from ..layers.attention import AttentionShape
 from ..layers.disentangled_attention import (
     PositionTerms,
     RelativeIndex,
@@ -34,7 +33,7 @@ from ..layers.disentangled_attention import (
 )
 from ..loading.classifier import ClassifierHead
 from . import bert
-from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
+from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention
 from .score_heads import DebertaClassifier, build_score_head
 
@@ -231,17 +230,11 @@ class DebertaStage(EncoderStage):
         max_len: int,
         head: ClassifierHead | None = None,
     ):
-        # Not EncoderStage.__init__: that builds BERT's embeddings; this builds DeBERTa's.
-        StageModel.__init__(self, layers, first, last)
+        # Not EncoderStage.__init__: that builds BERT's embeddings; this builds its own.
         block = cfg.block
-        self.cfg, self.deberta = block, cfg  # EncoderStage's methods read cfg: the block
-        self.hidden_size, self.num_layers = block.hidden_size, block.num_layers
-        self.max_positions = block.max_positions
-        self.attention_shape = AttentionShape(
-            block.hidden_size // block.num_heads, 1, causal=False, windowed=False
-        )
-        self.attn_kernel = "portable"
-        self.post, self.embed = post_attention, embed  # or their torch.compile'd graphs
+        self._init_body(block, layers, first, last)  # EncoderStage's methods read cfg: the block
+        self.embed = embed  # its own embeddings (or their torch.compile'd graph)
+        self.deberta = cfg
         h, e = block.hidden_size, cfg.embedding_size
         if first:
             self.word_embeddings = embedding(block.vocab_size, e)

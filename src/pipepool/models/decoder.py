@@ -119,7 +119,8 @@ def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None
 
 
 class AttnWeights(NamedTuple):
-    """What the block needs before attention (None where the family has no such tensor)."""
+    """What a decoder block needs before attention (None where the checkpoint has no such
+    tensor); Gemma's blocks too."""
 
     norm: torch.Tensor
     qkv: torch.Tensor
@@ -156,6 +157,8 @@ def qkv_projection(
 
 
 def split_heads(cfg: DecoderConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k and v [T, Hkv, D]; ``cfg``: any config with
+    ``num_heads``, ``num_kv_heads`` and ``head_dim`` (Gemma's too)."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
     q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]

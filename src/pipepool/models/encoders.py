@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..layers.attention import AttentionShape
 from ..layers.biased_attention import LengthBias, biased_attention, relative_position_bucket
 from ..loading.classifier import ClassifierHead
 from . import bert
-from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
+from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention
 from .score_heads import build_score_head
 
@@ -177,17 +176,11 @@ class RelativeEncoderStage(EncoderStage):
         max_len: int,
         head: ClassifierHead | None = None,
     ):
-        # Not EncoderStage.__init__: that builds BERT's embeddings; this builds the family's.
-        StageModel.__init__(self, layers, first, last)
+        # Not EncoderStage.__init__: that builds BERT's embeddings; this builds its own.
         block = cfg.block
-        self.cfg, self.relative = block, cfg  # EncoderStage's methods read cfg: the block
-        self.hidden_size, self.num_layers = block.hidden_size, block.num_layers
-        self.max_positions = block.max_positions
-        self.attention_shape = AttentionShape(
-            block.hidden_size // block.num_heads, 1, causal=False, windowed=False
-        )
-        self.attn_kernel = "portable"
-        self.post, self.embed = post_attention, embed  # or their torch.compile'd graphs
+        self._init_body(block, layers, first, last)  # EncoderStage's methods read cfg: the block
+        self.embed = embed  # its own embeddings (or their torch.compile'd graph)
+        self.relative = cfg
         h, e = block.hidden_size, cfg.embedding_size
         if first:
             self.word_embeddings = embedding(block.vocab_size, e)

@@ -39,6 +39,7 @@ from .base import (
     embedding,
     linear_specs,
 )
+from .decoder import AttnWeights, split_heads
 from .score_heads import build_score_head
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -199,16 +200,6 @@ def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     return float(torch.tensor(hidden_size**0.5).to(dtype))
 
 
-class AttnWeights(NamedTuple):
-    """What the block needs before attention (None where the checkpoint has no such tensor)."""
-
-    norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-
-
 class MlpWeights(NamedTuple):
     """What the block needs after attention."""
 
@@ -226,11 +217,7 @@ def qkv_projection(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input norm -> fused q|k|v -> (Gemma3) q/k norms. x: [T, hidden] -> [T, H, D] each."""
     qkv = F.linear(gemma_rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-    q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-    k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-    v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = split_heads(cfg, qkv)
     if w.q_norm is not None:
         q = gemma_rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = gemma_rms_norm(k, w.k_norm, cfg.rms_norm_eps)

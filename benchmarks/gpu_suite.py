@@ -28,6 +28,13 @@ MODELS = {
     "8b": ("qwen3-embedding-8b.json", "Qwen3Model", []),
     "mpnet": ("all-mpnet-base-v2.json", "MPNetModel", ["--max-model-len", "512"]),
     "modernbert": ("gte-modernbert-base.json", "ModernBertModel", ["--max-model-len", "8192"]),
+    # EmbeddingGemma pools the mean (its sentence-transformers Pooling module)
+    "embeddinggemma": (
+        "embeddinggemma-300m.json",
+        "Gemma3TextModel",
+        ["--max-model-len", "2048", "--pooling", "mean"],
+    ),
+    "gemma2": ("gemma-2-2b.json", "Gemma2Model", ["--max-model-len", "8192"]),
     "minilm": (
         "all-minilm-l6-v2.json",
         "BertModel",

@@ -44,7 +44,10 @@ CHECKPOINTS = Path("/tmp/pipepool-bench")
 SHAPES = {
     "ms-marco-minilm-l6-v2": ("BertConfig", "BertForSequenceClassification"),
     "qwen3-reranker-0.6b": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma-2-2b-reranker": ("Gemma2Config", "Gemma2ForSequenceClassification"),
 }
+# Shapes read through all-MiniLM-L6-v2's tokenizer (its [PAD] is id 0, the configs' pad_token_id).
+_MINILM_TOKENIZED = ("ms-marco-minilm-l6-v2", "gemma-2-2b-reranker")
 _MINILM_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
@@ -77,7 +80,7 @@ def build_shape(shape: str, dtype: torch.dtype, words: list[str], layers: int | 
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(str(dest))
     del model
-    if shape.startswith("ms-marco"):
+    if shape in _MINILM_TOKENIZED:
         sys.path.insert(0, str(HERE))
         from gpu_suite import minilm_folder
 

@@ -17,6 +17,22 @@ import tiny_models
 
 DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 
+# The three pipelines an Engine can run on (DESIGN §2): in the driver's process, as stage
+# processes, as replicas. Behaviour every kind must share is tested on each through
+# ``engine_kind``.
+ENGINE_KINDS = {
+    "in-process": {},
+    "stage-processes": {"pipeline_parallel_size": 2},
+    "replicas": {"data_parallel_size": 2},
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_KINDS))
+def engine_kind(request) -> dict:
+    """The Engine options of one pipeline kind: a module's engine fixture that takes it runs
+    the module's tests once per kind."""
+    return ENGINE_KINDS[request.param]
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):

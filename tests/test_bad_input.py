@@ -21,9 +21,9 @@ LONG = long_prompts()[3]  # hundreds of tokens with any tiny tokenizer
 
 
 @pytest.fixture(scope="module")
-def qwen3_engine(qwen3_path):
+def qwen3_engine(qwen3_path, engine_kind):
     with pipepool.Engine(
-        str(qwen3_path), max_model_len=MAX_LEN, max_num_batched_tokens=16
+        str(qwen3_path), max_model_len=MAX_LEN, max_num_batched_tokens=16, **engine_kind
     ) as engine:
         yield engine
 

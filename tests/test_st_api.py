@@ -22,8 +22,8 @@ def st_model(st_bert_path):
 
 
 @pytest.fixture(scope="module")
-def engine(st_bert_path):
-    with pipepool.Engine(str(st_bert_path)) as engine:
+def engine(st_bert_path, engine_kind):
+    with pipepool.Engine(str(st_bert_path), **engine_kind) as engine:
         yield engine
 
 

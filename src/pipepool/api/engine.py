@@ -79,8 +79,9 @@ class Engine(ScoringMethods):
 
     @property
     def stats(self) -> EngineStats:
-        """Counters of the engine (every replica's, summed, for replicas)."""
-        return self.pipeline.stats
+        """The engine's counters now (every replica's, summed, for replicas): a snapshot,
+        which later work leaves unchanged, on every kind of pipeline."""
+        return self.pipeline.stats.snapshot()
 
     # -- public API -------------------------------------------------------------------------
 
@@ -346,7 +347,9 @@ class Engine(ScoringMethods):
             raise InvalidInputError("tracing is off: start the engine with trace=FILE.json")
         per_pipeline = self.pipeline.gather_trace(timeout)
         summary, traces = summarize_pipelines(per_pipeline, since_ns, until_ns)
-        write_chrome_trace(path or self.config.trace, traces, since_ns, until_ns)
+        target = path or self.config.trace
+        assert target is not None, "tracing is on: config.trace names its file"
+        write_chrome_trace(target, traces, since_ns, until_ns)
         self._trace_written = True
         return summary
 

@@ -24,6 +24,7 @@ from .submission import Submission
 if TYPE_CHECKING:
     from ..config import EngineConfig
     from ..intake.inputs import InputPreparer
+    from ..loading.classifier import ClassifierHead
     from ..loading.deployment import Deployment
 
 
@@ -57,6 +58,15 @@ class ScoringMethods:
     config: EngineConfig
     deployment: Deployment
     inputs: InputPreparer
+
+    def submit_tokens(
+        self,
+        token_ids: np.ndarray,
+        lengths: np.ndarray,
+        params: PoolingParams,
+        type_ids: np.ndarray | None = None,
+    ) -> Submission:
+        raise NotImplementedError  # the Engine's
 
     def score(
         self,
@@ -133,7 +143,7 @@ class ScoringMethods:
             truncate_prompt_tokens=truncate_prompt_tokens,
             long_inputs=long_inputs,
         )
-        return Classification(submission.result(), self.deployment.classifier.labels)
+        return Classification(submission.result(), self._head.labels)
 
     # -- futures, for callers that wait their own way (the server) ----------------------------
 
@@ -208,19 +218,25 @@ class ScoringMethods:
         items = [texts] if isinstance(texts, str) else list(texts)
         if not all(isinstance(t, str) for t in items):
             raise InvalidInputError("classify_tokens takes texts", param="input")
-        head = self.deployment.classifier
         submission = self.submit_classify(
             items, truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=long_inputs,
             per_token=True,
         )  # fmt: skip
         probs = submission.result()  # [len, labels] per text
-        aggregator = TokenAggregator(self.inputs.tokenizer.backend, head.labels)
+        aggregator = TokenAggregator(self.inputs.tokenizer.backend, self._head.labels)
         return [
             aggregator.entities(text, p, aggregation_strategy)
             for text, p in zip(items, probs, strict=True)
         ]
 
     # -- helpers --------------------------------------------------------------------------------
+
+    @property
+    def _head(self) -> ClassifierHead:
+        """The classifier's head, for calls ``need_classifier`` let through."""
+        head = self.deployment.classifier
+        assert head is not None, "need_classifier refuses embedding models first"
+        return head
 
     @cached_property
     def _pair_encoder(self) -> PairEncoder:

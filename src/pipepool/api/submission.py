@@ -72,15 +72,18 @@ class Submission(Future):
         """Rows ``rows`` (input indices) finished with these vectors (already cut to the
         requested dimensions on the device, or zero-padded past them: cut here). ``vectors``
         is copied: it may be a view of a buffer the engine reuses."""
-        values = vectors[:, : self._outputs.shape[1]]
+        outputs = self._outputs
+        assert isinstance(outputs, np.ndarray), "vectors come only for one-vector poolings"
+        values = vectors[:, : outputs.shape[1]]
         n = len(rows)
+        written: slice | np.ndarray
         if n and bool((np.diff(rows) == 1).all()):  # consecutive (the usual step): a slice
             written = slice(int(rows[0]), int(rows[0]) + n)
         else:
             written = rows
-        self._outputs[written] = values
+        outputs[written] = values
         if self._results:  # ours, not ``vectors``: that may be the step's pinned buffer
-            values = self._outputs[written]
+            values = outputs[written]
             for fn in self._results:
                 fn(rows, values)
         self._count(n)

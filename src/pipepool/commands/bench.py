@@ -14,9 +14,11 @@ import numpy as np
 import torch
 
 from ..api.engine import Engine
+from ..driver.local import LocalPipeline
 from ..loading.deployment import flops_per_token, plan_deployment
 from ..loading.weights import Checkpoint
 from ..models import family_of
+from ..stage.runner import StageRunner
 from .common import add_engine_args, engine_config
 from .workloads import (
     TEXT_WORKLOADS,
@@ -324,14 +326,21 @@ def _device_used_gib(device: str) -> float:
     return (total - free) / 2**30
 
 
+def _stage0(engine: Engine) -> StageRunner:
+    """The driver's stage runner: the pipeline's in this process (no replicas)."""
+    pipeline = engine.pipeline
+    assert isinstance(pipeline, LocalPipeline), "replicas keep their runners in their processes"
+    return pipeline.runners[0]
+
+
 def _weights_gib(engine: Engine) -> float:
     """Weights of stage 0 (all of them with one stage)."""
-    model = engine.pipeline.runners[0].model
+    model = _stage0(engine).model
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:
-    cache = engine.pipeline.runners[0].kv_cache
+    cache = _stage0(engine).kv_cache
     if cache is None:
         return 0
     return cache.storage[0, :, 0].numel() * cache.storage.element_size() * cache.storage.shape[0]

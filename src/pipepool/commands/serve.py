@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if api_servers is not None:  # they drain their own requests on the replicas first
             api_servers.wait(settings.shutdown_timeout_s + ANSWER_GRACE_S)
+            assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
         front.close()
         owner.close()

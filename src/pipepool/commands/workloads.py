@@ -170,7 +170,8 @@ def run_sentence_transformers(
 
     model = SentenceTransformer(model_dir, device=device)
     model.to(dtype)
-    best, per_size = None, {}
+    best: RunResult | None = None
+    per_size: dict[int, float] = {}
     for b in batch_sizes:
         model.encode(texts[:b], batch_size=b)  # warm-up
         _sync()
@@ -181,6 +182,7 @@ def run_sentence_transformers(
         per_size[b] = round(len(texts) / seconds, 1)
         if best is None or seconds < best.seconds:
             best = RunResult(seconds, 0.0, _peak_gib(), {"batch_size": b, "vectors": vectors})
+    assert best is not None, "no batch sizes to time"
     best.detail["texts_per_s_by_batch_size"] = per_size
     del model
     free_device_memory()
@@ -256,7 +258,12 @@ class Peer:
         from transformers import AutoModel, AutoTokenizer
 
         self.device = torch.device(device)
-        self.model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        try:
+            self.model = AutoModel.from_pretrained(
+                model_dir, dtype=dtype, attn_implementation="sdpa"
+            )
+        except ValueError:  # no SDPA path in transformers (MPNet): its own attention
+            self.model = AutoModel.from_pretrained(model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -315,8 +322,8 @@ class Peer:
 
 def run_peer(peer: Peer, workload: Workload, pooling: str, batch_sizes: list[int]) -> RunResult:
     """The peer at its best batch size (each size timed over the whole workload)."""
-    best = None
-    per_size = {}
+    best: RunResult | None = None
+    per_size: dict[int, int | str] = {}  # tokens/s, or "oom"
     for b in batch_sizes:
         peer.encode_ids(workload.token_ids[: min(b, len(workload.token_ids))], pooling, b)  # warm
         _reset_peak()

@@ -338,6 +338,7 @@ class Scheduler:
         request_id = batch.first_id + row
         blocks = None
         if n < prompt_len:  # later chunks read this one's K/V: blocks for the whole prompt
+            assert self.blocks is not None, "only chunked (causal) prompts split"
             blocks = self.blocks.allocate(prompt_len)
             if blocks is None:
                 return False  # FIFO: nobody overtakes the head of the queue
@@ -370,6 +371,7 @@ class Scheduler:
 
     def _free_blocks(self, split: _Split) -> None:
         if len(split.block_ids):
+            assert self.blocks is not None, "only chunked (causal) prompts split"
             self.blocks.free(split.block_ids)
             split.block_ids = split.block_ids[:0]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .plan import StepPlan, StepResult
 
@@ -40,6 +40,19 @@ class EngineStats:
     _raw_busy: list[float] = field(default_factory=list, repr=False)  # as last reported
     errors: Counter = field(default_factory=Counter)  # by exception class name
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> EngineStats:
+        """A copy of the counters as they are now, which later updates leave alone."""
+        with self._lock:
+            return replace(
+                self,
+                step_time_buckets=list(self.step_time_buckets),
+                stage_busy_s=list(self.stage_busy_s),
+                _busy_before=list(self._busy_before),
+                _raw_busy=list(self._raw_busy),
+                errors=Counter(self.errors),
+                _lock=threading.Lock(),
+            )
 
     def on_submit(self, n: int, tokens: int) -> None:
         with self._lock:

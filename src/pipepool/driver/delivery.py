@@ -23,14 +23,16 @@ def deliver(result: StepResult, ledger: Ledger, finish: Finish) -> None:
         owner = finish(batch, result.vector_ids[sel])
         if owner is not None:
             submission, rows = owner
+            assert result.vectors is not None, "a step with vector ids has their vectors"
             submission.put_vectors(rows, result.vectors[sel])
     for batch, sel in by_batch(ledger.batches, result.token_owner_ids):
         owner = finish(batch, result.token_owner_ids[sel])
         if owner is not None:
             submission, rows = owner
-            offsets = result.token_offsets
+            offsets, token_vectors = result.token_offsets, result.token_vectors
+            assert token_vectors is not None, "a step with token owners has their tokens"
             picked = np.arange(len(result.token_owner_ids))[sel].tolist()
-            values = [result.token_vectors[offsets[j] : offsets[j + 1]] for j in picked]
+            values = [token_vectors[offsets[j] : offsets[j + 1]] for j in picked]
             submission.put_tokens(rows, values)
 
 

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from .delivery import deliver
 from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pipeline import Probe
+
+if TYPE_CHECKING:
+    from ..stage.runner import StageRunner
 
 log = logging.getLogger("pipepool")
 _CLOSE_JOIN_S = 0.3
@@ -120,11 +124,10 @@ class LocalPipeline:
         return self._trace is not None
 
     @property
-    def runners(self) -> list:
+    def runners(self) -> list[StageRunner]:
         """The stage runners in this process (stage 0 of a multi-process pipeline, every stage
         of an in-process one), for memory figures."""
-        executor = self._executor
-        return list(getattr(executor, "runners", None) or [executor.runner])
+        return list(self._executor.local_runners)
 
     @property
     def kv_blocks_free(self) -> int | None:
@@ -470,6 +473,8 @@ class LocalPipeline:
         """Every process's spans for the callers of ``write_trace`` (no plan is in flight)."""
         wanted, self._trace_wanted = self._trace_wanted, []
         try:
+            # gather_trace is only asked of a pipeline that traces (Engine.write_trace checks).
+            assert self._trace is not None, "tracing is off"
             traces = [self._trace.export(), *self._executor.gather_trace()]
         except BaseException as exc:
             for future in wanted:
@@ -499,10 +504,13 @@ class LocalPipeline:
         deliver(result, ledger, self._finish)
 
     def _finish(self, batch: RequestBatch, ids: np.ndarray) -> tuple[Submission, np.ndarray] | None:
-        """(call, its rows) for finished requests of a batch; None if the call was cancelled."""
-        rows = ids - batch.first_id
-        self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
-        return self._owners.finish(batch, ids)
+        """(call, its rows) for finished requests of a batch; None if the call was cancelled
+        (its rows were counted aborted then, so they are not counted finished)."""
+        found = self._owners.finish(batch, ids)
+        if found is not None:
+            rows = ids - batch.first_id
+            self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
+        return found
 
     def _fail_pending(self, exc: BaseException) -> None:
         if not isinstance(exc, PipepoolError):

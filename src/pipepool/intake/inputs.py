@@ -292,7 +292,7 @@ class InputPreparer:
         """Prompts over ``longest`` tokens (None: no cap, they are chunked) are refused, as are
         prompts a decoder's KV cache cannot hold."""
         d = self.deployment
-        over = np.nonzero(lengths > longest)[0] if longest is not None else ()
+        over = np.nonzero(lengths > longest)[0] if longest is not None else np.zeros(0, np.int64)
         if len(over):
             i = int(over[0])
             raise PromptTooLongError(

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..loading.classifier import ClassifierHead
 from ..loading.deployment import Deployment
 from ..models import family_of
 from .inputs import InputPreparer, TokenSlice
@@ -59,7 +58,8 @@ class PairEncoder:
     """Token ids (and token types) of query-document pairs for the deployment's classifier."""
 
     def __init__(self, deployment: Deployment, inputs: InputPreparer) -> None:
-        head: ClassifierHead = deployment.classifier
+        head = deployment.classifier
+        assert head is not None, "pairs are encoded for classifier models only"
         self.deployment, self.inputs, self.template = deployment, inputs, head.template
         self.tokenizer = inputs.tokenizer
         hf = deployment.folder.hf_config

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -32,6 +33,23 @@ import torch.nn.functional as F
 
 from . import triton_attention
 from .grouped_attention import GroupPlan, grouped_attention, plan_runs
+
+
+class GraphSplit(Protocol):
+    """What ``attend`` hands its inputs to while a CUDA graph is captured
+    (stage/cuda_graphs.py): it returns the attention's output."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        scale: float,
+        window: int | None,
+        kernel: str,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -63,7 +81,7 @@ class AttentionMetadata:
     work_programs: int = 0
     # While a CUDA graph is captured (stage/cuda_graphs.py): attention is where the graph is
     # cut, so ``attend`` hands its inputs to this instead of computing.
-    graph_split: object | None = None
+    graph_split: GraphSplit | None = None
     # CPU: the step's runs of equal-length requests, planned by the first layer that attends.
     group_plan: GroupPlan | None = field(default=None, repr=False)
 
@@ -114,6 +132,7 @@ def with_cached_keys(
     request's keys and values ``[0, end)`` packed: the cached prefix, then this chunk (every
     attention over chunked prompts starts here)."""
     if kv_cache is not None and meta.write_slots is not None:
+        assert meta.write_rows is not None, "cache writes come with the rows they write"
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
         v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
@@ -181,7 +200,7 @@ def _agrees_with_portable(
     q = torch.randn(int(lq[-1]), heads, d, device=device, dtype=dtype, generator=gen)
     k = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
-    variants = [(False, None)]
+    variants: list[tuple[bool, int | None]] = [(False, None)]
     if shape.causal:
         variants = [(True, None), (True, 4)] if shape.windowed else [(True, None)]
     for causal, window in variants:
@@ -220,10 +239,13 @@ def _varlen(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) 
 
     gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters and q.shape[1] != k.shape[1]
     window_size = (-1 if window is None else window - 1, 0) if meta.causal else (-1, -1)
-    return varlen_attn(
+    # Only a torch whose varlen_attn has ``enable_gqa`` gets it (older ones reject it).
+    extra: dict[str, Any] = {"enable_gqa": True} if gqa else {}
+    out = varlen_attn(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k,
-        scale=scale, window_size=window_size, **({"enable_gqa": True} if gqa else {}),
+        scale=scale, window_size=window_size, **extra,
     )  # fmt: skip
+    return cast(torch.Tensor, out)  # without ``return_aux`` it returns the output alone
 
 
 def _portable(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:

@@ -99,14 +99,14 @@ class PositionTerms(NamedTuple):
 
     pos_key: torch.Tensor | None  # c2p
     pos_query: torch.Tensor | None  # p2c
-    index: RelativeIndex
+    rows: RelativeIndex  # not ``index``: that would shadow tuple.index
 
 
 def _position_bias(
     qg: torch.Tensor, kg: torch.Tensor, terms: PositionTerms, length: int
 ) -> torch.Tensor | None:
     """The c2p + p2c terms of one run: qg/kg [n, H, L, D] -> [n, H, L, L] (unscaled)."""
-    c2p_idx, p2c_idx = terms.index(length)
+    c2p_idx, p2c_idx = terms.rows(length)
     bias = None
     if terms.pos_key is not None:
         c2p = torch.matmul(qg, terms.pos_key.transpose(-1, -2))  # [n, H, Lq, 2S]

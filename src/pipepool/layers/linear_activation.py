@@ -35,6 +35,6 @@ def linear_activation(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
 ) -> torch.Tensor:
     """activation(x @ weight.T + bias) for 2-D ``x``."""
-    if uses_gelu_epilogue(activation, x, bias):
+    if bias is not None and uses_gelu_epilogue(activation, x, bias):
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
     return ACTIVATIONS[activation](F.linear(x, weight, bias))

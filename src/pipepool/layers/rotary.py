@@ -14,7 +14,8 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Ten
     """Inverse frequencies [rot_dim / 2], with the scaling schemes whose result does not depend
     on the sequence length (default, linear, llama3)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -38,6 +39,8 @@ class RotaryEmbedding(nn.Module):
     cos/sin are tabulated once for every position up to ``max_positions`` (fp32), so a step
     only gathers rows: no per-step trigonometry, no host sync.
     """
+
+    cos_sin: torch.Tensor  # buffer [max_pos, rot_dim]
 
     def __init__(
         self, head_dim: int, rot_dim: int, theta: float, scaling: dict | None, max_positions: int

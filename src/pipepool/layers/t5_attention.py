@@ -67,6 +67,8 @@ class RelativePositionBias(nn.Module):
     the buckets of the distances ``-max_distance..max_distance`` are computed once, on the
     host, and longer distances are clamped onto them."""
 
+    buckets: torch.Tensor  # buffer [2 * max_distance + 1]
+
     def __init__(self, num_buckets: int, max_distance: int, num_heads: int) -> None:
         super().__init__()
         self.num_buckets, self.max_distance = num_buckets, max_distance

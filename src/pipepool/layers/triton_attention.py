@@ -263,6 +263,7 @@ def varlen_attention(
     block_m, block_n, warps, stages = tile or TILES[dim]
     for t in (q, k, v, out):
         assert t.stride(-1) == 1, "attention inputs need contiguous heads"
+    grid: tuple[int, ...]
     if work is not None:
         assert programs > 0, "a work list comes with its grid size"
         grid = (programs, heads)

@@ -193,11 +193,11 @@ def _token_ids(folder: ModelFolder, tokens: tuple[str, ...]) -> tuple[int, ...]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder.tokenizer_file))
-    ids = tuple(tokenizer.token_to_id(t) for t in tokens)
-    missing = [t for t, i in zip(tokens, ids, strict=True) if i is None]
+    found = [tokenizer.token_to_id(t) for t in tokens]
+    missing = [t for t, i in zip(tokens, found, strict=True) if i is None]
     if missing:
         raise ModelLoadError(
             f"{folder.tokenizer_file} has no token {missing[0]!r}, which a Qwen3-Reranker "
             "scores with (logit of 'yes' against 'no')"
         )
-    return ids
+    return tuple(i for i in found if i is not None)  # all of them, by the check above

@@ -38,7 +38,9 @@ class Checkpoint:
                         f"{folder}: tensor {canonical!r} appears twice in the checkpoint"
                     )
                 self.entries[canonical] = _Entry(file, name, shape)
-        self._handles: dict[Path, object] = {}
+        # Files opened so far: safetensors lazily, by tensor; pickled checkpoints whole.
+        self._safetensors: dict[Path, safe_open] = {}
+        self._pickled: dict[Path, dict[str, torch.Tensor]] = {}
 
     def verify(self, expected: Iterable[WeightSpec]) -> None:
         """Fail loudly on any missing, unexpected or misshaped tensor (checked once, for the
@@ -71,7 +73,7 @@ class Checkpoint:
         filled: dict[str, int] = dict.fromkeys(params, 0)
         with torch.no_grad():
             for spec in module.weight_specs():
-                target = params[spec.param]
+                target: torch.Tensor = params[spec.param]
                 if spec.rows is not None:
                     target = target[spec.rows[0] : spec.rows[1]]
                 target.copy_(self.read(spec.checkpoint_name, spec.source_rows))
@@ -85,21 +87,22 @@ class Checkpoint:
         those rows, so two rows of a 150k-token LM head cost two rows."""
         entry = self.entries[canonical]
         if entry.file.suffix == ".safetensors":
-            handle = self._handles.get(entry.file)
+            handle = self._safetensors.get(entry.file)
             if handle is None:
-                handle = self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
+                handle = self._safetensors[entry.file] = safe_open(str(entry.file), framework="pt")
             if rows is not None:
                 part = handle.get_slice(entry.name)
                 return torch.cat([part[r : r + 1] for r in rows])
             return handle.get_tensor(entry.name)
-        handle = self._handles.get(entry.file)
-        if handle is None:
-            handle = self._handles[entry.file] = _torch_load(entry.file)
-        tensor = handle[entry.name]
+        tensors = self._pickled.get(entry.file)
+        if tensors is None:
+            tensors = self._pickled[entry.file] = _torch_load(entry.file)
+        tensor = tensors[entry.name]
         return tensor[list(rows)] if rows is not None else tensor
 
     def close(self) -> None:
-        self._handles.clear()
+        self._safetensors.clear()
+        self._pickled.clear()
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import ModelLoadError
 from ..loading.classifier import ClassifierHead
@@ -24,6 +25,20 @@ from .t5 import T5Config, T5EncoderStage
 __all__ = ["Family", "KVLayout", "StageModel", "StepInputs", "WeightSpec", "family_of"]
 
 
+class StageClass(Protocol):
+    """A family's ``StageModel`` class, built from the config its ``make_config`` returns."""
+
+    def __call__(
+        self,
+        cfg: Any,
+        layers: range,
+        first: bool,
+        last: bool,
+        max_len: int,
+        head: ClassifierHead | None = None,
+    ) -> StageModel: ...
+
+
 @dataclass(frozen=True)
 class Family:
     """How to read one family's checkpoints: which stage modules to build, how checkpoint tensor
@@ -34,7 +49,7 @@ class Family:
     name: str  # qwen3 | qwen2 | llama | mistral | bert | roberta | t5
     decoder: bool  # a decoder (causal unless its config says otherwise); else an encoder
     make_config: Callable[..., object]  # (hf, family name, causal=...) -> the stage's config
-    stage: type[StageModel]
+    stage: StageClass
     prefixes: tuple[str, ...]  # stripped from checkpoint names ("model." of *ForCausalLM)
     ignored: re.Pattern  # checkpoint tensors that are not part of the embedding model
     # Classifier head of its *ForSequenceClassification (classifier.HEAD_KINDS).

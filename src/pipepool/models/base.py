@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +51,14 @@ class KVLayout:
     head_dim: int
 
 
+class ScoreHeadModule(nn.Module):
+    """A classifier's head (models/score_heads.py): pooled rows ``[n, hidden]`` in, logits
+    ``[n, num_labels]`` out; ``weight_specs`` names its checkpoint tensors under ``param``."""
+
+    def weight_specs(self, param: str) -> list[WeightSpec]:
+        raise NotImplementedError
+
+
 class StageModel(nn.Module):
     """A contiguous slice of a model's layers; the first stage embeds, the last normalises.
 
@@ -73,7 +83,7 @@ class StageModel(nn.Module):
         self.layer_range, self.is_first, self.is_last = layers, first, last
         # A classifier's head on the last stage (models/score_heads.py), applied to the pooled
         # rows by the stage's pooler; None for embedding models and other stages.
-        self.score_head: nn.Module | None = None
+        self.score_head: ScoreHeadModule | None = None
 
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
@@ -136,7 +146,7 @@ def compile_layer_fn(fn, *, round_like_eager: bool):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
     import torch._inductor.config as inductor_config
 
-    options = {}
+    options: dict[str, str | int | bool | Callable[..., Any]] = {}  # torch.compile's type
     if hasattr(inductor_config, "emulate_precision_casts"):
         options["emulate_precision_casts"] = round_like_eager
     return torch.compile(fn, dynamic=True, options=options)

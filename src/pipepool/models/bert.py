@@ -5,8 +5,9 @@ is kept; the layers still split into pipeline stages like any other model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,13 @@ class EncoderStage(StageModel):
 
     causal = False
     kv_layout = None
+    # The family's functions around attention (its own ``embed``: encoders.py, deberta.py), or
+    # their torch.compile'd graphs.
+    post: Callable[..., torch.Tensor]
+    embed: Callable[..., torch.Tensor]
+    # First stage: tables that BERT has and some of its relatives do not.
+    position_embeddings: nn.Embedding | None
+    token_type_embeddings: nn.Embedding | None
 
     def __init__(
         self,
@@ -251,13 +259,15 @@ class EncoderStage(StageModel):
 
     def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         if self.is_first:
+            position, token_type = self.position_embeddings, self.token_type_embeddings
+            assert position is not None and token_type is not None  # BERT's has both tables
             x = self.embed(
                 x, inputs.positions + self.cfg.position_offset, inputs.token_type_ids,
-                self.word_embeddings.weight, self.position_embeddings.weight,
-                self.token_type_embeddings.weight, self.emb_norm.weight, self.emb_norm.bias,
+                self.word_embeddings.weight, position.weight,
+                token_type.weight, self.emb_norm.weight, self.emb_norm.bias,
                 self.cfg.layer_norm_eps,
             )  # fmt: skip
-        for layer in self.layers.values():
+        for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
             if fused:
                 x = layer.forward_fused(x, inputs)
             else:
@@ -274,6 +284,7 @@ class EncoderStage(StageModel):
         return self.post, self.embed
 
     def use_layer_body(self, body: object) -> None:
+        assert isinstance(body, tuple), "another copy's layer_body(): (post, embed)"
         self.post, self.embed = body
 
     def weight_specs(self) -> list[WeightSpec]:

@@ -16,8 +16,9 @@ Like every encoder, a prompt is never chunked and no KV cache is kept."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +160,7 @@ class RelativeContext(NamedTuple):
     (normed where the checkpoint says) [2S, hidden] and the step's table-row indices."""
 
     embeddings: torch.Tensor
-    index: RelativeIndex
+    rows: RelativeIndex  # not ``index``: that would shadow tuple.index
 
 
 class DisentangledLayer(EncoderLayer):
@@ -175,13 +176,20 @@ class DisentangledLayer(EncoderLayer):
         self.pos_key_proj = nn.Linear(h, h) if own and cfg.c2p else None
         self.pos_query_proj = nn.Linear(h, h) if own and cfg.p2c else None
 
+    # ``rel`` is always passed (None: no relative attention); the default only keeps
+    # EncoderLayer's signature.
     def forward(
-        self, x: torch.Tensor, inputs: StepInputs, post, kernel: str, rel: RelativeContext | None
+        self,
+        x: torch.Tensor,
+        inputs: StepInputs,
+        post,
+        kernel: str,
+        rel: RelativeContext | None = None,
     ) -> torch.Tensor:
         return post(self.cfg, x, self._attend(x, inputs, rel), self.ffn_weights())
 
     def forward_fused(
-        self, x: torch.Tensor, inputs: StepInputs, rel: RelativeContext | None
+        self, x: torch.Tensor, inputs: StepInputs, rel: RelativeContext | None = None
     ) -> torch.Tensor:
         a = self._attend(x, inputs, rel)
         return bert.post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
@@ -209,7 +217,7 @@ class DisentangledLayer(EncoderLayer):
         return PositionTerms(
             heads(pos_key) if cfg.c2p else None,
             heads(pos_query) if cfg.p2c else None,
-            rel.index,
+            rel.rows,
         )
 
 
@@ -220,6 +228,9 @@ class DebertaStage(EncoderStage):
     kernel (never the Triton/flash ones, nor in CUDA graphs)."""
 
     graph_safe = False  # disentangled attention reads the step's host offsets
+    # Buffers, with relative attention (see __init__).
+    c2p_rows: torch.Tensor
+    p2c_rows: torch.Tensor
 
     def __init__(
         self,
@@ -258,7 +269,7 @@ class DebertaStage(EncoderStage):
                     name, torch.empty(distances, dtype=torch.long), persistent=False
                 )
         if last and head is not None and head.per_token:
-            self.score_head = build_score_head(head, h, cfg.vocab_size)
+            self.score_head = build_score_head(head, h, block.vocab_size)
         elif last and head is not None:
             self.score_head = DebertaClassifier(h, head.num_labels, activation=cfg.pooler_act)
 
@@ -299,7 +310,7 @@ class DebertaStage(EncoderStage):
                 self.emb_norm.weight, self.emb_norm.bias, block.layer_norm_eps,
             )  # fmt: skip
         rel = self._relative_context()  # one per step (or CPU tile), shared by the layers
-        for layer in self.layers.values():
+        for layer in cast("Iterable[DisentangledLayer]", self.layers.values()):
             if fused:
                 x = layer.forward_fused(x, inputs, rel)
             else:

@@ -3,8 +3,9 @@ e5-mistral). One implementation; the families differ only in the switches of Dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ class DecoderConfig:
             )
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hidden // heads
-        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_params: dict[str, Any] = dict(hf.get("rope_parameters") or {})
         theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or rope_params or None
         if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
@@ -151,12 +152,25 @@ def qkv_projection(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm -> fused q|k|v projection -> (Qwen3) q/k norm. x: [T, hidden]."""
     q, k, v = split_heads(cfg, project_qkv(cfg, x, w))
-    if w.q_norm is not None:
+    if w.q_norm is not None and w.k_norm is not None:  # both or neither (Qwen3)
         q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     return q, k, v
 
 
-def split_heads(cfg: DecoderConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+class HeadShape(Protocol):
+    """A config's attention heads: DecoderConfig's, GemmaConfig's."""
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+def split_heads(cfg: HeadShape, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k and v [T, Hkv, D]; ``cfg``: any config with
     ``num_heads``, ``num_kv_heads`` and ``head_dim`` (Gemma's too)."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -184,10 +198,18 @@ class LayerOps(NamedTuple):
     fused with the q/k norm's reduction, inductor recomputed the norm per element (measured
     1.3 ms instead of ~0.1 ms per layer on an H200 at 32k tokens)."""
 
-    qkv: object = qkv_projection
-    rope: object = apply_rotary
-    post: object = post_attention
-    project: object = project_qkv  # the fused q/k-norm + RoPE kernel path starts from here
+    qkv: Callable[
+        [DecoderConfig, torch.Tensor, AttnWeights], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = qkv_projection
+    rope: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+        tuple[torch.Tensor, torch.Tensor],
+    ] = apply_rotary
+    post: Callable[[DecoderConfig, torch.Tensor, torch.Tensor, MlpWeights], torch.Tensor] = (
+        post_attention
+    )
+    # The fused q/k-norm + RoPE kernel path starts from here.
+    project: Callable[[DecoderConfig, torch.Tensor, AttnWeights], torch.Tensor] = project_qkv
     fused_qk_rope: bool = False  # q/k norm + RoPE in one Triton kernel (CUDA)
 
 
@@ -246,10 +268,10 @@ class DecoderLayer(nn.Module):
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
-        w = self.mlp_weights()
+        mlp = self.mlp_weights()
         if x.device.type == "cpu" and ops.post is post_attention:  # eager: keep it in cache
-            return in_row_tiles(lambda xs, a: post_attention(cfg, xs, a, w), x, attn_out)
-        return ops.post(cfg, x, attn_out, w)
+            return in_row_tiles(lambda xs, a: post_attention(cfg, xs, a, mlp), x, attn_out)
+        return ops.post(cfg, x, attn_out, mlp)
 
 
 class DecoderStage(StageModel):
@@ -295,15 +317,16 @@ class DecoderStage(StageModel):
         fused = self.ops.fused_qk_rope
         self.ops = LayerOps(fused_qk_rope=fused)
         if on:
-            fns = LayerOps()[:-1]
-            self.ops = LayerOps(
-                *(compile_layer_fn(fn, round_like_eager=True) for fn in fns), fused_qk_rope=fused
+            qkv, rope, post, project = (
+                compile_layer_fn(fn, round_like_eager=True) for fn in LayerOps()[:-1]
             )
+            self.ops = LayerOps(qkv, rope, post, project, fused_qk_rope=fused)
 
     def layer_body(self) -> object:
         return self.ops
 
     def use_layer_body(self, body: object) -> None:
+        assert isinstance(body, LayerOps), "another copy's layer_body()"
         self.ops = body
 
     def use_fused_qk_rope(self) -> bool:
@@ -313,7 +336,7 @@ class DecoderStage(StageModel):
         device, dtype = self.rotary.cos_sin.device, next(self.parameters()).dtype
         if not qk_rope.available(device, dtype) or cfg.rotary_dim != cfg.head_dim:
             return False
-        layer = next(iter(self.layers.values()))
+        layer = cast(DecoderLayer, next(iter(self.layers.values())))
         w = layer.attn_weights()
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(97, cfg.hidden_size, device=device, dtype=dtype, generator=gen)

@@ -20,7 +20,9 @@ differs only where its config and checkpoint say:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -148,16 +150,20 @@ class BiasedEncoderLayer(EncoderLayer):
     """``EncoderLayer`` whose attention adds a bias to the scores (MPNet's relative position
     bias): the same modules, with the step's ``LengthBias`` after the usual arguments."""
 
+    # ``bias`` is always passed: its default only keeps EncoderLayer's signature.
     def forward(
-        self, x: torch.Tensor, inputs: StepInputs, post, kernel: str, bias: LengthBias
+        self, x: torch.Tensor, inputs: StepInputs, post, kernel: str, bias: LengthBias | None = None
     ) -> torch.Tensor:
         return post(self.cfg, x, self._attend(x, inputs, bias), self.ffn_weights())
 
-    def forward_fused(self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias) -> torch.Tensor:
+    def forward_fused(
+        self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias | None = None
+    ) -> torch.Tensor:
         a = self._attend(x, inputs, bias)
         return bert.post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
 
-    def _attend(self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias | None) -> torch.Tensor:
+        assert bias is not None, "a biased layer needs the step's LengthBias"
         q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
         return biased_attention(q, k, v, inputs.attn, bias, scale=self.scale)  # [T, H, D]
 
@@ -166,6 +172,8 @@ class RelativeEncoderStage(EncoderStage):
     """A stage of DistilBERT, ELECTRA or MPNet, with ``EncoderStage``'s contract (and its CPU
     tiling and fused paths): token ids in on the first stage, hidden states out; MPNet's
     attention runs its own biased kernel (never the Triton/flash ones, nor in CUDA graphs)."""
+
+    bucket_of_distance: torch.Tensor  # buffer, MPNet only (see __init__)
 
     def __init__(
         self,
@@ -219,20 +227,22 @@ class RelativeEncoderStage(EncoderStage):
     def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         block = self.cfg
         if self.is_first:
-            project = self.emb_project
+            project, position = self.emb_project, self.position_embeddings
             token_type = self.token_type_embeddings
+            assert position is not None  # each of these families has a position table
             x = self.embed(
                 x, inputs.positions + block.position_offset, inputs.token_type_ids,
-                self.word_embeddings.weight, self.position_embeddings.weight,
+                self.word_embeddings.weight, position.weight,
                 token_type.weight if token_type is not None else None,
                 self.emb_norm.weight, self.emb_norm.bias, block.layer_norm_eps,
                 project.weight if project is not None else None,
                 project.bias if project is not None else None,
             )  # fmt: skip
-        bias = ()
+        bias: tuple[LengthBias, ...] = ()  # the biased layers' extra argument, if any
         if self.relative.relative_buckets:  # one per step (or CPU tile), shared by the layers
             bias = (LengthBias(self.relative_attention_bias.weight, self.bucket_of_distance),)
-        for layer in self.layers.values():
+        # BiasedEncoderLayers where the stage has the bias; plain EncoderLayers (no bias) where not.
+        for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
             if fused:
                 x = layer.forward_fused(x, inputs, *bias)
             else:

@@ -17,8 +17,9 @@ others through :func:`..layers.softcap_attention.softcap_attend`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +219,7 @@ def qkv_projection(
     """input norm -> fused q|k|v -> (Gemma3) q/k norms. x: [T, hidden] -> [T, H, D] each."""
     qkv = F.linear(gemma_rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
     q, k, v = split_heads(cfg, qkv)
-    if w.q_norm is not None:
+    if w.q_norm is not None and w.k_norm is not None:  # both or neither (Gemma3)
         q = gemma_rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = gemma_rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     return q, k, v
@@ -239,9 +240,16 @@ class GemmaOps(NamedTuple):
     """The pieces around attention: plain functions, or torch.compile'd graphs shared by every
     layer (weights are arguments, so layers do not recompile)."""
 
-    qkv: object = qkv_projection
-    rope: object = apply_rotary
-    post: object = post_attention
+    qkv: Callable[
+        [GemmaConfig, torch.Tensor, AttnWeights], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = qkv_projection
+    rope: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+        tuple[torch.Tensor, torch.Tensor],
+    ] = apply_rotary
+    post: Callable[[GemmaConfig, torch.Tensor, torch.Tensor, MlpWeights], torch.Tensor] = (
+        post_attention
+    )
 
 
 class GemmaNorm(nn.Module):
@@ -267,6 +275,12 @@ _LAYER_NORMS = (
 class GemmaLayer(nn.Module):
     """Sandwich-norm block: x += norm(attn(norm(x))); x += norm(mlp(norm(x))). q|k|v and
     gate|up are fused; ``layer_type`` picks the RoPE table and whether a window applies."""
+
+    # Set by name (_LAYER_NORMS) in __init__.
+    input_layernorm: GemmaNorm
+    post_attention_layernorm: GemmaNorm
+    pre_feedforward_layernorm: GemmaNorm
+    post_feedforward_layernorm: GemmaNorm
 
     def __init__(self, cfg: GemmaConfig, layer: int) -> None:
         super().__init__()
@@ -364,7 +378,7 @@ class GemmaStage(StageModel):
         return super().attention_block_rows()
 
     def reset_buffers(self) -> None:
-        for rotary in self.rotary.values():
+        for rotary in cast("Iterable[RotaryEmbedding]", self.rotary.values()):
             rotary.reset_table()
 
     def set_compiled(self, on: bool) -> None:
@@ -376,13 +390,14 @@ class GemmaStage(StageModel):
         return self.ops
 
     def use_layer_body(self, body: object) -> None:
+        assert isinstance(body, GemmaOps), "another copy's layer_body()"
         self.ops = body
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
         if self.is_first:
             x = self.embed_tokens(x)
             x = x * embed_scale(self.cfg.hidden_size, x.dtype)
-        for j, layer in enumerate(self.layers.values()):
+        for j, layer in enumerate(cast("Iterable[GemmaLayer]", self.layers.values())):
             kv = kv_caches[j] if kv_caches is not None else None
             cos_sin = self.rotary[layer.layer_type].cos_sin
             x = layer(x, inputs, kv, cos_sin, self.ops, self.attn_kernel)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..layers.activation import get_activation
 from ..loading.classifier import ClassifierHead
-from .base import WeightSpec, linear_specs
+from .base import ScoreHeadModule, WeightSpec, linear_specs
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -20,7 +20,7 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight.float(), bias)
 
 
-class BertClassifier(nn.Module):
+class BertClassifier(ScoreHeadModule):
     """BERT: the pooler (dense + tanh on the [CLS] row), then ``classifier``."""
 
     def __init__(self, hidden: int, num_labels: int) -> None:
@@ -38,7 +38,7 @@ class BertClassifier(nn.Module):
         )
 
 
-class RobertaClassifier(nn.Module):
+class RobertaClassifier(ScoreHeadModule):
     """RoBERTa / XLM-R: ``classifier.dense`` + tanh + ``classifier.out_proj`` on the <s> row."""
 
     def __init__(self, hidden: int, num_labels: int) -> None:
@@ -56,7 +56,7 @@ class RobertaClassifier(nn.Module):
         )
 
 
-class ModernBertClassifier(nn.Module):
+class ModernBertClassifier(ScoreHeadModule):
     """ModernBERT: ``head`` (dense, activation, LayerNorm) on the pooled row, then
     ``classifier``. The dense layer's bias follows the config's classifier_bias and the norm's
     its norm_bias; ``classifier`` always has one. Built by models/modernbert.py, which knows
@@ -88,7 +88,7 @@ class ModernBertClassifier(nn.Module):
         return specs + linear_specs("classifier", f"{param}.classifier", n, h, True)
 
 
-class DistilBertClassifier(nn.Module):
+class DistilBertClassifier(ScoreHeadModule):
     """DistilBERT: ``pre_classifier`` + ReLU on the [CLS] row, then ``classifier``."""
 
     def __init__(self, hidden: int, num_labels: int) -> None:
@@ -114,7 +114,7 @@ class ElectraClassifier(RobertaClassifier):
         return _linear(F.gelu(_linear(x, self.dense)), self.out_proj)
 
 
-class DebertaClassifier(nn.Module):
+class DebertaClassifier(ScoreHeadModule):
     """DeBERTa-v2: ``pooler.dense`` + the config's ``pooler_hidden_act`` on the first token
     (transformers' ContextPooler), then ``classifier``. Built by models/deberta.py, which knows
     the activation."""
@@ -135,7 +135,7 @@ class DebertaClassifier(nn.Module):
         )
 
 
-class TokenClassifier(nn.Module):
+class TokenClassifier(ScoreHeadModule):
     """``*ForTokenClassification``: ``classifier`` (with bias) on every token's final hidden
     state."""
 
@@ -151,7 +151,7 @@ class TokenClassifier(nn.Module):
         return linear_specs("classifier", f"{param}.classifier", n, h, True)
 
 
-class LinearScore(nn.Module):
+class LinearScore(ScoreHeadModule):
     """Decoders' ``score``: one linear layer without bias on the last token."""
 
     def __init__(self, hidden: int, num_labels: int) -> None:
@@ -166,7 +166,7 @@ class LinearScore(nn.Module):
         return linear_specs("score", f"{param}.score", n, h, False)
 
 
-class YesNoScore(nn.Module):
+class YesNoScore(ScoreHeadModule):
     """Qwen3-Reranker: the LM head's "yes" and "no" rows; logit(yes) - logit(no), one column.
 
     Both logits are computed in float32 and then subtracted (not one difference row), as the
@@ -186,7 +186,7 @@ class YesNoScore(nn.Module):
         return [WeightSpec(self.source, shape, f"{param}.rows", source_rows=self.token_rows)]
 
 
-def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> nn.Module:
+def build_score_head(head: ClassifierHead, hidden: int, vocab_size: int) -> ScoreHeadModule:
     if head.kind == "token":
         return TokenClassifier(hidden, head.num_labels)
     if head.kind == "bert":

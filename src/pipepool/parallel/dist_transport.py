@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..core.digest import Digest
 from ..core.plan import StepPlan
@@ -29,12 +31,22 @@ TAG_PLAN_LEN, TAG_PLAN, TAG_DIGEST, TAG_RESULT_LEN, TAG_RESULT, TAG_HIDDEN = 1, 
 TAG_CLOCK, TAG_TRACE_LEN, TAG_TRACE = 7, 8, 9  # tracing: clock pings, then the spans
 
 
+class P2PGroup(Protocol):
+    """What the transport uses of a torch.distributed Backend (ProcessGroupGloo or
+    ProcessGroupNCCL). torch's stub for Backend leaves out the point-to-point methods that
+    both have."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+
 @dataclass
 class Groups:
     rank: int
     world: int
-    control: object  # ProcessGroupGloo (a torch.distributed Backend)
-    data: object  # ProcessGroupNCCL or ProcessGroupGloo
+    control: P2PGroup  # ProcessGroupGloo
+    data: P2PGroup  # ProcessGroupNCCL or ProcessGroupGloo
 
 
 def send_object(group, obj, dst: int, tags: tuple[int, int]) -> list:
@@ -60,7 +72,7 @@ def recv_object(group, src: int, tags: tuple[int, int]):
 
 @dataclass
 class _Pending:
-    work: object
+    work: dist.Work
     buffer: torch.Tensor  # kept alive until the send completed
 
     def wait(self) -> None:
@@ -110,8 +122,8 @@ class _DistIncoming:
         self, groups: Groups, src: int, plan: StepPlan, hidden_shape, dtype, device, stage: int
     ):
         self._plan, self._stage = plan, stage
-        self._hidden = None
-        self._hidden_work = None
+        self._hidden: torch.Tensor | None = None
+        self._hidden_work: dist.Work | None = None
         if plan.num_reqs:
             self._hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
             self._hidden_work = groups.data.recv([self._hidden], src, TAG_HIDDEN)
@@ -126,6 +138,7 @@ class _DistIncoming:
         if self._hidden_work is not None:
             self._hidden_work.wait()  # on NCCL: the compute stream waits, the host does not
             self._hidden_work = None
+        assert self._hidden is not None, "a plan without requests carries no hidden states"
         return self._hidden
 
     def _digest_message(self) -> np.ndarray:

@@ -41,6 +41,12 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    @property
+    @abstractmethod
+    def local_runners(self) -> list[StageRunner]:
+        """The stage runners in this process: every stage of an in-process pipeline, stage 0
+        of a multi-process one."""
+
     def check_alive(self) -> None:  # noqa: B027 - optional hook, a no-op in one process
         """Raise StageFailure if a stage is known to have failed (polled between steps)."""
 
@@ -93,6 +99,7 @@ class UniprocExecutor(Executor):
             outbound = self.links[k] if k < self.num_stages - 1 else None
             with current_device(runner.spec.device):
                 output = runner.execute(plan, inbound, outbound)
+        assert output is not None, "the last stage answers every plan"
         self._outputs.append(output.start_host_copy())
 
     def collect(self) -> StepResult:
@@ -105,6 +112,10 @@ class UniprocExecutor(Executor):
             if not runner.wait_compiled(left):
                 return False
         return True
+
+    @property
+    def local_runners(self) -> list[StageRunner]:
+        return self.runners
 
     def gather_trace(self) -> list:
         return [r.trace.export() for r in self.runners if r.trace is not None]

@@ -63,9 +63,9 @@ def torchrun_deployment(config: EngineConfig, env: TorchrunEnv) -> Deployment:
                 "GPU(s); start at most that many processes per node (--nproc-per-node)"
             )
         torch.cuda.set_device(env.local_rank)  # before anything else touches CUDA
-        store.set(f"free-bytes/{env.rank}", str(torch.cuda.mem_get_info()[0]).encode())
+        store.set(f"free-bytes/{env.rank}", str(torch.cuda.mem_get_info()[0]))
     else:
-        store.set(f"free-bytes/{env.rank}", b"0")
+        store.set(f"free-bytes/{env.rank}", "0")
     if env.rank > 0:
         return receive(store, env.rank)
     try:
@@ -78,7 +78,7 @@ def torchrun_deployment(config: EngineConfig, env: TorchrunEnv) -> Deployment:
             )
     except BaseException as exc:
         # The other ranks wait for a plan: tell them there will be none.
-        store.set(PLAN_ERROR_KEY, f"{type(exc).__name__}: {exc}".encode())
+        store.set(PLAN_ERROR_KEY, f"{type(exc).__name__}: {exc}")
         raise
     publish(store, deployment)
     return deployment

@@ -136,14 +136,14 @@ class MultiprocExecutor(Executor):
         raw, rdv = host_store(deployment.num_stages)
         store = engine_store(raw, rdv)
         publish(store, deployment)
-        env = dict(os.environ)
+        child_env = dict(os.environ)
         # The stage processes import what this process imported, from the same places.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         procs = {}
         for rank in range(1, deployment.num_stages):
             args = [str(rank), rdv.host, str(rdv.port), str(rdv.world), rdv.prefix]
             procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "pipepool.parallel.worker", *args], env=env
+                [sys.executable, "-m", "pipepool.parallel.worker", *args], env=child_env
             )
         return cls(deployment, store, raw, rdv, procs, None, stage0=stage0, cancelled=cancelled)
 
@@ -190,6 +190,10 @@ class MultiprocExecutor(Executor):
         except RuntimeError as exc:
             raise self._cause(exc) from None
 
+    @property
+    def local_runners(self) -> list[StageRunner]:
+        return [self.runner]
+
     def gather_trace(self) -> list:
         self.check_alive()
         traces = [] if self.runner.trace is None else [self.runner.trace.export()]
@@ -227,6 +231,7 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
         if self._failure is None:
             self._record(StageFailure(f"pipeline transport failed: {transport_error}"))
+        assert self._failure is not None, "recorded just above, if not before"
         return self._failure
 
     def _supervise(self) -> None:
@@ -358,5 +363,6 @@ def _first_failure(reports: dict[int, ErrorReport]) -> BaseException:
 def run_torchrun_worker(deployment: Deployment) -> int:
     """Ranks > 0 under torchrun: serve as a stage until the driver (rank 0) shuts down."""
     env = torchrun_env()
+    assert env is not None, "called only in a process torchrun started"
     raw, rdv = torchrun_store(env)
     return run_stage(env.rank, rdv, deployment, engine_store(raw, rdv), local_rank=env.local_rank)

@@ -103,7 +103,8 @@ def make_groups(store: dist.Store, rdv: Rendezvous, rank: int, device: torch.dev
 def _gloo(store: dist.Store, rank: int, rdv: Rendezvous):
     if rdv.torchrun:
         return dist.ProcessGroupGloo(store, rank, rdv.world, _GROUP_TIMEOUT)
-    options = dist.ProcessGroupGloo._Options()
+    # torch's stub lacks _Options and the constructor that takes it; both exist at runtime.
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = _GROUP_TIMEOUT
     # Loopback explicitly: resolving the hostname may pick an interface the sandbox blocks.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]

@@ -126,7 +126,8 @@ def run_stage(
                 results.flush()
                 continue
             if plan.is_trace:
-                answer_trace(groups.control, trace and trace.export(), f"stage {rank}")
+                exported = trace.export() if trace is not None else None
+                answer_trace(groups.control, exported, f"stage {rank}")
                 continue
             output = runner.execute(plan, inbound, outbound)
             if output is not None:
@@ -168,7 +169,7 @@ def _exit_when_stopped(rdv: Rendezvous, rank: int) -> threading.Event:
         with contextlib.suppress(Exception):
             # Under torchrun the driver has no child process to wait for: this key tells it
             # the stop arrived, so it does not close connections under a stage still reading.
-            store.set(f"stopped/{rank}", b"1")
+            store.set(f"stopped/{rank}", "1")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no interpreter teardown: process groups with operations in flight

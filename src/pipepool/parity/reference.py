@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,7 @@ def _transformers_reference(
     import torch
 
     path = str(deployment.folder.path)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     hf = deployment.folder.hf_config
     if hf.get("model_type") == "gemma2" or hf.get("attn_logit_softcapping") is not None:
         # Gemma2 soft-caps attention logits (50 unless its config says): transformers' default
@@ -142,7 +143,9 @@ def _sentence_transformers_reference(
     for key in [k for k, m in model._modules.items() if type(m).__name__ == "Normalize"]:
         del model._modules[key]
     dense = [m for m in model._modules.values() if type(m).__name__ == "Dense"]
-    own = deployment.folder.st.pooling
+    st = deployment.folder.st
+    assert st is not None, "only for a sentence-transformers folder"
+    own = st.pooling
     outputs: dict[str, list[np.ndarray]] = {p: [] for p in poolings}
     try:
         for text in texts:

@@ -45,6 +45,7 @@ def score_reference(
 
     where = (device or deployment.devices[0], getattr(torch, dtype) if dtype else deployment.dtype)
     head = deployment.classifier
+    assert head is not None, "scores come from a classifier"
     if head.kind in ("bert", "roberta") and importlib.util.find_spec("sentence_transformers"):
         return _cross_encoder(deployment, pairs, *where)
     return _transformers(deployment, tokens, *where)
@@ -78,6 +79,7 @@ def _transformers(deployment: Deployment, tokens: TokenSlice, device, dtype) -> 
     import torch
 
     head = deployment.classifier
+    assert head is not None, "scores come from a classifier"
     path = str(deployment.folder.path)
     auto = "AutoModelForCausalLM" if head.kind == "yes_no" else "AutoModelForSequenceClassification"
     model = getattr(transformers, auto).from_pretrained(path, dtype=dtype).to(device).eval()

@@ -122,6 +122,7 @@ def run_score_parity(
 ) -> ScoreReport:
     """``sweep``: a ``sweep.Sweep`` (its poolings do not apply: the head decides)."""
     head = deployment.classifier
+    assert head is not None, "scores come from a classifier"
     preparer = InputPreparer(deployment)
     query = PARITY_QUERY if head.can_rerank else None
     if query is not None:

@@ -123,11 +123,13 @@ def _run_config(
 ) -> list[Row]:
     """All poolings on one engine. Any exception is the row's result: a dead engine fails
     its remaining poolings with the cause in their message."""
+    budget = config.max_num_batched_tokens
+    assert budget is not None, "each configuration of a sweep names its token budget"
 
     def row(pooling: str, chunked: int = 0) -> Row:
         return Row(
             pp=config.pipeline_parallel_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             pooling=pooling,
             requests=len(token_ids),
             chunked=chunked,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from ..errors import EngineDeadError, PipepoolError
 from ..runtime.signal_mask import block_stop_signals
@@ -39,6 +40,9 @@ from .messages import (
     send,
 )
 from .placement import ReplicaPlacement
+
+if TYPE_CHECKING:
+    from ..loading.deployment import Deployment
 
 _STOP_WAIT_S = 10.0  # a replica asked to stop closes its engine (kills its stages) in ~1 s
 
@@ -58,7 +62,7 @@ class ReplicaHandle:
         self.placement = placement
         self.index = placement.index
         self._listener = listener
-        self.deployment = None  # the replica's Deployment, once ready
+        self.deployment: Deployment | None = None  # the replica's, once ready
         self.pid: int | None = None
         self.snapshot = Snapshot(health="starting")
         self._ready = threading.Event()
@@ -164,6 +168,17 @@ class ReplicaHandle:
             future.set_result(reply.traces)
 
     def _exit_cause(self) -> BaseException:
+        raise NotImplementedError
+
+    # -- stopping (each kind of handle its own way) -------------------------------------------
+
+    def request_stop(self) -> None:
+        raise NotImplementedError
+
+    def wait_stopped(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
         raise NotImplementedError
 
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import EngineConfig
 from ..core.request import PoolingParams
+
+if TYPE_CHECKING:
+    from ..loading.deployment import Deployment
 
 # -- front end -> replica ---------------------------------------------------------------------
 
@@ -67,7 +71,7 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class Ready:
-    deployment: object  # the replica's Deployment (devices as that replica sees them)
+    deployment: Deployment  # devices as that replica sees them
     pid: int
 
 

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +43,9 @@ from .placement import plan_placement
 from .routing import split_rows
 from .slot import Slot, State
 from .stats import ReplicaStatus, merged_stats, replica_status
+
+if TYPE_CHECKING:
+    from ..loading.deployment import Deployment
 
 log = logging.getLogger("pipepool")
 
@@ -87,22 +91,25 @@ class ReplicaPipeline:
         self._on_death: list = []
         self._restarting: list[threading.Thread] = []
         self.front_stats = EngineStats(0)  # what the front end counts itself
+        started: list[ReplicaHandle] = []  # slot by slot
         try:
             for slot in self._slots:
                 slot.proc = self._start_replica(slot.placement)
-            for slot in self._slots:
-                slot.proc.wait_ready()
+                started.append(slot.proc)
+            for proc in started:
+                proc.wait_ready()
         except BaseException as exc:
-            for slot in self._slots:
-                if slot.proc is not None:
-                    slot.proc.kill()
+            for proc in started:
+                proc.kill()
             raise start_error(exc) from exc
-        self.deployment = self._slots[0].proc.deployment
+        deployment = started[0].deployment
+        assert deployment is not None, "a ready replica has sent its deployment"
+        self.deployment: Deployment = deployment
         # A batch worth splitting fills at least one step of each replica it goes to.
         self._min_split = self.deployment.max_num_batched_tokens
-        for slot in self._slots:
+        for slot, proc in zip(self._slots, started, strict=True):
             slot.state = State.OK
-            log.info("%s, pid %d", slot.placement.describe(), slot.proc.pid)
+            log.info("%s, pid %d", slot.placement.describe(), proc.pid)
         self._closed = False
 
     # -- what differs from one pipeline --------------------------------------------------------
@@ -174,7 +181,7 @@ class ReplicaPipeline:
         """Every serving replica's processes' spans (each replica's driver and stages)."""
         with self._lock:
             self.raise_if_dead()
-            procs = [slot.proc for slot in self._slots if slot.state == State.OK]
+            procs = [slot.serving_proc() for slot in self._slots if slot.state == State.OK]
         return [proc.request_trace(timeout) for proc in procs]
 
     def add_death_callback(self, fn) -> None:
@@ -245,7 +252,7 @@ class ReplicaPipeline:
     def _assign(self, slot: Slot, submission: Submission, row0: int, batch: RequestBatch):
         slot.owners.add(submission, row0, batch)
         slot.outstanding += batch.num_tokens
-        slot.proc.post(
+        slot.serving_proc().post(
             Work(batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids)
         )
 
@@ -279,6 +286,7 @@ class ReplicaPipeline:
                 tokens = int(owner.batch.lengths[result.rows].sum())
                 slot.outstanding -= tokens
                 found = slot.owners.finish(owner.batch, owner.batch.first_id + result.rows)
+                assert found is not None, "its owner was found just above"
                 deliveries.append((found, result.values, tokens))
             self._follow_health(slot, report.snapshot.health)
         for (submission, rows), values, tokens in deliveries:
@@ -315,7 +323,7 @@ class ReplicaPipeline:
             slot.retire_process()
             slot.proc = None
             self.front_stats.on_error(cause)
-            unfinished = sum(o.remaining for o in map(slot.owners.get, slot.owners.first_ids()))
+            unfinished = slot.owners.num_unfinished
             others = any(s.state == State.OK for s in self._slots)
             where = "run on the other replicas" if others else "wait for a replica to come back"
             log.warning("%s; its %d unfinished inputs %s", cause, unfinished, where)

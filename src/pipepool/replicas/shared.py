@@ -27,6 +27,7 @@ class SharedReplicas(ReplicaPipeline):
     until every replica has answered (they listen once they serve)."""
 
     def _start_replica(self, placement, cancelled=lambda: False) -> ReplicaHandle:
+        assert self.socket_dir is not None, "shared replicas are found through their sockets"
         path = replica_socket(self.socket_dir, placement.index)
         return ReplicaLink(placement, self._listener, path, cancelled)
 

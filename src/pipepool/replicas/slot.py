@@ -43,6 +43,11 @@ class Slot:
     def index(self) -> int:
         return self.placement.index
 
+    def serving_proc(self) -> ReplicaHandle:
+        """The process of a replica that takes work (state OK): it always has one."""
+        assert self.proc is not None, f"replica {self.index} has no process"
+        return self.proc
+
     def unfinished_tokens(self, owner: Owner) -> int:
         return int(owner.batch.lengths[~owner.done].sum())
 

@@ -125,6 +125,7 @@ class ApiServers:
             finally:
                 os.close(ready_w)
             self._procs[index] = proc
+        assert proc.stdin is not None  # stdin=PIPE
         with contextlib.suppress(BrokenPipeError):  # it died at once: its watcher says so
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()

@@ -101,14 +101,19 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
         on_error(err)
         return err.response()
 
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+    # Starlette types every handler as taking any Exception (its stub cannot tie the handler to
+    # the class it is registered for): each narrows to the class it is registered under.
+    async def api_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
         return send(exc)
 
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error".
         return send(_wrong_content_type(request, exc) or _from_validation(exc))
 
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = APIError(exc.status_code, str(exc.detail), type=kind, code=code)

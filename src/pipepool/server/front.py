@@ -23,9 +23,12 @@ import numpy as np
 from ..api.engine import Engine
 from ..api.submission import Submission
 from ..errors import EngineDeadError
+from ..intake.long_inputs import CombinedSubmission
 from .owner import EngineOwner
 
 T = TypeVar("T")
+# What Engine.submit returns: a call's future, or its windows' combined (long inputs, chunked).
+AnySubmission = Submission | CombinedSubmission
 
 
 class QueueFullError(Exception):
@@ -108,7 +111,7 @@ class AsyncEngine:
         )
 
     async def run(
-        self, n: int, submit: Callable[[Engine], Submission], texts: Sequence = ()
+        self, n: int, submit: Callable[[Engine], AnySubmission], texts: Sequence = ()
     ) -> Encoded:
         """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on a tokenising
         lane chosen by the size of ``texts`` (what it will tokenise), then wait for its
@@ -168,7 +171,7 @@ class AsyncEngine:
                 return self._large
         return self._small
 
-    def _abort(self, submission: Submission) -> None:
+    def _abort(self, submission: AnySubmission) -> None:
         unanswered = submission.num_inputs - submission.num_done
         submission.cancel()  # (wrap_future may have cancelled it already)
         if submission.cancelled() and unanswered:

@@ -61,6 +61,7 @@ class GuardMiddleware:
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     def _check_key(self, header: bytes | None) -> APIError | None:
+        assert self.api_key is not None, "checked only on a server that has a key"
         if header is None:
             message = "Missing API key: send the header 'Authorization: Bearer <key>'."
         else:

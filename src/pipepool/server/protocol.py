@@ -116,7 +116,10 @@ class TokenizeRequest(_Strict):
 
     @property
     def text(self) -> str:
-        return self.prompt if self.prompt is not None else self.input
+        """The text given as prompt or input; requests that give TEI's inputs have none."""
+        text = self.prompt if self.prompt is not None else self.input
+        assert text is not None, "the request gives inputs: it has no single text"
+        return text
 
 
 class TEIEmbedRequest(_Strict):

@@ -67,6 +67,7 @@ class RerankRequest(_Strict):
     def document_texts(self) -> list[str]:
         if self.texts is not None:
             return list(self.texts)
+        assert self.documents is not None  # _one_list: exactly one of documents and texts
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
     def activation(self) -> bool:

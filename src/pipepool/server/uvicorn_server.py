@@ -30,7 +30,8 @@ class Server(uvicorn.Server):
         timeout_s: float,
         on_started: Callable[[], None] = lambda: None,
     ) -> None:
-        config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S
+        # uvicorn annotates int but only hands it to asyncio.wait_for, which takes seconds.
+        config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S  # type: ignore[assignment]
         super().__init__(config)
         self.front = front
         self.timeout_s = timeout_s
@@ -62,7 +63,8 @@ def build_server(
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        timeout_keep_alive=settings.timeout_keep_alive_s,
+        # uvicorn annotates int but only hands it to loop.call_later, which takes seconds.
+        timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
         backlog=settings.backlog,
         lifespan="off",
         log_config=logs,

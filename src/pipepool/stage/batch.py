@@ -166,6 +166,7 @@ def to_step_inputs(
     work_t, positions, cu_q, cu_k, write_rows, write_slots, chunk_dst, prefix_dst, prefix_slots = (
         tensors[:9]
     )
+    assert positions is not None and cu_q is not None  # uploaded for every step
     cu_q32 = cu_q.to(torch.int32)
     cu_k32 = cu_k.to(torch.int32) if cu_k is not None else cu_q32
     has_prefix = batch.chunk_dst is not None

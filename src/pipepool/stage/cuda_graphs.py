@@ -76,6 +76,7 @@ class _Captured:
             piece.replay()
             if i < len(self.attention):
                 self.attention[i].run(meta, n)
+        assert self.output is not None, "replayed before it was captured"
         return self.output[:n]
 
 
@@ -110,7 +111,8 @@ class GraphedForward:
             # A step of n rows has at most n items (a block per request of up to BLOCK_M rows).
             self.static_cu = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.static_work = torch.zeros(1 + 2 * largest, dtype=torch.int64, device=device)
-        self.captured: dict[int, _Captured] = {}
+        # By bucket; whole-step graphs by (bucket, attention programs).
+        self.captured: dict[int | tuple[int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # shared: buckets never replay at once
         self._stream = torch.cuda.Stream(device)
 
@@ -128,15 +130,19 @@ class GraphedForward:
                 self.static_types[:n].zero_()
         meta = inputs.attn
         key: int | tuple[int, int] = bucket
+        programs = 0
         if self.whole:
             if meta.work is None:  # a step without the kernel's work list
                 return self.model(x, inputs, kv_caches)
-            key = (bucket, self._programs(bucket, meta.work_programs))
+            programs = self._programs(bucket, meta.work_programs)
+            key = (bucket, programs)
         graphs = self.captured.get(key)
         if graphs is None:
             try:
                 if self.whole:
-                    graphs = self._capture(bucket, self._whole_meta(*key), None, split=False)
+                    graphs = self._capture(
+                        bucket, self._whole_meta(bucket, programs), None, split=False
+                    )
                 else:  # captured on one sequence of ``bucket`` tokens, not this step's
                     dummy = _whole_sequence(bucket, self.model.causal, self.device)
                     graphs = self._capture(bucket, dummy, kv_caches, split=True)
@@ -146,6 +152,7 @@ class GraphedForward:
                 self.buckets = []
                 return self.model(x, inputs, kv_caches)
         if self.whole:  # after any capture, which fills these buffers with its own
+            assert meta.work is not None  # whole graphs run only steps with a work list (above)
             self.static_cu[: len(meta.cu_q_host)].copy_(meta.cu_seqlens_q)
             self.static_work[: meta.work.shape[0]].copy_(meta.work)
         out = graphs.replay(meta, n)
@@ -190,6 +197,7 @@ class GraphedForward:
         """The attention grid a whole-step graph is captured with: four times the bucket's
         query blocks, enough for steps of requests down to a quarter block long on average
         (the programs without an item exit at once); else one per row, enough for any step."""
+        assert self.block_rows is not None, "only whole-step graphs have an attention grid"
         usual = min(4 * -(-bucket // self.block_rows), bucket)
         return usual if items <= usual else bucket
 
@@ -197,6 +205,7 @@ class GraphedForward:
         """A whole-step graph's attention metadata: ``static_cu`` and ``static_work``, with
         ``programs`` programs a head. Filled here with one sequence of ``bucket`` tokens for
         the capture; each replay's own metadata is copied in after."""
+        assert self.block_rows is not None, "only whole-step graphs have a work list"
         whole = np.array([0, bucket], dtype=np.int64)
         work = triton_attention.work_list(whole, self.block_rows)
         self.static_cu[:2].copy_(torch.from_numpy(whole))
@@ -223,6 +232,7 @@ class _Splitter:
         self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
 
     def end(self) -> None:
+        assert self._graph is not None, "end() without begin()"
         self._graph.capture_end()
         self.captured.pieces.append(self._graph)
 

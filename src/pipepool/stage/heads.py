@@ -92,6 +92,8 @@ def apply_heads(
         if width:
             x = x[:, :width]
         return l2_normalize(x) if bool(params.normalize[0]) else x
+    # Rows that ask different things carry their per-row arrays (HeadParams.upload_arrays).
+    assert dims_t is not None and norm_t is not None, "non-uniform rows come with their arrays"
     cols = torch.arange(x.shape[1], device=x.device)
     keep = (dims_t == 0).unsqueeze(1) | (cols.unsqueeze(0) < dims_t.unsqueeze(1))  # [n, D]
     x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -134,4 +136,5 @@ class ScoreHead:
             return logits
         if params.uniform:
             return self.activation(logits) if bool(params.normalize[0]) else logits
+        assert use_t is not None, "non-uniform rows come with their array"
         return torch.where(use_t.bool().unsqueeze(1), self.activation(logits), logits)

@@ -203,6 +203,8 @@ class Pooler:
     ) -> PooledStep:
         (pick_t, seg_t, bounds_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t,
          mean_kinds_t, weights_t, max_seg_t) = uploaded  # fmt: skip
+        # Uploads of arrays that are never None (possibly empty).
+        assert pick_t is not None and mean_lens_t is not None and all_rows_t is not None
         h = hidden.shape[1]
         picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
         summed = hidden if weights_t is None else hidden.float() * weights_t.unsqueeze(1)
@@ -214,19 +216,23 @@ class Pooler:
             sums.index_add_(0, seg_t, summed.float())  # [slots + 1, H]; the last: no slot
         maxes = None
         if max_seg_t is not None:
+            assert prep.max_seg is not None  # max_seg_t is its upload
             slots = int(prep.max_seg.max()) + 1
             maxes = hidden.new_full((slots, h), float("-inf"), dtype=torch.float32)
             index = max_seg_t.unsqueeze(1).expand(-1, h)
             maxes.scatter_reduce_(0, index, hidden.float(), "amax")  # the last slot: none
         vectors = []
         if prep.num_emitted_picks:
+            assert picked is not None  # the emitted picks are rows of pick_rows
             vectors.append(picked[: prep.num_emitted_picks])
         if prep.num_whole_means:
             # Divisors from the host: torch.bincount would wait for the device (its output
             # size depends on the data), and the host must never wait mid-step.
             n = prep.num_whole_means
+            assert sums is not None  # MEAN slots come with their bounds or segments
             vectors.append(_divide(sums[:n], mean_lens_t, mean_kinds_t))
         if prep.num_whole_maxes:
+            assert maxes is not None  # MAX slots come with max_seg
             vectors.append(maxes[: prep.num_whole_maxes])
         tokens = [hidden.index_select(0, all_rows_t).float()] if len(prep.all_rows) else []
         held = iter(range(prep.num_emitted_picks, len(prep.pick_rows)))

@@ -137,8 +137,10 @@ class StageRunner:
         )
         self.kv_cache = None
         if self.model.causal:
+            layout = self.model.kv_layout
+            assert layout is not None, "a causal model keeps a KV cache"
             self.kv_cache = KVCache(
-                self.model.kv_layout,
+                layout,
                 len(spec.layers),
                 spec.num_kv_blocks,
                 config.block_size,
@@ -152,7 +154,9 @@ class StageRunner:
                 dense = DenseHead(folder.st.dense).to(spec.device)
             score = None
             if spec.classifier is not None and spec.is_last:
-                score = ScoreHead(self.model.score_head, spec.classifier.activation)
+                head = self.model.score_head
+                assert head is not None, "a classifier's last stage has its score head"
+                score = ScoreHead(head, spec.classifier.activation)
             self.pooler = Pooler(dense, score)
         self.compiling: BackgroundCompile | None = None
         self.forward = self.model
@@ -188,6 +192,7 @@ class StageRunner:
 
     def _install_compiled(self) -> None:
         """Between two steps: the compiled layer bodies, once the compiling thread is done."""
+        assert self.compiling is not None, "only called while compiling in the background"
         ended, body = self.compiling.take()
         if not ended:
             return
@@ -233,6 +238,7 @@ class StageRunner:
         if plan.num_reqs:
             hidden, pooled = self._forward(plan, view, incoming)
             if not spec.is_last:
+                assert outbound is not None, "a stage before the last sends on"
                 if tr is not None:
                     tr.phase("send")
                 outbound.send_hidden(hidden)
@@ -248,6 +254,7 @@ class StageRunner:
         if spec.is_last:
             output = StageOutput(plan.step_id, digest, tuple(busy), pooled)
         else:
+            assert outbound is not None, "a stage before the last sends on"
             outbound.send_digest(plan.step_id, digest, busy)
         if tr is not None:
             tr.phase(None)
@@ -321,6 +328,7 @@ class StageRunner:
             if tr is not None:
                 tr.end_device(mark, "forward")
             if pools:
+                assert self.pooler is not None and prep is not None  # both set when pooling
                 if tr is not None:
                     mark = tr.begin_device()
                 pooled = self.pooler.pool(

@@ -41,13 +41,16 @@ class Outbound(Protocol):
 class _LocalIncoming:
     def __init__(self, link: LocalLink) -> None:
         self._link = link
-        self._digest = None
+        self._digest: tuple[Digest | None, list[float]] | None = None
 
     def hidden(self) -> torch.Tensor:
         return self._link.hidden.popleft()
 
     def digest(self) -> Digest:
-        return self._message()[0]
+        digest = self._message()[0]
+        # Only read when state is verified, and then every stage sends its digest.
+        assert digest is not None, "the previous stage sent no digest"
+        return digest
 
     def stage_busy_s(self) -> list[float]:
         return self._message()[1]

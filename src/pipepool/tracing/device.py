@@ -11,8 +11,12 @@ On CPU the device is the host: a span is two host clock reads.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from .recorder import MAX_SPANS, Recorder, Span, now
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HostClock:
@@ -52,7 +56,8 @@ class CudaClock:
         # (track, name, start event, end event, step, tokens, reqs), in the order recorded
         self._pending: deque = deque()
         self._done: deque = deque(maxlen=MAX_SPANS)  # the same with times in ms from the anchor
-        self._anchor = None  # (event, host ns): made on first use, once the device is set
+        # (event, host ns): made on first use, once the device is set
+        self._anchor: tuple[torch.cuda.Event, int] | None = None
         self._side = None  # the stream that waits for transfers (made on first use)
 
     def begin(self):
@@ -102,6 +107,8 @@ class CudaClock:
     def _poll(self) -> None:
         """Read the spans the device has finished (in the order recorded) and recycle their
         events."""
+        # Spans are only recorded after ``begin`` made the anchor.
+        assert self._anchor is not None, "no anchor before the first span"
         anchor = self._anchor[0]
         pending = self._pending
         while pending and pending[0][3].query():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from .device import device_clock
+from .device import CudaClock, device_clock
 from .recorder import ProcessTrace, Recorder, now
 
 if TYPE_CHECKING:
@@ -63,12 +63,14 @@ class StageTrace:
     def watch_transfer(self, name: str, work: object | None) -> None:
         """On CUDA, a span of the transfer ``work`` on the stage's "transfer" track, from the
         compute stream's position now; a no-op on the CPU, or for links without handles."""
-        if work is None or not self.clock.watches_transfers:
+        clock = self.clock
+        # Only a CUDA clock watches transfers (a host clock's waits are its own spans).
+        if work is None or not isinstance(clock, CudaClock) or not clock.watches_transfers:
             return
         try:
-            self.clock.transfer(self.clock.begin(), name, work, self.step, self.tokens, self.reqs)
+            clock.transfer(clock.begin(), name, work, self.step, self.tokens, self.reqs)
         except Exception as exc:  # a timeline must never take the pipeline down
-            self.clock.watches_transfers = False
+            clock.watches_transfers = False
             warnings.warn(f"not tracing NCCL transfers any more: {exc!r}", stacklevel=2)
 
     def export(self) -> ProcessTrace:

@@ -26,7 +26,7 @@ async def health(request: Request) -> JSONResponse:
         status = "failed" if owner.error is not None else "loading"
     else:
         status = engine.health
-    body = {"status": status}
+    body: dict[str, object] = {"status": status}
     if state.settings.api_server_count > 1:
         body["api_server"] = state.settings.api_server_index  # which process answered
     replicas = engine.replica_status() if engine is not None else []

@@ -122,7 +122,9 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    labels = state_of(request).front.engine.deployment.classifier.labels
+    head = state_of(request).front.engine.deployment.classifier
+    assert head is not None, "submit_classify refuses a model without a classifier"
+    labels = head.labels
     name = body.model or state_of(request).settings.model_name
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
     return _json(sp.classify_response(name, probs, labels, done.num_tokens))

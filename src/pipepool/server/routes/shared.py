@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 
@@ -25,7 +25,8 @@ T = TypeVar("T")
 # metrics do (nginx's "client closed request").
 CLIENT_CLOSED = 499
 
-ERRORS = {
+# The error bodies of the OpenAPI schema, as FastAPI's ``responses=`` takes them.
+ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": protocol.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
 }
 

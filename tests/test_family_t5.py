@@ -18,8 +18,8 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tiny_t5 import VARIANTS, T5Reference, make_sentence_t5, make_t5
 
 import pipepool
-from pipepool.layers import t5_attention
-from pipepool.layers.t5_attention import RelativePositionBias
+from pipepool.layers import relative_attention
+from pipepool.layers.relative_attention import RelativePositionBias
 
 BUDGET = 16
 POOLINGS = ("mean", "all", "cls")  # cls: the first token's row (T5 has no [CLS])
@@ -105,12 +105,13 @@ def test_relative_position_bias_matches_transformers(t5_paths, t5_refs, variant,
         assert torch.equal(table(length), attention.compute_bias(length, length))
 
 
+@pytest.mark.parametrize("scale", [1.0, 8**-0.5])  # T5's (none), MPNet's (head_dim ** -0.5)
 @pytest.mark.parametrize("exact", [True, False])
-def test_biased_attention_groups_match_per_request_attention(monkeypatch, exact):
+def test_biased_attention_groups_match_per_request_attention(monkeypatch, exact, scale):
     """Unsorted lengths, equal ones apart, some sharing a bucket but not a length: the grouped
     (exact, the CPU's) and padded (bucketed, CUDA's; masks split small here) plans both give
-    each request softmax(q k^T + bias) v over its own tokens."""
-    monkeypatch.setattr(t5_attention, "_MASK_ELEMENTS", 4 * 40 * 48)
+    each request softmax(q k^T * scale + bias) v over its own tokens."""
+    monkeypatch.setattr(relative_attention, "_MASK_ELEMENTS", 4 * 40 * 48)
     heads, dim = 4, 8
     table = RelativePositionBias(32, 20, heads)
     torch.manual_seed(0)
@@ -119,15 +120,15 @@ def test_biased_attention_groups_match_per_request_attention(monkeypatch, exact)
     lens = [5, 17, 3, 17, 30, 1, 5, 29, 33, 40, 18]
     cu = np.concatenate([[0], np.cumsum(lens)])
     qkv = torch.randn(int(cu[-1]), 3 * heads * dim)
-    plan = t5_attention.BiasedAttentionPlan.build(cu, table, exact=exact)
+    plan = relative_attention.BiasedAttentionPlan.build(cu, table, exact=exact)
     # Exact: a call per length (9). Bucketed: 3 buckets (16, 32, 48 tokens), the two padded
     # ones split to keep their masks under the cap: lengths 1-5 in one call, the five of 17-30
     # padded to 30 in three, 33 and 40 padded to 40 in two.
     assert len(plan.groups) == (9 if exact else 6) and plan.gather is not None
-    got = t5_attention.biased_attention(qkv, plan, heads, dim)
+    got = relative_attention.biased_attention(qkv, plan, heads, dim, scale=scale)
     for r, length in enumerate(lens):
         q, k, v = qkv[cu[r] : cu[r + 1]].view(length, 3, heads, dim).unbind(1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) + table(length)[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale + table(length)[0]
         want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(length, -1)
         torch.testing.assert_close(got[cu[r] : cu[r + 1]], want, rtol=1e-5, atol=1e-5)
 

@@ -13,8 +13,8 @@ differs only where its config and checkpoint say:
 - MPNet (all-mpnet-base-v2, multi-qa-mpnet): RoBERTa's positions (counted from transformers'
   fixed padding_idx 1, plus one), no token types, and a relative position bias added to every
   layer's attention scores: ``encoder.relative_attention_bias`` ([buckets, heads]) looked up by
-  the bucket of each key-minus-query distance (layers/biased_attention.py). Every stage holds
-  the table.
+  the bucket of each key-minus-query distance (layers/relative_attention.py, as T5's). Every
+  stage holds the table.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..layers.biased_attention import LengthBias, biased_attention, relative_position_bucket
+from ..layers.relative_attention import BiasedAttentionPlan, RelativePositionBias, biased_attention
 from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
@@ -148,32 +148,37 @@ def embed(
 
 class BiasedEncoderLayer(EncoderLayer):
     """``EncoderLayer`` whose attention adds a bias to the scores (MPNet's relative position
-    bias): the same modules, with the step's ``LengthBias`` after the usual arguments."""
+    bias): the same modules, with the step's ``BiasedAttentionPlan`` after the usual arguments."""
 
-    # ``bias`` is always passed: its default only keeps EncoderLayer's signature.
+    # ``plan`` is always passed: its default only keeps EncoderLayer's signature.
     def forward(
-        self, x: torch.Tensor, inputs: StepInputs, post, kernel: str, bias: LengthBias | None = None
+        self,
+        x: torch.Tensor,
+        inputs: StepInputs,
+        post,
+        kernel: str,
+        plan: BiasedAttentionPlan | None = None,
     ) -> torch.Tensor:
-        return post(self.cfg, x, self._attend(x, inputs, bias), self.ffn_weights())
+        return post(self.cfg, x, self._attend(x, plan), self.ffn_weights())
 
     def forward_fused(
-        self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias | None = None
+        self, x: torch.Tensor, inputs: StepInputs, plan: BiasedAttentionPlan | None = None
     ) -> torch.Tensor:
-        a = self._attend(x, inputs, bias)
+        a = self._attend(x, plan)
         return bert.post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
 
-    def _attend(self, x: torch.Tensor, inputs: StepInputs, bias: LengthBias | None) -> torch.Tensor:
-        assert bias is not None, "a biased layer needs the step's LengthBias"
-        q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
-        return biased_attention(q, k, v, inputs.attn, bias, scale=self.scale)  # [T, H, D]
+    def _attend(self, x: torch.Tensor, plan: BiasedAttentionPlan | None) -> torch.Tensor:
+        assert plan is not None, "a biased layer needs the step's BiasedAttentionPlan"
+        h, d = self.num_heads, self.head_dim
+        a = biased_attention(self.qkv_proj(x), plan, h, d, scale=self.scale)
+        return a.view(-1, h, d)  # [T, H, D]
 
 
 class RelativeEncoderStage(EncoderStage):
     """A stage of DistilBERT, ELECTRA or MPNet, with ``EncoderStage``'s contract (and its CPU
     tiling and fused paths): token ids in on the first stage, hidden states out; MPNet's
-    attention runs its own biased kernel (never the Triton/flash ones, nor in CUDA graphs)."""
-
-    bucket_of_distance: torch.Tensor  # buffer, MPNet only (see __init__)
+    attention runs T5's biased attention (never the Triton/flash kernels, nor in CUDA graphs).
+    """
 
     def __init__(
         self,
@@ -202,24 +207,15 @@ class RelativeEncoderStage(EncoderStage):
         self.graph_safe = not cfg.relative_buckets
         self.layers = nn.ModuleDict({str(i): layer(block) for i in layers})
         if cfg.relative_buckets:
-            self.relative_attention_bias = embedding(cfg.relative_buckets, block.num_heads)
-            # The bucket of each key-minus-query distance d at index d + max_positions - 1.
-            distances = 2 * block.max_positions - 1
-            self.register_buffer(
-                "bucket_of_distance", torch.empty(distances, dtype=torch.long), persistent=False
+            self.relative_attention_bias = RelativePositionBias(
+                _MPNET_BUCKETS, _MPNET_MAX_DISTANCE, block.num_heads, rows=cfg.relative_buckets
             )
         if last and head is not None:
             self.score_head = build_score_head(head, h, block.vocab_size)
 
     def reset_buffers(self) -> None:
         if self.relative.relative_buckets:
-            # On the CPU, as transformers computes its buckets: a distance on a bucket boundary
-            # rounds the same way on every device.
-            m = self.max_positions
-            buckets = relative_position_bucket(
-                torch.arange(1 - m, m), _MPNET_BUCKETS, _MPNET_MAX_DISTANCE
-            )
-            self.bucket_of_distance = buckets.to(self.bucket_of_distance.device)
+            self.relative_attention_bias.reset_buffers()
 
     def attention_block_rows(self) -> int | None:
         return None if self.relative.relative_buckets else super().attention_block_rows()
@@ -238,9 +234,11 @@ class RelativeEncoderStage(EncoderStage):
                 project.weight if project is not None else None,
                 project.bias if project is not None else None,
             )  # fmt: skip
-        bias: tuple[LengthBias, ...] = ()  # the biased layers' extra argument, if any
+        bias: tuple[BiasedAttentionPlan, ...] = ()  # the biased layers' extra argument, if any
         if self.relative.relative_buckets:  # one per step (or CPU tile), shared by the layers
-            bias = (LengthBias(self.relative_attention_bias.weight, self.bucket_of_distance),)
+            exact = x.device.type == "cpu"  # CPU steps come sorted by length: no padding
+            table = self.relative_attention_bias
+            bias = (BiasedAttentionPlan.build(inputs.attn.cu_q_host, table, exact=exact),)
         # BiasedEncoderLayers where the stage has the bias; plain EncoderLayers (no bias) where not.
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
             if fused:

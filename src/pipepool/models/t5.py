@@ -4,7 +4,7 @@
 Pre-norm blocks with T5's RMS norm (no mean, no bias), attention without the 1/sqrt(d) scale
 plus a relative position bias that layer 0's table defines and every layer reuses, a ReLU or
 gated-GELU feed-forward, no biases anywhere, and a final norm. There is no position table:
-positions enter only through the bias (layers/t5_attention.py), which every stage computes
+positions enter only through the bias (layers/relative_attention.py), which every stage computes
 from its own copy of the table."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape
 from ..layers.norm import rms_norm
-from ..layers.t5_attention import BiasedAttentionPlan, RelativePositionBias, biased_attention
+from ..layers.relative_attention import BiasedAttentionPlan, RelativePositionBias, biased_attention
 from ..loading.classifier import ClassifierHead
 from .base import StageModel, StepInputs, WeightSpec, embedding
 
@@ -139,7 +139,7 @@ class T5EncoderStage(StageModel):
         self.hidden_size, self.num_layers = cfg.d_model, cfg.num_layers
         self.max_positions = cfg.max_positions
         self.attention_shape = AttentionShape(cfg.d_kv, 1, causal=False, windowed=False)
-        self.attn_kernel = "portable"  # unused: the bias needs layers/t5_attention.py
+        self.attn_kernel = "portable"  # unused: the bias needs layers/relative_attention.py
         if first:
             self.shared = embedding(cfg.vocab_size, cfg.d_model)
         self.relative_attention_bias = RelativePositionBias(

@@ -1,11 +1,13 @@
-"""Self-attention with T5's bucketed relative position bias, over packed whole-prompt batches.
+"""Self-attention with a bucketed relative position bias (T5, MPNet), over packed whole-prompt
+batches.
 
-T5 adds a learned bias to every attention score, looked up by the bucket of the distance
-between key and query (exact for near tokens, logarithmic up to ``max_distance``, constant
-beyond), and does not scale the q.k product. The bias depends only on that distance, so all
-requests of one length share one ``[heads, L, L]`` bias, and a group of them attends in one
-``scaled_dot_product_attention`` call with the bias as its additive float mask. The flash
-kernels of :mod:`.attention` take no additive bias; this works on any device and dtype.
+T5 and MPNet add a learned bias to every attention score, looked up by the bucket of the
+distance between key and query (exact for near tokens, logarithmic up to ``max_distance``,
+constant beyond); T5 does not scale the q.k product, MPNet does. The bias depends only on that
+distance, so all requests of one length share one ``[heads, L, L]`` bias, and a group of them
+attends in one ``scaled_dot_product_attention`` call with the bias as its additive float mask.
+The flash kernels of :mod:`.attention` take no additive bias; this works on any device and
+dtype.
 
 Groups: on the CPU, requests of equal length (the CPU's steps come sorted by length, so a
 group is a run of neighbours, read as views of the packed rows: nothing is gathered). On CUDA,
@@ -61,18 +63,21 @@ def relative_position_bucket(
 
 
 class RelativePositionBias(nn.Module):
-    """T5's ``relative_attention_bias`` table ``[num_buckets, heads]`` and the bias it gives a
-    request of ``L`` tokens: ``[1, heads, L, L]`` (query rows, key columns), in the table's
-    dtype. Every distance of ``max_distance`` or more falls in the last bucket of its side, so
-    the buckets of the distances ``-max_distance..max_distance`` are computed once, on the
-    host, and longer distances are clamped onto them."""
+    """A ``relative_attention_bias`` table ``[rows, heads]`` (``rows``: ``num_buckets`` unless
+    the checkpoint's table is larger than the buckets used, as MPNet's may be) and the bias it
+    gives a request of ``L`` tokens: ``[1, heads, L, L]`` (query rows, key columns), in the
+    table's dtype. Every distance of ``max_distance`` or more falls in the last bucket of its
+    side, so the buckets of the distances ``-max_distance..max_distance`` are computed once, on
+    the host, and longer distances are clamped onto them."""
 
     buckets: torch.Tensor  # buffer [2 * max_distance + 1]
 
-    def __init__(self, num_buckets: int, max_distance: int, num_heads: int) -> None:
+    def __init__(
+        self, num_buckets: int, max_distance: int, num_heads: int, rows: int | None = None
+    ) -> None:
         super().__init__()
         self.num_buckets, self.max_distance = num_buckets, max_distance
-        self.weight = nn.Parameter(torch.empty(num_buckets, num_heads))
+        self.weight = nn.Parameter(torch.empty(rows or num_buckets, num_heads))
         # [2 * max_distance + 1] int64: bucket of distance d at index d + max_distance
         self.register_buffer("buckets", torch.empty(2 * max_distance + 1, dtype=torch.long),
                              persistent=False)  # fmt: skip
@@ -151,17 +156,17 @@ class BiasedAttentionPlan:
 
 
 def biased_attention(
-    qkv: torch.Tensor, plan: BiasedAttentionPlan, heads: int, head_dim: int
+    qkv: torch.Tensor, plan: BiasedAttentionPlan, heads: int, head_dim: int, scale: float = 1.0
 ) -> torch.Tensor:
-    """softmax(q k^T + bias) v per request, unscaled. qkv: [T, 3 * heads * head_dim] (q | k |
-    v, as one fused projection gives them) -> [T, heads * head_dim]."""
+    """softmax(q k^T * scale + bias) v per request (T5: unscaled). qkv: [T, 3 * heads *
+    head_dim] (q | k | v, as one fused projection gives them) -> [T, heads * head_dim]."""
     x = qkv if plan.gather is None else qkv.index_select(0, plan.gather)
     outs = []
     with sdpa_kernel(_BACKENDS):
         for g in plan.groups:
             rows = x[g.row : g.row + g.size * g.length].view(g.size, g.length, 3, heads, head_dim)
             q, k, v = (rows[:, :, i].transpose(1, 2) for i in range(3))  # [n, H, L, D] views
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=1.0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
             outs.append(out.transpose(1, 2).reshape(g.size * g.length, heads * head_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if plan.scatter is None else out.index_select(0, plan.scatter)

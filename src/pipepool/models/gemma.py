@@ -10,8 +10,10 @@ logit soft-capping; Gemma3's q/k norms, RoPE base per layer type and, with
 ``use_bidirectional_attention``, bidirectional layers whose sliding window is symmetric.
 
 Layers whose attention :func:`..layers.attention.attend` computes (causal with or without a
-window, bidirectional without one, no soft-capping) go through it and its fast kernels; the
-others through :func:`..layers.softcap_attention.softcap_attend`.
+window, bidirectional without one, no soft-capping) go through it and its fast kernels;
+bidirectional windowed ones through :func:`..layers.windowed_attention.windowed_attention`
+(ModernBERT's: flash on CUDA); soft-capped ones through
+:func:`..layers.softcap_attention.softcap_attend`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.softcap_attention import softcap_attend
+from ..layers.windowed_attention import windowed_attention
 from ..loading.classifier import ClassifierHead
 from .base import (
     KVLayout,
@@ -308,7 +311,15 @@ class GemmaLayer(nn.Module):
         )  # fmt: skip
         q, k, v = ops.qkv(cfg, x, w)
         q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.head_dim)
-        if self.own_attention:
+        if self.own_attention and cfg.softcap is None:
+            # A bidirectional sliding window (EmbeddingGemma): ModernBERT's windowed attention,
+            # flash on CUDA. Keys at a distance below the window are visible.
+            assert self.window is not None, "own attention without soft-capping is windowed"
+            attn_out = windowed_attention(
+                q, k, v, inputs.attn, scale=cfg.scale, half_window=self.window - 1,
+                kernel=kernel,
+            )  # fmt: skip
+        elif self.own_attention:
             attn_out = softcap_attend(
                 q, k, v, inputs.attn, kv_cache, scale=cfg.scale, softcap=cfg.softcap,
                 window=self.window,

@@ -1,6 +1,7 @@
 """The Triton variable-length attention kernel against the portable one (per-request SDPA in
 fp32): causal chunks after a cached prefix (bottom-right masks), sliding windows, bidirectional
-requests, grouped KV heads, every head size it is chosen for. On the CPU through Triton's
+requests, grouped KV heads, soft-capped scores (Gemma2, against softcap_attend), every head size
+it is chosen for. On the CPU through Triton's
 interpreter (fp32), and on a GPU in bf16."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ _CASES = r"""
 import numpy as np
 import torch
 from pipepool.layers.attention import AttentionMetadata, _portable
+from pipepool.layers.softcap_attention import softcap_attend
 from pipepool.layers.triton_attention import TILES, varlen_attention, work_list
 
 
@@ -24,8 +26,9 @@ def check(dtype, device, head_dims, tiles, tol):
     # find no item).
     torch.manual_seed(0)
     for d in head_dims:
-        for causal, window, hq, hkv in (
-            (True, None, 4, 2), (True, 5, 4, 2), (False, None, 3, 3), (True, None, 4, 1),
+        for causal, window, hq, hkv, cap in (
+            (True, None, 4, 2, None), (True, 5, 4, 2, None), (False, None, 3, 3, None),
+            (True, None, 4, 1, None), (True, 5, 4, 2, 1.5), (False, None, 3, 3, 1.5),
         ):
             # causal: request 1 is 7 queries after an 18-key prefix, the others their own keys
             lq = np.array([0, 5, 12, 49, 200])
@@ -40,7 +43,13 @@ def check(dtype, device, head_dims, tiles, tol):
                 max_q=int(np.diff(lq).max()), max_k=int(np.diff(lk).max()),
                 cu_q_host=lq, cu_k_host=lk, total_k=int(lk[-1]),
             )
-            want = _portable(q.float(), k.float(), v.float(), meta, d**-0.5, window)
+            qf, kf, vf = q.float(), k.float(), v.float()
+            if cap is None:
+                want = _portable(qf, kf, vf, meta, d**-0.5, window)
+            else:  # a cap well inside these scores' range, so that it changes them
+                want = softcap_attend(
+                    qf, kf, vf, meta, None, scale=d**-0.5, softcap=cap, window=window
+                )
             for tile in tiles:
                 block_m = (tile or TILES[d])[0]
                 work = work_list(lq, block_m)
@@ -50,11 +59,12 @@ def check(dtype, device, head_dims, tiles, tol):
                     out = torch.full((int(lq[-1]), hq, d), float("nan"), device=device, dtype=dtype)
                     got = varlen_attention(
                         q, k, v, cu_q, cu_k, meta.max_q, causal=causal, scale=d**-0.5,
-                        window=window, out=out, tile=tile, work=given, programs=programs,
+                        window=window, softcap=cap, out=out, tile=tile, work=given,
+                        programs=programs,
                     )
                     assert got is out
                     err = (got.float() - want).abs().max().item()
-                    assert err < tol, (dtype, d, causal, window, hq, hkv, tile, programs, err)
+                    assert err < tol, (dtype, d, causal, window, cap, hq, hkv, tile, programs, err)
     print("ok")
 """
 

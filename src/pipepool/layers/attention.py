@@ -97,17 +97,23 @@ def attend(
     window: int | None = None,
     kernel: str = "portable",
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``window``: keys a query may see, itself
     included (sliding-window attention), None for unlimited. ``out``: where to put the result
-    (the triton kernel writes there directly, the others copy), or None for a new tensor."""
+    (the triton kernel writes there directly, the others copy), or None for a new tensor.
+    ``softcap``: scores soft-capped (Gemma2), which only the triton kernel computes (the others
+    are :func:`.softcap_attention.softcap_attend`'s); never inside a CUDA graph."""
+    if softcap is not None and (kernel != "triton" or meta.graph_split is not None):
+        raise ValueError("soft-capped attention here needs the triton kernel, outside graphs")
     if meta.graph_split is not None:
         return meta.graph_split(q, k, v, kv_cache, scale=scale, window=window, kernel=kernel)
     k, v = with_cached_keys(k, v, meta, kv_cache)
     if kernel == "triton":
         return triton_attention.varlen_attention(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=meta.causal,
-            scale=scale, window=window, out=out, work=meta.work, programs=meta.work_programs,
+            scale=scale, window=window, softcap=softcap, out=out, work=meta.work,
+            programs=meta.work_programs,
         )  # fmt: skip
     if kernel == "flash":
         result = _flash(q, k, v, meta, scale, window)

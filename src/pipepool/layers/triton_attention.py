@@ -12,7 +12,8 @@ graph (stage/cuda_graphs.py captures an encoder's whole forward that way).
 Layout and masks are those of :func:`.attention.attend`: packed q ``[T, Hq, D]``, packed k/v
 ``[Tk, Hkv, D]`` (GQA: query head h reads KV head h // (Hq / Hkv)), per-request offsets
 ``cu_seqlens_q`` / ``cu_seqlens_k``; causal masks aligned bottom-right (a chunk is the last
-queries of its keys), an optional sliding window of ``window`` keys, itself included.
+queries of its keys), an optional sliding window of ``window`` keys, itself included; scores
+optionally soft-capped (Gemma2's ``cap * tanh(s / cap)``, in float32 before the softmax).
 """
 
 from __future__ import annotations
@@ -27,11 +28,19 @@ from .triton_support import INTERPRETING, tl, triton
 if triton is not None:
 
     @triton.jit
+    def _capped(s, cap_log2, SOFTCAP: tl.constexpr):
+        """Gemma2's soft-capping ``cap * tanh(score / cap)``, on base-2 scores (both sides
+        times log2(e)); tanh(x) as 2 * sigmoid(2x) - 1."""
+        if SOFTCAP:
+            s = cap_log2 * (2.0 * tl.sigmoid(2.0 * s / cap_log2) - 1.0)
+        return s
+
+    @triton.jit
     def _attend_block(
-        q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-        stride_kt, stride_vt, dims,
+        q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2, m_i, l_i,
+        acc, stride_kt, stride_vt, dims,
         MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """One block of keys: scores, online-softmax update, the weighted values added.
         Unmasked (``MASKED`` false) where every row sees every key of the block: no bounds
@@ -43,7 +52,7 @@ if triton is not None:
                 k_base + cols[None, :] * stride_kt + dims[:, None],
                 mask=inside[None, :], other=0.0,
             )  # fmt: skip
-            s = tl.dot(q, k) * scale_log2
+            s = _capped(tl.dot(q, k) * scale_log2, cap_log2, SOFTCAP)
             visible = inside[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= positions[:, None])
@@ -60,7 +69,7 @@ if triton is not None:
             )  # fmt: skip
         else:
             k = tl.load(k_base + cols[None, :] * stride_kt + dims[:, None])
-            s = tl.dot(q, k) * scale_log2
+            s = _capped(tl.dot(q, k) * scale_log2, cap_log2, SOFTCAP)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :])
         p = tl.exp2(s - m_new[:, None])
@@ -72,8 +81,10 @@ if triton is not None:
     @triton.jit
     def _attend_rows(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
+        cap_log2,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, D: tl.constexpr,
+        GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[block * BLOCK_M, +BLOCK_M)`` of request ``seq``'s queries, one head."""
@@ -115,26 +126,30 @@ if triton is not None:
             start = lo
             while start < full:
                 m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED, BLOCK_N,
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    m_i, l_i, acc, stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED,
+                    SOFTCAP, BLOCK_N,
                 )  # fmt: skip
                 start += BLOCK_N
             while start < hi:
                 m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED, BLOCK_N,
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
+                    SOFTCAP, BLOCK_N,
                 )  # fmt: skip
                 start += BLOCK_N
         else:
             for start in range(lo, full, BLOCK_N):
                 m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED, BLOCK_N,
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    m_i, l_i, acc, stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED,
+                    SOFTCAP, BLOCK_N,
                 )  # fmt: skip
             for start in range(full, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, m_i, l_i, acc,
-                    stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED, BLOCK_N,
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
+                    SOFTCAP, BLOCK_N,
                 )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
         tl.store(
@@ -154,6 +169,7 @@ if triton is not None:
         work_ptr,  # WORK_LIST: [1 + 2W]: W, then (request, block of BLOCK_M queries) per item
         scale_log2,  # softmax scale times log2(e): the kernel exponentiates in base 2
         window,  # keys a query may see, itself included; 0: unlimited
+        cap_log2,  # SOFTCAP: the cap times log2(e)
         stride_qt,
         stride_qh,
         stride_kt,
@@ -165,6 +181,7 @@ if triton is not None:
         GROUP: tl.constexpr,  # query heads per KV head
         CAUSAL: tl.constexpr,
         WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,  # scores soft-capped (Gemma2)
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -186,8 +203,9 @@ if triton is not None:
                 return
         _attend_rows(
             q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-            stride_oh, GROUP, CAUSAL, WINDOWED, D, BLOCK_M, BLOCK_N, LOOP_AS_WHILE,
+            cap_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_ot, stride_oh, GROUP, CAUSAL, WINDOWED, SOFTCAP, D, BLOCK_M, BLOCK_N,
+            LOOP_AS_WHILE,
         )  # fmt: skip
 
 
@@ -241,13 +259,15 @@ def varlen_attention(
     causal: bool,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
     work: torch.Tensor | None = None,
     programs: int = 0,
 ) -> torch.Tensor:
     """Attention of every request's queries over its keys -> [T, Hq, D], written to ``out``
-    where given (any layout with contiguous heads).
+    where given (any layout with contiguous heads). ``softcap``: scores become
+    ``softcap * tanh(score / softcap)`` before masking and softmax (Gemma2), None for none.
 
     Two launches. Without ``work``, a grid of (query blocks of the longest request, requests,
     heads) whose surplus programs exit. With ``work`` (``work_list`` of this step, for the
@@ -271,10 +291,11 @@ def varlen_attention(
         grid = (triton.cdiv(max(max_q, 1), block_m), requests, heads)
     _varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, work if work is not None else cu_seqlens_q,
-        scale * math.log2(math.e), window or 0,
+        scale * math.log2(math.e), window or 0, (softcap or 1.0) * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None, D=dim,
+        GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None,
+        SOFTCAP=softcap is not None, D=dim,
         BLOCK_M=block_m, BLOCK_N=block_n, WORK_LIST=work is not None,
         LOOP_AS_WHILE=INTERPRETING, num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -12,8 +12,8 @@ logit soft-capping; Gemma3's q/k norms, RoPE base per layer type and, with
 Layers whose attention :func:`..layers.attention.attend` computes (causal with or without a
 window, bidirectional without one, no soft-capping) go through it and its fast kernels;
 bidirectional windowed ones through :func:`..layers.windowed_attention.windowed_attention`
-(ModernBERT's: flash on CUDA); soft-capped ones through
-:func:`..layers.softcap_attention.softcap_attend`.
+(ModernBERT's: flash on CUDA); soft-capped ones through the Triton kernel where the deployment
+chose it (CUDA), else :func:`..layers.softcap_attention.softcap_attend`.
 """
 
 from __future__ import annotations
@@ -319,6 +319,11 @@ class GemmaLayer(nn.Module):
                 q, k, v, inputs.attn, scale=cfg.scale, half_window=self.window - 1,
                 kernel=kernel,
             )  # fmt: skip
+        elif self.own_attention and kernel == "triton":  # soft-capped, in the fused kernel
+            attn_out = attend(
+                q, k, v, inputs.attn, kv_cache, scale=cfg.scale, window=self.window,
+                kernel=kernel, softcap=cfg.softcap,
+            )  # fmt: skip
         elif self.own_attention:
             attn_out = softcap_attend(
                 q, k, v, inputs.attn, kv_cache, scale=cfg.scale, softcap=cfg.softcap,
@@ -357,10 +362,14 @@ class GemmaStage(StageModel):
         self.max_positions = cfg.max_positions
         self.causal = cfg.causal
         self.kv_layout = KVLayout(cfg.num_kv_heads, cfg.head_dim) if cfg.causal else None
-        standard = [i for i in range(cfg.num_layers) if not cfg.own_attention(i)]
+        # The layers whose attention the chosen kernel computes: all but bidirectional windowed
+        # ones (soft-capped ones too, where that kernel is Triton's).
+        kernel_layers = [
+            i for i in range(cfg.num_layers) if not (cfg.own_attention(i) and cfg.softcap is None)
+        ]
         self.attention_shape = AttentionShape(
             cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, causal=cfg.causal,
-            windowed=any(cfg.windows[i] is not None for i in standard),
+            windowed=any(cfg.windows[i] is not None for i in kernel_layers),
         )  # fmt: skip
         self.attn_kernel = "portable"
         self.graph_safe = not any(cfg.own_attention(i) for i in range(cfg.num_layers))

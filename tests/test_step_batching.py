@@ -15,7 +15,7 @@ import pytest
 from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
-import pipepool.driver.local
+import pipepool.driver.pacing
 from pipepool.config import EngineConfig
 from pipepool.intake.inputs import FIRST_SLICE, FIRST_SLICE_IDS, SLICE, _slice_bounds
 
@@ -88,7 +88,8 @@ def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
     after = qwen3_engine.embed(long_prompts()[:2])  # the engine is idle again, and serves
     assert after.shape[0] == 2
     assert qwen3_engine.kv_blocks_free == blocks
-    assert qwen3_engine.pipeline._backlog_tokens == 0  # what no plan took left the backlog at abort
+    # what no plan took left the backlog at abort
+    assert qwen3_engine.pipeline._pacer.backlog_tokens == 0
     assert qwen3_engine.stats.requests_aborted > 0
 
 
@@ -224,11 +225,11 @@ def test_an_idle_pipeline_starts_with_half_a_step_then_whole_ones_built_while_ea
         engine.pipeline._next_slice_arrived = lambda: wait(timeout_s=10.0)
         # The second slice comes late: only once the loop is short of a step (or after 5 s).
         short, enqueue, loop_short = (
-            engine.pipeline._short_of_a_step,
+            engine.pipeline._pacer.short_of_a_step,
             engine.pipeline.enqueue,
             threading.Event(),
         )
-        engine.pipeline._short_of_a_step = lambda: short() and (loop_short.set() or True)
+        engine.pipeline._pacer.short_of_a_step = lambda: short() and (loop_short.set() or True)
         engine.pipeline.enqueue = lambda sub, part: (
             part.first and loop_short.wait(5),
             enqueue(sub, part),
@@ -254,7 +255,7 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
     it prepares the next, so it does not contend with the loop thread for the GIL while the
     loop has a step to build. The wait is bounded; here the bound is widened so the order is
     certain on a slow machine."""
-    monkeypatch.setattr(pipepool.driver.local, "_PACE_S", 10.0)
+    monkeypatch.setattr(pipepool.driver.pacing, "_PACE_S", 10.0)
     rng = np.random.default_rng(1)
     n = FIRST_SLICE_IDS + SLICE + 52
     slices = list(_slice_bounds(n, None, FIRST_SLICE_IDS))
@@ -265,12 +266,12 @@ def test_a_caller_prepares_its_next_slice_once_less_than_a_step_waits(
         enqueue = engine.pipeline.enqueue
 
         def recording(submission, part):
-            backlog_at_slice.append(engine.pipeline._backlog_tokens)
+            backlog_at_slice.append(engine.pipeline._pacer.backlog_tokens)
             enqueue(submission, part)
 
         engine.pipeline.enqueue = recording
         got = engine.pool(inputs, pooling="mean", normalize=False)
-        assert engine.pipeline._backlog_tokens == 0
+        assert engine.pipeline._pacer.backlog_tokens == 0
     assert len(backlog_at_slice) == len(slices) == 3 and backlog_at_slice[0] == 0
     assert all(0 <= tokens < step for tokens in backlog_at_slice[1:]), backlog_at_slice
     ref = reference(bert_path)

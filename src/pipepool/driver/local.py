@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,7 @@ from ..tracing.recorder import ProcessTrace, now
 from .delivery import deliver
 from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
+from .pacing import IntakePacer
 from .pipeline import Probe
 
 if TYPE_CHECKING:
@@ -50,13 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipepool")
 _CLOSE_JOIN_S = 0.3
-# The longest a caller enqueueing a call's slices waits for the backlog to fall below a step
-# (``slice_intake``): a bound, not a pace; the backlog falls at every step.
-_PACE_S = 0.05
-# A step that starts an idle pipeline holds at most this share of the step budget where steps
-# overlap (``overlap_steps``, CUDA's default): the device starts sooner, and the next step, a
-# whole one, is built while this one runs (BENCHMARKS.md).
-_IDLE_STEP_SHARE = 0.5
 
 
 def _nothing() -> None:
@@ -91,11 +85,10 @@ class LocalPipeline:
         self._inbox: deque[InboxMessage] = deque()
         lock = threading.RLock()
         self._wake = threading.Condition(lock)  # the loop's: work arrived, or stop
-        # A caller's, pacing a call's slices (slice_intake): a step took from the backlog.
-        self._room = threading.Condition(lock)
-        self._backlog_tokens = 0  # enqueued, and not yet in a plan handed to the stages
-        self._plans_handed_over = 0  # since the pipeline started (see slice_intake)
-        self._slicing = 0  # calls still enqueueing slices (see slice_intake)
+        self._pacer = IntakePacer(
+            lock, d.max_num_batched_tokens, d.overlap_steps,
+            ended=lambda: self._stop or self._dead is not None,
+        )  # fmt: skip
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -205,7 +198,7 @@ class LocalPipeline:
             self._closed = True
             self._stop = True
             self._wake.notify()
-            self._room.notify_all()
+            self._pacer.release_waiters()
         if first:
             self._executor.abort()  # a loop waiting on a stage's answer fails over at once
         # The loop leaves at its next check of _stop; one still inside a long step on the
@@ -225,57 +218,13 @@ class LocalPipeline:
             self._inbox.append(AbortCall(submission))
             self._wake.notify()
 
-    @contextlib.contextmanager
-    def slice_intake(self) -> Iterator[Callable[[], object]]:
+    def slice_intake(self) -> contextlib.AbstractContextManager[Callable[[], object]]:
         """Around the enqueueing of a call whose inputs come in several slices: yields what
-        the caller runs after each slice, to keep out of the loop thread's way (both need the
-        GIL) while the loop has enough to do: after the first slice, a wait (5 ms at most)
-        until a step is with the stages; after each, a wait (``_PACE_S`` at most) while the
-        backlog (tokens enqueued, in no plan handed over yet) holds a whole step. While the
-        call lasts the loop, short of a step, waits for its next slice (``_short_of_a_step``)
-        rather than send a short one. Why, with the measurements: BENCHMARKS.md."""
-        if threading.current_thread() is self._thread:  # nothing to wait for
-            yield _nothing
-            return
-        with self._wake:
-            self._slicing += 1
-            handed_before = self._plans_handed_over
-        first = True
-        step = self.deployment.max_num_batched_tokens
-
-        def ended() -> bool:
-            return self._stop or self._dead is not None
-
-        def enqueued() -> None:
-            nonlocal first
-            with self._wake:
-                if first:
-                    first = False
-                    self._room.wait_for(
-                        lambda: self._plans_handed_over > handed_before or ended(), 0.005
-                    )
-                self._room.wait_for(lambda: self._backlog_tokens < step or ended(), _PACE_S)
-
-        try:
-            yield enqueued
-        finally:
-            with self._wake:
-                self._slicing -= 1
-                self._wake.notify()
-
-    def _short_of_a_step(self) -> bool:
-        """Whether a call is still enqueueing slices while less than a step's budget is
-        queued: a step scheduled now would be short, and a short step costs the host as much
-        as a full one while giving a small model's device less to do."""
-        return bool(self._slicing) and self._backlog_tokens < self.deployment.max_num_batched_tokens
-
-    def _idle_step_tokens(self) -> int | None:
-        """The budget of a step scheduled while no step is in flight (``_IDLE_STEP_SHARE``);
-        None (the whole budget) where steps do not overlap (the CPU: the driver computes stage
-        0 itself, so nothing of the next step is built while a step runs)."""
-        if not self.deployment.overlap_steps:
-            return None
-        return int(self.deployment.max_num_batched_tokens * _IDLE_STEP_SHARE)
+        the caller runs after each slice to keep out of the loop thread's way
+        (``IntakePacer.intake``); nothing to wait for on the loop thread itself."""
+        if threading.current_thread() is self._thread:
+            return contextlib.nullcontext(_nothing)
+        return self._pacer.intake(self._wake)
 
     def _take_inbox(self) -> deque:
         with self._wake:
@@ -286,7 +235,9 @@ class LocalPipeline:
         """Whether work arrived while waiting (``timeout_s`` at most, and only while a call
         is still enqueueing slices) for the slice that a call is preparing."""
         with self._wake:
-            self._wake.wait_for(lambda: self._inbox or self._stop or not self._slicing, timeout_s)
+            self._wake.wait_for(
+                lambda: self._inbox or self._stop or not self._pacer.slicing, timeout_s
+            )
             return bool(self._inbox)
 
     def enqueue(self, submission: Submission, part: TokenSlice) -> None:
@@ -306,7 +257,7 @@ class LocalPipeline:
             else:
                 submission.num_tokens[rows] = part.lengths
             submission.batches.append(batch)
-            self._backlog_tokens += batch.num_tokens
+            self._pacer.backlog_tokens += batch.num_tokens
             self._owners.add(submission, part.first, batch, rows)
             self._inbox.append(AddBatch(batch))
             self._wake.notify()
@@ -356,10 +307,10 @@ class LocalPipeline:
             # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
             gathering = tr is not None and bool(self._trace_wanted)
             while len(inflight) < executor.depth and not gathering:
-                if inflight and self._short_of_a_step() and self._next_slice_arrived():
+                if inflight and self._pacer.short_of_a_step() and self._next_slice_arrived():
                     self._apply_inbox(self._take_inbox())
                 t0 = now() if tr is not None else 0
-                plan = scheduler.schedule(None if inflight else self._idle_step_tokens())
+                plan = scheduler.schedule(None if inflight else self._pacer.idle_step_tokens())
                 if plan is None:
                     break
                 submitted = time.perf_counter()
@@ -392,11 +343,9 @@ class LocalPipeline:
             )
 
     def _handed_over(self, plan: StepPlan) -> None:
-        """A plan is with the stages: its tokens leave the backlog (``_slice_intake``)."""
+        """A plan is with the stages: its tokens leave the backlog (``IntakePacer``)."""
         with self._wake:
-            self._backlog_tokens -= plan.num_tokens
-            self._plans_handed_over += 1
-            self._room.notify_all()
+            self._pacer.handed_over(plan.num_tokens)
 
     def _heal(self, failure: BaseException) -> BaseException | None:
         """Start the failed pipeline again and queue every unfinished request once more.
@@ -447,7 +396,7 @@ class LocalPipeline:
             self._apply_inbox(self._take_inbox())  # aborts apply; additions are taken over below
             batches, self._next_id = self._owners.requeue(self._next_id)
             self._scheduler = self._new_scheduler()
-            self._backlog_tokens = sum(batch.num_tokens for batch in batches)
+            self._pacer.backlog_tokens = sum(batch.num_tokens for batch in batches)
             for batch in batches:
                 self._scheduler.add(batch)
                 self.stats.on_retry(len(batch))
@@ -457,7 +406,7 @@ class LocalPipeline:
             self._dead = cause
             self._restarting = False
             callbacks, self._on_death = self._on_death, []
-            self._room.notify_all()
+            self._pacer.release_waiters()
         self.stats.on_error(cause)
         # Callbacks first: a caller whose call fails with the cause may look for them at once.
         for fn in callbacks:
@@ -496,7 +445,7 @@ class LocalPipeline:
                 if owner is not None:
                     unplanned = self._scheduler.abort(batch)
                     with self._wake:
-                        self._backlog_tokens -= unplanned
+                        self._pacer.backlog_tokens -= unplanned
                     self.stats.on_abort(owner.remaining)
 
     def _deliver(self, result: StepResult, ledger: Ledger) -> None:

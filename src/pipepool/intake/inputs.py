@@ -37,7 +37,7 @@ MAX_CHARS_PER_TOKEN = 250
 FIRST_SLICE = 512
 # Token-id arrays pack in bulk at ~0.3 us each (texts tokenise far slower), so their first slice
 # is larger: with a step that starts an idle pipeline capped at half the budget
-# (``Engine._idle_step_tokens``), it holds that step and the start of the next, which the loop
+# (``IntakePacer.idle_step_tokens``), it holds that step and the start of the next, which the loop
 # then builds while the first runs (BENCHMARKS.md).
 FIRST_SLICE_IDS = 1024
 SLICE = 2048

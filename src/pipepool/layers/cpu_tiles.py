@@ -29,6 +29,9 @@ CPU_MLP_TILE_ROWS = 1024
 
 @dataclass(frozen=True)
 class Tile:
+    """A cache-sized piece of a CPU step: some of its requests, computed together; the
+    stage writes each tile's outputs back to the step's rows ``rows``."""
+
     rows: torch.Tensor  # [n] rows of the step (packed order) that this tile computes, in order
     meta: AttentionMetadata  # the tile's requests as a packed batch of their own
 

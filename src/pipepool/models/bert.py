@@ -63,6 +63,9 @@ class EncoderConfig:
 
 
 class FfnWeights(NamedTuple):
+    """A BERT layer's tensors after attention, in the order ``post_attention`` takes them:
+    output projection, its norm, the feed-forward pair and its norm (weights and biases)."""
+
     attn_out: torch.Tensor
     attn_out_bias: torch.Tensor
     attn_norm: torch.Tensor

@@ -37,6 +37,9 @@ _LEGACY_THETA = {"full_attention": "global_rope_theta", "sliding_attention": "lo
 
 @dataclass(frozen=True)
 class ModernBertConfig:
+    """The ModernBERT shape and math a checkpoint's config.json asks for, read and checked
+    once (``from_hf``); every stage of one deployment builds from the same one."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -29,6 +29,9 @@ _FEED_FORWARDS = {(False, "relu"): "relu", (True, "gelu_new"): "gated-gelu"}
 
 @dataclass(frozen=True)
 class T5Config:
+    """The T5 encoder shape and math a checkpoint's config.json asks for (gated or not,
+    relative-bias buckets, norm eps), read and checked once; every stage builds from it."""
+
     vocab_size: int
     d_model: int
     d_kv: int

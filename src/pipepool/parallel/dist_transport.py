@@ -43,6 +43,9 @@ class P2PGroup(Protocol):
 
 @dataclass
 class Groups:
+    """This stage process's place in the pipeline's process groups: gloo for control
+    messages (plans, results, pings), the data group (NCCL on CUDA, else gloo) for activations."""
+
     rank: int
     world: int
     control: P2PGroup  # ProcessGroupGloo

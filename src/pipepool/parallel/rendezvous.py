@@ -39,6 +39,8 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class TorchrunEnv:
+    """The rank, world size and local rank a torchrun-style launcher gave this process."""
+
     rank: int
     world: int
     local_rank: int

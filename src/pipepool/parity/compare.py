@@ -10,6 +10,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RequestScore:
+    """How one request's engine output compares with the reference: cosine (the lowest
+    token's for ALL pooling; nan when an output is not finite) and the largest absolute
+    difference."""
+
     cosine: float  # for ALL pooling: the lowest over the request's tokens; nan if non-finite
     max_abs_diff: float
     worst_token: int | None = None  # ALL pooling: position of the lowest-cosine token

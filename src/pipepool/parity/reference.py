@@ -29,6 +29,9 @@ class ParityError(PipepoolError):
 
 @dataclass(frozen=True)
 class ReferenceOutputs:
+    """The reference's outputs for every prompt, per pooling, and what produced them (in
+    words, for the report)."""
+
     description: str  # e.g. "transformers 5.17.0 AutoModel, float32 on cpu"
     outputs: dict[str, list[np.ndarray]]  # pooling -> one output per prompt
 

@@ -22,6 +22,9 @@ _COLUMNS = (
 
 @dataclass
 class ParityReport:
+    """A parity run: the prompts, the reference and threshold, and one ``Row`` per
+    configuration tried; it passes when every row does."""
+
     model: str
     reference: str  # what the engine was compared with, in words
     engine: str  # dtype and device of the engines under test

@@ -34,6 +34,9 @@ _COLUMNS = ("configuration", "pairs", "chunked", "max |diff|", "worst pair", "or
 
 @dataclass
 class ScoreRow:
+    """One configuration (PP degree, token budget) of a score parity run: the largest score
+    difference, where it was, and whether the ranking matches the reference's."""
+
     pp: int
     max_num_batched_tokens: int
     pairs: int
@@ -53,6 +56,9 @@ class ScoreRow:
 
 @dataclass
 class ScoreReport:
+    """A score parity run for a classifier or reranker: the pairs, the reference and the
+    per-logit threshold, and one ``ScoreRow`` per configuration; it passes when every row does."""
+
     model: str
     reference: str
     engine: str

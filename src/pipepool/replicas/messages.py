@@ -71,12 +71,18 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class Ready:
+    """A replica process's first message: its engine is loaded (with the deployment as the
+    replica sees its devices) and it takes work."""
+
     deployment: Deployment  # devices as that replica sees them
     pid: int
 
 
 @dataclass(frozen=True)
 class StartFailed:
+    """A replica process's first message when its engine could not start: the error, to be
+    raised at the front (a bad model fails the whole engine's start)."""
+
     error: BaseException
 
 

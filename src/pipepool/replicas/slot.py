@@ -16,6 +16,8 @@ from .placement import ReplicaPlacement
 
 
 class State(Enum):
+    """Where a replica is in its life; only ``OK`` replicas are routed new work."""
+
     STARTING = "starting"
     OK = "ok"  # takes new work
     HEALING = "healing"  # its engine restarts a stage; its work was moved to the others

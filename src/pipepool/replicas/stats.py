@@ -15,6 +15,9 @@ _SUMMED = ("steps", "scheduled_tokens", "chunked_requests", "step_time_sum", "st
 
 @dataclass(frozen=True)
 class ReplicaStatus:
+    """One replica as ``Engine.replica_status()`` and ``/health`` report it: state, process,
+    devices, load and recent throughput."""
+
     index: int
     state: str  # starting | ok | healing | restarting | failed
     pid: int | None

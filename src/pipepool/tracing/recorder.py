@@ -22,6 +22,8 @@ MAX_SPANS = 200_000
 
 
 class Span(NamedTuple):
+    """One timed interval of a process's step timeline, on that process's monotonic clock."""
+
     track: str  # a lane of the process: "host", "device", "loop", "pipeline"
     name: str  # what happened: "forward", "wait input", "schedule", ...
     start_ns: int  # on the process's clock (ProcessTrace.offset_ns moves it to the driver's)

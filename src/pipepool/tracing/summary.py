@@ -29,6 +29,9 @@ DRIVER_SPANS = ("schedule", "submit", "wait result", "deliver")
 
 @dataclass(frozen=True)
 class StageTime:
+    """Where one stage's time went within a trace window, as shares of the window: computing
+    (busy), waiting for its input or to send, host work, pipeline fill and drain."""
+
     stage: str
     busy: float
     wait_input: float
@@ -46,6 +49,9 @@ class StageTime:
 
 @dataclass(frozen=True)
 class TraceSummary:
+    """A trace window in numbers: how long plans were in flight, each stage's ``StageTime``
+    and the driver loop's shares; printable (``text``) and JSON-ready (``as_dict``)."""
+
     seconds: float  # plans in flight, within the window
     periods: int  # busy periods (from the first plan in flight to none in flight)
     stages: tuple[StageTime, ...]

@@ -17,7 +17,7 @@ from ..config import POOLING_TYPES, EngineConfig
 from ..errors import InvalidInputError, PromptTooLongError
 from ..intake.inputs import InputPreparer
 from ..loading.deployment import Deployment, plan_deployment
-from .compare import Row, fill_row, score_request
+from .compare import Row, allowed_error, fill_row, score_request, within_allowed
 from .prompts import builtin_prompts
 from .reference import compute_reference
 from .report import ParityReport
@@ -97,6 +97,23 @@ def run_parity(
     threshold = sweep.min_cosine
     if threshold is None:
         threshold = default_min_cosine(deployment.dtype)
+    allowed = None  # per pooling and prompt: DESIGN.md §3's bar, where it applies
+    rule = None
+    if _floor_rule_applies(sweep, deployment):
+        engine_dtype = str(deployment.dtype).removeprefix("torch.")
+        log(f"reference: transformers in {engine_dtype} too, for DESIGN.md §3's bar")
+        peer = compute_reference(
+            "transformers", deployment, texts, token_ids, sweep.poolings,
+            device=sweep.reference_device, dtype=engine_dtype,
+        )  # fmt: skip
+        allowed = {
+            p: [allowed_error(a, b) for a, b in zip(peer.outputs[p], ref.outputs[p], strict=True)]
+            for p in sweep.poolings
+        }
+        rule = (
+            f"1 - cos(engine, reference) <= 1.5 x (1 - cos(transformers {engine_dtype}, "
+            "reference)) + 1e-5 for every request"
+        )
     report = ParityReport(
         model=str(deployment.folder.path),
         reference=ref.description,
@@ -105,13 +122,27 @@ def run_parity(
         min_cosine=threshold,
         prompt_tokens=lengths,
         prompt_previews=[_preview(t) for t in texts],
+        rule=rule,
     )
     for pp in sweep.pps:
         for budget in sweep.budgets:
             log(f"pp={pp} tokens={budget}: {', '.join(sweep.poolings)}")
             config = base.replace(pipeline_parallel_size=pp, max_num_batched_tokens=budget)
-            report.rows += _run_config(config, sweep.poolings, token_ids, ref.outputs, threshold)
+            report.rows += _run_config(
+                config, sweep.poolings, token_ids, ref.outputs, threshold, allowed
+            )
     return report
+
+
+def _floor_rule_applies(sweep: Sweep, deployment: Deployment) -> bool:
+    """DESIGN.md §3: a 16-bit engine against a float32 transformers reference is judged by
+    transformers' own 16-bit error, unless a fixed ``--min-cosine`` was asked for."""
+    return (
+        sweep.reference == "transformers"
+        and sweep.min_cosine is None
+        and sweep.reference_dtype == "float32"
+        and deployment.dtype != torch.float32
+    )
 
 
 def _run_config(
@@ -120,9 +151,11 @@ def _run_config(
     token_ids: list[np.ndarray],
     expected: dict[str, list[np.ndarray]],
     threshold: float,
+    allowed: dict[str, list[np.ndarray]] | None = None,
 ) -> list[Row]:
     """All poolings on one engine. Any exception is the row's result: a dead engine fails
-    its remaining poolings with the cause in their message."""
+    its remaining poolings with the cause in their message. ``allowed``: DESIGN.md §3's bar
+    per request, which then decides whether a row passes (``threshold`` otherwise)."""
     budget = config.max_num_batched_tokens
     assert budget is not None, "each configuration of a sweep names its token budget"
 
@@ -159,7 +192,13 @@ def _run_config(
                 continue
             r = row(pooling, engine.stats.chunked_requests - chunked_before)
             r.seconds = time.perf_counter() - t0
-            rows.append(fill_row(r, scores, [len(t) for t in token_ids], threshold))
+            r = fill_row(r, scores, [len(t) for t in token_ids], threshold)
+            if allowed is not None:
+                r.passed = all(
+                    within_allowed(g, e, a)
+                    for g, e, a in zip(got, expected[pooling], allowed[pooling], strict=True)
+                )
+            rows.append(r)
     return rows
 
 

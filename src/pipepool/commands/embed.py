@@ -1,5 +1,5 @@
 """``pipepool embed``: texts (arguments, a file or stdin) in, vectors out (printed, .npy or
-.jsonl)."""
+.jsonl). Input files are read line for line by ``intake.text_files``."""
 
 from __future__ import annotations
 
@@ -7,14 +7,22 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
+from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
 from .common import add_engine_args, engine_config
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..api.engine import Engine
+
+__all__ = ["add_parser", "check_output", "line_map_path", "read_inputs", "run"]
+
 _PROGRESS_MIN_INPUTS = 64
-STDIN = "-"
+_NAMED_LINES = 5  # lines named on stderr when some were left out or changed
 
 
 def add_parser(sub, help: str) -> None:
@@ -23,15 +31,35 @@ def add_parser(sub, help: str) -> None:
     p.add_argument(
         "--input",
         help=".txt (one text per line), .jsonl (strings, token-id lists, or objects with "
-        "'text'), .json (an array of those), or '-' for stdin (one text per line)",
+        "'text'), .json (an array of those), or '-' for stdin (one text per line). Only \\n "
+        "and \\r\\n end a line (a form feed, U+2028 or NEL stays inside its line)",
     )
     p.add_argument(
         "--output",
         type=Path,
-        help=".npy (an [n, dim] array) or .jsonl (one object per input: index, text, embedding)",
+        help=".npy (an [n, dim] array) or .jsonl (one object per input: index, text, "
+        "embedding). When every row comes from the lines of one --input .txt/.jsonl file or "
+        "stdin, OUTPUT.lines.txt is written next to it: one line per row, the 1-based input "
+        "line number that row embeds (rows skip the lines left out)",
     )
     p.add_argument(
         "--no-text", action="store_true", help="leave the input text out of --output .jsonl rows"
+    )
+    p.add_argument(
+        "--keep-blank",
+        action="store_true",
+        help="embed blank lines (empty or whitespace only) as rows of their own, as "
+        "sentence-transformers embeds '' (the model's special tokens after any prompt); empty "
+        "texts too. Default: blank lines are left out, counted on stderr, and OUTPUT.lines.txt "
+        "maps rows to lines",
+    )
+    p.add_argument(
+        "--errors",
+        choices=ERROR_MODES,
+        default="stop",
+        help="a line that is not valid UTF-8: stop with an error naming it (default), skip it "
+        "(counted on stderr, left out of OUTPUT.lines.txt), or replace its invalid bytes with "
+        "U+FFFD and embed it",
     )
     p.add_argument("--dimensions", type=int, help="Matryoshka: keep the first N dimensions")
     p.add_argument(
@@ -46,100 +74,9 @@ def add_parser(sub, help: str) -> None:
     add_engine_args(p)
 
 
-@dataclass
-class Inputs:
-    """What to embed, and where each item came from (``file.txt:9``), for error messages."""
-
-    items: list = field(default_factory=list)
-    origins: list[str] = field(default_factory=list)
-
-    def add(self, item, origin: str) -> None:
-        self.items.append(item)
-        self.origins.append(origin)
-
-
-def read_inputs(texts: list[str], path: str | Path | None) -> Inputs:
-    """Inputs from TEXT arguments and ``--input`` (a file or ``-``), each with its origin."""
-    inputs = Inputs()
-    sources = []
-    for k, text in enumerate(texts, 1):
-        if text == STDIN:
-            sources.append(STDIN)
-        else:
-            inputs.add(text, f"TEXT argument {k}")
-    if path is not None:
-        sources.append(str(path))
-    for source in sources:
-        before = len(inputs.items)
-        _read_source(source, inputs)
-        if len(inputs.items) == before:
-            name = "stdin" if source == STDIN else source
-            raise InvalidInputError(
-                f"{name} has nothing to embed (it is empty or has only blank lines)",
-                param="input",
-            )
-    if not inputs.items:
-        raise InvalidInputError(
-            "nothing to embed: give TEXT arguments, --input FILE, or '-' to read stdin",
-            param="input",
-        )
-    return inputs
-
-
-def _read_source(source: str, inputs: Inputs) -> None:
-    if source == STDIN:
-        lines = sys.stdin.read().splitlines()
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                inputs.add(line, f"<stdin>:{n}")
-        return
-    path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"cannot read --input {path}: {exc}", param="input") from None
-    if path.suffix == ".json":
-        _read_json_array(path, text, inputs)
-    elif path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                inputs.add(_item(path, n, _parse(path, n, line)), f"{path}:{n}")
-    else:
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                inputs.add(line, f"{path}:{n}")
-
-
-def _read_json_array(path: Path, text: str, inputs: Inputs) -> None:
-    if not text.strip():
-        return
-    data = _parse(path, None, text)
-    if not isinstance(data, list):
-        raise InvalidInputError(
-            f"{path}: expected a JSON array of texts, got {type(data).__name__}", param="input"
-        )
-    for k, obj in enumerate(data):
-        inputs.add(_item(path, f"element {k}", obj), f"{path} element {k}")
-
-
-def _parse(path: Path, where, text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        at = f":{where}" if where is not None else f":{exc.lineno}"
-        raise InvalidInputError(f"{path}{at}: not valid JSON ({exc.msg})", param="input") from None
-
-
-def _item(path: Path, where, obj):
-    if isinstance(obj, dict):
-        obj = obj.get("text", obj.get("input"))
-    if not isinstance(obj, (str, list)):
-        sep = ":" if isinstance(where, int) else " "
-        raise InvalidInputError(
-            f"{path}{sep}{where}: expected a string, a token list or {{'text': ...}}",
-            param="input",
-        )
-    return obj
+def line_map_path(output: Path) -> Path:
+    """Where the row->line map of ``output`` goes: ``<output>.lines.txt``."""
+    return output.with_name(output.name + ".lines.txt")
 
 
 def check_output(output: Path | None) -> None:
@@ -158,30 +95,26 @@ def check_output(output: Path | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
-    from ..api.progress import follow
 
-    inputs = read_inputs(args.texts, args.input)
+    try:
+        inputs = read_inputs(args.texts, args.input, keep_blank=args.keep_blank, errors=args.errors)
+    except UndecodableLineError as exc:
+        if args.errors != "stop":
+            raise
+        hint = "; --errors skip leaves such lines out, --errors replace reads them with U+FFFD"
+        raise InvalidInputError(f"{exc}{hint}", param="input") from None
     check_output(args.output)
     started = time.perf_counter()
     with Engine.from_config(engine_config(args)) as engine:
         loaded = time.perf_counter()
-        try:
-            submission = engine.submit(
-                inputs.items,
-                dimensions=args.dimensions,
-                prompt_name=args.prompt_name,
-                truncate_prompt_tokens=args.truncate_prompt_tokens,
-            )
-        except InvalidInputError as exc:
-            raise _located(exc, inputs) from None
-        follow(submission, disable=args.no_progress or len(inputs.items) < _PROGRESS_MIN_INPUTS)
-        vectors = submission.result()
+        vectors = _embed(engine, inputs, args)
         done = time.perf_counter()
         if engine.config.trace:
             summary = engine.write_trace()
             print(f"{summary.text()}\ntrace written to {engine.config.trace}", file=sys.stderr)
         stats = engine.stats
         _write(vectors, args.output, None if args.no_text else inputs.items)
+        _report_lines(inputs, args.output)
         d = engine.deployment
         print(
             f"embedded {len(inputs.items)} inputs ({stats.prompt_tokens_finished} tokens) -> "
@@ -196,16 +129,120 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(engine: Engine, inputs: Inputs, args: argparse.Namespace) -> np.ndarray:
+    """One vector per item of ``inputs``, in order. With --keep-blank an empty text is
+    embedded as sentence-transformers embeds "": the model's special tokens after any prompt
+    ([CLS] [SEP] for BERT). The engine refuses empty texts, so those rows go as token ids,
+    once: every empty text has the same vector."""
+    import numpy as np
+
+    from ..api.progress import follow
+
+    items = inputs.items
+    blank = [i for i, x in enumerate(items) if args.keep_blank and isinstance(x, str) and not x]
+    rest = sorted(set(range(len(items))) - set(blank))
+    options = {"dimensions": args.dimensions, "truncate_prompt_tokens": args.truncate_prompt_tokens}
+    empty = None
+    if blank:
+        texts = all(isinstance(items[i], str) for i in rest)
+        ids = _empty_text_ids(engine, args.prompt_name, args.truncate_prompt_tokens, texts)
+        try:
+            empty = engine.submit([ids], **options)
+        except InvalidInputError as exc:
+            raise _located(exc, [inputs.origins[blank[0]]]) from None
+    if not rest:
+        assert empty is not None
+        return np.repeat(empty.result(), len(items), axis=0)
+    try:
+        submission = engine.submit(
+            [items[i] for i in rest], prompt_name=args.prompt_name, **options
+        )
+    except InvalidInputError as exc:
+        if empty is not None:
+            empty.cancel()
+        raise _located(exc, [inputs.origins[i] for i in rest]) from None
+    follow(submission, disable=args.no_progress or len(rest) < _PROGRESS_MIN_INPUTS)
+    vectors = submission.result()  # [len(rest), dim]
+    if empty is None:
+        return vectors
+    out = np.empty((len(items), vectors.shape[1]), dtype=vectors.dtype)
+    out[rest] = vectors
+    out[blank] = empty.result()[0]
+    return out
+
+
+def _empty_text_ids(
+    engine: Engine, prompt_name: str | None, truncate: int | None, texts: bool
+) -> np.ndarray:
+    """Token ids of "" as the engine would make them were it to take an empty text: the
+    prompt (``prompt_name``, else the model's default one; only where the other inputs are
+    ``texts``, as the engine prompts no token ids) and the tokenizer's special tokens, cut as
+    ``truncate`` (--truncate-prompt-tokens) cuts a text."""
+    prep = engine.inputs
+    name = prompt_name if prompt_name is not None else prep.default_prompt_name
+    prefix = ""
+    if name is not None and texts:
+        if name not in prep.prompts:
+            known = ", ".join(sorted(prep.prompts)) or "none"
+            raise InvalidInputError(
+                f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
+            )
+        prefix = prep.prompts[name]
+    limit = prep.deployment.max_model_len if truncate == -1 else truncate
+    ids = prep.tokenizer.encode_batch([prefix], max_tokens=limit if limit and limit > 0 else None)
+    if not len(ids[0]):
+        raise InvalidInputError(
+            "an empty text has no tokens for this model (its tokenizer adds no special tokens "
+            "and no prompt is set): there is nothing to embed for a blank line; leave "
+            "--keep-blank off to skip blank lines",
+            param="input",
+        )
+    return ids[0]
+
+
+def _report_lines(inputs: Inputs, output: Path | None) -> None:
+    """On stderr: the lines left out or changed; next to ``output``, the row->line map."""
+    if inputs.skipped_blank:
+        print(
+            f"skipped {inputs.skipped_blank} blank lines (--keep-blank embeds them)",
+            file=sys.stderr,
+        )
+    for what, origins in (
+        ("skipped {} lines that are not valid UTF-8", inputs.undecodable),
+        ("replaced invalid UTF-8 with U+FFFD in {} lines", inputs.replaced),
+    ):
+        if origins:
+            named = ", ".join(origins[:_NAMED_LINES]) + (
+                ", ..." if len(origins) > _NAMED_LINES else ""
+            )
+            print(f"{what.format(len(origins))}: {named}", file=sys.stderr)
+    lines = inputs.line_map()
+    if output is None:
+        return
+    target = line_map_path(output)
+    if lines is None:
+        if inputs.skipped_blank or inputs.undecodable:
+            print(
+                f"no row->line map: the rows come from several sources ({target} not written)",
+                file=sys.stderr,
+            )
+        return
+    target.write_text("".join(f"{n}\n" for n in lines), encoding="utf-8")
+    if inputs.skipped_blank or inputs.undecodable:
+        print(f"row->line map written to {target}", file=sys.stderr)
+
+
 def _replicas(engine) -> str:
     n = engine.config.data_parallel_size
     return f"{n} replicas x " if n > 1 else ""
 
 
-def _located(exc: InvalidInputError, inputs: Inputs) -> InvalidInputError:
-    """The engine's error with the line (or argument) the bad input came from."""
-    if exc.index is None or not 0 <= exc.index < len(inputs.origins):
+def _located(exc: InvalidInputError, origins: list[str]) -> InvalidInputError:
+    """The engine's error with the line (or argument) the bad input came from; ``origins``:
+    those of the inputs of the call that raised it."""
+    if exc.index is None or not 0 <= exc.index < len(origins):
         return exc
-    return type(exc)(f"{inputs.origins[exc.index]}: {exc}", param=exc.param, index=exc.index)
+    return type(exc)(f"{origins[exc.index]}: {exc}", param=exc.param, index=exc.index)
 
 
 def _write(vectors, output: Path | None, texts: list | None) -> None:

@@ -3,12 +3,14 @@ transformers, with the historical bug injected and stage processes killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import faults
@@ -282,6 +284,44 @@ def test_killed_stages_are_restarted_and_every_request_still_matches(qwen3_path)
         assert engine.health == "ok"
         pids = _stage_pids(engine)
     assert all(_gone(pid) for pid in pids)
+
+
+def test_a_hung_stage_is_declared_by_the_watchdog_and_the_pipeline_heals(qwen3_path):
+    """A stage process stopped (SIGSTOP) mid-call answers nothing while its process lives on:
+    once a step is ``step_timeout_s`` (+ 10 ms a token) overdue the watchdog kills the stages,
+    health turns degraded, the pipeline restarts and every request is answered, as for a
+    killed stage."""
+    prompts = [f"{i} {p}" for i in range(3) for p in long_prompts()]
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=7, normalize=False) as ref:
+        want = ref.embed(prompts)
+    engine = pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=7, normalize=False,
+        step_timeout_s=1.0,
+    )  # fmt: skip
+    engine.pipeline._restarts.first_delay_s = 0.01
+    degraded = threading.Event()
+    with engine:
+        engine.embed(["a first step, unbounded: it may compile"])
+        submission = engine.submit(prompts)
+        started = threading.Event()
+        submission.add_progress_callback(lambda n: started.set())
+        assert started.wait(60)
+        stopped = _stage_pids(engine)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            while not submission.done() and not degraded.is_set():
+                if engine.health == "degraded":
+                    degraded.set()
+                futures.wait([submission], timeout=0.05)  # health is polled: no event
+            got = submission.result(timeout=180)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        assert degraded.is_set()
+        assert _per_request_min_cosine(got, want) >= MIN_COSINE
+        assert engine.stats.pipeline_restarts == 1
+        assert stopped not in _stage_pids(engine)
+        assert engine.health == "ok"
 
 
 def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3_path, monkeypatch):

@@ -54,7 +54,9 @@ class EngineConfig:
         None, "model folder or hub id (default: the bundled all-MiniLM-L6-v2)"
     )
     dtype: str = option(
-        "auto", "auto: float32 on CPU, the checkpoint's 16-bit type on GPU", choices=DTYPES
+        "auto",
+        "auto: float32 on the CPU; on GPU float16 for float16 checkpoints, else bfloat16",
+        choices=DTYPES,
     )
     device: str = option("auto", "auto | cpu | cuda (auto: cuda when available)")
     # None (decided in deployment.step_tokens): 16384 on CUDA (TEI's default), 32768 for
@@ -64,8 +66,9 @@ class EngineConfig:
     # results come back often enough for a progress bar to move.
     max_num_batched_tokens: int | None = option(
         None,
-        "token budget of one step; longer prompts are chunked to fit (default: 16384 on CUDA, "
-        "32768 for small models such as all-MiniLM; 2048 on the CPU)",
+        "token budget of one step; longer prompts are chunked to fit (default: chosen per "
+        "device and model: 2048 on the CPU; on CUDA about 2 TFLOP of work, at least 16384 "
+        "tokens and at most 65536, e.g. 65536 for all-MiniLM-L6-v2)",
     )
     # Pooling has no decode phase: a step's size is bounded by tokens, as in TEI, and the
     # request count does not cap a step of short prompts below its token budget.
@@ -85,7 +88,10 @@ class EngineConfig:
         1, "pipeline stages (one process and, on GPU, one device each)", flag="--pp"
     )
     pp_partition: tuple[int, ...] | None = option(
-        None, "layers per stage, e.g. 10,18 (sums to the model's layers)", parse=parse_partition
+        None,
+        "layers per stage, e.g. 10,18 (sums to the model's layers; default: as even as "
+        "possible, the first stages one layer more)",
+        parse=parse_partition,
     )
     # Data parallelism: independent replicas of the whole pipeline, each with its own scheduler
     # in its own processes (replicas/), behind one front end that tokenises and routes. On GPU
@@ -126,12 +132,28 @@ class EngineConfig:
         choices=ATTENTION,
     )
     block_size: int = option(16, "tokens per KV-cache block", cli=False)
-    kv_cache_tokens: int | None = option(None, "KV capacity in tokens (default: from memory)")
+    kv_cache_tokens: int | None = option(
+        None,
+        "KV capacity in tokens, for causal models (default: on GPU what nine tenths of the "
+        "free memory hold after the weights, a step's working set and 1 GiB; on the CPU 4 GiB "
+        "worth)",
+    )
     # A pipeline that heals: when a stage process dies, the engine starts the stages again and
     # runs the requests that were in flight once more (pooling is a pure function of a prompt,
     # so no caller sees the failure). More failures than this within 5 minutes: give up.
     stage_restarts: int = option(
         5, "restart the stage processes after one dies, up to N times in 5 minutes (0: fail)"
+    )
+    # A stage process that stops answering (stopped, deadlocked, a wedged device) would hold
+    # every request forever: once a step's result is this late it is treated as dead, and the
+    # pipeline heals as for a killed stage (driver/watchdog.py).
+    # 300 s as vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any step of a healthy
+    # pipeline (an 8B step on the CPU included), which a false alarm would restart for nothing.
+    step_timeout_s: float = option(
+        300.0,
+        "seconds a step's result may take, plus 10 ms per token of the step, before its stage "
+        "processes count as hung and are restarted (0: wait forever; stage processes only, "
+        "from the second step of a pipeline on)",
     )
     # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
@@ -147,7 +169,9 @@ class EngineConfig:
     compile: bool | None = option(None, "torch.compile the layers (default: on for CUDA)")
     # CUDA graphs replay a step's kernels without launching them one by one from Python:
     # captured per padded token count, the first time a step of that size runs.
-    cuda_graphs: bool | None = option(None, "replay steps as CUDA graphs (default: on for CUDA)")
+    cuda_graphs: bool | None = option(
+        None, "replay steps as CUDA graphs (default: on for CUDA where the model allows it)"
+    )
     # Multi-process pipeline runs ahead of the devices: one plan more in flight than stages,
     # and the last stage sends step k's results only once step k+1 is queued on its device,
     # so no device waits for the host between steps. None: on for CUDA. Off on CPU, where
@@ -237,6 +261,8 @@ class EngineConfig:
                 f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}",
                 param="attention",
             )
+        if self.step_timeout_s < 0:
+            raise InvalidInputError("step_timeout_s must be >= 0", param="step_timeout_s")
         if self.stage_restarts < 0:
             raise InvalidInputError("stage_restarts must be >= 0", param="stage_restarts")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

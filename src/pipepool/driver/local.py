@@ -45,6 +45,7 @@ from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pacing import IntakePacer
 from .pipeline import Probe
+from .watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from ..stage.runner import StageRunner
@@ -95,6 +96,9 @@ class LocalPipeline:
         self._closed = False
         self._stop = False
         self._executor.set_failure_listener(self._wake_loop)
+        # Only stage processes of ours can be killed and started again when they hang.
+        timeout = config.step_timeout_s if self._executor.can_restart else 0.0
+        self._watchdog = StepWatchdog(timeout, self._on_hung)
         self._lowered_switch = switch_interval.lower(config.switch_interval_ms / 1000)
         self._thread = threading.Thread(target=self._loop, name="pipepool-engine", daemon=True)
         self._thread.start()
@@ -197,6 +201,7 @@ class LocalPipeline:
             first = not self._closed
             self._closed = True
             self._stop = True
+            self._watchdog.stop()
             self._wake.notify()
             self._pacer.release_waiters()
         if first:
@@ -287,6 +292,7 @@ class LocalPipeline:
         """Schedule, execute and deliver until closed; raises what failed the pipeline."""
         inflight: deque[tuple[StepPlan, float]] = deque()  # (plan, when it was submitted)
         executor, scheduler = self._executor, self._scheduler
+        self._watchdog.reset()
         while True:
             with self._wake:
                 while not (
@@ -318,6 +324,7 @@ class LocalPipeline:
                     tr.submitted(t0)
                     t0 = tr.span("schedule", t0, plan)
                 executor.submit(plan)
+                self._watchdog.submitted(plan.num_tokens)
                 self._handed_over(plan)
                 if tr is not None:
                     tr.span("submit", t0, plan)
@@ -326,6 +333,7 @@ class LocalPipeline:
             if inflight:
                 t0 = now() if tr is not None else 0
                 result = executor.collect()
+                self._watchdog.collected()
                 plan, submitted = inflight.popleft()
                 if tr is not None:
                     t0 = tr.span("wait result", t0, plan)
@@ -413,6 +421,12 @@ class LocalPipeline:
             fn(cause)
         self._fail_pending(cause)
         self._executor.shutdown()
+
+    def _on_hung(self, reason: str) -> None:
+        """The watchdog's thread: a step is overdue. Killing the stages fails the loop's wait,
+        and the loop heals the pipeline (or dies of it, past the restart limit)."""
+        log.error("pipeline hung: %s", reason)
+        self._executor.declare_hung(reason)
 
     def _wake_loop(self) -> None:
         with self._wake:

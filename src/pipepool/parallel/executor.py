@@ -69,6 +69,11 @@ class Executor(ABC):
         called with no plan in flight. Empty when tracing is off."""
         return []
 
+    def declare_hung(self, reason: str) -> None:  # noqa: B027 - nothing to kill in one process
+        """From any thread: the stages stopped answering; where this executor started their
+        processes, record ``StageFailure(reason)`` and kill them, so that whatever waits on
+        them fails at once (and the pipeline can heal)."""
+
     def abort(self) -> None:  # noqa: B027 - nothing to interrupt in one process
         """Stop now, from any thread: stages this process started are killed, so whatever
         waits on them fails at once. ``shutdown()`` still follows."""

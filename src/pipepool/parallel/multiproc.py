@@ -264,6 +264,14 @@ class MultiprocExecutor(Executor):
         if self._listener is not None:
             self._listener()
 
+    def declare_hung(self, reason: str) -> None:
+        if self._closing or not self._procs:  # closing, or torchrun's ranks: not ours to kill
+            return
+        self._record(StageFailure(reason))
+        self._kill_all()  # the driver's wait on the last stage fails now
+        if self._listener is not None:
+            self._listener()
+
     def _read_reports(self) -> dict[int, ErrorReport]:
         reports: dict[int, ErrorReport] = {}
         for rank in range(1, self.num_stages):

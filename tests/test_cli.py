@@ -17,6 +17,7 @@ from tiny_models import SENTENCES
 
 import pipepool
 from pipepool.commands.cli import main
+from pipepool.config import EngineConfig
 
 TEXTS = SENTENCES[:5]
 
@@ -257,3 +258,122 @@ def test_progress_bar_moves_as_requests_finish(bert_path, monkeypatch):
     assert steps > 10
     moves = sorted(set(seen) - {0})
     assert moves[-1] == len(texts) and len(moves) > 10  # many moves, not one at the end
+
+
+# -- issue 38: bench honours --requests everywhere and reports progress; help and README say
+# what the code does ------------------------------------------------------------------------
+
+
+def test_text_workload_first_n_texts_are_the_whole_workloads_first():
+    from pipepool.commands.workloads import TEXT_WORKLOADS, make_texts
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    for name, (count, _, _) in TEXT_WORKLOADS.items():
+        whole = make_texts(name, words)
+        assert len(whole) == count
+        assert make_texts(name, words, requests=7) == whole[:7]
+
+
+def test_bench_requests_limits_every_workload_and_progress_goes_to_stderr(
+    bert_path, st_bert_path, tmp_path, capsys
+):
+    runs = [("T5", st_bert_path, "texts"), ("W1", bert_path, "tokens")]
+    for workload, model, unit in runs:
+        rows_file = tmp_path / f"{workload}.json"
+        args = ["--model", str(model), "--workload", workload, "--requests", "7"]
+        args += ["--passes", "2", "--warm-up-passes", "1", "--st-batch-sizes", "4"]
+        args += ["--peer-batch-sizes", "4", "--json", str(rows_file)]
+        assert main(["bench", *args]) == 0
+        out, err = capsys.readouterr()
+        rows = json.loads(rows_file.read_text())
+        assert [(r["workload"], r["requests"]) for r in rows] == [(workload, 7)]
+        assert "bench " not in out and "pass 1" not in out  # stdout: the table only
+        mine = [line for line in err.splitlines() if line.startswith(f"bench {workload}: ")]
+        phases = [line.split(": ", 1)[1] for line in mine]
+        expected = [
+            "starting the engine",
+            "engine started in",
+            "warm-up: up to 1 passes",
+            "warm-up pass 1: ",
+            "timed: 2 passes",
+            "timed pass 1: ",
+            "timed pass 2: ",
+            "peer: ",
+            "peer batch size 4: ",
+        ]
+        found = iter(phases)  # each phase in this order, other lines between them
+        for start in expected:
+            assert any(p.startswith(start) for p in found), (workload, start, mine)
+        assert any(re.search(rf"timed pass 1: [\d.]+ s \([\d,]+ {unit}/s\)", p) for p in phases)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "T9"], "argument --workload: unknown workload 'T9' (known: W1, W2, W3"),
+        (["--requests", "0"], "argument --requests: expected an integer >= 1, got '0'"),
+        (["--passes", "two"], "argument --passes: expected an integer >= 1, got 'two'"),
+        (
+            ["--st-batch-sizes", "32,x"],
+            "argument --st-batch-sizes: expected comma-separated batch sizes (integers >= 1), "
+            "got '32,x'",
+        ),
+    ],
+)
+def test_bench_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", *args])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_step_budget_help_states_the_defaults_the_deployment_uses(capsys):
+    from pipepool.loading.deployment import step_tokens
+
+    with pytest.raises(SystemExit):
+        main(["embed", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    start = text.index("--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS token budget")
+    budget_help = text[start : text.index("--max-num-seqs", start)]
+    config = EngineConfig()
+    cpu = step_tokens(config, False, 1e6)
+    largest = step_tokens(config, True, 1.0)  # a tiny model: the most tokens a step takes
+    smallest = step_tokens(config, True, 1e15)  # a huge one: the fewest
+    assert f"default: chosen per device and model: {cpu} on the CPU" in budget_help
+    assert f"at least {smallest} tokens and at most {largest}" in budget_help
+    assert step_tokens(config.replace(max_num_batched_tokens=77), True, 1.0) == 77
+
+
+_REPO = Path(__file__).parents[1]
+
+
+def test_readme_cites_only_files_in_the_repository():
+    readme = (_REPO / "README.md").read_text()
+    assert not re.search(r"\bDESIGN\b", readme), "DESIGN is not part of the repository"
+    held = [
+        p.relative_to(_REPO).as_posix()
+        for p in _REPO.rglob("*")
+        if p.is_file() and not ({".git", ".venv", ".gpu"} & set(p.relative_to(_REPO).parts))
+    ]
+    cited = set(re.findall(r"[\w./-]*\w\.(?:md|py|sh)\b", readme)) | {".ci/run", "LICENSE"}
+    for name in cited:
+        assert any(h == name or h.endswith("/" + name) for h in held), f"README cites {name}"
+
+
+def test_license_is_the_apache_2_text_pyproject_names():
+    text = (_REPO / "LICENSE").read_text()
+    assert 'license = "Apache-2.0"' in (_REPO / "pyproject.toml").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 190
+
+
+def test_readme_lists_the_environment_variables_and_why_torch_is_pinned():
+    readme = " ".join((_REPO / "README.md").read_text().split())
+    assert "### Environment variables" in readme
+    for variable in ("PIPEPOOL_MAX_NUM_BATCHED_TOKENS", "PIPEPOOL_PP", "PIPEPOOL_API_KEY"):
+        assert f"`{variable}`" in readme
+    assert '`PIPEPOOL_NORMALIZE=maybe` is not read as "off"' in readme
+    pin = readme[readme.index("`torch==2.13.0` is the torch") :][:700]
+    assert "CPU build" in pin and "on local disk" in pin
+    assert "GPU machine install torch 2.13.0's CUDA build" in pin and "pytorch.org" in pin

@@ -1,12 +1,14 @@
 """``pipepool bench``: engine vs Hugging Face transformers on token-id workloads (W1-W4), or
 vs ``SentenceTransformer.encode`` on text workloads (T4, T5), same weights, same device, same
-run. Prints a table and, with --json, writes the rows."""
+run. Prints a table and, with --json, writes the rows; progress lines (each phase, each pass)
+go to stderr."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from .workloads import (
     TEXT_WORKLOADS,
     WORKLOADS,
     GpuBusy,
+    OnPass,
     Peer,
     flops,
     free_device_memory,
@@ -47,11 +50,22 @@ DEFAULT_PEAK_TFLOPS = 792.0
 def add_parser(sub, help: str) -> None:
     p = sub.add_parser("bench", help=help, description=help)
     p.add_argument(
-        "--workload", default="W1", help="comma-separated: W1,W2,W3,W4 (token ids), T4,T5 (texts)"
+        "--workload",
+        type=_workloads,
+        default="W1",
+        help="comma-separated: W1,W2,W3,W4 (token ids), T4,T5 (texts) (default: W1)",
     )
-    p.add_argument("--requests", type=int, help="use only the first N requests of each workload")
     p.add_argument(
-        "--peer-batch-sizes", default="32,64,128", help="the peer runs at its best of these"
+        "--requests",
+        type=_positive_int,
+        metavar="N",
+        help="use only the first N requests (texts for T4, T5) of each workload",
+    )
+    p.add_argument(
+        "--peer-batch-sizes",
+        type=_sizes,
+        default="32,64,128",
+        help="the peer runs at its best of these (default: 32,64,128)",
     )
     p.add_argument("--no-peer", action="store_true", help="engine figures only")
     p.add_argument(
@@ -60,12 +74,20 @@ def add_parser(sub, help: str) -> None:
         default=False,
         help="also text inputs (tokenization included)",
     )
-    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=DEFAULT_PEAK_TFLOPS,
+        help=f"one GPU's peak, the base of 'of peak' (default: {DEFAULT_PEAK_TFLOPS:g}, an "
+        "H200's bf16 matmul as measured)",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument(
         "--st-batch-sizes",
+        type=_sizes,
         default="32,64,128,256,512",
-        help="SentenceTransformer.encode runs at its best of these (text workloads)",
+        help="SentenceTransformer.encode runs at its best of these (text workloads; default: "
+        "32,64,128,256,512)",
     )
     p.add_argument(
         "--gpu-busy",
@@ -82,15 +104,53 @@ def add_parser(sub, help: str) -> None:
     # A long workload on a large model (8B W1: ~25 s a pass) needs neither several warm-up
     # passes nor a median to be steady, and a GPU session's minutes are counted.
     p.add_argument(
-        "--passes", type=int, default=3, help="timed passes (the figure is their median)"
+        "--passes",
+        type=_positive_int,
+        default=3,
+        help="timed passes (the figure is their median; default: 3)",
     )
     p.add_argument(
         "--warm-up-passes",
-        type=int,
+        type=_positive_int,
         default=6,
-        help="at most this many warm-up passes (they stop once a pass takes as long as the last)",
+        help="at most this many warm-up passes (they stop once a pass takes as long as the "
+        "last; default: 6)",
     )
-    add_engine_args(p)
+    # bench measures what a GPU deployment runs (bfloat16), with a KV cache sized for the run
+    # rather than for the GPU's memory (``bench_one``).
+    own = {
+        "dtype": "bfloat16 on CUDA, float32 on the CPU",
+        "kv_cache_tokens": "4 step budgets plus the workload's longest request",
+    }
+    add_engine_args(p, own_defaults=own)
+
+
+def _workloads(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    unknown = [n for n in names if n not in WORKLOADS and n not in TEXT_WORKLOADS]
+    if unknown:
+        known = ", ".join([*WORKLOADS, *TEXT_WORKLOADS])
+        raise argparse.ArgumentTypeError(f"unknown workload {unknown[0]!r} (known: {known})")
+    return names
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [_positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated batch sizes (integers >= 1), got {text!r}"
+        ) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype is None and torch.cuda.is_available():
         config = config.replace(dtype="bfloat16")
     rows = []
-    names = [n.strip() for n in args.workload.split(",")]
+    names = args.workload
     for name in names:
         run_one = bench_text if name in TEXT_WORKLOADS else bench_one
         rows.append(run_one(_trace_per_workload(config, name, len(names)), name, args))
@@ -126,42 +186,91 @@ def _write_trace(engine: Engine, since_ns: int, until_ns: int) -> dict | None:
     return summary.as_dict()
 
 
+def _join(sizes: list[int]) -> str:
+    return ",".join(map(str, sizes))
+
+
+def _progress(workload: str) -> Callable[[str], None]:
+    """Prints a progress line on stderr (stdout keeps the table): a long run (T4's 8,192 texts
+    on a 2-core CPU: half an hour) says what it is doing and how far it got."""
+
+    def say(message: str) -> None:
+        print(f"bench {workload}: {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _start_engine(config, say: Callable[[str], None]) -> tuple[Engine, float]:
+    """The engine, compiled (figures of the compiled engine, not of its first seconds), and
+    the seconds it took to be ready to serve."""
+    say("starting the engine")
+    started = time.perf_counter()
+    engine = Engine.from_config(config)
+    start_s = time.perf_counter() - started
+    say(f"engine started in {start_s:.1f} s")
+    engine.wait_until_compiled()
+    return engine, start_s
+
+
+def _on_pass(say: Callable[[str], None], label: str, size: int, unit: str) -> OnPass:
+    """A line for each pass (or each batch size of the peer), with its rate: ``size`` units
+    a pass."""
+
+    def on_pass(number: int, seconds: float) -> None:
+        say(f"{label} {number}: {seconds:.2f} s ({size / seconds:,.0f} {unit}/s)")
+
+    return on_pass
+
+
 def bench_one(config, workload_name: str, args) -> dict:
+    say = _progress(workload_name)
     longest = WORKLOADS[workload_name][2]
     if config.kv_cache_tokens is None:  # size the cache for the run, not for 90% of the GPU
         budget = plan_deployment(config).max_num_batched_tokens
         config = config.replace(kv_cache_tokens=4 * budget + longest)
-    started = time.perf_counter()
-    engine = Engine.from_config(config)
-    start_s = time.perf_counter() - started
-    engine.wait_until_compiled()  # figures of the compiled engine, not of its first seconds
+    engine, start_s = _start_engine(config, say)
     d = engine.deployment
     workload = make_workload(
         workload_name, d.vocab_size, max_len=d.max_model_len, requests=args.requests
     )
     lengths = [len(t) for t in workload.token_ids]
+    size = workload.num_tokens
+    say(f"{len(lengths):,} requests, {size:,} tokens")
     pooling = d.pooling
     # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
-    warm_up(partial(engine.pool, workload.token_ids, pooling=pooling), args.warm_up_passes)
+    say(f"warm-up: up to {args.warm_up_passes} passes, until one takes as long as the last")
+    warm_up(
+        partial(engine.pool, workload.token_ids, pooling=pooling),
+        args.warm_up_passes,
+        on_pass=_on_pass(say, "warm-up pass", size, "tokens"),
+    )
+    say(f"timed: {args.passes} passes (the figure is their median)")
     busy_start = engine.stage_busy_s()
     timed_start = time.perf_counter()
     since = time.monotonic_ns()  # the trace's clock: the timeline of the timed passes
-    ours = median_run(partial(run_engine, engine, workload, pooling), args.passes)
+    ours = median_run(
+        partial(run_engine, engine, workload, pooling),
+        args.passes,
+        on_pass=_on_pass(say, "timed pass", size, "tokens"),
+    )
     until = time.monotonic_ns()
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
     busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
     trace = _write_trace(engine, since, until)
     busy_gpu = None
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
+        say(f"GPU busy: {args.gpu_busy} profiled passes")
         busy_gpu = gpu_busy(partial(run_engine, engine, workload, pooling), args.gpu_busy)
     ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
     if args.profile and config.data_parallel_size == 1:
+        say("profile: the first 1,024 requests under torch.profiler")
         profile(engine, workload, pooling)
     texts = None
     ours_text = None
     if args.e2e:
         # Random ids can decode to nothing (all special tokens): keep every request non-empty.
         texts = [engine.inputs.tokenizer.decode(t) or "empty" for t in workload.token_ids]
+        say("e2e: one pass of the requests as texts")
         ours_text = run_engine_text(engine, texts, pooling)
     # Memory figures are the driver's own: replicas (--dp) hold theirs in other processes.
     replicas = config.data_parallel_size
@@ -213,9 +322,12 @@ def bench_one(config, workload_name: str, args) -> dict:
     if ours_text is not None:
         row["engine_text_tokens_per_s"] = round(ours_text.tokens_per_s)
     if not args.no_peer:
+        sizes = args.peer_batch_sizes
+        say(f"peer: transformers at batch sizes {_join(sizes)}, one pass each")
         peer = Peer(str(d.folder.path), d.dtype, d.devices[0])
-        sizes = [int(b) for b in args.peer_batch_sizes.split(",")]
-        theirs = run_peer(peer, workload, pooling, sizes)
+        theirs = run_peer(
+            peer, workload, pooling, sizes, on_size=_on_pass(say, "peer batch size", size, "tokens")
+        )
         peer_vectors = peer.encode_ids(
             workload.token_ids[:256], pooling, theirs.detail["batch_size"]
         )
@@ -229,6 +341,7 @@ def bench_one(config, workload_name: str, args) -> dict:
             min_cosine_engine_vs_peer=round(float((ours_vectors * peer_vectors).sum(-1).min()), 5),
         )
         if texts is not None:
+            say("peer e2e: one pass of the requests as texts")
             start = time.perf_counter()
             _, tokens = peer.encode_texts(
                 texts, pooling, theirs.detail["batch_size"], d.max_model_len
@@ -260,18 +373,30 @@ def bench_text(config, workload_name: str, args) -> dict:
     """Texts in, vectors out, tokenisation included: the engine's ``embed`` against
     ``SentenceTransformer.encode`` on the same texts (the model folder must be one that
     sentence-transformers loads with the same pooling)."""
-    started = time.perf_counter()
-    engine = Engine.from_config(config)
-    start_s = time.perf_counter() - started
-    engine.wait_until_compiled()  # figures of the compiled engine, not of its first seconds
+    say = _progress(workload_name)
+    engine, start_s = _start_engine(config, say)
     d = engine.deployment
-    texts = make_texts(workload_name, vocabulary_words(d.folder.tokenizer_file))
-    warm_up(partial(engine.embed, texts), args.warm_up_passes)  # (see bench_one)
+    words = vocabulary_words(d.folder.tokenizer_file)
+    texts = make_texts(workload_name, words, requests=args.requests)
+    size = len(texts)
+    say(f"{size:,} texts")
+    say(f"warm-up: up to {args.warm_up_passes} passes, until one takes as long as the last")
+    warm_up(
+        partial(engine.embed, texts),
+        args.warm_up_passes,
+        on_pass=_on_pass(say, "warm-up pass", size, "texts"),
+    )
+    say(f"timed: {args.passes} passes (the figure is their median)")
     since = time.monotonic_ns()
-    ours = median_run(partial(run_engine_text, engine, texts, d.pooling), args.passes)
+    ours = median_run(
+        partial(run_engine_text, engine, texts, d.pooling),
+        args.passes,
+        on_pass=_on_pass(say, "timed pass", size, "texts"),
+    )
     trace = _write_trace(engine, since, time.monotonic_ns())
     busy_gpu = None
     if args.gpu_busy:
+        say(f"GPU busy: {args.gpu_busy} profiled passes")
         busy_gpu = gpu_busy(partial(run_engine_text, engine, texts, d.pooling), args.gpu_busy)
     engine.close()
     del engine
@@ -290,9 +415,15 @@ def bench_text(config, workload_name: str, args) -> dict:
         "trace": trace,
     }
     if not args.no_peer:
-        sizes = [int(b) for b in args.st_batch_sizes.split(",")]
+        sizes = args.st_batch_sizes
+        say(f"peer: SentenceTransformer.encode at batch sizes {_join(sizes)}, one pass each")
         theirs = run_sentence_transformers(
-            str(d.folder.path), texts, dtype=d.dtype, device=d.devices[0], batch_sizes=sizes
+            str(d.folder.path),
+            texts,
+            dtype=d.dtype,
+            device=d.devices[0],
+            batch_sizes=sizes,
+            on_size=_on_pass(say, "peer batch size", size, "texts"),
         )
         a, b = ours.detail["vectors"], theirs.detail["vectors"]
         cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)

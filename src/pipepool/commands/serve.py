@@ -1,11 +1,14 @@
 """``pipepool serve``: the OpenAI-compatible embedding server (FastAPI + uvicorn).
 
-Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), the command line
-winning. The server listens at once and loads the model in the background (``/health`` says
-503 until it is ready). On SIGTERM or Ctrl-C it stops accepting connections, lets the requests
-in flight finish (up to ``--shutdown-timeout``, then answers what is left 503), then stops the
-pipeline stages. If the engine fails for good (a stage died more often than it may be
-restarted), the server stops too and exits non-zero, so that an orchestrator restarts it.
+Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), parsed as the flag
+is, the command line winning. The model is checked first (its folder, config, tokenizer, the
+names and shapes of its weights; a hub id is fetched), so that a bad one fails, naming the
+problem, before the server listens. Then the server listens at once and loads the weights in
+the background (``/health`` says 503 until it is ready). On SIGTERM or Ctrl-C it stops
+accepting connections, lets the requests in flight finish (up to ``--shutdown-timeout``, then
+answers what is left 503), then stops the pipeline stages. If the engine fails for good (a
+stage died more often than it may be restarted), the server stops too and exits non-zero, so
+that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -19,103 +22,115 @@ import sys
 import tempfile
 import threading
 
-from .common import add_engine_args, engine_config, env, env_bool
+from .common import add_engine_args, add_env_argument, engine_config
 
 
 def add_parser(sub, help: str) -> None:
     p = sub.add_parser("serve", help=help, description=help)
     g = p.add_argument_group("server")
-    # String defaults go through `type` at parse time, so a bad PIPEPOOL_* value is reported
-    # by this command alone instead of breaking every other one.
-    g.add_argument(
+    add_env_argument(
+        g,
         "--host",
-        default=env("host", "127.0.0.1"),
+        default="127.0.0.1",
         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)",
     )
-    g.add_argument("--port", type=int, default=env("port", "8000"))
-    g.add_argument(
+    add_env_argument(g, "--port", type=int, default=8000, help="port to listen on (default 8000)")
+    add_env_argument(
+        g,
         "--api-key",
-        default=env("api_key"),
         help="require 'Authorization: Bearer KEY' on the API routes (/health, /metrics, /docs "
         "stay open)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--served-model-name",
-        default=env("served_model_name"),
         help="more names clients may send as 'model', comma-separated; the first is the one "
         "responses carry (always accepted too: the hub id, its short name, the folder name)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--allow-token-ids",
         action=argparse.BooleanOptionalAction,
-        default=env_bool("allow_token_ids", False),
+        default=False,
         help="accept token-id inputs (read as ids of this model's tokenizer; off by default: "
         "clients such as LangChain send ids of OpenAI's tokenizer, which would give wrong "
         "vectors)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--max-inputs-per-request",
         type=int,
-        default=env("max_inputs_per_request", "2048"),
-        help="more inputs in one request are answered 400",
+        default=2048,
+        help="more inputs in one request are answered 400 (default 2048)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--max-body-bytes",
         type=int,
-        default=env("max_body_bytes", str(32 << 20)),
+        default=32 << 20,
         help="larger request bodies are answered 413 (default 32 MiB)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--max-queued-requests",
         type=int,
-        default=env("max_queued_requests", "16384"),
-        help="inputs in progress over all clients; a request that would exceed it gets 429",
+        default=16384,
+        help="inputs in progress over all clients; a request that would exceed it gets 429 "
+        "(default 16384)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--shutdown-timeout",
         type=float,
-        default=env("shutdown_timeout", "30"),
+        default=30.0,
         help="seconds to let requests in flight finish after SIGTERM; those still running then "
-        "are answered 503",
+        "are answered 503 (default 30)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--timeout-keep-alive",
         type=float,
-        default=env("timeout_keep_alive", "75"),
+        default=75.0,
         help="seconds an idle keep-alive connection stays open (default 75: longer than "
         "common clients' and load balancers' idle expiry, so none sends on a connection the "
         "server is closing)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--backlog",
         type=int,
-        default=env("backlog", "2048"),
-        help="connections the kernel queues while the server is busy accepting",
+        default=2048,
+        help="connections the kernel queues while the server is busy accepting (default 2048)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--api-server-count",
         type=int,
-        default=env("api_server_count", "1"),
+        default=1,
         help="HTTP front-end processes sharing the port and the replicas (default 1). Each "
         "parses, tokenises, routes and serialises requests with a core of its own: raise it "
         "when one process is the limit (small models, many short requests; /metrics shows "
         "the process's own CPU). Above 1 the pipeline runs in replica processes even at --dp 1",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--log-level",
-        default=env("log_level", "info"),
+        default="info",
         choices=["critical", "error", "warning", "info", "debug"],
+        help="what the log shows (default info)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--log-format",
-        default=env("log_format", "text"),
+        default="text",
         choices=["text", "json"],
-        help="text (timestamped lines) or json (one object per line)",
+        help="text (timestamped lines) or json (one object per line) (default text)",
     )
-    g.add_argument(
+    add_env_argument(
+        g,
         "--access-log",
         action=argparse.BooleanOptionalAction,
-        default=env_bool("access_log", True),
+        default=True,
         help="log every request (default: on)",
     )
     add_engine_args(p)
@@ -137,6 +152,15 @@ def run(args: argparse.Namespace) -> int:
     from ..server.settings import ServerSettings, served_model_names
     from ..server.uvicorn_server import ANSWER_GRACE_S, build_server
 
+    config = engine_config(args)  # checked now: a bad flag fails before anything starts
+    env_ranks = torchrun_env()
+    if args.api_server_count > 1:
+        _check_api_servers(config, under_torchrun=env_ranks is not None)
+    if env_ranks is not None and env_ranks.rank > 0:
+        # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
+        # are pipeline stages until rank 0 shuts the pipeline down.
+        return run_torchrun_worker(deployment_for(config))
+    check_model(config)  # a bad model fails here, before any line says the server runs
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -154,14 +178,6 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         api_server_count=args.api_server_count,
     )
-    config = engine_config(args)  # checked now: a bad flag fails before anything starts
-    env_ranks = torchrun_env()
-    if settings.api_server_count > 1:
-        _check_api_servers(config, under_torchrun=env_ranks is not None)
-    if env_ranks is not None and env_ranks.rank > 0:
-        # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
-        # are pipeline stages until rank 0 shuts the pipeline down.
-        return run_torchrun_worker(deployment_for(config))
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
     url = f"http://{settings.host}:{settings.port}"
@@ -220,6 +236,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 log = logging.getLogger("pipepool.server")
+
+
+def check_model(config) -> None:
+    """Fails, naming the problem, on a model the engine would refuse: the folder (or the hub
+    id, fetched now), its config, architecture, every weight's name and shape, the options
+    that depend on it (max_model_len, the layer split), as the engine's deployment plan checks
+    them, and its tokenizer, as the engine loads it. Planned for the CPU: this process must not
+    take GPU memory that replicas and stages will count as theirs; no weight is read."""
+    from ..intake.inputs import InputPreparer
+    from ..loading.deployment import plan_deployment, resolve_device_kind
+
+    resolve_device_kind(config.device)  # "cuda" asked for on a host without it
+    InputPreparer(plan_deployment(config.replace(device="cpu")))
 
 
 def _check_api_servers(config, *, under_torchrun: bool) -> None:

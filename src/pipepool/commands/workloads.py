@@ -70,13 +70,16 @@ def _lengths(name: str, count: int, lo: int, hi: int, rng) -> np.ndarray:
     return rng.integers(lo, hi + 1, size=count)
 
 
-def make_texts(name: str, vocabulary: list[str], *, seed: int = 0) -> list[str]:
-    """A text workload: sentences of whole words drawn from ``vocabulary``."""
+def make_texts(
+    name: str, vocabulary: list[str], *, requests: int | None = None, seed: int = 0
+) -> list[str]:
+    """A text workload: sentences of whole words drawn from ``vocabulary``; with ``requests``,
+    its first texts only (the same ones the whole workload starts with)."""
     count, lo, hi = TEXT_WORKLOADS[name]
     rng = np.random.default_rng(seed)
     words = np.asarray(vocabulary)
-    return [" ".join(words[rng.integers(0, len(words), size=n)]) for n in
-            _lengths(name, count, lo, hi, rng)]  # fmt: skip
+    lengths = _lengths(name, count, lo, hi, rng)[:requests]
+    return [" ".join(words[rng.integers(0, len(words), size=n)]) for n in lengths]
 
 
 def vocabulary_words(tokenizer_json: Path, limit: int = 20000) -> list[str]:
@@ -118,7 +121,20 @@ def _first(hf: dict, *keys: str) -> int:
     raise KeyError(f"config.json has none of {', '.join(keys)}")
 
 
-def warm_up(run: Callable[[], object], max_passes: int = 6, settled: float = 0.1) -> int:
+# Told of each pass as it ends: its number (from 1; for a peer, the batch size) and its seconds.
+OnPass = Callable[[int, float], None]
+
+
+def _ignore(_number: int, _seconds: float) -> None:
+    """An ``OnPass`` that does nothing."""
+
+
+def warm_up(
+    run: Callable[[], object],
+    max_passes: int = 6,
+    settled: float = 0.1,
+    on_pass: OnPass = _ignore,
+) -> int:
     """Run passes until one takes within ``settled`` of the one before (compilation, CUDA
     graphs of every step size the run will see, allocator all done: the figure is then the
     steady state a server runs in). Step sizes depend on how fast inputs arrive, so a new
@@ -128,16 +144,23 @@ def warm_up(run: Callable[[], object], max_passes: int = 6, settled: float = 0.1
         start = time.perf_counter()
         run()
         took = time.perf_counter() - start
+        on_pass(passes, took)
         if before is not None and abs(took - before) <= settled * before:
             return passes
         before = took
     return max_passes
 
 
-def median_run(run: Callable[[], RunResult], passes: int = 3) -> RunResult:
+def median_run(
+    run: Callable[[], RunResult], passes: int = 3, on_pass: OnPass = _ignore
+) -> RunResult:
     """The pass of median time among ``passes`` (a single pass of a short workload is tens of
     milliseconds: one slow pass must not be the figure, nor one lucky pass)."""
-    results = sorted((run() for _ in range(passes)), key=lambda r: r.seconds)
+    results = []
+    for number in range(1, passes + 1):
+        results.append(run())
+        on_pass(number, results[-1].seconds)
+    results.sort(key=lambda r: r.seconds)
     return results[len(results) // 2]
 
 
@@ -162,10 +185,17 @@ def run_engine_text(engine: Engine, texts: list[str], pooling: str) -> RunResult
 
 
 def run_sentence_transformers(
-    model_dir: str, texts: list[str], *, dtype: torch.dtype, device: str, batch_sizes: list[int]
+    model_dir: str,
+    texts: list[str],
+    *,
+    dtype: torch.dtype,
+    device: str,
+    batch_sizes: list[int],
+    on_size: OnPass = _ignore,
 ) -> RunResult:
     """``SentenceTransformer.encode`` on the texts at its best batch size (each size timed over
-    all texts after a warm-up on the first batch); detail["vectors"] are the best run's."""
+    all texts after a warm-up on the first batch); detail["vectors"] are the best run's.
+    ``on_size(batch_size, seconds)`` hears of each size as it is timed."""
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(model_dir, device=device)
@@ -180,6 +210,7 @@ def run_sentence_transformers(
         _sync()
         seconds = time.perf_counter() - start
         per_size[b] = round(len(texts) / seconds, 1)
+        on_size(b, seconds)
         if best is None or seconds < best.seconds:
             best = RunResult(seconds, 0.0, _peak_gib(), {"batch_size": b, "vectors": vectors})
     assert best is not None, "no batch sizes to time"
@@ -320,8 +351,15 @@ class Peer:
         return torch.nn.functional.normalize(pooled.float(), dim=-1)
 
 
-def run_peer(peer: Peer, workload: Workload, pooling: str, batch_sizes: list[int]) -> RunResult:
-    """The peer at its best batch size (each size timed over the whole workload)."""
+def run_peer(
+    peer: Peer,
+    workload: Workload,
+    pooling: str,
+    batch_sizes: list[int],
+    on_size: OnPass = _ignore,
+) -> RunResult:
+    """The peer at its best batch size (each size timed over the whole workload);
+    ``on_size(batch_size, seconds)`` hears of each size as it is timed."""
     best: RunResult | None = None
     per_size: dict[int, int | str] = {}  # tokens/s, or "oom"
     for b in batch_sizes:
@@ -337,6 +375,7 @@ def run_peer(peer: Peer, workload: Workload, pooling: str, batch_sizes: list[int
         _sync()
         seconds = time.perf_counter() - start
         per_size[b] = round(workload.num_tokens / seconds)
+        on_size(b, seconds)
         if best is None or seconds < best.seconds:
             best = RunResult(seconds, workload.num_tokens / seconds, _peak_gib(), {"batch_size": b})
     if best is None:

@@ -104,23 +104,103 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise ModelLoadError(f"model folder {text!r} does not exist")
+    return _hub_snapshot(text)
+
+
+# What pipepool reads of a hub repository: a model folder's small files and its weights, and the
+# folders of sentence-transformers modules one level down (1_Pooling, 2_Dense). Exports for
+# other runtimes (ONNX, OpenVINO, TensorFlow, Flax, Rust) stay on the hub, and so do pickled
+# weights where safetensors exist: many repositories hold the same weights several times over.
+# Patterns are fnmatch's, over a file's path in the repository ("*" crosses folders).
+_HUB_SMALL_FILES = (
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+    "*/config.json",
+)  # fmt: skip
+# A module folder's weights are small: its pickled ones come along in case it has no others.
+_HUB_SAFETENSORS = (
+    "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
+    "*/model.safetensors", "*/pytorch_model.bin",
+)  # fmt: skip
+_HUB_PICKLED = (
+    "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin",
+    "*/pytorch_model.bin",
+)  # fmt: skip
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The files of ``repo_id`` that pipepool reads, from the Hugging Face cache when they are
+    all there, else fetched (safetensors weights, or pickled ones where a repository has no
+    others)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ModelLoadError(
-            f"{text!r} is not a local folder and huggingface_hub is not installed to fetch it "
+            f"{repo_id!r} is not a local folder and huggingface_hub is not installed to fetch it "
             "(pip install huggingface_hub, or download the model and pass its folder)"
         ) from None
+    safetensors = [*_HUB_SMALL_FILES, *_HUB_SAFETENSORS]
     try:
-        return Path(snapshot_download(text, local_files_only=True))
+        cached = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=safetensors))
+        if _has_model_files(cached):
+            return cached
     except Exception:
-        pass
+        pass  # not cached (or not whole): fetch it
     try:
-        return Path(snapshot_download(text))
+        folder = Path(snapshot_download(repo_id, allow_patterns=safetensors))
+        if not _has_weights(folder):
+            folder = Path(
+                snapshot_download(repo_id, allow_patterns=[*_HUB_SMALL_FILES, *_HUB_PICKLED])
+            )
     except Exception as exc:
-        raise ModelLoadError(
-            f"{text!r} is not a local folder and could not be fetched from the hub: {exc}"
-        ) from None
+        raise ModelLoadError(_hub_error(repo_id, exc)) from None
+    return folder
+
+
+def _has_weights(folder: Path) -> bool:
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+             "pytorch_model.bin.index.json")  # fmt: skip
+    return any((folder / name).is_file() for name in names)
+
+
+def _has_model_files(folder: Path) -> bool:
+    """A cached snapshot holds at least what every model needs (a partial one, from a
+    download of single files, is fetched again)."""
+    needed = ("config.json", "tokenizer.json")
+    return all((folder / name).is_file() for name in needed) and _has_weights(folder)
+
+
+def _hub_error(repo_id: str, exc: Exception) -> str:
+    """Why a hub id could not be fetched, and what to do instead."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    head = f"{repo_id!r} is not a local folder and could not be fetched from the hub"
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    if isinstance(exc, GatedRepoError):
+        return f"{head}: it is gated (accept its terms on huggingface.co, then {login})"
+    if isinstance(exc, RepositoryNotFoundError):
+        return f"{head}: the hub has no such model (or it is private: {login})"
+    offline = bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    unreachable = (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError)
+    if not offline and not isinstance(exc, unreachable):
+        return f"{head}: {_first_line(exc)}"
+    cache = getattr(constants, "HF_HUB_CACHE", "the Hugging Face cache")
+    why = "HF_HUB_OFFLINE is set" if offline else f"the hub cannot be reached ({_first_line(exc)})"
+    return (
+        f"{head}: it is not in the local cache ({cache}) and {why}; pass the model's local "
+        f"folder instead (--model DIR; `hf download {repo_id} --local-dir DIR` makes one where "
+        "the hub can be reached)"
+    )
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def read_model_folder(model: str | os.PathLike | None) -> ModelFolder:

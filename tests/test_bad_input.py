@@ -338,6 +338,14 @@ def test_missing_weight_is_named(tmp_path, qwen3_path):
         pipepool.Engine(str(folder))
 
 
+def test_truncated_weights_file_is_a_model_load_error_naming_it(tmp_path, bert_path):
+    folder = _copy(bert_path, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(pipepool.ModelLoadError, match=r"cannot read .*model\.safetensors"):
+        pipepool.Engine(str(folder))
+
+
 def test_unexpected_weight_is_named(tmp_path, bert_path):
     folder = _copy(bert_path, tmp_path / "m")
     _rewrite_weights(folder, lambda t: t.update({"encoder.layer.9.extra.weight": torch.ones(3)}))

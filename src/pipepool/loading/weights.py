@@ -129,8 +129,11 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def _read_shapes(file: Path) -> list[tuple[str, tuple[int, ...]]]:
     if file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt") as f:
-            return [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]  # noqa: SIM118
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]  # noqa: SIM118
+        except Exception as exc:  # a truncated or corrupt file: SafetensorError, OSError
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return [(name, tuple(t.shape)) for name, t in _torch_load(file).items()]
 
 

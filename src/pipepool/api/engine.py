@@ -28,7 +28,9 @@ from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.long_inputs import CombinedSubmission, split_windows, window_params
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
+from .cross_encoder import CrossEncoderMethods
 from .scoring import ScoringMethods, refuse_embedding
+from .st_compat import SentenceTransformerMethods
 from .submission import Submission
 
 if TYPE_CHECKING:
@@ -45,9 +47,11 @@ def _nothing() -> None:
     """After a slice is enqueued: nothing to wait for."""
 
 
-class Engine(ScoringMethods):
+class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods):
     """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
-    scores, reranks and classifies with a classifier (``ScoringMethods``).
+    scores, reranks and classifies with a classifier (``ScoringMethods``); offers
+    sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` methods and attributes
+    with their semantics (``SentenceTransformerMethods``, ``CrossEncoderMethods``).
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
@@ -137,55 +141,6 @@ class Engine(ScoringMethods):
         """Any pooling (last | mean | cls | all) for a batch of inputs; blocks until done.
         One array per input; ``kwargs`` as for ``submit``."""
         return list(self.submit(inputs, pooling=pooling, **kwargs).result())
-
-    # sentence-transformers' names, so code written for SentenceTransformer runs unchanged.
-
-    def encode(
-        self,
-        sentences: str | Sequence[str],
-        batch_size: int = 32,
-        show_progress_bar: bool | None = None,
-        output_value: str = "sentence_embedding",
-        precision: str = "float32",
-        convert_to_numpy: bool = True,
-        convert_to_tensor: bool = False,
-        normalize_embeddings: bool = False,
-        prompt_name: str | None = None,
-        truncate_dim: int | None = None,
-    ):
-        """``SentenceTransformer.encode``: a ``[n, dim]`` array (one ``[dim]`` vector for a
-        single string), ``[0, dim]`` for an empty list. ``batch_size`` is accepted and unused:
-        the engine batches by tokens (``max_num_batched_tokens``), not by count.
-        ``normalize_embeddings=False`` keeps the model's own normalisation, as there.
-        ``output_value="token_embeddings"`` gives one ``[len, hidden]`` array per input."""
-        from .st_compat import encode
-
-        return encode(
-            self,
-            sentences,
-            show_progress_bar=show_progress_bar,
-            output_value=output_value,
-            precision=precision,
-            convert_to_numpy=convert_to_numpy,
-            convert_to_tensor=convert_to_tensor,
-            normalize_embeddings=normalize_embeddings,
-            prompt_name=prompt_name,
-            truncate_dim=truncate_dim,
-        )
-
-    def get_embedding_dimension(self) -> int:
-        """Size of one embedding (after any Dense head), as sentence-transformers says it."""
-        return self.deployment.output_dim
-
-    get_sentence_embedding_dimension = get_embedding_dimension  # its name before version 6
-
-    def similarity(self, a, b) -> np.ndarray:
-        """``[len(a), len(b)]`` similarities by the model's ``similarity_fn_name`` (cosine
-        unless its sentence-transformers config says dot, euclidean or manhattan)."""
-        from .st_compat import similarity
-
-        st = self.deployment.folder.st
-        return similarity(a, b, st.similarity_fn_name if st else None)
 
     def submit(
         self,

@@ -4,6 +4,8 @@ Qwen3-Reranker, sequence classifiers) through the same engine as embeddings.
 Each call is ordinary requests whose pooled row the last stage turns into scores (the head
 and its activation run there, over the whole step: ``stage/heads.ScoreHead``). Pairs are
 tokenized by ``pairs.PairEncoder``; results come back in input order, and rerank sorts them.
+sentence-transformers' ``CrossEncoder.predict`` / ``rank`` over the same requests are
+``cross_encoder.py``'s.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ class Classification:
 
 
 class ScoringMethods:
-    """The classifier half of the ``Engine`` API (mixed into it). Every method is thread-safe;
-    bad input raises ``InvalidInputError`` naming the problem."""
+    """The classifier half of the ``Engine`` API (mixed into it; sentence-transformers'
+    ``CrossEncoder`` surface over it is ``cross_encoder.CrossEncoderMethods``). Every method is
+    thread-safe; bad input raises ``InvalidInputError`` naming the problem."""
 
-    # What the methods use of the Engine (and its submit_tokens).
+    # What the scoring half uses of the Engine.
     config: EngineConfig
     deployment: Deployment
     inputs: InputPreparer

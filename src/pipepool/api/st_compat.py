@@ -1,105 +1,388 @@
-"""``Engine.encode`` / ``similarity`` with sentence-transformers' signatures and results, so
-code written for ``SentenceTransformer`` runs on the engine unchanged."""
+"""sentence-transformers' ``SentenceTransformer`` surface on the Engine, with its semantics, so
+code written for it runs on the engine unchanged: ``encode`` / ``encode_query`` /
+``encode_document``, ``similarity`` / ``similarity_pairwise``, and the attributes
+``similarity_fn_name`` and ``truncate_dim``; the attributes it shares with the ``CrossEncoder``
+surface (``prompts``, ``default_prompt_name``, ``max_seq_length``, ``tokenizer``, ``device``) are
+``st_attributes.SentenceTransformerAttributes``.
+
+These calls tokenize as sentence-transformers does (prompt prepended to the text, cut to
+``max_seq_length`` with the special tokens kept, an empty text embedded as its special tokens
+alone) and hand the engine token ids; everything else (the model's own heads, Normalize
+included) runs in the engine. A folder without sentence-transformers modules is embedded as
+``SentenceTransformer`` builds it (``_st_pooling``). Deliberate differences: ``encode([])``
+is a ``[0, dim]`` array (sentence-transformers gives a ``[0]`` float64 one), and the engine
+computes where it was started (``device=`` may only name that place).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from ..errors import InvalidInputError
+from ..intake.inputs import FIRST_SLICE, SLICE
 from .progress import follow
+from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..intake.long_inputs import CombinedSubmission
+    from .submission import Submission
+
+log = logging.getLogger("pipepool")
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
 
-def encode(
-    engine: Engine,
-    sentences: str | Sequence[str],
-    *,
-    show_progress_bar: bool | None,
-    output_value: str,
-    precision: str,
-    convert_to_numpy: bool,
-    convert_to_tensor: bool,
-    normalize_embeddings: bool,
-    prompt_name: str | None,
-    truncate_dim: int | None,
-):
-    if output_value not in OUTPUT_VALUES:
-        raise InvalidInputError(
-            f"output_value must be one of {', '.join(OUTPUT_VALUES)}; got {output_value!r}",
-            param="output_value",
-        )
-    if precision not in PRECISIONS:
-        raise InvalidInputError(
-            f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
-            param="precision",
-        )
-    single = isinstance(sentences, str)
-    tokens = output_value == "token_embeddings"
-    # The model's own heads (Normalize included) run in the engine; then, as in
-    # sentence-transformers, truncate_dim cuts the final vectors (no renormalising, unlike the
-    # engine's `dimensions`) and normalize_embeddings normalises what is left.
-    submission = engine.submit(
-        [sentences] if single else sentences,
-        pooling="all" if tokens else None,
-        prompt_name=prompt_name,
-    )
-    follow(submission, disable=not show_progress_bar, desc="Batches")
-    result = submission.result()
-    if tokens:
-        out = list(result)
+class SentenceTransformerMethods(SentenceTransformerAttributes):
+    """``SentenceTransformer``'s methods on the Engine (mixed into it). Bad options raise
+    ``InvalidInputError`` (a ``ValueError``, as sentence-transformers raises)."""
+
+    def encode(
+        self,
+        inputs: str | Sequence[str] | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str | None = "sentence_embedding",
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        device: Any = None,
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+        pool: Any = None,
+        chunk_size: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``SentenceTransformer.encode``: by default a ``[n, dim]`` float32 array (a ``[dim]``
+        vector for one string); ``convert_to_tensor``: a tensor; ``convert_to_numpy=False``: a
+        list of 1-D tensors; ``output_value="token_embeddings"``: a ``[len, hidden]`` tensor per
+        input. The model's heads (Normalize included) run in the engine; ``truncate_dim``
+        (default: ``self.truncate_dim``) then cuts the vectors and ``normalize_embeddings``
+        normalises what is left; ``precision`` quantizes as ``quantize_embeddings``, with
+        int8/uint8 buckets from the whole call's vectors. Inputs over ``max_seq_length`` are
+        truncated, as there, whatever the engine's ``long_inputs`` (``embed`` follows that).
+        ``batch_size`` is checked and otherwise unused (the engine batches by tokens);
+        ``chunk_size`` is unused."""
+        inputs = renamed(kwargs, "sentences", inputs)
+        kwargs.pop("task", None)  # routes a Router module's input; the engine has none
+        refuse_unknown(kwargs, "encode")
+        if show_progress_bar is None:
+            show_progress_bar = log.getEffectiveLevel() in (logging.INFO, logging.DEBUG)
+        if convert_to_tensor:
+            convert_to_numpy = False
+        if output_value != "sentence_embedding":
+            convert_to_tensor = convert_to_numpy = False
+        check_batch_size(batch_size)
+        single = _is_single(inputs)
+        texts = _texts([inputs] if single else inputs)
+        _check_choice(precision, PRECISIONS, "precision")
+        if output_value not in OUTPUT_VALUES:
+            raise InvalidInputError(
+                f"output_value must be one of {', '.join(OUTPUT_VALUES)}; got {output_value!r} "
+                "(None, every intermediate feature of a padded batch, is not offered)",
+                param="output_value",
+            )
+        self._check_device(device, pool)
+        prefix = self._resolve_prompt(prompt, prompt_name)
+        if prefix:
+            texts = [prefix + text for text in texts]
+        tokens = output_value == "token_embeddings"
+        pooling, normalize = ("all", False) if tokens else self._st_pooling()
+        computed = self._embed_texts(texts, pooling, normalize, show_progress_bar)
+        if tokens:
+            embeddings: list | torch.Tensor = [torch.from_numpy(a) for a in computed]
+        else:
+            dim = truncate_dim if truncate_dim is not None else self.truncate_dim
+            vectors = torch.from_numpy(np.asarray(computed))[..., :dim]  # [n, dim]
+            embeddings = F.normalize(vectors, p=2, dim=1) if normalize_embeddings else vectors
+        out = _st_output(embeddings, precision, convert_to_numpy, convert_to_tensor)
         return out[0] if single else out
-    vectors = result[:, :truncate_dim] if truncate_dim else result
-    if normalize_embeddings:
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    vectors = quantize(vectors.astype(np.float32, copy=False), precision)
+
+    def encode_query(
+        self,
+        inputs: str | Sequence[str] | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """``encode`` with the model's ``query`` prompt when the call names none (the other
+        arguments are ``encode``'s, in its order)."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(inputs, prompt_name, prompt, *args, task="query", **kwargs)
+
+    def encode_document(
+        self,
+        inputs: str | Sequence[str] | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """``encode`` with the first of the model's ``document``, ``passage``, ``corpus``
+        prompts when the call names none (the other arguments are ``encode``'s)."""
+        if prompt_name is None and prompt is None:
+            names = ("document", "passage", "corpus")
+            prompt_name = next((name for name in names if name in self.prompts), None)
+        return self.encode(inputs, prompt_name, prompt, *args, task="document", **kwargs)
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """cosine | dot | euclidean | manhattan: the folder's, else cosine."""
+        if self._st.similarity_fn_name is None:
+            self._st.similarity_fn_name = "cosine"
+        return self._st.similarity_fn_name
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, value: Any) -> None:
+        value = getattr(value, "value", value)  # sentence-transformers' SimilarityFunction
+        if value is not None:
+            _check_choice(value, SIMILARITIES, "similarity_fn_name")
+        self._st.similarity_fn_name = value
+
+    def similarity(self, embeddings1: Any, embeddings2: Any) -> torch.Tensor:
+        """``[len(embeddings1), len(embeddings2)]`` scores by ``similarity_fn_name``, a float32
+        tensor computed as sentence-transformers does (negated distances for euclidean and
+        manhattan, so that larger is always more similar); 1-D inputs count as one row."""
+        a, b = _as_tensor(embeddings1), _as_tensor(embeddings2)
+        a = a.unsqueeze(0) if a.dim() == 1 else a
+        b = b.unsqueeze(0) if b.dim() == 1 else b
+        name = self.similarity_fn_name
+        if name == "cosine":
+            return torch.mm(F.normalize(a, p=2, dim=1), F.normalize(b, p=2, dim=1).T)
+        if name == "dot":
+            return torch.mm(a, b.T)
+        return -torch.cdist(a, b, p=2.0 if name == "euclidean" else 1.0)
+
+    def similarity_pairwise(self, embeddings1: Any, embeddings2: Any) -> torch.Tensor:
+        """``[n]`` scores of ``embeddings1[i]`` with ``embeddings2[i]``, as ``similarity``."""
+        a, b = _as_tensor(embeddings1), _as_tensor(embeddings2)
+        name = self.similarity_fn_name
+        if name == "cosine":
+            return (F.normalize(a, p=2, dim=1) * F.normalize(b, p=2, dim=1)).sum(dim=-1)
+        if name == "dot":
+            return (a * b).sum(dim=-1)
+        if name == "euclidean":
+            return -torch.sqrt(torch.sum((a - b) ** 2, dim=-1))
+        return -torch.sum(torch.abs(a - b), dim=-1)
+
+    @property
+    def truncate_dim(self) -> int | None:
+        """Components ``encode`` keeps of a sentence embedding (None: all), unless a call says."""
+        return self._st.truncate_dim
+
+    @truncate_dim.setter
+    def truncate_dim(self, value: int | None) -> None:
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise InvalidInputError(
+                f"truncate_dim must be a positive integer or None, got {value!r}",
+                param="truncate_dim",
+            )
+        self._st.truncate_dim = value
+
+    def get_embedding_dimension(self) -> int:
+        """Size of one ``encode`` vector: after any Dense head, cut to ``truncate_dim``."""
+        dim = self.deployment.output_dim
+        return dim if self.truncate_dim is None else min(dim, self.truncate_dim)
+
+    get_sentence_embedding_dimension = get_embedding_dimension  # its name before version 6
+
+    # -- computing ------------------------------------------------------------------------------
+
+    def _st_pooling(self) -> tuple[str | None, bool | None]:
+        """(pooling, normalize) of a sentence embedding; None: the engine's. A folder without
+        sentence-transformers modules gets what ``SentenceTransformer`` builds for it (mean
+        pooling, the last token for a causal LM, no Normalize), where the engine's own default
+        is the family's pooling, normalized; options the Engine was started with win."""
+        if self.deployment.folder.st is not None:
+            return None, None
+        folder = self.deployment.folder
+        causal_lm = folder.architecture.endswith("ForCausalLM")
+        causal_lm = causal_lm and folder.hf_config.get("is_causal", True) is not False
+        pooling = self.config.pooling or ("last" if causal_lm else "mean")
+        return pooling, bool(self.config.normalize)
+
+    def _embed_texts(
+        self,
+        texts: list[str],
+        pooling: str | None,
+        normalize: bool | None,
+        show_progress_bar: bool,
+    ) -> np.ndarray | list[np.ndarray]:
+        """The engine's output per text (``[n, dim]`` or a ``[len, hidden]`` array each), from
+        token ids tokenized as sentence-transformers does. A slice at a time: the engine starts
+        on the first while this thread tokenizes the next."""
+        limit = self.max_seq_length
+        texts = self.inputs.checked_texts(texts, limit, None, allow_empty=True)
+        parts: list[Submission | CombinedSubmission] = []
+        try:
+            lo, size = 0, FIRST_SLICE
+            while lo < len(texts):
+                ids = self.inputs.tokenizer.encode_batch(texts[lo : lo + size], max_tokens=limit)
+                for i, row in enumerate(ids):
+                    if not len(row):
+                        raise InvalidInputError(
+                            f"input {lo + i} has no tokens (an empty or blank text, and this "
+                            "model's tokenizer adds no special tokens): there is nothing to embed",
+                            param="input",
+                            index=lo + i,
+                        )
+                parts.append(
+                    self.submit(ids, pooling=pooling, normalize=normalize, long_inputs="truncate")
+                )
+                lo, size = lo + size, SLICE
+        except BaseException:
+            for part in parts:
+                part.cancel()
+            raise
+        if not parts:
+            return [] if pooling == "all" else np.zeros((0, self.deployment.output_dim), np.float32)
+        follow(_Calls(parts), disable=not show_progress_bar, desc="Batches")
+        results = [part.result() for part in parts]
+        if pooling == "all":
+            return [array for result in results for array in result]
+        return np.concatenate(results)
+
+
+class _Calls:
+    """The submissions of one ``encode`` call seen as one by ``progress.follow``."""
+
+    def __init__(self, parts: list[Submission | CombinedSubmission]) -> None:
+        self.parts = parts
+        self.num_inputs = sum(part.num_inputs for part in parts)
+
+    @property
+    def num_done(self) -> int:
+        return sum(part.num_done for part in self.parts)
+
+    def add_progress_callback(self, fn: Callable[[int], None]) -> None:
+        for part in self.parts:
+            part.add_progress_callback(fn)
+
+    def exception(self) -> BaseException | None:
+        for part in self.parts:
+            exc = part.exception()
+            if exc is not None:
+                return exc
+        return None
+
+
+def _st_output(
+    embeddings: list | torch.Tensor, precision: str, convert_to_numpy: bool, convert_to_tensor: bool
+) -> Any:
+    """The end of ``SentenceTransformer.encode``, step for step: quantize, then the requested
+    container (an empty call stays ``[0, dim]``, of the precision's dtype)."""
+    if not len(embeddings):
+        if isinstance(embeddings, list):
+            return []
+        width = embeddings.shape[1]
+        if precision.endswith("binary"):
+            width = (width + 7) // 8
+        dtype = {"float32": np.float32, "uint8": np.uint8, "ubinary": np.uint8}.get(precision)
+        empty = np.zeros((0, width), dtype or np.int8)
+        if convert_to_tensor:
+            return torch.from_numpy(empty)
+        return empty if convert_to_numpy else []
+    if precision != "float32":
+        if isinstance(embeddings, list):  # token matrices: buckets shared by all their tokens
+            matrices = [e.numpy() for e in embeddings]
+            calibration = np.concatenate(matrices) if precision.endswith("int8") else None
+            embeddings = [quantize(m, precision, calibration) for m in matrices]
+        else:
+            quantized = quantize(embeddings.numpy(), precision)
+            if convert_to_tensor:
+                return torch.from_numpy(quantized)
+            return quantized if convert_to_numpy else [torch.from_numpy(q) for q in quantized]
     if convert_to_tensor:
-        import torch
+        return embeddings if isinstance(embeddings, torch.Tensor) else torch.stack(embeddings)
+    if convert_to_numpy:
+        assert isinstance(embeddings, torch.Tensor), "token outputs never convert to numpy"
+        return embeddings.numpy()
+    return list(embeddings)
 
-        vectors = torch.from_numpy(vectors)
-    elif not convert_to_numpy:
-        vectors = list(vectors)  # sentence-transformers: a list of 1-D vectors
-    return vectors[0] if single else vectors
 
-
-def quantize(vectors: np.ndarray, precision: str) -> np.ndarray:
-    """sentence-transformers' ``quantize_embeddings`` with buckets from the vectors themselves
-    (what ``encode(precision=...)`` does)."""
+def quantize(
+    embeddings: np.ndarray, precision: str, calibration: np.ndarray | None = None
+) -> np.ndarray:
+    """sentence-transformers' ``quantize_embeddings``, operation for operation, on ``[n, dim]``
+    float32 vectors: int8/uint8 buckets span each dimension's range over ``calibration``
+    (default: the vectors themselves, which is what ``encode(precision=...)`` gives: the whole
+    call's vectors); binary packs the signs. Vectors computed by two implementations differ by
+    float rounding, and a value that close to a bucket edge can land in the next bucket."""
     if precision == "float32":
-        return vectors
+        return embeddings.astype(np.float32)
     if precision.endswith("int8"):
-        if len(vectors) == 0:
-            return np.zeros(vectors.shape, np.int8 if precision == "int8" else np.uint8)
-        starts = vectors.min(axis=0)
-        steps = (vectors.max(axis=0) - starts) / 255
+        ranges_from = embeddings if calibration is None else calibration
+        ranges = np.vstack((np.min(ranges_from, axis=0), np.max(ranges_from, axis=0)))
+        starts = ranges[0, :]
+        steps = (ranges[1, :] - ranges[0, :]) / 255
         steps = np.where(steps == 0, 1, steps)
-        buckets = np.clip(np.floor((vectors - starts) / steps), 0, 255)
+        buckets = np.clip(np.floor((embeddings - starts) / steps), 0, 255)
         return buckets.astype(np.uint8) if precision == "uint8" else (buckets - 128).astype(np.int8)
-    packed = np.packbits(vectors > 0, axis=-1).reshape(len(vectors), -1)
+    packed = np.packbits(embeddings > 0, axis=-1).reshape(embeddings.shape[0], -1)
     return packed if precision == "ubinary" else (packed - 128).astype(np.int8)
 
 
-def similarity(a, b, fn_name: str | None) -> np.ndarray:
-    """``[len(a), len(b)]`` float32 scores, as sentence-transformers' ``similarity`` (negated
-    distances for euclidean and manhattan, so that larger is always more similar)."""
-    fn_name = fn_name or "cosine"
-    if fn_name not in SIMILARITIES:
-        raise InvalidInputError(f"unknown similarity function {fn_name!r}")
-    x = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    y = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    if fn_name in ("cosine", "dot"):
-        if fn_name == "cosine":
-            x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-            y = y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12)
-        return (x @ y.T).astype(np.float32)
-    order = 2 if fn_name == "euclidean" else 1
-    distance = np.linalg.norm(x[:, None, :] - y[None, :, :], ord=order, axis=-1)
-    return (-distance).astype(np.float32)
+# -- argument handling as sentence-transformers does it -----------------------------------------
+
+
+def _is_single(inputs: Any) -> bool:
+    """``SentenceTransformer.is_singular_input`` for text: lists, tuples and string arrays are
+    batches, anything else (a string) one input."""
+    if isinstance(inputs, (list, tuple)):
+        return False
+    return not (isinstance(inputs, np.ndarray) and inputs.ndim >= 1 and inputs.dtype.kind in "UO")
+
+
+def _texts(inputs: Any) -> list[str]:
+    items = inputs.tolist() if isinstance(inputs, np.ndarray) else list(inputs)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidInputError(
+                f"input {i} is a {type(item).__name__}: pipepool embeds text (strings)",
+                param="input",
+                index=i,
+            )
+    return items
+
+
+def _check_choice(value: Any, choices: tuple[str, ...], name: str) -> None:
+    if value not in choices:
+        raise InvalidInputError(
+            f"{name} must be one of {', '.join(choices)}; got {value!r}", param=name
+        )
+
+
+def _as_tensor(embeddings: Any) -> torch.Tensor:
+    """sentence-transformers' ``_convert_to_float_tensor``: arrays viewed, lists stacked,
+    floats below 32 bits widened."""
+    if isinstance(embeddings, list):
+        if embeddings and all(isinstance(e, torch.Tensor) for e in embeddings):
+            tensor = torch.stack(embeddings)
+        elif embeddings and all(isinstance(e, np.ndarray) for e in embeddings):
+            tensor = torch.stack([torch.from_numpy(np.asarray(e)) for e in embeddings])
+        else:
+            tensor = torch.tensor(embeddings)
+    elif isinstance(embeddings, np.ndarray):
+        tensor = (
+            torch.from_numpy(embeddings) if embeddings.flags.writeable else torch.tensor(embeddings)
+        )
+    elif isinstance(embeddings, torch.Tensor):
+        tensor = embeddings
+    else:
+        tensor = torch.tensor(embeddings)
+    if torch.is_floating_point(tensor) and torch.finfo(tensor.dtype).bits < 32:
+        tensor = tensor.float()
+    return tensor

@@ -26,6 +26,8 @@ from .common import add_engine_args, add_env_argument, engine_config
 
 
 def add_parser(sub, help: str) -> None:
+    from ..server.settings import ServerSettings as S  # each default's one source
+
     p = sub.add_parser("serve", help=help, description=help)
     g = p.add_argument_group("server")
     add_env_argument(
@@ -60,21 +62,39 @@ def add_parser(sub, help: str) -> None:
         g,
         "--max-inputs-per-request",
         type=int,
-        default=2048,
+        default=S.max_inputs_per_request,
         help="more inputs in one request are answered 400 (default 2048)",
+    )
+    add_env_argument(
+        g,
+        "--max-tokens-per-request",
+        type=int,
+        default=S.max_tokens_per_request,
+        help="more tokens in one request (all its inputs together, after truncation) are "
+        "answered 400 (default 300000, OpenAI's own limit); /tokenize and /detokenize count "
+        "theirs too",
+    )
+    add_env_argument(
+        g,
+        "--max-chunked-tokens",
+        type=int,
+        default=S.max_chunked_tokens,
+        help="the most tokens of one input embedded with long_inputs=chunk (a request cannot "
+        "raise it); longer inputs are answered 400, and /tokenize counts texts up to it "
+        "(default 32768)",
     )
     add_env_argument(
         g,
         "--max-body-bytes",
         type=int,
-        default=32 << 20,
+        default=S.max_body_bytes,
         help="larger request bodies are answered 413 (default 32 MiB)",
     )
     add_env_argument(
         g,
         "--max-queued-requests",
         type=int,
-        default=16384,
+        default=S.max_queued_requests,
         help="inputs in progress over all clients; a request that would exceed it gets 429 "
         "(default 16384)",
     )
@@ -168,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         model_names=served_model_names(args.model, args.served_model_name),
         allow_token_ids=args.allow_token_ids,
         max_inputs_per_request=args.max_inputs_per_request,
+        max_tokens_per_request=args.max_tokens_per_request,
+        max_chunked_tokens=args.max_chunked_tokens,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout,

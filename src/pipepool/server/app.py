@@ -1,10 +1,12 @@
-"""The HTTP app: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling and /tokenize
-(``routes/openai.py``), TEI's /embed, /info and /tokenize (``routes/tei.py``), a classifier's
-/rerank, /score and /classify (``routes/scoring.py``), /health and /metrics for operators
-(``routes/operators.py``). API docs at /docs, served from here (``docs.py``: no CDN, so they
-load offline)."""
+"""The HTTP app: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling (``routes/openai.py``),
+/tokenize (vLLM's and TEI's forms) and /detokenize (``routes/tokens.py``), TEI's /embed and
+/info (``routes/tei.py``), a classifier's /rerank, /score and /classify (``routes/scoring.py``),
+/health, /metrics and /version for operators (``routes/operators.py``). API docs at /docs,
+served from here (``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -13,16 +15,18 @@ from . import docs
 from .errors import install_handlers
 from .front import AsyncEngine
 from .guards import GuardMiddleware
-from .metrics import MetricsMiddleware
-from .routes import openai, operators, scoring, tei
+from .metrics import HttpMetrics, MetricsMiddleware
+from .routes import openai, operators, scoring, tei, tokens
 from .routes.shared import ServerState
 from .settings import ServerSettings
 
 __all__ = ["ServerState", "build_app"]
 
+ROUTERS = (openai.router, tokens.router, operators.router, tei.router, scoring.router, docs.router)
+
 
 def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
-    state = ServerState(settings, front)
+    """The app of one front-end process: routes, error bodies, guards, metrics, access log."""
     app = FastAPI(
         title="pipepool",
         version=__version__,
@@ -30,19 +34,37 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
         docs_url=None,  # FastAPI's page loads its scripts from a CDN: blank offline
         redoc_url=None,
     )
+    for router in ROUTERS:
+        app.include_router(router)
+    paths = {getattr(route, "path", "") for router in ROUTERS for route in router.routes}
+    http = HttpMetrics(frozenset(paths - {""}))
+    state = ServerState(settings, front, http)
     app.state.pipepool = state
-    install_handlers(app, state.http.on_error)
+    install_handlers(app, http.on_error)
     # Added last = runs first: metrics count what the guards turn away.
     app.add_middleware(
         GuardMiddleware,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
-        on_error=state.http.on_error,
+        on_error=http.on_error,
     )
-    app.add_middleware(MetricsMiddleware, metrics=state.http)
-    app.include_router(openai.router)
-    app.include_router(operators.router)
-    app.include_router(tei.router)
-    app.include_router(scoring.router)
-    app.include_router(docs.router)
+    app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
+    _schema_as_answered(app)
     return app
+
+
+def _schema_as_answered(app: FastAPI) -> None:
+    """The OpenAPI schema without FastAPI's 422 answers: a request that fails validation is
+    answered 400 with an OpenAI error body (``errors.py``), which each route lists."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()  # FastAPI's, cached on the app: stripped once
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

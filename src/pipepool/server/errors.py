@@ -77,8 +77,14 @@ def from_engine(exc: Exception) -> APIError:
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type=SERVER, code="engine_unavailable")
+    # The exception's text may name files or internals of the server: it goes to the log only.
     log.exception("unexpected error while serving a request", exc_info=exc)
-    return APIError(500, f"internal error: {exc!r}", type=SERVER, code="internal_error")
+    return APIError(
+        500,
+        "internal error while serving this request (the server's log has the details)",
+        type=SERVER,
+        code="internal_error",
+    )
 
 
 def model_not_found(name: str, served: tuple[str, ...] = ()) -> APIError:

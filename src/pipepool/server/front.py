@@ -77,45 +77,20 @@ class AsyncEngine:
         engine = self.owner.engine
         if engine is None:
             if self.owner.error is not None:
-                raise EngineDeadError(f"the engine failed to start: {self.owner.error}")
+                # Its cause (a file that would not load, say) is in the server's log; the
+                # message may name the server's files, so clients are not told it.
+                raise EngineDeadError("the engine failed to start (the server's log says why)")
             raise NotReadyError("the model is still loading; retry shortly")
         return engine
-
-    async def encode(
-        self,
-        inputs: Sequence,
-        *,
-        pooling: str | None = None,
-        dimensions: int | None = None,
-        normalize: bool | None = None,
-        truncate_prompt_tokens: int | None = None,
-        long_inputs: str | None = None,
-        truncation_side: str = "right",
-        prompt_name: str | None = None,
-    ) -> Encoded:
-        """Tokenize, enqueue and wait; raises QueueFullError, InvalidInputError,
-        EngineDeadError. Cancelling the caller aborts whatever was enqueued."""
-        return await self.run(
-            len(inputs),
-            lambda engine: engine.submit(
-                inputs,
-                pooling=pooling,
-                dimensions=dimensions,
-                normalize=normalize,
-                truncate_prompt_tokens=truncate_prompt_tokens,
-                long_inputs=long_inputs,
-                truncation_side=truncation_side,
-                prompt_name=prompt_name,
-            ),
-            inputs,
-        )
 
     async def run(
         self, n: int, submit: Callable[[Engine], AnySubmission], texts: Sequence = ()
     ) -> Encoded:
         """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on a tokenising
         lane chosen by the size of ``texts`` (what it will tokenise), then wait for its
-        results; the queue limit, errors and aborts as for encode."""
+        results. Raises QueueFullError (past ``max_queued``), and what ``submit`` or the engine
+        raise (InvalidInputError, EngineDeadError, ...); cancelling the caller aborts whatever
+        was enqueued."""
         engine = self.engine
         if self.pending + n > self.max_queued:
             raise QueueFullError(
@@ -141,12 +116,6 @@ class AsyncEngine:
             return Encoded(list(outputs), submission.num_tokens.tolist())
         finally:
             self.pending -= n
-
-    async def tokenize(self, text: str) -> np.ndarray:
-        engine = self.engine
-        loop = asyncio.get_running_loop()
-        (ids,) = await loop.run_in_executor(self._lane([text]), lambda: engine.tokenize([text]))
-        return ids
 
     async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
         """Run CPU work (e.g. serializing a large response, ``size`` values) off the event

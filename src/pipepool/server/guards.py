@@ -1,4 +1,5 @@
-"""Checks made before the app parses anything: the API key (401) and the body size (413).
+"""Checks made before the app parses anything: the API key (401), the body size (413), and
+text no route can take (400: a lone surrogate).
 
 A plain ASGI middleware rather than a FastAPI dependency: an unauthenticated or oversized
 request must be turned away before its body is buffered and parsed. The body is read here,
@@ -9,9 +10,16 @@ to the app; after it, the app's ``receive`` still reports the client's disconnec
 from __future__ import annotations
 
 import hmac
+import json
+import re
 from collections.abc import Callable
 
 from .errors import AUTHENTICATION, APIError
+
+# A UTF-16 surrogate (U+D800-U+DFFF) as JSON's escape (a pair makes one character, a lone one a
+# string that UTF-8 cannot encode: no tokenizer takes it, no answer quoting it can be sent), or
+# as the bytes UTF-8 would give it, which Python's JSON parser lets through ("surrogatepass").
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 # Open without a key: probes, scrapers and the API docs.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
@@ -58,7 +66,12 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        err = lone_surrogate(body)
+        if err is not None:
+            await self._reject(err, scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     def _check_key(self, header: bytes | None) -> APIError | None:
         assert self.api_key is not None, "checked only on a server that has a key"
@@ -90,6 +103,62 @@ class GuardMiddleware:
     async def _reject(self, err: APIError, scope, receive, send) -> None:
         self.on_error(err)
         await err.response()(scope, receive, send)
+
+
+def lone_surrogate(body: bytes) -> APIError | None:
+    """The 400 for a JSON body with a lone surrogate in any string (``"\\ud800"``), naming
+    where (``input 1``, ``documents 2.text``, ``text_1``); None for any other body (a body that
+    is not JSON is the route's to refuse). Bodies with no surrogate in them are not parsed."""
+    if not _SURROGATE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    found = _first_lone_surrogate(value)
+    if found is None:
+        return None  # pairs only: each a character of its own
+    path, text, is_key = found
+    where = str(path[0]) if path else ""
+    where += "".join(f" {p}" if isinstance(p, int) else f".{p}" for p in path[1:])
+    if is_key:
+        where = f"a field name in {where}" if where else "a field name"
+    position = next(i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF)
+    code = ord(text[position])
+    return APIError(
+        400,
+        f"{where} is not valid Unicode: character {position} is U+{code:04X}, a lone surrogate "
+        "(half of a UTF-16 pair); send the text as valid UTF-8",
+        param=str(path[0]) if path else None,
+        code="invalid_value",
+    )
+
+
+def _first_lone_surrogate(value: object) -> tuple[list[str | int], str, bool] | None:
+    """(path, string, whether it is an object key) of the first string in document order that
+    UTF-8 cannot encode; walked with a stack, as JSON may nest deeper than Python recurses."""
+    stack: list[tuple[list[str | int], object]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _encodes(item):
+                return path, item, False
+        elif isinstance(item, dict):
+            for key in item:
+                if not _encodes(key):
+                    return path, key, True
+            stack.extend(([*path, k], v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _replay(body: bytes, receive):

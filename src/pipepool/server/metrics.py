@@ -4,9 +4,11 @@ aborts). Written by hand: a few dozen lines do not justify a dependency."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from urllib.parse import quote
 
 from ..api.engine import Engine
 from ..core.stats import STEP_BUCKETS
@@ -14,13 +16,10 @@ from .errors import APIError
 from .front import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# One line per request answered (not uvicorn.access: uvicorn silences that one when its own
+# access log is off, and it is always off here).
+access = logging.getLogger("pipepool.access")
 
-# Routes get their own label; anything else is "other", so a scanner probing random paths
-# cannot blow up the number of series.
-ROUTES = frozenset(
-    {"/v1/embeddings", "/pooling", "/tokenize", "/v1/models", "/health", "/metrics", "/docs"}
-    | {"/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/classify", "/v1/classify"}
-)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -40,9 +39,13 @@ class _Histogram:
 
 
 class HttpMetrics:
-    """What the server itself counts. Updated on the event loop thread only."""
+    """What the server itself counts. Updated on the event loop thread only.
 
-    def __init__(self) -> None:
+    Each of ``routes`` (the app's paths) gets its own label; any other path is "other", so a
+    scanner probing random paths cannot blow up the number of series."""
+
+    def __init__(self, routes: frozenset[str]) -> None:
+        self.routes = routes
         self.requests: Counter[tuple[str, int]] = Counter()  # (route, status)
         self.errors: Counter[tuple[str, str]] = Counter()  # (error type, error code)
         self.latency: dict[str, _Histogram] = {}
@@ -52,17 +55,20 @@ class HttpMetrics:
         self.errors[(err.type, err.code or "")] += 1
 
     def on_response(self, path: str, status: int, seconds: float) -> None:
-        route = path if path in ROUTES else "other"
+        route = path if path in self.routes else "other"
         self.requests[(route, status)] += 1
         self.latency.setdefault(route, _Histogram(HTTP_BUCKETS)).observe(seconds)
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by route and status (also those the guards turned away)."""
+    """Counts every HTTP request by route and status (also those the guards turned away) and,
+    with ``access_log``, logs it once answered, with its latency (uvicorn's own access log
+    has none)."""
 
-    def __init__(self, app, metrics: HttpMetrics) -> None:
+    def __init__(self, app, metrics: HttpMetrics, *, access_log: bool) -> None:
         self.app = app
         self.metrics = metrics
+        self.access_log = access_log
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -86,8 +92,26 @@ class MetricsMiddleware:
             status = 500
             raise
         finally:
+            seconds = time.perf_counter() - started
             self.metrics.in_flight -= 1
-            self.metrics.on_response(scope["path"], status, time.perf_counter() - started)
+            self.metrics.on_response(scope["path"], status, seconds)
+            if self.access_log:
+                _log_access(scope, status, seconds)
+
+
+def _log_access(scope, status: int, seconds: float) -> None:
+    """uvicorn's access line, with the time from the request's arrival to its last byte."""
+    client = scope.get("client")
+    where = f"{client[0]}:{client[1]}" if client else "-"
+    target = quote(scope.get("root_path", "") + scope["path"])  # as uvicorn writes it
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("ascii", errors="replace")
+    ms = round(seconds * 1000, 1)
+    fields = {"client": where, "method": scope["method"], "path": target, "status": status}
+    access.info(
+        '%s - "%s %s HTTP/%s" %d %.1f ms', where, scope["method"], target,
+        scope.get("http_version", "1.1"), status, ms, extra={"http": {**fields, "latency_ms": ms}},
+    )  # fmt: skip
 
 
 def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:

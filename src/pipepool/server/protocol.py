@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -44,7 +45,7 @@ class InputsRequest(_Strict):
     """Fields shared by the requests that run the model."""
 
     input: Input = Field(description=_INPUT_HELP)
-    model: str | None = Field(None, description="The served model name (default: that one).")
+    model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI sends them."
     )
@@ -58,7 +59,7 @@ class InputsRequest(_Strict):
         description="Inputs over max_model_len: truncate, error (400), or chunk (embed every "
         "window, token-weighted mean). Default: the server's --long-inputs.",
     )
-    user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    user: StrictStr | None = Field(None, description="Accepted for compatibility; not used.")
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -85,23 +86,23 @@ class EmbeddingRequest(InputsRequest):
     dimensions: StrictInt | None = Field(
         None, description="Matryoshka: keep the first N dimensions (then normalize)."
     )
-    normalize: bool | None = Field(
+    normalize: StrictBool | None = Field(
         None, description="L2-normalize (default: what the model was trained with)."
     )
 
 
 class PoolingRequest(InputsRequest):
-    normalize: bool = Field(False, description="L2-normalize every token embedding.")
+    normalize: StrictBool = Field(False, description="L2-normalize every token embedding.")
 
 
 class TokenizeRequest(_Strict):
-    prompt: str | None = Field(None, description="The text to tokenize.")
-    input: str | None = Field(None, description="Same as prompt (give one of them).")
+    prompt: StrictStr | None = Field(None, description="The text to tokenize.")
+    input: StrictStr | None = Field(None, description="Same as prompt (give one of them).")
     inputs: StrictStr | list[StrictStr] | None = Field(
         None, description="TEI's form: one text or a list; answered as TEI answers."
     )
-    model: str | None = None
-    add_special_tokens: bool = Field(
+    model: StrictStr | None = None
+    add_special_tokens: StrictBool = Field(
         True, description="Must be true: the model's special tokens are part of every prompt."
     )
 
@@ -122,16 +123,23 @@ class TokenizeRequest(_Strict):
         return text
 
 
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: token ids of this model's tokenizer back to text."""
+
+    tokens: list[StrictInt] = Field(description="Token ids, each in [0, vocabulary size).")
+    model: StrictStr | None = None
+
+
 class TEIEmbedRequest(_Strict):
     """Hugging Face text-embeddings-inference's ``POST /embed``."""
 
     inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
-    normalize: bool = Field(True, description="L2-normalize (TEI's default: true).")
-    truncate: bool | None = Field(
+    normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
+    truncate: StrictBool | None = Field(
         None, description="Truncate inputs over max_model_len (default: the server's policy)."
     )
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
-    prompt_name: str | None = None
+    prompt_name: StrictStr | None = None
     dimensions: StrictInt | None = None
 
     def texts(self) -> list[str]:
@@ -173,9 +181,51 @@ class PoolingResponse(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
+    """vLLM's answer: every token of the text, never truncated (``count`` is the whole text's;
+    an input longer than max_model_len is truncated, refused or chunked by the model routes)."""
+
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class TEIToken(BaseModel):
+    """One token in TEI's ``/tokenize`` answer (a list of them per text)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None  # character span in the text; None for special tokens
+    stop: int | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int | None = None  # once the model is loaded
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthResponse(BaseModel):
+    """``ok`` (200); ``loading``, ``degraded``, ``dead``, ``failed`` or ``closed`` (503)."""
+
+    status: str
+    api_server: int | None = None  # which front-end process answered (--api-server-count > 1)
+    replicas: list[str] | None = None  # each replica's state (--dp > 1)
 
 
 def encode_array(array: np.ndarray, encoding_format: str) -> list | str:

@@ -8,7 +8,15 @@ import time
 import uuid
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from .protocol import Usage, _Strict
 
@@ -31,7 +39,7 @@ class RerankDocument(BaseModel):
 class RerankRequest(_Strict):
     """Cohere v2 / Jina rerank; TEI's form sends ``texts`` instead of ``documents``."""
 
-    model: str | None = Field(None, description="The served model name (default: that one).")
+    model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     query: StrictStr
     documents: list[StrictStr | RerankDocument] | None = Field(
         None, description="Texts (or {text} objects, Cohere v1 / Jina) to rank by the query."
@@ -40,18 +48,18 @@ class RerankRequest(_Strict):
     top_n: StrictInt | None = Field(
         None, description="Return the N most relevant documents (absent or 0: all)."
     )
-    return_documents: bool | None = Field(
+    return_documents: StrictBool | None = Field(
         None, description="Return each document's text (default: true; TEI: return_text)."
     )
-    return_text: bool = Field(False, description="TEI's return_documents.")
-    raw_scores: bool = Field(False, description="TEI: raw logits instead of the activation.")
+    return_text: StrictBool = Field(False, description="TEI's return_documents.")
+    raw_scores: StrictBool = Field(False, description="TEI: raw logits instead of the activation.")
     max_tokens_per_doc: StrictInt | None = Field(
         None, description="Cut each document to its first N tokens first (Cohere v2)."
     )
     instruction: StrictStr | None = Field(
         None, description="Qwen3-Reranker's task instruction (default: its web-search one)."
     )
-    use_activation: bool | None = _ACTIVATION
+    use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: StrictInt | None = _TRUNCATE
 
     @model_validator(mode="after")
@@ -79,20 +87,20 @@ class RerankRequest(_Strict):
 class ScoreRequest(_Strict):
     """vLLM's score: one text_1 against every text_2, or text_1[i] with text_2[i]."""
 
-    model: str | None = None
+    model: StrictStr | None = None
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
     instruction: StrictStr | None = None
-    use_activation: bool | None = _ACTIVATION
+    use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: StrictInt | None = _TRUNCATE
 
 
 class ClassifyRequest(_Strict):
     """vLLM's classify: label probabilities per input text."""
 
-    model: str | None = None
+    model: StrictStr | None = None
     input: StrictStr | list[StrictStr]
-    use_activation: bool | None = _ACTIVATION
+    use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: StrictInt | None = _TRUNCATE
 
     def texts(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import InvalidInputError
@@ -28,7 +29,15 @@ class ServerSettings:
     # another tokenizer (LangChain's OpenAIEmbeddings does by default) would get wrong vectors
     # with no error, so they are refused unless the operator says the clients' ids are right.
     allow_token_ids: bool = False
+    # What one request may ask for (``limits.py``; each answered 400 or 413 naming its flag).
     max_inputs_per_request: int = 2048  # OpenAI's own limit on "input" list length
+    # Tokens of one request, all its inputs (or pairs) together, after truncation: OpenAI's own
+    # limit, so that what clients batch for OpenAI (langchain-openai does) is accepted whole.
+    max_tokens_per_request: int = 300_000
+    # Tokens of one input embedded whole with long_inputs="chunk" (a request's or the server's
+    # --long-inputs): without it one text of a megabyte holds the model for minutes. 32k: any
+    # document a 32k-context model reads in one pass. /tokenize counts texts up to it too.
+    max_chunked_tokens: int = 32768
     max_body_bytes: int = 32 << 20  # checked from Content-Length and while reading
     # Engine requests (one per input) admitted by the server and not yet finished; above it a
     # request is answered 429. Never below max_inputs_per_request, so that any request the
@@ -54,8 +63,24 @@ class ServerSettings:
     def model_name(self) -> str:
         return self.model_names[0]
 
+    @cached_property  # one look at the disk per server, not per request
+    def shown_model_names(self) -> tuple[str, ...]:
+        """The names a response may show (/v1/models, /info, errors): every accepted name but
+        a path to a local folder, which would tell clients how the server's disk is laid out
+        (the path stays accepted: a vLLM server's default name is its path). The first name,
+        what responses carry, is always shown."""
+        return (self.model_name, *(n for n in self.model_names[1:] if not _is_folder_path(n)))
+
+    def response_name(self, requested: str | None) -> str:
+        """The model name a response carries for a request that named ``requested`` (already
+        checked to be served): that name, or the first one where it is not shown (a path)."""
+        if requested is None or requested not in self.shown_model_names:
+            return self.model_name
+        return requested
+
     def __post_init__(self) -> None:
-        for name in ("max_inputs_per_request", "max_body_bytes", "max_queued_requests"):
+        positive = ("max_inputs_per_request", "max_tokens_per_request", "max_chunked_tokens")
+        for name in (*positive, "max_body_bytes", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
         if self.max_queued_requests < self.max_inputs_per_request:
@@ -103,3 +128,10 @@ def served_model_names(model: str | None, extra: str | None = None) -> tuple[str
         if path.is_dir():
             names += [path.resolve().name, model]
     return tuple(dict.fromkeys(names))  # no repeats, first mention first
+
+
+def _is_folder_path(name: str) -> bool:
+    """Whether a served name is a local folder given by its path (``/srv/models/x``, ``./x``,
+    ``~/x``), rather than a bare name or a hub id."""
+    path = Path(name).expanduser()
+    return path.name != name and path.is_dir()

@@ -62,7 +62,7 @@ def build_server(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        access_log=settings.access_log,
+        access_log=False,  # the app logs each request, with its latency (metrics.py)
         # uvicorn annotates int but only hands it to loop.call_later, which takes seconds.
         timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
         backlog=settings.backlog,

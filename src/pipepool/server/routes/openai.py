@@ -1,5 +1,5 @@
-"""OpenAI's /v1/embeddings and /v1/models, and vLLM's /pooling and /tokenize (TEI's form of
-/tokenize goes to ``tei.py``)."""
+"""OpenAI's /v1/embeddings and /v1/models, and vLLM's /pooling (its /tokenize and /detokenize
+are in ``tokens.py``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ from collections.abc import Callable
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
-from ...errors import PipepoolError
 from .. import protocol
-from ..errors import from_engine
-from . import scoring, tei
-from .shared import ERRORS, check_model, run_model_outputs, state_of
+from . import scoring
+from .shared import ERRORS, READ_ERRORS, check_model, run_model_outputs, state_of
 
 # (model name, outputs, tokens per input, encoding format) -> response body
 Respond = Callable[[str, list[np.ndarray], list[int], str], dict]
@@ -49,21 +46,6 @@ async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
     )
 
 
-@router.post("/tokenize", response_model=protocol.TokenizeResponse, responses=ERRORS)
-async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict | JSONResponse:
-    """Token ids of a text, special tokens included, as the model routes see them."""
-    state = state_of(request)
-    check_model(state, body.model)
-    if body.inputs is not None:
-        return JSONResponse(await tei.tokenize(state, body.inputs))  # TEI's shape, not ours
-    try:
-        ids = await state.front.tokenize(body.text)
-    except PipepoolError as exc:
-        raise from_engine(exc) from None
-    max_len = state.front.engine.deployment.max_model_len
-    return {"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len}
-
-
 async def _run_model(
     request: Request, body: protocol.InputsRequest, respond: Respond, **options
 ) -> Response:
@@ -78,7 +60,7 @@ async def _run_model(
     )
     if isinstance(done, Response):
         return done
-    name, fmt = body.model or state.settings.model_name, body.encoding_format
+    name, fmt = state.settings.response_name(body.model), body.encoding_format
     # Serializing thousands of floats takes a while: keep it off the event loop.
     text = await state.front.offload(
         lambda: json.dumps(
@@ -89,12 +71,13 @@ async def _run_model(
     return Response(text, media_type="application/json")
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=protocol.ModelList, responses=READ_ERRORS)
 async def models(request: Request) -> dict:
+    """The names this server answers to (a model folder's path is accepted but not listed)."""
     state = state_of(request)
     engine = state.front.owner.engine
     cards = []
-    for name in state.settings.model_names:
+    for name in state.settings.shown_model_names:
         card = {"id": name, "object": "model", "created": state.started, "owned_by": "pipepool"}
         if engine is not None:
             card["max_model_len"] = engine.deployment.max_model_len

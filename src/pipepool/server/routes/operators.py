@@ -1,17 +1,28 @@
-"""For operators: /health and /metrics (Prometheus)."""
+"""For operators: /health, /metrics (Prometheus) and /version."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from .. import metrics
-from .shared import state_of
+from ... import __version__
+from .. import metrics, protocol
+from .shared import READ_ERRORS, errors_doc, state_of
 
 router = APIRouter()
 
+_NOT_SERVING = {
+    "model": protocol.HealthResponse,
+    "description": "Not serving at full health: the status says why.",
+}
 
-@router.get("/health")
+
+@router.get(
+    "/health",
+    response_model=protocol.HealthResponse,
+    response_model_exclude_none=True,
+    responses={503: _NOT_SERVING, **errors_doc(500)},
+)
 async def health(request: Request) -> JSONResponse:
     """200 ``ok`` once the model is loaded and every stage is alive. 503 otherwise: ``loading``,
     ``degraded`` (a stage died and the pipeline is being restarted: requests wait, and are
@@ -35,9 +46,15 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, responses=errors_doc(500))
 async def prometheus(request: Request) -> PlainTextResponse:
     """Prometheus text format: engine counters, KV blocks, HTTP counters."""
     state = state_of(request)
     text = metrics.render(state.front.owner.engine, state.front, state.http)
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+
+@router.get("/version", response_model=protocol.VersionResponse, responses=READ_ERRORS)
+async def version() -> dict:
+    """The pipepool version serving (as vLLM's /version)."""
+    return {"version": __version__}

@@ -18,6 +18,7 @@ from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
 from ..errors import APIError, from_engine
 from ..front import Encoded
+from ..limits import bounded_scoring, check_input_count
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
@@ -58,6 +59,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
         ),
         param="texts" if body.tei else "documents",
         texts=[body.query, *documents],
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(done, Response):
         return done
@@ -66,7 +68,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     if body.tei:
         return _json(sp.tei_rerank_response(documents, scores, order, return_text=body.return_text))
     keep = body.return_documents if body.return_documents is not None else True
-    name = body.model or state_of(request).settings.model_name
+    name = state_of(request).settings.response_name(body.model)
     return _json(
         sp.rerank_response(name, documents, scores, order, done.num_tokens, return_documents=keep)
     )
@@ -94,11 +96,12 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
         ),
         param="text_2",
         texts=[*firsts, *seconds],
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(done, Response):
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
-    name = body.model or state_of(request).settings.model_name
+    name = state_of(request).settings.response_name(body.model)
     return _json(sp.score_response(name, scores, done.num_tokens))
 
 
@@ -119,13 +122,14 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
         ),
         param="input",
         texts=texts,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(done, Response):
         return done
     head = state_of(request).front.engine.deployment.classifier
     assert head is not None, "submit_classify refuses a model without a classifier"
     labels = head.labels
-    name = body.model or state_of(request).settings.model_name
+    name = state_of(request).settings.response_name(body.model)
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
     return _json(sp.classify_response(name, probs, labels, done.num_tokens))
 
@@ -149,10 +153,11 @@ async def token_classify(body, request: Request) -> Response:
         ),
         param="input",
         texts=texts,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(done, Response):
         return done
-    name = body.model or state_of(request).settings.model_name
+    name = state_of(request).settings.response_name(body.model)
     outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
     return _json(pooling_response(name, outputs, done.num_tokens, body.encoding_format))
 
@@ -165,23 +170,17 @@ async def _run(
     *,
     param: str,
     texts: Sequence,
+    truncate_prompt_tokens: int | None,
 ) -> Encoded | Response:
-    """The shared path of the model routes: the model name, the per-request input limit, the
-    tokenising lane (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx,
-    and a 499 if the client leaves meanwhile."""
+    """The shared path of the model routes: the model name, the server's limits (inputs and
+    tokens per request), the tokenising lane (by the size of ``texts``), the queue, the
+    engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
     state = state_of(request)
     check_model(state, model)
-    limit = state.settings.max_inputs_per_request
-    if n > limit:
-        raise APIError(
-            400,
-            f"the request has {n} inputs (pairs or texts); this server takes at most {limit} "
-            "per request",
-            param=param,
-            code="too_many_inputs",
-        )
+    check_input_count(state.settings, n, param)
+    bounded = bounded_scoring(state.settings, n, truncate_prompt_tokens, submit, param)
     try:
-        return await unless_client_leaves(request, state.front.run(n, submit, texts))
+        return await unless_client_leaves(request, state.front.run(n, bounded, texts))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 

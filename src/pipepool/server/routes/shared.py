@@ -16,6 +16,7 @@ from ...errors import PipepoolError
 from .. import protocol
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, model_not_found
 from ..front import AsyncEngine, Encoded, QueueFullError
+from ..limits import bounded_embedding, check_input_count
 from ..metrics import HttpMetrics
 from ..settings import ServerSettings
 
@@ -25,10 +26,32 @@ T = TypeVar("T")
 # metrics do (nginx's "client closed request").
 CLIENT_CLOSED = 499
 
-# The error bodies of the OpenAPI schema, as FastAPI's ``responses=`` takes them.
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": protocol.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
+# What each error status means, for the OpenAPI schema.
+_MEANING = {
+    400: "Invalid request: a bad field, a lone surrogate, too many inputs or tokens (the message "
+    "names the limit and its flag).",
+    401: "Missing or wrong API key (a server started with --api-key).",
+    404: "Unknown model name.",
+    413: "Request body larger than --max-body-bytes.",
+    429: "The server's queue is full (--max-queued-requests); retry after Retry-After seconds.",
+    500: "Internal error (the server's log has the details).",
+    503: "The model is loading, the engine has failed, or the server is shutting down.",
 }
+
+
+def errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers of a route for its OpenAPI schema (FastAPI's ``responses=``)."""
+    return {
+        status: {"model": protocol.ErrorResponse, "description": _MEANING[status]}
+        for status in statuses
+    }
+
+
+# The error answers of the routes that run the model, and of those that only tokenise.
+ERRORS = errors_doc(400, 401, 404, 413, 429, 500, 503)
+TOKENIZER_ERRORS = errors_doc(400, 401, 404, 413, 500, 503)
+# A route that reads no body: only the API key can turn it away.
+READ_ERRORS = errors_doc(401, 500)
 
 
 @dataclass
@@ -37,7 +60,7 @@ class ServerState:
 
     settings: ServerSettings
     front: AsyncEngine
-    http: HttpMetrics = field(default_factory=HttpMetrics)
+    http: HttpMetrics
     started: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -46,26 +69,22 @@ def state_of(request: Request) -> ServerState:
 
 
 async def run_model_outputs(request: Request, inputs: list, **options) -> Encoded | Response:
-    """Checks, engine call, outputs; a bare Response (499) if the client left meanwhile."""
+    """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
+    outputs; a bare Response (499) if the client left meanwhile."""
     state = state_of(request)
     check_inputs(state, inputs)
-    limit = state.settings.max_inputs_per_request
-    if len(inputs) > limit:
-        raise APIError(
-            400,
-            f"input has {len(inputs)} items; this server takes at most {limit} per request",
-            param="input",
-            code="too_many_inputs",
-        )
+    check_input_count(state.settings, len(inputs), "input")
+    submit = bounded_embedding(state.settings, inputs, options)
     try:
-        return await unless_client_leaves(request, state.front.encode(inputs, **options))
+        return await unless_client_leaves(request, state.front.run(len(inputs), submit, inputs))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 
 
 def check_model(state: ServerState, name: str | None) -> None:
+    """404 for a model name this server does not serve (naming those it shows)."""
     if name is not None and name not in state.settings.model_names:
-        raise model_not_found(name, state.settings.model_names)
+        raise model_not_found(name, state.settings.shown_model_names)
 
 
 def check_inputs(state: ServerState, inputs: list) -> None:

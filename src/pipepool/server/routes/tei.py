@@ -1,7 +1,8 @@
 """Hugging Face text-embeddings-inference's routes, so TEI clients (``huggingface_hub``'s
 ``InferenceClient.feature_extraction``, LangChain's and LlamaIndex's TEI classes) work as they
-are: ``POST /embed`` (an array of vectors back), ``GET /info``, and ``POST /tokenize`` with
-``inputs`` (token objects back). Errors keep the server's OpenAI error body."""
+are: ``POST /embed`` (an array of vectors back) and ``GET /info`` here, and ``POST /tokenize``
+with ``inputs`` (token objects back, ``tokens.py``). Errors keep the server's OpenAI error
+body."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import json
 from fastapi import APIRouter, Request, Response
 
 from ... import __version__
-from ...errors import PipepoolError
 from .. import protocol
-from ..errors import from_engine
-from .shared import run_model_outputs
+from .shared import ERRORS, READ_ERRORS, run_model_outputs
 
 router = APIRouter()
 
 
-@router.post("/embed", tags=["TEI"])
+@router.post("/embed", tags=["TEI"], response_model=list[list[float]], responses=ERRORS)
 async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     """One vector per input, as a JSON array of arrays."""
     state = request.app.state.pipepool
@@ -40,9 +39,10 @@ async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     return Response(text, media_type="application/json")
 
 
-@router.get("/info", tags=["TEI"])
+@router.get("/info", tags=["TEI"], responses=READ_ERRORS)
 async def info(request: Request) -> dict:
-    """What the model and the server's limits are (TEI's fields)."""
+    """What the model and the server's limits are (TEI's fields, and ``limits``: every limit
+    on a request, by the flag that sets it)."""
     state = request.app.state.pipepool
     engine = state.front.owner.engine
     out = {
@@ -58,7 +58,14 @@ async def info(request: Request) -> dict:
         "auto_truncate": None,
         "tokenization_workers": None,
         "version": __version__,
-        "served_model_names": list(state.settings.model_names),
+        "served_model_names": list(state.settings.shown_model_names),
+        "limits": {
+            "max_inputs_per_request": state.settings.max_inputs_per_request,
+            "max_tokens_per_request": state.settings.max_tokens_per_request,
+            "max_chunked_tokens": state.settings.max_chunked_tokens,
+            "max_body_bytes": state.settings.max_body_bytes,
+            "max_queued_requests": state.settings.max_queued_requests,
+        },
     }
     if engine is not None:
         d = engine.deployment
@@ -81,13 +88,3 @@ async def info(request: Request) -> dict:
             auto_truncate=d.config.long_inputs == "truncate",
         )
     return out
-
-
-async def tokenize(state, inputs: str | list[str]) -> list[list[dict]]:
-    """TEI's answer: per text, its tokens as ``{id, text, special, start, stop}``."""
-    texts = [inputs] if isinstance(inputs, str) else inputs
-    try:
-        engine = state.front.engine
-    except PipepoolError as exc:
-        raise from_engine(exc) from None
-    return await state.front.offload(lambda: engine.inputs.tokenizer.describe(texts))

@@ -1,0 +1,212 @@
+"""What one request may ask of the server, and the 400 that answers a request asking for more:
+an OpenAI error body naming the limit and the flag that sets it.
+
+- inputs per request (``--max-inputs-per-request``): texts, pairs or token lists, every route;
+- tokens per request (``--max-tokens-per-request``): all inputs (or pairs) together, after
+  truncation; ``/tokenize`` and ``/detokenize`` count theirs too;
+- tokens of one input embedded whole with ``long_inputs="chunk"`` (``--max-chunked-tokens``),
+  which a request cannot raise; ``/tokenize`` counts a text up to it (or max_model_len, if
+  larger) and refuses a longer one.
+
+The body size (``--max-body-bytes``, 413) is checked before any of these, by ``guards``.
+
+A text's token count exists only once it is tokenised, so texts are first held to the bound in
+characters the engine uses (``MAX_CHARS_PER_TOKEN`` per token). An embedding request bounded in
+advance (every input cut or refused at a known length L, and its inputs × L within the limit)
+goes to the engine as it is; any other is tokenised here first, slice by slice, and refused as
+soon as its count passes a limit, before anything of it is enqueued. Pairs are tokenised by the
+engine in one piece and enqueued at once: a pair request not bounded in advance is counted
+then, and cancelled at once if over (at most a step of its work done).
+
+Every function here runs on a tokenising thread (``AsyncEngine.run``) unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..api.engine import Engine
+from ..api.submission import Submission
+from ..config import check_long_inputs
+from ..intake.inputs import MAX_CHARS_PER_TOKEN
+from ..loading.deployment import Deployment
+from .errors import APIError
+from .front import AnySubmission
+from .settings import ServerSettings
+
+
+def check_input_count(settings: ServerSettings, n: int, param: str) -> None:
+    """400 when a request has more inputs than ``--max-inputs-per-request`` (on the loop)."""
+    limit = settings.max_inputs_per_request
+    if n > limit:
+        raise APIError(
+            400,
+            f"the request has {n} inputs; this server takes at most {limit} per request "
+            "(--max-inputs-per-request): send them in several requests",
+            param=param,
+            code="too_many_inputs",
+        )
+
+
+def longest_input(settings: ServerSettings, deployment: Deployment) -> int:
+    """Tokens of the longest single input the server takes whole: chunked up to
+    ``--max-chunked-tokens``, or max_model_len where that is larger."""
+    return max(settings.max_chunked_tokens, deployment.max_model_len)
+
+
+def check_text_lengths(
+    settings: ServerSettings,
+    deployment: Deployment,
+    texts: Sequence,
+    param: str,
+    *,
+    listed: bool = True,
+) -> None:
+    """400 for a text too long in characters to be within ``longest_input`` tokens, before
+    anything tokenises it (token-id inputs are not looked at). ``listed``: the field ``param``
+    holds a list (errors name the text by its index)."""
+    longest = longest_input(settings, deployment)
+    max_chars = longest * MAX_CHARS_PER_TOKEN
+    for i, text in enumerate(texts):
+        if isinstance(text, str) and len(text) > max_chars:
+            raise APIError(
+                400,
+                f"{_item(param, i, listed)} has {len(text)} characters, more than the "
+                f"{max_chars} that {longest} tokens allow ({MAX_CHARS_PER_TOKEN} per token); this "
+                f"server takes at most {longest} tokens of one input (--max-chunked-tokens, or "
+                "max_model_len where larger)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
+def check_token_counts(
+    settings: ServerSettings,
+    deployment: Deployment,
+    lengths: np.ndarray,
+    *,
+    first: int,
+    counted_before: int,
+    inputs: int,
+    param: str,
+    listed: bool = True,
+) -> int:
+    """The tokens counted so far, with ``lengths`` (inputs ``first`` onwards of ``inputs``):
+    400 if one of them is longer than ``longest_input`` or the request's total passes
+    ``--max-tokens-per-request``. ``listed`` as for ``check_text_lengths``."""
+    longest = longest_input(settings, deployment)
+    over = np.flatnonzero(lengths > longest)
+    if len(over):
+        i = int(over[0])
+        raise APIError(
+            400,
+            f"{_item(param, first + i, listed)} has {int(lengths[i])} tokens; this server "
+            f"takes at most {longest} tokens of one input, chunked or not "
+            "(--max-chunked-tokens, or max_model_len where larger)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    total = counted_before + int(lengths.sum())
+    if total > settings.max_tokens_per_request:
+        counted = first + len(lengths)
+        raise too_many_tokens(settings, total, param, counted if counted < inputs else None)
+    return total
+
+
+def too_many_tokens(
+    settings: ServerSettings, counted: int, param: str, complete: int | None = None
+) -> APIError:
+    """The 400 for a request over ``--max-tokens-per-request``; ``complete``: the inputs
+    counted, where counting stopped before the last."""
+    limit = settings.max_tokens_per_request
+    has = f"{counted} tokens" + (f" in its first {complete} inputs" if complete else "")
+    return APIError(
+        400,
+        f"the request has {has}; this server takes at most {limit} tokens per request "
+        "(--max-tokens-per-request): send fewer or shorter inputs per request",
+        param=param,
+        code="too_many_tokens",
+    )
+
+
+def bounded_embedding(
+    settings: ServerSettings, inputs: list, options: dict[str, Any]
+) -> Callable[[Engine], AnySubmission]:
+    """``Engine.submit(inputs, **options)`` within the limits, for ``AsyncEngine.run``."""
+
+    def submit(engine: Engine) -> AnySubmission:
+        d = engine.deployment
+        policy = check_long_inputs(options.get("long_inputs") or engine.config.long_inputs)
+        each = _tokens_per_input(d, options.get("truncate_prompt_tokens"), policy)
+        if each is not None and len(inputs) * each <= settings.max_tokens_per_request:
+            return engine.submit(inputs, **options)
+        if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
+            check_text_lengths(settings, d, inputs, "input")
+        ids, total = [], 0
+        slices = engine.inputs.token_slices(
+            inputs,
+            truncate_prompt_tokens=options.get("truncate_prompt_tokens"),
+            truncation_side=options.get("truncation_side", "right"),
+            prompt_name=options.get("prompt_name"),
+            long_inputs=policy,
+        )
+        for part in slices:  # refused at the first slice over a limit
+            total = check_token_counts(
+                settings, d, part.lengths,
+                first=part.first, counted_before=total, inputs=len(inputs), param="input",
+            )  # fmt: skip
+            ids += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
+        # Token ids now: validated, prompt-prefixed and truncated already; not tokenised again.
+        return engine.submit(
+            ids,
+            pooling=options.get("pooling"),
+            dimensions=options.get("dimensions"),
+            normalize=options.get("normalize"),
+            long_inputs=policy,
+        )
+
+    return submit
+
+
+def bounded_scoring(
+    settings: ServerSettings,
+    n: int,
+    truncate_prompt_tokens: int | None,
+    submit: Callable[[Engine], Submission],
+    param: str,
+) -> Callable[[Engine], Submission]:
+    """``submit`` (``n`` pairs or texts to score) within ``--max-tokens-per-request``, for
+    ``AsyncEngine.run``: scored inputs are truncated or refused at max_model_len, never
+    chunked; a call not bounded by that in advance is cancelled if its count is over."""
+
+    def run(engine: Engine) -> Submission:
+        each = _tokens_per_input(engine.deployment, truncate_prompt_tokens, "truncate")
+        assert each is not None, "a scored input is never chunked"
+        submission = submit(engine)
+        if n * each <= settings.max_tokens_per_request:
+            return submission
+        total = int(submission.num_tokens.sum())  # filled in as it was enqueued
+        if total > settings.max_tokens_per_request:
+            submission.cancel()
+            raise too_many_tokens(settings, total, param)
+        return submission
+
+    return run
+
+
+def _tokens_per_input(d: Deployment, truncate: Any, policy: str) -> int | None:
+    """The most tokens any one input can have after the engine's truncation or refusal;
+    None when inputs are chunked (no bound but ours). A bad ``truncate`` is the engine's to
+    refuse: it gets max_model_len here."""
+    if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate >= 1:
+        return min(truncate, d.max_model_len)
+    if truncate == -1 or policy != "chunk":
+        return d.max_model_len
+    return None
+
+
+def _item(param: str, index: int, listed: bool) -> str:
+    return f"{param} {index}" if listed else param

@@ -1,0 +1,147 @@
+"""The tokenizer's routes: ``POST /tokenize`` in vLLM's form (``prompt`` or ``input``: the ids and
+their count) and in TEI's (``inputs``: each token with its text and span), and vLLM's ``POST
+/detokenize``. Neither runs the model; both are held to the server's limits (``limits.py``):
+inputs per request, tokens per request, and the longest input the server takes. A text is
+counted whole, never truncated: its count says what the model routes will truncate, refuse or
+chunk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from ...api.engine import Engine
+from ...errors import PipepoolError
+from .. import protocol
+from ..errors import APIError, from_engine
+from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
+from .shared import TOKENIZER_ERRORS, ServerState, check_model, state_of
+
+T = TypeVar("T")
+
+router = APIRouter()
+
+# Characters of text the TEI form tokenises at a time: a request over the token limit stops
+# within a batch of it, and its token objects are built only once it is known to be within.
+_BATCH_CHARS = 1 << 16
+
+
+@router.post(
+    "/tokenize",
+    response_model=protocol.TokenizeResponse | list[list[protocol.TEIToken]],
+    responses=TOKENIZER_ERRORS,
+)
+async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response:
+    """Token ids of a text, special tokens (and the model's default prompt) included, as the
+    model routes see them before any truncation: ``count`` is the whole text's. With TEI's
+    ``inputs`` (one text or a list), TEI's answer: per text, its tokens as ``{id, text,
+    special, start, stop}``."""
+    state = state_of(request)
+    check_model(state, body.model)
+    engine = _engine(state)
+    if body.inputs is not None:
+        texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
+        return await _tei_tokenize(state, engine, texts)
+    param = "prompt" if body.prompt is not None else "input"
+    text = body.text
+    check_text_lengths(state.settings, engine.deployment, [text], param, listed=False)
+
+    def count() -> np.ndarray:
+        # "chunk": the engine neither truncates nor refuses a long text then.
+        (ids,) = engine.tokenize([text], long_inputs="chunk")
+        lengths = np.array([len(ids)])
+        check_token_counts(
+            state.settings, engine.deployment, lengths,
+            first=0, counted_before=0, inputs=1, param=param, listed=False,
+        )  # fmt: skip
+        return ids
+
+    ids = await _offloaded(state, count, len(text))
+    max_len = engine.deployment.max_model_len
+    return _json({"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len})
+
+
+@router.post("/detokenize", response_model=protocol.DetokenizeResponse, responses=TOKENIZER_ERRORS)
+async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Response:
+    """The text of token ids of this model's tokenizer, special tokens included (vLLM)."""
+    state = state_of(request)
+    check_model(state, body.model)
+    engine = _engine(state)
+    if len(body.tokens) > state.settings.max_tokens_per_request:
+        raise too_many_tokens(state.settings, len(body.tokens), "tokens")
+    tokenizer = engine.inputs.tokenizer
+    vocab = tokenizer.vocab_size
+    for i, token in enumerate(body.tokens):
+        if not 0 <= token < vocab:
+            raise APIError(
+                400,
+                f"tokens {i} is {token}, outside this model's vocabulary [0, {vocab})",
+                param="tokens",
+                code="invalid_value",
+            )
+    prompt = await state.front.offload(
+        lambda: tokenizer.backend.decode(body.tokens, skip_special_tokens=False),
+        size=len(body.tokens),
+    )
+    return _json({"prompt": prompt})
+
+
+async def _tei_tokenize(state: ServerState, engine: Engine, texts: list[str]) -> Response:
+    settings, deployment = state.settings, engine.deployment
+    check_input_count(settings, len(texts), "inputs")
+    check_text_lengths(settings, deployment, texts, "inputs")
+    tokenizer = engine.inputs.tokenizer
+
+    def describe() -> str:
+        # Valid Unicode (the guards turned away JSON's lone surrogates already), empty allowed.
+        checked = engine.inputs.checked_texts(texts, None, None, param="inputs", allow_empty=True)
+        total = 0
+        for lo, hi in _batches(checked):  # counted first: token objects cost far more
+            _, lengths = tokenizer.encode_flat(checked[lo:hi])
+            total = check_token_counts(
+                settings, deployment, lengths,
+                first=lo, counted_before=total, inputs=len(checked), param="inputs",
+            )  # fmt: skip
+        return _dumps(tokenizer.describe(checked))
+
+    text = await _offloaded(state, describe, sum(map(len, texts)))
+    return Response(text, media_type="application/json")
+
+
+def _engine(state: ServerState) -> Engine:
+    try:
+        return state.front.engine
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+
+
+async def _offloaded(state: ServerState, fn: Callable[[], T], size: int) -> T:
+    """``fn()`` on a worker thread (by ``size``, in characters), engine errors as 4xx/5xx."""
+    try:
+        return await state.front.offload(fn, size=size)
+    except PipepoolError as exc:
+        raise from_engine(exc) from None
+
+
+def _batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` of consecutive texts of about ``_BATCH_CHARS`` characters (at least one)."""
+    lo, chars = 0, 0
+    for hi, text in enumerate(texts, start=1):
+        chars += len(text)
+        if chars >= _BATCH_CHARS:
+            yield lo, hi
+            lo, chars = hi, 0
+    if lo < len(texts):
+        yield lo, len(texts)
+
+
+def _dumps(body: object) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+def _json(body: object) -> Response:
+    return Response(_dumps(body), media_type="application/json")

@@ -40,6 +40,8 @@ TEXT_WORKLOADS = {"T4": (8192, 3, 200), "T5": (2000, 5, 60)}  # texts, min / max
 
 @dataclass
 class Workload:
+    """A named benchmark workload: the token ids of every request, in submission order."""
+
     name: str
     token_ids: list[np.ndarray]
 
@@ -92,6 +94,9 @@ def vocabulary_words(tokenizer_json: Path, limit: int = 20000) -> list[str]:
 
 @dataclass
 class RunResult:
+    """One timed run of a system on a workload: wall seconds, tokens per second, peak device
+    memory, and what else the system reports (``detail``: e.g. the peer's best batch size)."""
+
     seconds: float
     tokens_per_s: float
     peak_memory_gib: float

@@ -41,6 +41,9 @@ class NotReadyError(EngineDeadError):
 
 @dataclass
 class Encoded:
+    """What one HTTP request's inputs became: an output per input, in input order, and each
+    input's prompt tokens after truncation (for ``usage``)."""
+
     outputs: list[np.ndarray]  # one per input, in input order
     num_tokens: list[int]  # prompt tokens per input, after truncation
 

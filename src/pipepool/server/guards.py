@@ -26,6 +26,10 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect
 
 
 class GuardMiddleware:
+    """ASGI middleware in front of every route: the API key, the body-size bound (from
+    Content-Length and while reading) and lone surrogates in JSON strings, each refused with an
+    OpenAI-style error (``on_error`` counts it) before a route or the engine sees the request."""
+
     def __init__(
         self,
         app,

@@ -11,6 +11,9 @@ TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per log record (time, level, logger, message and the record's extra
+    fields), for ``--log-format json``."""
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

@@ -83,6 +83,9 @@ class InputsRequest(_Strict):
 
 
 class EmbeddingRequest(InputsRequest):
+    """OpenAI's ``/v1/embeddings`` body (vLLM's extras: ``normalize``, truncation,
+    ``long_inputs``)."""
+
     dimensions: StrictInt | None = Field(
         None, description="Matryoshka: keep the first N dimensions (then normalize)."
     )
@@ -92,10 +95,14 @@ class EmbeddingRequest(InputsRequest):
 
 
 class PoolingRequest(InputsRequest):
+    """vLLM's ``/pooling`` body: one embedding per token of each input."""
+
     normalize: StrictBool = Field(False, description="L2-normalize every token embedding.")
 
 
 class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize`` body: one text, as ``prompt`` or ``input``."""
+
     prompt: StrictStr | None = Field(None, description="The text to tokenize.")
     input: StrictStr | None = Field(None, description="Same as prompt (give one of them).")
     inputs: StrictStr | list[StrictStr] | None = Field(
@@ -150,17 +157,23 @@ class TEIEmbedRequest(_Strict):
 
 
 class Usage(BaseModel):
+    """Prompt tokens of a request (after truncation), as OpenAI counts them."""
+
     prompt_tokens: int
     total_tokens: int
 
 
 class EmbeddingData(BaseModel):
+    """One input's embedding: floats, or base64 of little-endian float32."""
+
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
 
 
 class EmbeddingResponse(BaseModel):
+    """OpenAI's ``/v1/embeddings`` answer: one ``EmbeddingData`` per input, in input order."""
+
     object: Literal["list"] = "list"
     data: list[EmbeddingData]
     model: str
@@ -168,12 +181,16 @@ class EmbeddingResponse(BaseModel):
 
 
 class PoolingData(BaseModel):
+    """One input's token embeddings ``[num_tokens, hidden]`` (base64: row-major float32)."""
+
     object: Literal["pooling"] = "pooling"
     index: int
     data: list[list[float]] | str  # [num_tokens, hidden]; base64: row-major float32
 
 
 class PoolingResponse(BaseModel):
+    """vLLM's ``/pooling`` answer: one ``PoolingData`` per input, in input order."""
+
     object: Literal["list"] = "list"
     data: list[PoolingData]
     model: str
@@ -200,10 +217,14 @@ class TEIToken(BaseModel):
 
 
 class DetokenizeResponse(BaseModel):
+    """vLLM's ``/detokenize`` answer: the text of the token ids, special tokens kept."""
+
     prompt: str
 
 
 class ModelCard(BaseModel):
+    """One served model name in ``/v1/models`` (``max_model_len`` once it is loaded)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -212,11 +233,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """OpenAI's ``/v1/models`` answer: every name the model answers to."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class VersionResponse(BaseModel):
+    """``/version``: the pipepool package version serving."""
+
     version: str
 
 
@@ -268,6 +293,8 @@ def _list_response(
 
 
 class ErrorInfo(BaseModel):
+    """An OpenAI-style error: what went wrong, its kind, the field at fault and a code."""
+
     message: str
     type: str
     param: str | None
@@ -275,4 +302,6 @@ class ErrorInfo(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer (OpenAI's shape)."""
+
     error: ErrorInfo

@@ -33,6 +33,8 @@ _TRUNCATE = Field(
 
 
 class RerankDocument(BaseModel):
+    """A document in a rerank request or answer: its text."""
+
     text: StrictStr
 
 
@@ -111,12 +113,18 @@ class ClassifyRequest(_Strict):
 
 
 class RerankResult(BaseModel):
+    """One document's rank entry: its index in the request, its score and, when asked
+    for, its text."""
+
     index: int
     relevance_score: float
     document: RerankDocument | None = None
 
 
 class RerankResponse(BaseModel):
+    """The Cohere v2 / Jina rerank answer: results most relevant first, usage and
+    Cohere's ``meta``."""
+
     id: str
     model: str
     results: list[RerankResult]  # most relevant first
@@ -125,12 +133,16 @@ class RerankResponse(BaseModel):
 
 
 class ScoreData(BaseModel):
+    """One pair's score in vLLM's ``/score`` answer."""
+
     index: int
     object: str = "score"
     score: float
 
 
 class ScoreResponse(BaseModel):
+    """vLLM's ``/score`` answer: one ``ScoreData`` per pair, in request order."""
+
     id: str
     object: str = "list"
     created: int
@@ -140,6 +152,9 @@ class ScoreResponse(BaseModel):
 
 
 class ClassifyData(BaseModel):
+    """One text's classification in vLLM's ``/classify`` answer: the top label and every
+    label's probability."""
+
     index: int
     label: str
     probs: list[float]
@@ -147,6 +162,8 @@ class ClassifyData(BaseModel):
 
 
 class ClassifyResponse(BaseModel):
+    """vLLM's ``/classify`` answer: one ``ClassifyData`` per input, in input order."""
+
     id: str
     object: str = "list"
     created: int

@@ -23,6 +23,9 @@ ANSWER_GRACE_S = 5.0
 
 
 class Server(uvicorn.Server):
+    """uvicorn's server with the engine's lifecycle: ``on_started`` once it listens, and on
+    SIGTERM in-flight requests drain for up to ``timeout_s`` before the front end closes."""
+
     def __init__(
         self,
         config: uvicorn.Config,

@@ -412,9 +412,11 @@ class ReplicaPipeline:
             )
             callbacks, self._on_death = self._on_death, []
         log.error("%s", self._dead)
-        self._fail_pending(self._dead)
+        # Callbacks first, as LocalPipeline does: a caller whose call fails with the cause may
+        # look for what they did at once (the server's health, a test's record).
         for fn in callbacks:
             fn(self._dead)
+        self._fail_pending(self._dead)
 
     def _fail_pending(self, exc: BaseException) -> None:
         if not isinstance(exc, PipepoolError):

@@ -375,7 +375,7 @@ MODEL_ROUTE = {"200", "400", "401", "404", "413", "429", "500", "503"}
 TOKENIZER_ROUTE = {"200", "400", "401", "404", "413", "500", "503"}
 READ_ROUTE = {"200", "401", "500"}
 MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/embed", "/rerank", "/v1/rerank", "/v2/rerank")
-MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify")
+MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed", "/embed_sparse")
 ANSWERS = {
     **{(path, "post"): MODEL_ROUTE for path in MODEL_ROUTES},
     ("/tokenize", "post"): TOKENIZER_ROUTE,

@@ -20,14 +20,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Engine": "api.engine",
     "EngineConfig": "config",
-    "Submission": "submission",
+    "Submission": "api.submission",
     "EngineDeadError": "errors",
     "InvalidInputError": "errors",
     "ModelLoadError": "errors",
+    "ModelNotFoundError": "api.router",
     "PipepoolError": "errors",
     "PromptTooLongError": "errors",
     "StageFailure": "errors",
     "StateDivergence": "errors",
+    "Router": "api.router",
+    "quantize_embeddings": "api.quantization",
 }
 __all__ = [
     "Engine",
@@ -35,15 +38,20 @@ __all__ = [
     "EngineDeadError",
     "InvalidInputError",
     "ModelLoadError",
+    "ModelNotFoundError",
     "PipepoolError",
     "PromptTooLongError",
+    "Router",
     "StageFailure",
     "StateDivergence",
     "Submission",
+    "quantize_embeddings",
 ]
 
 if TYPE_CHECKING:
     from .api.engine import Engine
+    from .api.quantization import quantize_embeddings
+    from .api.router import ModelNotFoundError, Router
     from .api.submission import Submission
     from .config import EngineConfig
     from .errors import (

@@ -29,6 +29,7 @@ from ..intake.long_inputs import CombinedSubmission, split_windows, window_param
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
 from .cross_encoder import CrossEncoderMethods
+from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
 from .submission import Submission
@@ -47,11 +48,12 @@ def _nothing() -> None:
     """After a slice is enqueued: nothing to wait for."""
 
 
-class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods):
+class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, RetrievalMethods):
     """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
     scores, reranks and classifies with a classifier (``ScoringMethods``); offers
     sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` methods and attributes
-    with their semantics (``SentenceTransformerMethods``, ``CrossEncoderMethods``).
+    with their semantics (``SentenceTransformerMethods``, ``CrossEncoderMethods``); gives
+    sparse and multi-vector outputs where the model has them (``RetrievalMethods``).
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
@@ -163,7 +165,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods):
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
-        refuse_embedding(self.deployment)
+        refuse_embedding(self.deployment, pooling)
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
         policy = check_long_inputs(long_inputs or self.config.long_inputs)
         items = self.inputs.items(inputs)
@@ -220,11 +222,22 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods):
         lengths: np.ndarray,
         params: PoolingParams,
         type_ids: np.ndarray | None = None,
+        key_lens: np.ndarray | None = None,
     ) -> Submission:
         """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
-        type ids of pair inputs if any."""
+        type ids of pair inputs if any.
+
+        ``key_lens`` (one per prompt; bidirectional models whose attention honours them, see
+        ``InputPreparer.key_lengths``, which checks them here): prompt i's attention keys are
+        its first ``key_lens[i]`` tokens; every token, those after included, still attends
+        over them and has an output (ColBERT's query expansion: [MASK] padding with attention
+        mask 0, as Hugging Face computes it for ``attention_mask = [1] * k + [0] * (n - k)``).
+        0: every token is a key. Raises InvalidInputError naming a bad one."""
+        if key_lens is not None:
+            key_lens = self.inputs.key_lengths(key_lens, lengths)
         submission = self._new_submission(params, len(lengths))
-        self.pipeline.enqueue(submission, TokenSlice(0, token_ids, lengths, type_ids))
+        part = TokenSlice(0, token_ids, lengths, type_ids, key_lens)
+        self.pipeline.enqueue(submission, part)
         return submission
 
     def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:

@@ -5,7 +5,8 @@ Each call is ordinary requests whose pooled row the last stage turns into scores
 and its activation run there, over the whole step: ``stage/heads.ScoreHead``). Pairs are
 tokenized by ``pairs.PairEncoder``; results come back in input order, and rerank sorts them.
 sentence-transformers' ``CrossEncoder.predict`` / ``rank`` over the same requests are
-``cross_encoder.py``'s.
+``cross_encoder.py``'s. A ColBERT or BGE-M3 model scores pairs from its retrieval outputs
+instead (MaxSim; BGE-M3's weighted mix): ``retrieval_scoring.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from ..config import check_long_inputs
 from ..core.request import PoolingParams
 from ..errors import InvalidInputError
 from ..intake.pairs import PairEncoder
+from .retrieval import RetrievalMethods
+from .retrieval_scoring import (
+    M3_WEIGHTS,
+    finished_submission,
+    m3_scores,
+    score_retrieval_pairs,
+    scores_pairs_itself,
+    split_pairs,
+)
 from .submission import Submission
 
 if TYPE_CHECKING:
@@ -80,10 +90,13 @@ class ScoringMethods:
         instruction: str | None = None,
         truncate_prompt_tokens: int | None = None,
         long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
     ) -> np.ndarray:
         """One score per pair, ``[n]`` float32, as vLLM's ``score``: one ``text_1`` against
         every ``text_2`` (one-to-many), or ``text_1[i]`` with ``text_2[i]`` (pairwise).
-        ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's."""
+        ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's.
+        A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
+        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
         queries, documents = pair_up(text_1, text_2)
         submission = self.submit_pairs(
             queries,
@@ -92,6 +105,7 @@ class ScoringMethods:
             instruction=instruction,
             truncate_prompt_tokens=truncate_prompt_tokens,
             long_inputs=long_inputs,
+            weights=weights,
         )
         return submission.result()[:, 0]
 
@@ -107,10 +121,12 @@ class ScoringMethods:
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
         long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
     ) -> list[RerankResult]:
         """``documents`` by relevance to ``query``, most relevant first (ties: input order);
         the first ``top_n`` of them (None or 0: all). ``max_tokens_per_doc`` cuts each document
-        first, as Cohere's API does."""
+        first, as Cohere's API does. ColBERT and BGE-M3 models rank as ``score`` scores
+        (``weights``: BGE-M3's)."""
         check_top_n(top_n)
         if not isinstance(query, str):
             raise InvalidInputError("query must be a string", param="query")
@@ -123,6 +139,7 @@ class ScoringMethods:
             max_tokens_per_doc=max_tokens_per_doc,
             truncate_prompt_tokens=truncate_prompt_tokens,
             long_inputs=long_inputs,
+            weights=weights,
         ).result()[:, 0]
         return [
             RerankResult(i, float(scores[i]), docs[i] if return_documents else None)
@@ -160,8 +177,29 @@ class ScoringMethods:
         max_tokens_per_doc: int | None = None,
         truncate_prompt_tokens: int | None = None,
         long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
     ) -> Submission:
-        """Enqueue pairs ``(queries[i], documents[i])``; the future's result is ``[n, 1]``."""
+        """Enqueue pairs ``(queries[i], documents[i])``; the future's result is ``[n, 1]``.
+        A ColBERT or BGE-M3 model's pairs are scored before this returns (its future is done:
+        ``retrieval_scoring``)."""
+        if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
+            scores = score_retrieval_pairs(
+                self._retrieval_engine,
+                queries,
+                documents,
+                use_activation=use_activation,
+                instruction=instruction,
+                max_tokens_per_doc=max_tokens_per_doc,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                long_inputs=long_inputs,
+                weights=weights,
+            )
+            return finished_submission(scores)
+        if weights is not None:
+            raise InvalidInputError(
+                "weights mix BGE-M3's dense, sparse and ColBERT scores; this model is not BGE-M3",
+                param="weights",
+            )
         need_classifier(self.deployment, "scoring pairs", one_label=True)
         limit = self._limit(truncate_prompt_tokens, long_inputs)
         part = self._pair_encoder.encode(
@@ -232,7 +270,37 @@ class ScoringMethods:
             for text, p in zip(items, probs, strict=True)
         ]
 
+    def compute_score_m3(
+        self,
+        pairs: Sequence[Sequence[str]],
+        *,
+        weights: Sequence[float] = M3_WEIGHTS,
+        max_query_length: int | None = None,
+        max_passage_length: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """BGE-M3's scores of (query, passage) pairs, as FlagEmbedding's
+        ``BGEM3FlagModel.compute_score``: {"colbert", "sparse", "dense", "sparse+dense",
+        "colbert+sparse+dense"} -> ``[n]`` float64, in pair order. ``weights`` are [dense,
+        sparse, colbert] (the mixes divide by their weights' sum; FlagEmbedding's own default,
+        when it is given none, is [1, 1, 1]); queries and passages are cut to
+        ``max_query_length`` / ``max_passage_length`` tokens (None: FlagEmbedding's 512; -1:
+        max_model_len). One pair may be given as a tuple."""
+        scores, _ = m3_scores(
+            self._retrieval_engine,
+            *split_pairs(pairs),
+            weights=weights,
+            max_query_length=max_query_length,
+            max_passage_length=max_passage_length,
+        )
+        return scores
+
     # -- helpers --------------------------------------------------------------------------------
+
+    @property
+    def _retrieval_engine(self) -> RetrievalMethods:
+        """This engine as the retrieval half sees it (the Engine has both halves)."""
+        assert isinstance(self, RetrievalMethods), "the Engine mixes in RetrievalMethods"
+        return self
 
     @property
     def _head(self) -> ClassifierHead:
@@ -270,9 +338,19 @@ class ScoringMethods:
         return limit
 
 
-def refuse_embedding(deployment: Deployment) -> None:
-    """A classifier's hidden states are not embeddings it was trained to give: say what it
-    does instead."""
+def refuse_embedding(deployment: Deployment, pooling: str | None = None) -> None:
+    """A classifier's hidden states are not embeddings it was trained to give, nor are a
+    sparse or multi-vector model's (``pooling`` None: its default dense vector; BGE-M3's token
+    rows are packed heads, not token embeddings): say what it does instead."""
+    outputs = deployment.outputs
+    if "dense" not in outputs or (pooling == "all" and len(outputs) > 1):
+        raise InvalidInputError(
+            f"this model gives {', '.join(outputs)} outputs, not "
+            f"{'token embeddings' if pooling == 'all' else 'dense embeddings'}: use "
+            "embed_sparse, embed_multi_vector or encode_outputs (the server's /embed_sparse, "
+            'or "outputs" on /v1/embeddings)',
+            param="outputs",
+        )
     head = deployment.classifier
     if head is not None:
         raise InvalidInputError(
@@ -291,7 +369,7 @@ def need_classifier(
         raise InvalidInputError(
             f"this model ({deployment.folder.architecture}) is an embedding model and cannot "
             f"do {task}: that needs a cross-encoder or reranker (a *ForSequenceClassification "
-            "checkpoint, or Qwen3-Reranker)",
+            "checkpoint, or Qwen3-Reranker), or a ColBERT or BGE-M3 model (late interaction)",
             param="model",
         )
     if head is not None and head.per_token != per_token:

@@ -17,7 +17,7 @@ computes where it was started (``device=`` may only name that place).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..errors import InvalidInputError
 from ..intake.inputs import FIRST_SLICE, SLICE
 from .progress import follow
+from .quantization import PRECISIONS, quantize_embeddings
 from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipepool")
 
-PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+# The prompts encode_query and encode_document apply when a call names none: the first of
+# these names the model has (sentence-transformers' rule).
+TASK_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus")}
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
@@ -117,8 +120,8 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
     ) -> Any:
         """``encode`` with the model's ``query`` prompt when the call names none (the other
         arguments are ``encode``'s, in its order)."""
-        if prompt_name is None and prompt is None and "query" in self.prompts:
-            prompt_name = "query"
+        if prompt_name is None and prompt is None:
+            prompt_name = task_prompt_name(self.prompts, "query")
         return self.encode(inputs, prompt_name, prompt, *args, task="query", **kwargs)
 
     def encode_document(
@@ -132,8 +135,7 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
         """``encode`` with the first of the model's ``document``, ``passage``, ``corpus``
         prompts when the call names none (the other arguments are ``encode``'s)."""
         if prompt_name is None and prompt is None:
-            names = ("document", "passage", "corpus")
-            prompt_name = next((name for name in names if name in self.prompts), None)
+            prompt_name = task_prompt_name(self.prompts, "document")
         return self.encode(inputs, prompt_name, prompt, *args, task="document", **kwargs)
 
     @property
@@ -299,9 +301,9 @@ def _st_output(
         if isinstance(embeddings, list):  # token matrices: buckets shared by all their tokens
             matrices = [e.numpy() for e in embeddings]
             calibration = np.concatenate(matrices) if precision.endswith("int8") else None
-            embeddings = [quantize(m, precision, calibration) for m in matrices]
+            embeddings = [quantize_embeddings(m, precision, None, calibration) for m in matrices]
         else:
-            quantized = quantize(embeddings.numpy(), precision)
+            quantized = quantize_embeddings(embeddings.numpy(), precision)
             if convert_to_tensor:
                 return torch.from_numpy(quantized)
             return quantized if convert_to_numpy else [torch.from_numpy(q) for q in quantized]
@@ -313,26 +315,10 @@ def _st_output(
     return list(embeddings)
 
 
-def quantize(
-    embeddings: np.ndarray, precision: str, calibration: np.ndarray | None = None
-) -> np.ndarray:
-    """sentence-transformers' ``quantize_embeddings``, operation for operation, on ``[n, dim]``
-    float32 vectors: int8/uint8 buckets span each dimension's range over ``calibration``
-    (default: the vectors themselves, which is what ``encode(precision=...)`` gives: the whole
-    call's vectors); binary packs the signs. Vectors computed by two implementations differ by
-    float rounding, and a value that close to a bucket edge can land in the next bucket."""
-    if precision == "float32":
-        return embeddings.astype(np.float32)
-    if precision.endswith("int8"):
-        ranges_from = embeddings if calibration is None else calibration
-        ranges = np.vstack((np.min(ranges_from, axis=0), np.max(ranges_from, axis=0)))
-        starts = ranges[0, :]
-        steps = (ranges[1, :] - ranges[0, :]) / 255
-        steps = np.where(steps == 0, 1, steps)
-        buckets = np.clip(np.floor((embeddings - starts) / steps), 0, 255)
-        return buckets.astype(np.uint8) if precision == "uint8" else (buckets - 128).astype(np.int8)
-    packed = np.packbits(embeddings > 0, axis=-1).reshape(embeddings.shape[0], -1)
-    return packed if precision == "ubinary" else (packed - 128).astype(np.int8)
+def task_prompt_name(prompts: Mapping[str, str], task: str) -> str | None:
+    """The prompt ``encode_query`` (``task="query"``) or ``encode_document`` (``"document"``)
+    applies when a call names none: the first of ``TASK_PROMPTS[task]`` in ``prompts``."""
+    return next((name for name in TASK_PROMPTS[task] if name in prompts), None)
 
 
 # -- argument handling as sentence-transformers does it -----------------------------------------

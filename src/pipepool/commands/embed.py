@@ -1,5 +1,6 @@
 """``pipepool embed``: texts (arguments, a file or stdin) in, vectors out (printed, .npy or
-.jsonl). Input files are read line for line by ``intake.text_files``."""
+.jsonl; sparse and token vectors: ``embed_outputs.py``). Input files are read line for line by
+``intake.text_files``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
 from .common import add_engine_args, engine_config
+from .input_lines import empty_text_ids, located
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "check_output", "line_map_path", "read_inputs", "run"]
 
 _PROGRESS_MIN_INPUTS = 64
+OUTPUT_TYPES = ("dense", "sparse", "multi_vector")  # loading.retrieval.OUTPUTS, without torch
 _NAMED_LINES = 5  # lines named on stderr when some were left out or changed
 
 
@@ -38,9 +41,28 @@ def add_parser(sub, help: str) -> None:
         "--output",
         type=Path,
         help=".npy (an [n, dim] array) or .jsonl (one object per input: index, text, "
-        "embedding). When every row comes from the lines of one --input .txt/.jsonl file or "
-        "stdin, OUTPUT.lines.txt is written next to it: one line per row, the 1-based input "
-        "line number that row embeds (rows skip the lines left out)",
+        "embedding); for --output-type sparse .jsonl, for multi_vector .npz or .jsonl. When "
+        "every row comes from the lines of one --input .txt/.jsonl file or stdin, "
+        "OUTPUT.lines.txt is written next to it: one line per row, the 1-based input line "
+        "number that row embeds (rows skip the lines left out)",
+    )
+    p.add_argument(
+        "--output-type",
+        choices=OUTPUT_TYPES,
+        default="dense",
+        help="what each input gives: dense, one vector (the default); sparse, its sparse "
+        "vector (SPLADE, BGE-M3's lexical weights): .jsonl rows of index, text, indices "
+        "(token ids, ascending) and values, printed as such rows without --output; "
+        "multi_vector, one vector per token (ColBERT, BGE-M3): .npz (one [tokens, dim] array "
+        "per row, named by the row's index: '0', '1', ...) or .jsonl rows with multi_vector. "
+        "A model that does not give it: exit 2, naming those it gives",
+    )
+    p.add_argument("--top-k", type=int, help="sparse: keep each vector's K largest weights")
+    p.add_argument(
+        "--is-query",
+        action="store_true",
+        help="multi_vector of a ColBERT model: the query form (query prefix, [MASK] expansion "
+        "to the query length) instead of the document form",
     )
     p.add_argument(
         "--no-text", action="store_true", help="leave the input text out of --output .jsonl rows"
@@ -79,13 +101,17 @@ def line_map_path(output: Path) -> Path:
     return output.with_name(output.name + ".lines.txt")
 
 
-def check_output(output: Path | None) -> None:
+def check_output(output: Path | None, output_type: str = "dense") -> None:
     """Before any work: a bad --output would otherwise fail only after embedding everything."""
+    from .embed_outputs import SUFFIXES
+
     if output is None:
         return
-    if output.suffix not in (".npy", ".jsonl"):
+    suffixes = SUFFIXES[output_type]
+    if output.suffix not in suffixes:
+        kind = "" if output_type == "dense" else f" for --output-type {output_type}"
         raise InvalidInputError(
-            f"--output must end in .npy or .jsonl, got {output}", param="output"
+            f"--output must end in {' or '.join(suffixes)}{kind}, got {output}", param="output"
         )
     if not output.parent.is_dir():
         raise InvalidInputError(
@@ -95,6 +121,7 @@ def check_output(output: Path | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
+    from . import embed_outputs
 
     try:
         inputs = read_inputs(args.texts, args.input, keep_blank=args.keep_blank, errors=args.errors)
@@ -103,22 +130,31 @@ def run(args: argparse.Namespace) -> int:
             raise
         hint = "; --errors skip leaves such lines out, --errors replace reads them with U+FFFD"
         raise InvalidInputError(f"{exc}{hint}", param="input") from None
-    check_output(args.output)
+    check_output(args.output, args.output_type)
     started = time.perf_counter()
     with Engine.from_config(engine_config(args)) as engine:
         loaded = time.perf_counter()
-        vectors = _embed(engine, inputs, args)
+        if args.output_type == "dense":
+            vectors = _embed(engine, inputs, args)
+            what = f"{vectors.shape[1]}-dim vectors"
+        else:
+            rows = embed_outputs.encode(engine, inputs, args)
+            what = embed_outputs.describe(args.output_type)
         done = time.perf_counter()
         if engine.config.trace:
             summary = engine.write_trace()
             print(f"{summary.text()}\ntrace written to {engine.config.trace}", file=sys.stderr)
         stats = engine.stats
-        _write(vectors, args.output, None if args.no_text else inputs.items)
+        texts = None if args.no_text else inputs.items
+        if args.output_type == "dense":
+            _write(vectors, args.output, texts)
+        else:
+            embed_outputs.write(rows, args.output_type, args.output, texts)
         _report_lines(inputs, args.output)
         d = engine.deployment
         print(
             f"embedded {len(inputs.items)} inputs ({stats.prompt_tokens_finished} tokens) -> "
-            f"{vectors.shape[1]}-dim vectors with {Path(engine.model_path).name} "
+            f"{what} with {Path(engine.model_path).name} "
             f"[{_replicas(engine)}{d.num_stages} stage(s), {d.devices[0]}, "
             f"{str(d.dtype).removeprefix('torch.')}]\n"
             f"  load {loaded - started:.2f}s, embed {done - loaded:.2f}s "
@@ -145,11 +181,11 @@ def _embed(engine: Engine, inputs: Inputs, args: argparse.Namespace) -> np.ndarr
     empty = None
     if blank:
         texts = all(isinstance(items[i], str) for i in rest)
-        ids = _empty_text_ids(engine, args.prompt_name, args.truncate_prompt_tokens, texts)
+        ids = empty_text_ids(engine, args.prompt_name, args.truncate_prompt_tokens, texts)
         try:
             empty = engine.submit([ids], **options)
         except InvalidInputError as exc:
-            raise _located(exc, [inputs.origins[blank[0]]]) from None
+            raise located(exc, [inputs.origins[blank[0]]]) from None
     if not rest:
         assert empty is not None
         return np.repeat(empty.result(), len(items), axis=0)
@@ -160,7 +196,7 @@ def _embed(engine: Engine, inputs: Inputs, args: argparse.Namespace) -> np.ndarr
     except InvalidInputError as exc:
         if empty is not None:
             empty.cancel()
-        raise _located(exc, [inputs.origins[i] for i in rest]) from None
+        raise located(exc, [inputs.origins[i] for i in rest]) from None
     follow(submission, disable=args.no_progress or len(rest) < _PROGRESS_MIN_INPUTS)
     vectors = submission.result()  # [len(rest), dim]
     if empty is None:
@@ -169,35 +205,6 @@ def _embed(engine: Engine, inputs: Inputs, args: argparse.Namespace) -> np.ndarr
     out[rest] = vectors
     out[blank] = empty.result()[0]
     return out
-
-
-def _empty_text_ids(
-    engine: Engine, prompt_name: str | None, truncate: int | None, texts: bool
-) -> np.ndarray:
-    """Token ids of "" as the engine would make them were it to take an empty text: the
-    prompt (``prompt_name``, else the model's default one; only where the other inputs are
-    ``texts``, as the engine prompts no token ids) and the tokenizer's special tokens, cut as
-    ``truncate`` (--truncate-prompt-tokens) cuts a text."""
-    prep = engine.inputs
-    name = prompt_name if prompt_name is not None else prep.default_prompt_name
-    prefix = ""
-    if name is not None and texts:
-        if name not in prep.prompts:
-            known = ", ".join(sorted(prep.prompts)) or "none"
-            raise InvalidInputError(
-                f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
-            )
-        prefix = prep.prompts[name]
-    limit = prep.deployment.max_model_len if truncate == -1 else truncate
-    ids = prep.tokenizer.encode_batch([prefix], max_tokens=limit if limit and limit > 0 else None)
-    if not len(ids[0]):
-        raise InvalidInputError(
-            "an empty text has no tokens for this model (its tokenizer adds no special tokens "
-            "and no prompt is set): there is nothing to embed for a blank line; leave "
-            "--keep-blank off to skip blank lines",
-            param="input",
-        )
-    return ids[0]
 
 
 def _report_lines(inputs: Inputs, output: Path | None) -> None:
@@ -235,14 +242,6 @@ def _report_lines(inputs: Inputs, output: Path | None) -> None:
 def _replicas(engine) -> str:
     n = engine.config.data_parallel_size
     return f"{n} replicas x " if n > 1 else ""
-
-
-def _located(exc: InvalidInputError, origins: list[str]) -> InvalidInputError:
-    """The engine's error with the line (or argument) the bad input came from; ``origins``:
-    those of the inputs of the call that raised it."""
-    if exc.index is None or not 0 <= exc.index < len(origins):
-        return exc
-    return type(exc)(f"{origins[exc.index]}: {exc}", param=exc.param, index=exc.index)
 
 
 def _write(vectors, output: Path | None, texts: list | None) -> None:

@@ -39,12 +39,27 @@ class NewRequests:
     # its prompt spans several steps (only then do later chunks read earlier chunks' K/V).
     block_offsets: np.ndarray  # [N+1] int64
     block_ids: np.ndarray  # [sum] int32
+    # Bidirectional models only: request i's keys are its first key_lens[i] tokens (the rest
+    # attend but are attended by none: ColBERT's query expansion); 0 = every token. [N] int64,
+    # or empty when every token of every request is a key (the usual plan: nothing to send).
+    key_lens: np.ndarray = field(default_factory=_empty_i64)
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
         assert len(self.prompt_lens) == len(self.poolings) == n
         assert len(self.normalize) == len(self.dimensions) == n
         assert len(self.block_offsets) == n + 1 and self.block_offsets[-1] == len(self.block_ids)
+        assert len(self.key_lens) in (0, n)
+        if len(self.key_lens):
+            inside = (self.key_lens >= 0) & (self.key_lens <= self.prompt_lens)
+            assert bool(inside.all()), "a key length outside [0, prompt length]"
+
+    @property
+    def has_key_lens(self) -> bool:
+        """Whether some request keys only a prefix of its tokens."""
+        return bool(len(self.key_lens)) and bool(
+            ((self.key_lens > 0) & (self.key_lens < self.prompt_lens)).any()
+        )
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -107,6 +122,11 @@ class StepPlan:
         tail = slice(len(self.req_ids) - n_new, None)
         assert np.array_equal(self.req_ids[tail], self.new.request_ids), "new rows not last"
         assert not self.starts[tail].any(), "a new request starts after token 0"
+        if len(self.new.key_lens):  # key lengths are bidirectional: such prompts run whole
+            keyed = self.new.key_lens > 0
+            assert np.array_equal(self.ends[tail][keyed], self.new.prompt_lens[keyed]), (
+                "a request with a key length is split across steps"
+            )
         assert len(self.token_ids) in (0, self.num_tokens)
         assert len(self.token_type_ids) in (0, self.num_tokens)
         assert _all_distinct(self.req_ids), "request scheduled twice"

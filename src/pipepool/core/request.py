@@ -17,10 +17,11 @@ class Pooling(IntEnum):
     CLS = 2
     ALL = 3  # token embeddings: one vector per prompt token
     # sentence-transformers' other Pooling modes: the elementwise max over the tokens; the sum
-    # over sqrt(length); the mean weighted by position (1, 2, ..., length).
+    # over sqrt(length); the mean weighted by position (1, 2, ..., length); SpladePooling's sum.
     MAX = 4
     MEAN_SQRT_LEN = 5
     WEIGHTEDMEAN = 6
+    SUM = 7  # the plain sum over the tokens (SPLADE's sum pooling)
 
     @classmethod
     def parse(cls, name: str) -> Pooling:
@@ -56,10 +57,16 @@ class RequestBatch:
     The scheduler admits a batch's requests in order; ``cursor`` is the first row not yet
     admitted. Tokens live back to back in one array (``offsets[i]:offsets[i+1]`` is prompt i),
     so a step's tokens are mostly one slice of it.
+
+    ``key_lens`` (bidirectional models only): per prompt, how many of its first tokens are
+    keys of its attention; the tokens after them still attend and produce outputs, but no
+    token attends to them (ColBERT's query expansion: [MASK] padding with attention mask 0).
+    0 or the prompt's length: every token is a key. None: so for every prompt.
     """
 
     __slots__ = (
-        "cancelled", "cursor", "first_id", "lengths", "offsets", "params", "token_ids", "type_ids",
+        "cancelled", "cursor", "first_id", "key_lens", "lengths", "offsets", "params",
+        "token_ids", "type_ids",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +76,7 @@ class RequestBatch:
         lengths: np.ndarray,
         params: PoolingParams,
         type_ids: np.ndarray | None = None,
+        key_lens: np.ndarray | None = None,
     ) -> None:
         assert len(lengths) > 0 and bool((lengths > 0).all()), "empty batch or prompt"
         self.first_id = first_id
@@ -81,6 +89,13 @@ class RequestBatch:
         # Token type (segment) ids of pair inputs, parallel to token_ids; None: type 0 throughout.
         self.type_ids = None if type_ids is None else np.asarray(type_ids, dtype=np.int64)
         assert self.type_ids is None or len(self.type_ids) == len(self.token_ids)
+        # Keys per prompt, parallel to lengths ([n] int64); 0: every token is a key.
+        self.key_lens = None if key_lens is None else np.asarray(key_lens, dtype=np.int64)
+        if self.key_lens is not None:
+            assert len(self.key_lens) == len(self.lengths), "one key length per prompt"
+            assert bool(((self.key_lens >= 0) & (self.key_lens <= self.lengths)).all()), (
+                "key lengths must lie in [1, prompt length] (0: every token is a key)"
+            )
         self.cursor = 0
         self.cancelled = False  # aborted: nothing more is admitted, results are dropped
 
@@ -98,7 +113,14 @@ class RequestBatch:
         """Rows ``lo .. hi - 1`` as a batch of their own, with ids from ``first_id`` (a
         restarted pipeline runs unfinished requests again under new ids)."""
         tokens, types = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
-        return RequestBatch(first_id, tokens, self.lengths[lo:hi], self.params, types)
+        keys = self.key_lens[lo:hi] if self.key_lens is not None else None
+        return RequestBatch(first_id, tokens, self.lengths[lo:hi], self.params, types, keys)
+
+    @property
+    def has_key_lens(self) -> bool:
+        """Whether some prompt keys only a prefix of its tokens."""
+        keys = self.key_lens
+        return keys is not None and bool(((keys > 0) & (keys < self.lengths)).any())
 
     @property
     def end_id(self) -> int:

@@ -11,6 +11,8 @@ Policy, in one place:
   full: it waits for the next step instead, so short prompts never pay for the KV cache.
 - Encoders cannot chunk (attention is bidirectional): a prompt goes whole into one step; one
   larger than the whole budget runs alone in a step of its own.
+  Only they take key lengths (``RequestBatch.key_lens``): keys a prefix of the prompt, which
+  a chunked prompt could not honour (its later chunks would need the masked tokens' K/V).
 - A causal request that will be chunked is admitted only when KV blocks for its whole
   prompt are free (pooling prompts have a known length and no decode, so it never needs more
   and never deadlocks). One that fits whole in its first step needs no KV cache at all.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,7 +35,7 @@ from ..errors import StageFailure, StateDivergence
 from .digest import StageState, check_digest, empty_ids, expected_parts
 from .kv_blocks import BlockAllocator
 from .plan import NewRequests, StepPlan, StepResult
-from .request import Pooling, RequestBatch
+from .request import Pooling, PoolingParams, RequestBatch
 
 
 @dataclass(eq=False)
@@ -48,6 +51,16 @@ class _Split:
     @property
     def prompt_len(self) -> int:
         return int(self.batch.lengths[self.row])
+
+
+class _NewPart(NamedTuple):
+    """Requests scheduled for the first time from one batch, as one ``take`` adds them."""
+
+    ids: np.ndarray  # [n] int64
+    prompt_lens: np.ndarray  # [n] int64
+    params: PoolingParams
+    block_ids: np.ndarray | None  # the KV blocks of a single split request; None: none
+    key_lens: np.ndarray | None  # [n] int64 (0: every token a key); None: every token a key
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,7 @@ class _PlanBuilder:
         self.prompt_lens: list[np.ndarray] = []
         self.block_counts: list[np.ndarray] = []  # KV blocks each row taken holds
         self.block_ids: list[np.ndarray] = []  # those blocks, row order
-        self.new: list[tuple] = []  # (ids, prompt_lens, params, block_ids or None)
+        self.new: list[_NewPart] = []
         self.batches: dict[int, RequestBatch] = {}
 
     @property
@@ -164,14 +177,14 @@ class _PlanBuilder:
         )
 
 
-def _new_requests(parts: list[tuple]) -> NewRequests:
-    """``parts``: (ids, prompt_lens, params, block_ids or None); only a split request (a part
-    of one row) holds blocks."""
+def _new_requests(parts: list[_NewPart]) -> NewRequests:
+    """Only a split request (a part of one row) holds blocks; key lengths are sent only when
+    some part has them."""
     if not parts:
         return NewRequests.none()
     cat = np.concatenate
-    counts = [len(ids) for ids, *_ in parts]
-    blocks = [b if b is not None else np.empty(0, np.int32) for *_, b in parts]
+    counts = [len(p.ids) for p in parts]
+    blocks = [p.block_ids if p.block_ids is not None else np.empty(0, np.int32) for p in parts]
     per_row = cat(
         [np.full(n, len(b) if n == 1 else 0, np.int64) for n, b in zip(counts, blocks, strict=True)]
     )
@@ -181,14 +194,19 @@ def _new_requests(parts: list[tuple]) -> NewRequests:
     def spread(value, dtype) -> np.ndarray:  # one value per part -> one per row
         return cat([np.full(n, value(p), dtype) for n, p in zip(counts, parts, strict=True)])
 
+    keys = np.empty(0, dtype=np.int64)
+    if any(p.key_lens is not None for p in parts):
+        keys = cat([p.key_lens if p.key_lens is not None else np.zeros(len(p.ids), np.int64)
+                    for p in parts])  # fmt: skip
     return NewRequests(
-        request_ids=cat([ids for ids, *_ in parts]),
-        prompt_lens=cat([lens for _, lens, *_ in parts]),
-        poolings=spread(lambda p: p[2].code, np.int8),
-        normalize=spread(lambda p: p[2].normalize, bool),
-        dimensions=spread(lambda p: p[2].dimensions or 0, np.int64),
+        request_ids=cat([p.ids for p in parts]),
+        prompt_lens=cat([p.prompt_lens for p in parts]),
+        poolings=spread(lambda p: p.params.code, np.int8),
+        normalize=spread(lambda p: p.params.normalize, bool),
+        dimensions=spread(lambda p: p.params.dimensions or 0, np.int64),
         block_offsets=offsets,
         block_ids=cat(blocks).astype(np.int32, copy=False),
+        key_lens=keys,
     )
 
 
@@ -232,6 +250,11 @@ class Scheduler:
     # -- intake ---------------------------------------------------------------------------
 
     def add(self, batch: RequestBatch) -> None:
+        if self.chunked and batch.has_key_lens:
+            raise ValueError(
+                "key lengths (RequestBatch.key_lens) need bidirectional attention; this model is "
+                "causal and chunks its prompts"
+            )
         self.waiting.append(batch)
         self.num_waiting += len(batch)
 
@@ -321,7 +344,8 @@ class Scheduler:
                 lens = batch.lengths[rows]
                 span = batch.span(batch.offsets[c], batch.offsets[c + fits])
                 step.take(batch, ids, np.zeros(fits, np.int64), lens, span, np.ones(fits, bool))
-                step.new.append((ids, lens, batch.params, None))
+                keys = batch.key_lens[rows] if batch.key_lens is not None else None
+                step.new.append(_NewPart(ids, lens, batch.params, None, keys))
                 self._advance(batch, fits)
                 continue
             if not self._admit_split(step, batch):
@@ -349,7 +373,8 @@ class Scheduler:
             batch, ids, np.zeros(1, np.int64), np.array([n]), batch.span(offset, offset + n),
             np.array([n == prompt_len]), blocks,
         )  # fmt: skip
-        step.new.append((ids, np.array([prompt_len]), batch.params, blocks))
+        keys = batch.key_lens[row : row + 1] if batch.key_lens is not None else None
+        step.new.append(_NewPart(ids, np.array([prompt_len]), batch.params, blocks, keys))
         self._advance(batch, 1)
         return True
 

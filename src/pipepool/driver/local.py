@@ -254,8 +254,9 @@ class LocalPipeline:
         with self._wake:  # under the lock, so a request cannot slip in after the engine died
             self.raise_if_dead()
             batch = RequestBatch(
-                self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids
-            )
+                self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
+                part.key_lens,
+            )  # fmt: skip
             self._next_id += len(batch)
             if rows is None:
                 submission.num_tokens[part.first : part.first + len(batch)] = part.lengths

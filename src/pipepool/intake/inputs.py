@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter
 
 import numpy as np
@@ -20,6 +21,8 @@ from ..config import check_long_inputs
 from ..core.request import POOLING_NAMES, PoolingParams
 from ..errors import InvalidInputError, PromptTooLongError
 from ..loading.deployment import Deployment
+from ..loading.retrieval import ColbertHead, M3Head, M3Layout
+from ..models import family_of
 from .tokenizer import Tokenizer
 
 # A text longer than this many characters per token of the limit is refused (or, when
@@ -51,6 +54,9 @@ class TokenSlice:
     token_ids: np.ndarray  # [sum(lengths)] int64
     lengths: np.ndarray  # [n] int64
     type_ids: np.ndarray | None = None  # [sum(lengths)] int64 token types of pairs; None: all 0
+    # [n] int64 keys per prompt: its first key_lens tokens are the keys of its attention (the
+    # rest attend but are not attended to: ColBERT's query expansion); 0 or None: every token.
+    key_lens: np.ndarray | None = None
 
     def longest_first(self) -> tuple[TokenSlice, np.ndarray]:
         """The same prompts, longest first (ties in input order), and for each of them its
@@ -62,7 +68,8 @@ class TokenSlice:
         new_starts = np.cumsum(lengths) - lengths
         take = np.repeat(starts[order] - new_starts, lengths) + np.arange(int(lengths.sum()))
         types = None if self.type_ids is None else self.type_ids[take]
-        return TokenSlice(self.first, self.token_ids[take], lengths, types), order
+        keys = None if self.key_lens is None else self.key_lens[order]
+        return TokenSlice(self.first, self.token_ids[take], lengths, types, keys), order
 
 
 class InputPreparer:
@@ -313,6 +320,42 @@ class InputPreparer:
                     index=first + i,
                 )
 
+    @cached_property
+    def takes_key_lengths(self) -> bool:
+        """Whether the model's attention honours key lengths (``key_lengths``)."""
+        d = self.deployment
+        return family_of(d.folder.architecture).honours_key_lengths(d.folder.hf_config, d.causal)
+
+    def key_lengths(self, key_lens, lengths: np.ndarray) -> np.ndarray:
+        """``key_lens`` (one per prompt of ``lengths``) as an int64 array, checked: each in
+        [1, its prompt's length], or 0 for every token; refused unless the model's attention
+        honours them (bidirectional: BERT, RoBERTa / XLM-R, DistilBERT, ELECTRA, ModernBERT,
+        bidirectional Qwen / Llama-style decoders; not MPNet, DeBERTa, T5, Gemma)."""
+        d = self.deployment
+        if not self.takes_key_lengths:
+            kind = "causal" if d.causal else d.folder.architecture
+            raise InvalidInputError(
+                f"key lengths (query expansion tokens that are not attended to) are not "
+                f"supported by this model ({kind} attention)",
+                param="key_lens",
+            )
+        keys = np.asarray(key_lens)
+        if keys.shape != lengths.shape or (keys.size and keys.dtype.kind not in "iu"):
+            raise InvalidInputError(
+                f"key_lens must be {len(lengths)} integers, one per prompt", param="key_lens"
+            )
+        keys = keys.astype(np.int64, copy=False)
+        bad = np.flatnonzero((keys < 0) | (keys > lengths))
+        if len(bad):
+            i = int(bad[0])
+            raise InvalidInputError(
+                f"input {i} has key length {int(keys[i])}, outside [1, {int(lengths[i])}] "
+                "(its length; 0: every token is a key)",
+                param="key_lens",
+                index=i,
+            )
+        return keys
+
     # -- pooling parameters -------------------------------------------------------------------
 
     def params(self, pooling: str, dimensions: int | None, normalize: bool | None) -> PoolingParams:
@@ -337,8 +380,14 @@ class InputPreparer:
     def output_width(self, pooling: str) -> int:
         """Components of one output vector before Matryoshka truncation."""
         d = self.deployment
-        per_token_logits = d.classifier is not None and d.classifier.per_token
-        return d.hidden_size if pooling == "all" and not per_token_logits else d.output_dim
+        if pooling != "all" or (d.classifier is not None and d.classifier.per_token):
+            return d.output_dim
+        head = d.retrieval
+        if isinstance(head, M3Head):  # token rows packed as M3Layout says
+            return M3Layout(d.hidden_size, head.colbert_dim).row_width
+        if isinstance(head, ColbertHead):  # the projections' width
+            return head.dense[-1].out_features if head.dense else d.hidden_size
+        return d.hidden_size
 
 
 def _slice_bounds(n: int, size: int | None, first: int | None = None) -> Iterator[tuple[int, int]]:

@@ -4,7 +4,8 @@ The one interface every model uses is :func:`attend`. It
 
 1. writes this step's K/V rows that later chunks will read into the cache,
 2. assembles, per request, the keys ``[0, end)`` of its chunk (the cached prefix, then this
-   chunk), contiguous in one packed K/V,
+   chunk), contiguous in one packed K/V; or (bidirectional steps with key lengths, ColBERT's
+   query expansion) the first ``key_len`` rows of each request, gathered by ``key_rows``,
 3. runs a variable-length attention kernel with causal masks aligned bottom-right (a chunk
    of ``q`` tokens at the end of ``k`` keys), or bidirectional for encoders.
 
@@ -84,6 +85,18 @@ class AttentionMetadata:
     graph_split: GraphSplit | None = None
     # CPU: the step's runs of equal-length requests, planned by the first layer that attends.
     group_plan: GroupPlan | None = field(default=None, repr=False)
+    # Bidirectional steps where some request's keys are only its first key_len tokens (the
+    # rest attend but are not attended to: ColBERT's query expansion): the rows of this step's
+    # K/V that are keys, request after request ([total_k] int64, ``prefix_key_rows``); then
+    # ``cu_seqlens_k`` / ``cu_k_host`` / ``max_k`` / ``total_k`` count those keys. None: every
+    # row is a key (and steps are exactly as they were without the feature).
+    key_rows: torch.Tensor | None = None
+
+    @property
+    def key_lens(self) -> np.ndarray | None:
+        """Keys of each request where ``key_rows`` picks them (a prefix of its rows); None
+        where every row of every request is a key."""
+        return np.diff(self.cu_k_host) if self.key_rows is not None else None
 
 
 def attend(
@@ -136,7 +149,11 @@ def with_cached_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write this step's K/V rows that later chunks read into the cache, then return each
     request's keys and values ``[0, end)`` packed: the cached prefix, then this chunk (every
-    attention over chunked prompts starts here)."""
+    attention over chunked prompts starts here). With ``key_rows`` (whole bidirectional
+    prompts, no cache): each request's key rows only."""
+    if meta.key_rows is not None:
+        assert kv_cache is None and meta.prefix_slots is None, "key lengths: whole prompts only"
+        return k.index_select(0, meta.key_rows), v.index_select(0, meta.key_rows)
     if kv_cache is not None and meta.write_slots is not None:
         assert meta.write_rows is not None, "cache writes come with the rows they write"
         k_cache, v_cache = kv_cache
@@ -154,6 +171,16 @@ def _with_prefix(x: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) 
     packed[meta.chunk_dst] = x
     packed[meta.prefix_dst] = cache[meta.prefix_slots]
     return packed
+
+
+def prefix_key_rows(cu_q: np.ndarray, key_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cu_k [R+1], rows [cu_k[-1]]) for requests at row offsets ``cu_q`` whose keys are their
+    first ``key_lens`` rows (each at most its length): the key offsets, and the rows of the
+    step's K/V they are, request after request."""
+    cu_k = np.zeros(len(key_lens) + 1, dtype=np.int64)
+    np.cumsum(key_lens, out=cu_k[1:])
+    rows = np.arange(cu_k[-1], dtype=np.int64) + np.repeat(cu_q[:-1] - cu_k[:-1], key_lens)
+    return cu_k, rows
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -206,11 +233,18 @@ def _agrees_with_portable(
     q = torch.randn(int(lq[-1]), heads, d, device=device, dtype=dtype, generator=gen)
     k = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn(int(lk[-1]), kv_heads, d, device=device, dtype=dtype, generator=gen)
-    variants: list[tuple[bool, int | None]] = [(False, None)]
+    # (causal, window, key offsets); bidirectional: whole prompts (keys = queries), and queries
+    # over a prefix of their rows (key lengths, ColBERT's query expansion): keys 3, 10, 14 of 5,
+    # 25, 19 queries.
+    fewer_keys = np.array([0, 3, 13, 27])
+    variants: list[tuple[bool, int | None, np.ndarray]] = [
+        (False, None, lk),
+        (False, None, fewer_keys),
+    ]
     if shape.causal:
-        variants = [(True, None), (True, 4)] if shape.windowed else [(True, None)]
-    for causal, window in variants:
-        n_q, n_k = (lq, lk) if causal else (lk, lk)
+        variants = [(True, None, lk), (True, 4, lk)] if shape.windowed else [(True, None, lk)]
+    for causal, window, n_k in variants:
+        n_q = lq if causal else lk
         meta = AttentionMetadata(
             causal=causal,
             cu_seqlens_q=torch.tensor(n_q, dtype=torch.int32, device=device),

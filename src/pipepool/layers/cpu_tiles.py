@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, prefix_key_rows
 
 # Tokens per tile: measured on 2 Sapphire Rapids cores with all-MiniLM-L6-v2 (hidden 384,
 # intermediate 1536) - throughput was flat from 1k to 4k tokens and fell at 8k and beyond.
@@ -36,11 +36,14 @@ class Tile:
     meta: AttentionMetadata  # the tile's requests as a packed batch of their own
 
 
-def plan_tiles(cu_q: np.ndarray, tile_tokens: int | None = None) -> list[Tile]:
+def plan_tiles(
+    cu_q: np.ndarray, tile_tokens: int | None = None, key_lens: np.ndarray | None = None
+) -> list[Tile]:
     """Whole-prompt requests (bidirectional, no cache) sorted by length, longest first, cut
     into tiles of at most about ``tile_tokens`` (default CPU_TILE_TOKENS) tokens: the sorted
     step is cut into equal spans, and a tile takes every request that starts within its span
-    (so a request longer than a span makes a tile of its own)."""
+    (so a request longer than a span makes a tile of its own). ``key_lens``: each request's
+    keys are its first ``key_lens`` tokens (``AttentionMetadata.key_lens``); None: all."""
     tile_tokens = tile_tokens or CPU_TILE_TOKENS
     lens = np.diff(cu_q)
     if not len(lens):
@@ -59,22 +62,36 @@ def plan_tiles(cu_q: np.ndarray, tile_tokens: int | None = None) -> list[Tile]:
     tiles = []
     for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(order)])), strict=True):
         cu = np.concatenate(([0], ends[a:b] - begins[a])).astype(np.int64)
-        tiles.append(Tile(torch.from_numpy(rows[begins[a] : ends[b - 1]]), _meta(cu)))
+        keys = key_lens[order[a:b]] if key_lens is not None else None
+        tiles.append(Tile(torch.from_numpy(rows[begins[a] : ends[b - 1]]), _meta(cu, keys)))
     return tiles
 
 
-def _meta(cu: np.ndarray) -> AttentionMetadata:
+def _meta(cu: np.ndarray, key_lens: np.ndarray | None) -> AttentionMetadata:
     cu32 = torch.from_numpy(cu.astype(np.int32))
     longest = int(np.diff(cu).max())
+    if key_lens is None:
+        return AttentionMetadata(
+            causal=False,
+            cu_seqlens_q=cu32,
+            cu_seqlens_k=cu32,
+            max_q=longest,
+            max_k=longest,
+            cu_q_host=cu,
+            cu_k_host=cu,
+            total_k=int(cu[-1]),
+        )
+    cu_k, key_rows = prefix_key_rows(cu, key_lens)
     return AttentionMetadata(
         causal=False,
         cu_seqlens_q=cu32,
-        cu_seqlens_k=cu32,
+        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
         max_q=longest,
-        max_k=longest,
+        max_k=int(key_lens.max()),
         cu_q_host=cu,
-        cu_k_host=cu,
-        total_k=int(cu[-1]),
+        cu_k_host=cu_k,
+        total_k=int(cu_k[-1]),
+        key_rows=torch.from_numpy(key_rows),
     )
 
 

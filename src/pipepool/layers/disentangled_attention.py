@@ -136,6 +136,7 @@ def disentangled_attention(
     if meta.graph_split is not None:
         raise RuntimeError("disentangled attention runs eagerly, outside CUDA graphs")
     assert not meta.causal and meta.prefix_slots is None, "whole prompts only (an encoder)"
+    assert meta.key_rows is None, "every token a key (the stage refuses key lengths here)"
     if meta.group_plan is None:
         meta.group_plan = plan_runs(meta.cu_q_host, meta.cu_k_host, causal=False)
     heads, dim = q.shape[1], q.shape[2]

@@ -20,6 +20,13 @@ path: runs of consecutive equal-length prompts (``grouped_attention.plan_runs``)
   around it, so the work grows with L * window rather than L ** 2 (a local layer of an
   8192-token prompt with a 128-token window would otherwise cost as much as a global one).
 
+With key lengths (``AttentionMetadata.key_rows``: a prompt's keys are its first ``key_len``
+tokens, ColBERT's query expansion) a query sees the keys of its window that are among them,
+as transformers' sliding-window mask combined with the attention mask; a query that sees none
+gets zeros, as torch's attention gives a row whose boolean mask is all false. Such steps take
+the portable path: the flash kernel aligns a window to the last key, not to the query's own
+position.
+
 Both read the step's offsets and longest prompt from the host, so the layer cannot be
 captured in a CUDA graph: under capture it raises, and the graph runner (``stage/
 cuda_graphs.py``) then runs the stage eagerly.
@@ -51,16 +58,17 @@ def windowed_attention(
     half_window: int,
     kernel: str = "portable",
 ) -> torch.Tensor:
-    """q/k/v: [T, H, D] (row-strided views allowed) of whole prompts, cu_q == cu_k, no KV
-    cache -> [T, H, D] contiguous. ``kernel``: the deployment's attention kernel; any but
-    "portable" lets a CUDA step in half precision take the flash kernel."""
+    """q/k/v: [T, H, D] (row-strided views allowed) of whole prompts, no KV cache -> [T, H, D]
+    contiguous; keys are q's rows (``meta.key_rows`` only says which of them are keys).
+    ``kernel``: the deployment's attention kernel; any but "portable" lets a CUDA step in half
+    precision without key lengths take the flash kernel."""
     assert not meta.causal and meta.prefix_slots is None, "whole bidirectional prompts only"
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "symmetric sliding-window attention reads each step's prompt offsets on the host "
             "and cannot be captured in a CUDA graph"
         )
-    if kernel != "portable" and _flash_agrees(q.device, q.dtype):
+    if kernel != "portable" and meta.key_rows is None and _flash_agrees(q.device, q.dtype):
         return _flash(q, k, v, meta, scale, half_window)
     return _portable(q, k, v, meta, scale, half_window)
 
@@ -73,22 +81,24 @@ def _portable(q, k, v, meta: AttentionMetadata, scale: float, half_window: int) 
 
 
 def _attend_run(q, k, v, run: Run, scale: float, w: int) -> torch.Tensor:
-    n, length = run.size, run.len_q
+    # Keys are the run's own rows, of which the first len_k of each prompt are keys (all of
+    # them unless the step has key lengths): its rows in the packed K/V are not read.
+    n, length, keys = run.size, run.len_q, run.len_k
     rows = slice(run.q_row, run.q_row + n * length)
     hq, d = q.shape[1], q.shape[2]
     qg, kg, vg = (x[rows].view(n, length, x.shape[1], d) for x in (q, k, v))  # [n, L, H, D]
     if length <= max(w + 1, _BLOCKED_FROM * 2 * w):
-        mask = None if length <= w + 1 else _band(length, w, q.device)
+        mask = None if length <= w + 1 and keys == length else _band(length, w, keys, q.device)
         out = _sdpa(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), mask, scale)
         out = out.transpose(1, 2)  # [n, L, H, D]
     else:
-        out = _blocked(qg, kg, vg, scale, w)
+        out = _blocked(qg, kg, vg, scale, w, keys)
     return out.reshape(n * length, hq, d)
 
 
-def _blocked(qg, kg, vg, scale: float, w: int) -> torch.Tensor:
+def _blocked(qg, kg, vg, scale: float, w: int, keys: int) -> torch.Tensor:
     """[n, L, H, D] -> [n, L, H, D]: query block b (rows b*B .. b*B+B-1) against the keys
-    b*B - w .. b*B+B+w-1, zero-padded past both ends and masked there."""
+    b*B - w .. b*B+B+w-1, zero-padded past both ends and masked there (and from ``keys`` on)."""
     n, length, hq, d = qg.shape
     block = max(16, 2 * w)
     nb = -(-length // block)
@@ -102,7 +112,7 @@ def _blocked(qg, kg, vg, scale: float, w: int) -> torch.Tensor:
         xw = xp.unfold(1, span, block)  # [n, nb, Hkv, D, span]
         return xw.permute(0, 1, 2, 4, 3).reshape(n * nb, x.shape[2], span, d)
 
-    mask = _block_mask(nb, block, w, length, qg.device).repeat(n, 1, 1, 1)  # [n*nb, 1, B, S]
+    mask = _block_mask(nb, block, w, length, keys, qg.device).repeat(n, 1, 1, 1)  # [n*nb,1,B,S]
     out = _sdpa(qb, windows(kg), windows(vg), mask, scale)  # [n*nb, H, B, D]
     return out.transpose(1, 2).reshape(n, padded, hq, d)[:, :length]
 
@@ -113,21 +123,24 @@ def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
     )
 
 
-def _band(length: int, w: int, device: torch.device) -> torch.Tensor:
-    """[L, L] boolean, True where |i - j| <= w."""
+def _band(length: int, w: int, keys: int, device: torch.device) -> torch.Tensor:
+    """[L, L] boolean, True where |i - j| <= w and key j is one of the first ``keys``."""
     i = torch.arange(length, device=device)
-    return (i[:, None] - i[None, :]).abs() <= w
+    return ((i[:, None] - i[None, :]).abs() <= w) & (i[None, :] < keys)
 
 
-def _block_mask(nb: int, block: int, w: int, length: int, device: torch.device) -> torch.Tensor:
+def _block_mask(
+    nb: int, block: int, w: int, length: int, keys: int, device: torch.device
+) -> torch.Tensor:
     """[nb, 1, B, B + 2w] boolean: query b*B + i may see key b*B - w + j when both are within
-    w of each other and the key is a real row (0 <= key < L). Padding queries (past L) see
-    every real key of their block, so that no row is all masked (they are discarded)."""
+    w of each other and the key is a real one (0 <= key < ``keys`` <= L). Padding queries
+    (past L) see every real key of their block, so that no row is all masked where the keys
+    are all real (they are discarded)."""
     i = torch.arange(block, device=device)[:, None]
     j = torch.arange(block + 2 * w, device=device)[None, :]
     base = torch.arange(nb, device=device)[:, None, None] * block
     key = base + j - w  # [nb, 1, S]
-    real_key = (key >= 0) & (key < length)
+    real_key = (key >= 0) & (key < keys)
     near = ((j - i) >= 0) & ((j - i) <= 2 * w)  # |(b*B + i) - (b*B - w + j)| <= w
     pad_query = (base + i) >= length  # [nb, B, 1]
     return ((near | pad_query) & real_key).unsqueeze(1)

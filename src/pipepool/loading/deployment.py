@@ -21,6 +21,7 @@ from ..stage.kv_cache import KVCache
 from ..stage.runner import StageRunner, StageSpec, runner_class
 from .classifier import ClassifierHead, read_classifier
 from .model_folder import ModelFolder, read_model_folder
+from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
 from .weights import Checkpoint
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
@@ -87,9 +88,16 @@ class Deployment:
     # A classifier's head (cross-encoders, rerankers; classifier.py); None: an embedding model.
     # Its outputs are num_labels scores (output_dim), its pooling the head's own token.
     classifier: ClassifierHead | None = None
+    # Sparse and multi-vector heads (retrieval.py): SPLADE, BGE-M3, ColBERT; None: dense only.
+    retrieval: RetrievalHead | None = None
     # What runs each stage, as an import path ``module:Class``: StageRunner, or a subclass of
     # it that changes one of its steps (the tests' fault injection does).
     stage_runner: str = "pipepool.stage.runner:StageRunner"
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """What the model gives per text: dense | sparse | multi_vector (retrieval.OUTPUTS)."""
+        return outputs_of(self.retrieval)
 
     def new_runner(self, spec: StageSpec) -> StageRunner:
         """Load a stage (``spec``: one of ``stage_spec``'s) with the deployment's runner."""
@@ -114,6 +122,7 @@ class Deployment:
             graph_max_tokens=self.graph_max_tokens,
             compile_in_background=self.compile_in_background,
             classifier=self.classifier,
+            retrieval=self.retrieval,
             attn_kernel=self.attn_kernel,
             fused_qk_rope=self.fused_qk_rope,
             causal=self.causal,
@@ -194,6 +203,17 @@ def plan_deployment(
             pooling = "all"  # logits for every token
         normalize = config.normalize if config.normalize is not None else True
         output_dim = classifier.num_labels
+    retrieval = None
+    if classifier is None:
+        retrieval = read_retrieval(folder, family.name, checkpoint.entries, whole.hidden_size)
+    if isinstance(retrieval, SpladeHead):
+        if config.pooling is not None:
+            raise InvalidInputError(
+                "a SparseEncoder pools as its SpladePooling says; pooling cannot be set",
+                param="pooling",
+            )
+        pooling, output_dim = retrieval.pooling, retrieval.vocab_size
+        normalize = config.normalize if config.normalize is not None else False
 
     layers = tuple(
         split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
@@ -243,6 +263,7 @@ def plan_deployment(
         overlap_steps=_auto(config.overlap_steps, cuda),
         length_sorted=not cuda and not causal,
         classifier=classifier,
+        retrieval=retrieval,
         attn_kernel=attn_kernel,
         fused_qk_rope=fused,
         placement="local" if local_placement else "all",

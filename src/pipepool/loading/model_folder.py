@@ -63,6 +63,13 @@ class SentenceTransformersInfo:
     default_prompt_name: str | None = None
     max_seq_length: int | None = None
     similarity_fn_name: str | None = None  # cosine | dot | euclidean | manhattan
+    model_type: str | None = None  # config_sentence_transformers.json's (SparseEncoder, ...)
+    # A SparseEncoder's SpladePooling: (pooling strategy, activation); None: not one.
+    splade: tuple[str, str] | None = None
+    # A PyLate ColBERT folder: its per-token Dense modules and config_sentence_transformers.json
+    # (prefixes, lengths, expansion, skiplist); None: not one.
+    colbert_dense: tuple[DenseModule, ...] = ()
+    colbert_config: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -238,11 +245,15 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
     if not modules_file.is_file():
         return None
     modules = _read_json(modules_file)
-    pooling, normalize, dense = None, False, []
+    pooling, normalize, dense, splade, colbert_dense = None, False, [], None, []
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
         kind = _st_module_kind(modules_file, module.get("type", ""))
         folder = path / module.get("path", "")
-        if kind == "Transformer":
+        if kind == "MLMTransformer" and extra.get("model_type") != "SparseEncoder":
+            raise ModelLoadError(
+                f"{modules_file}: an MLMTransformer outside a SparseEncoder is not supported"
+            )
+        if kind in ("Transformer", "MLMTransformer"):
             if module.get("path"):
                 raise ModelLoadError(
                     f"{path}: the transformer lives in subfolder {module['path']!r}; "
@@ -251,6 +262,10 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             _check_st_transformer(path / "sentence_bert_config.json")
         elif kind == "Pooling":
             pooling = _read_st_pooling(folder)
+        elif kind == "PylateDense":
+            colbert_dense.append(_read_st_dense(folder, default_activation="Identity"))
+        elif kind == "SpladePooling":
+            splade = _read_splade_pooling(folder)
         elif kind == "Normalize":
             normalize = True
         elif kind == "Dense":
@@ -259,7 +274,27 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             raise ModelLoadError(
                 f"{modules_file}: unsupported sentence-transformers module {kind!r}"
             )
+    colbert = extra.get("model_type") == "ColBERT" or bool(colbert_dense)
+    if colbert and (dense or pooling or normalize or splade or not colbert_dense):
+        raise ModelLoadError(
+            f"{modules_file}: pipepool runs PyLate ColBERT models made of a Transformer and "
+            "PyLate Dense modules, nothing else"
+        )
+    if extra.get("model_type") == "SparseEncoder" and (splade is None or dense or pooling):
+        raise ModelLoadError(
+            f"{modules_file}: pipepool runs SparseEncoders made of an MLMTransformer and a "
+            "SpladePooling module, nothing else"
+        )
     bert_config = path / "sentence_bert_config.json"
+    if (
+        bert_config.is_file()
+        and _read_json(bert_config).get("transformer_task") == "fill-mask"
+        and splade is None
+    ):
+        raise ModelLoadError(
+            f"{bert_config}: transformer_task 'fill-mask' (token logits) is supported under a "
+            "SpladePooling module only"
+        )
     max_seq_length = (
         _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     )
@@ -278,21 +313,34 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
         default_prompt_name=extra.get("default_prompt_name"),
         max_seq_length=max_seq_length,
         similarity_fn_name=extra.get("similarity_fn_name"),
+        model_type=extra.get("model_type"),
+        splade=splade,
+        colbert_dense=tuple(colbert_dense),
+        colbert_config=extra if colbert else None,
     )
+
+
+def _read_splade_pooling(folder: Path) -> tuple[str, str]:
+    config = _read_json(folder / "config.json")
+    known = {"pooling_strategy", "activation_function", "embedding_dimension",
+             "word_embedding_dimension", "chunk_size"}  # fmt: skip
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ModelLoadError(f"{folder}: SpladePooling option {unknown[0]!r} is not supported")
+    return config.get("pooling_strategy", "max"), config.get("activation_function", "relu")
 
 
 # config_sentence_transformers.json's model_type: what sentence-transformers class reads the
 # folder. Dense embedders and cross-encoders run here; the others compute other outputs.
-_ST_MODEL_TYPES = ("SentenceTransformer", "CrossEncoder")
+_ST_MODEL_TYPES = ("SentenceTransformer", "CrossEncoder", "SparseEncoder", "ColBERT")
 _ST_MODEL_TYPES_REFUSED = {
-    "SparseEncoder": "a SparseEncoder (SPLADE: sparse vocabulary weights)",
-    "ColBERT": "a PyLate ColBERT model (late interaction: one vector per token)",
     "MultiVectorEncoder": "a MultiVectorEncoder (late interaction: one vector per token)",
 }
 # What the Transformer module may be asked to return (sentence_bert_config.json).
 _ST_TRANSFORMER_TASKS = {
     "feature-extraction": "last_hidden_state",
     "sequence-classification": "logits",
+    "fill-mask": "logits",  # a SparseEncoder's MLMTransformer (checked with its pooling)
 }
 
 
@@ -302,15 +350,17 @@ def _check_st_model_type(st_config: Path, model_type: str | None) -> None:
     what = _ST_MODEL_TYPES_REFUSED.get(model_type, "a model type pipepool does not know")
     raise ModelLoadError(
         f"{st_config}: model_type {model_type!r} is {what}; pipepool computes dense "
-        f"embeddings and classifier scores ({', '.join(_ST_MODEL_TYPES)}) and refuses rather "
-        "than return other vectors"
+        f"embeddings, sparse embeddings and classifier scores ({', '.join(_ST_MODEL_TYPES)}) "
+        "and refuses rather than return other vectors"
     )
 
 
 def _st_module_kind(modules_file: Path, module_type: str) -> str:
-    """The sentence-transformers module class a modules.json entry names. Modules of other
-    packages (PyLate's Dense, a custom module) are refused by their full name: one with a
-    familiar class name may still compute something else."""
+    """The sentence-transformers module class a modules.json entry names ("PylateDense" for
+    PyLate's Dense, run per token). Modules of other packages (a custom module) are refused by
+    their full name: one with a familiar class name may still compute something else."""
+    if module_type in ("pylate.models.Dense.Dense", "pylate.models.Dense"):
+        return "PylateDense"
     if not module_type.startswith("sentence_transformers."):
         raise ModelLoadError(
             f"{modules_file}: module {module_type!r} is not a sentence-transformers module; "
@@ -396,9 +446,12 @@ def _read_st_pooling(folder: Path) -> str:
     return _ST_POOLING[mode]
 
 
-def _read_st_dense(folder: Path) -> DenseModule:
+def _read_st_dense(folder: Path, default_activation: str = "Tanh") -> DenseModule:
     config = _read_json(folder / "config.json")
-    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    fallback = "torch.nn.modules.activation.Tanh"
+    if default_activation == "Identity":
+        fallback = "torch.nn.modules.linear.Identity"
+    activation = config.get("activation_function", fallback)
     if activation not in _ST_ACTIVATIONS:
         raise ModelLoadError(f"{folder}: Dense activation {activation!r} is not supported")
     if config.get("use_residual"):

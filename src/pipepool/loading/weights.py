@@ -161,3 +161,34 @@ def load_linear(folder: Path) -> dict[str, torch.Tensor]:
                     return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
             return dict(_torch_load(file))
     raise ModelLoadError(f"{folder} holds no weights")
+
+
+@dataclass(frozen=True)
+class PtLinear:
+    """A ``torch.nn.Linear`` state dict saved on its own (FlagEmbedding's ``*.pt`` heads)."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None  # [out]
+
+    @property
+    def shape_out(self) -> int:
+        return int(self.weight.shape[0])
+
+
+def load_pt_linear(file: Path, in_features: int, out_features: int | None) -> PtLinear:
+    """``file``'s Linear weights, checked: ``weight`` [out, in] (out as given, any if None), an
+    optional ``bias`` [out], and nothing else."""
+    tensors = _torch_load(file)
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    extra = sorted(set(tensors) - {"weight", "bias"})
+    if weight is None or weight.dim() != 2 or extra:
+        raise ModelLoadError(
+            f"{file}: expected a Linear state dict (weight, bias); found {sorted(tensors)}"
+        )
+    out = int(weight.shape[0])
+    if weight.shape[1] != in_features or (out_features is not None and out != out_features):
+        want = f"[{out_features if out_features is not None else 'n'}, {in_features}]"
+        raise ModelLoadError(f"{file}: weight of shape {list(weight.shape)}, expected {want}")
+    if bias is not None and tuple(bias.shape) != (out,):
+        raise ModelLoadError(f"{file}: bias of shape {list(bias.shape)}, expected [{out}]")
+    return PtLinear(weight, bias)

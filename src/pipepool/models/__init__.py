@@ -38,6 +38,8 @@ class StageClass(Protocol):
         head: ClassifierHead | None = None,
     ) -> StageModel: ...
 
+    def honours_key_lengths(self, cfg: Any) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Family:
@@ -78,6 +80,11 @@ class Family:
 
     def num_layers(self, hf: dict) -> int:
         return int(hf["num_hidden_layers"])
+
+    def honours_key_lengths(self, hf: dict, causal: bool) -> bool:
+        """Whether the checkpoint's attention can key only a prefix of a prompt (key lengths:
+        ColBERT's query expansion): bidirectional, and through ``attend`` in every layer."""
+        return not causal and self.stage.honours_key_lengths(self.config(hf, causal))
 
     def build(
         self,

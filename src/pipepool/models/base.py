@@ -88,6 +88,14 @@ class StageModel(nn.Module):
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
 
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        """Whether every attention of a model of this family config (``Family.config``) can
+        key only a prefix of a prompt (``AttentionMetadata.key_rows``, ColBERT's query
+        expansion): attention through ``attend`` on whole bidirectional prompts. Families whose
+        layers add position biases or windows of their own to the scores say no."""
+        return False
+
     def attention_block_rows(self) -> int | None:
         """The Triton attention kernel's BLOCK_M where this model runs it from a work list (an
         encoder: its steps carry the list, which lets a CUDA graph hold its whole forward),

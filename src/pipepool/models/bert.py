@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,10 @@ class EncoderStage(StageModel):
         if last and head is not None:
             self.score_head = build_score_head(head, h, cfg.vocab_size)
 
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        return True  # every layer attends through attend()
+
     def _init_body(self, cfg: EncoderConfig, layers: range, first: bool, last: bool) -> None:
         """What every BERT-style encoder stage sets before its own embeddings and layers (the
         relatives in encoders.py and deberta.py build theirs, around the same block)."""
@@ -236,7 +240,7 @@ class EncoderStage(StageModel):
         if len(inputs.attn.cu_q_host) <= 2:  # at most one request: nothing to sort or cut
             return self._forward_rows(x, inputs, fused)
         out = x.new_empty((x.shape[0], self.hidden_size), dtype=self._param_dtype())
-        for tile in plan_tiles(inputs.attn.cu_q_host):
+        for tile in plan_tiles(inputs.attn.cu_q_host, key_lens=inputs.attn.key_lens):
             types = inputs.token_type_ids
             tile_inputs = StepInputs(
                 inputs.positions.index_select(0, tile.rows),

@@ -228,6 +228,11 @@ class DebertaStage(EncoderStage):
     kernel (never the Triton/flash ones, nor in CUDA graphs)."""
 
     graph_safe = False  # disentangled attention reads the step's host offsets
+
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        return False  # disentangled attention keys every token of a prompt
+
     # Buffers, with relative attention (see __init__).
     c2p_rows: torch.Tensor
     p2c_rows: torch.Tensor

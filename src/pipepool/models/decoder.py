@@ -310,6 +310,12 @@ class DecoderStage(StageModel):
             if head is not None:
                 self.score_head = build_score_head(head, cfg.hidden_size, cfg.vocab_size)
 
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        # Bidirectional ones attend through attend() over whole prompts (never windowed);
+        # causal ones chunk prompts, whose later chunks would read the unkeyed tokens' K/V.
+        return not cfg.causal
+
     def reset_buffers(self) -> None:
         self.rotary.reset_table()
 

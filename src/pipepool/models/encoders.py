@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +212,11 @@ class RelativeEncoderStage(EncoderStage):
             )
         if last and head is not None:
             self.score_head = build_score_head(head, h, block.vocab_size)
+
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        # DistilBERT and ELECTRA attend through attend(); MPNet's biased attention does not.
+        return not cfg.relative_buckets
 
     def reset_buffers(self) -> None:
         if self.relative.relative_buckets:

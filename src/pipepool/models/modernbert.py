@@ -14,6 +14,7 @@ Like every encoder, a prompt is never chunked and no KV cache is kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +231,10 @@ class ModernBertStage(StageModel):
                 dense_bias=cfg.classifier_bias, norm_bias=cfg.norm_bias,
             )  # fmt: skip
 
+    @classmethod
+    def honours_key_lengths(cls, cfg: Any) -> bool:
+        return True  # global layers through attend(), local ones through windowed_attention
+
     def reset_buffers(self) -> None:
         self.rope_global.reset_table()
         self.rope_local.reset_table()
@@ -239,7 +244,7 @@ class ModernBertStage(StageModel):
             return self._forward_rows(x, inputs)
         # CPU: cache-sized tiles of length-sorted requests (layers/cpu_tiles.py), as BERT.
         out = x.new_empty((x.shape[0], self.hidden_size), dtype=next(self.parameters()).dtype)
-        for tile in plan_tiles(inputs.attn.cu_q_host):
+        for tile in plan_tiles(inputs.attn.cu_q_host, key_lens=inputs.attn.key_lens):
             tile_inputs = StepInputs(inputs.positions.index_select(0, tile.rows), tile.meta)
             y = self._forward_rows(x.index_select(0, tile.rows), tile_inputs)
             out.index_copy_(0, tile.rows, y)

@@ -44,6 +44,7 @@ class Work:
     lengths: np.ndarray  # [n] int64
     params: PoolingParams
     type_ids: np.ndarray | None = None  # token types of pair inputs; None: all 0
+    key_lens: np.ndarray | None = None  # keys per prompt (RequestBatch.key_lens); None: all
 
 
 @dataclass(frozen=True)

@@ -227,8 +227,9 @@ class ReplicaPipeline:
 
     def _new_batch(self, submission: Submission, part: TokenSlice) -> RequestBatch:
         batch = RequestBatch(
-            self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids
-        )
+            self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
+            part.key_lens,
+        )  # fmt: skip
         self._next_id += len(batch)
         submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
         return batch
@@ -252,9 +253,11 @@ class ReplicaPipeline:
     def _assign(self, slot: Slot, submission: Submission, row0: int, batch: RequestBatch):
         slot.owners.add(submission, row0, batch)
         slot.outstanding += batch.num_tokens
-        slot.serving_proc().post(
-            Work(batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids)
-        )
+        work = Work(
+            batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids,
+            batch.key_lens,
+        )  # fmt: skip
+        slot.serving_proc().post(work)
 
     def cancel(self, submission: Submission) -> None:
         with self._lock:

@@ -102,7 +102,7 @@ class ReplicaServer:
         first_id = work.first_id
         try:
             submission = self.engine.submit_tokens(
-                work.token_ids, work.lengths, work.params, work.type_ids
+                work.token_ids, work.lengths, work.params, work.type_ids, work.key_lens
             )
         except Exception:
             return  # the engine is dead: the next snapshot says so, the front end re-runs it

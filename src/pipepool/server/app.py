@@ -1,8 +1,11 @@
 """The HTTP app: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling (``routes/openai.py``),
 /tokenize (vLLM's and TEI's forms) and /detokenize (``routes/tokens.py``), TEI's /embed and
-/info (``routes/tei.py``), a classifier's /rerank, /score and /classify (``routes/scoring.py``),
-/health, /metrics and /version for operators (``routes/operators.py``). API docs at /docs,
-served from here (``docs.py``: no CDN, so they load offline)."""
+/info (``routes/tei.py``), sparse and multi-vector outputs: TEI's /embed_sparse and the
+``outputs`` of /v1/embeddings (``routes/retrieval.py``), Cohere's /v2/embed
+(``routes/cohere.py``), /rerank, /score and /classify of a classifier, and /rerank and /score
+of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and /version for
+operators (``routes/operators.py``). API docs at /docs, served from here (``docs.py``: no CDN,
+so they load offline)."""
 
 from __future__ import annotations
 
@@ -16,13 +19,22 @@ from .errors import install_handlers
 from .front import AsyncEngine
 from .guards import GuardMiddleware
 from .metrics import HttpMetrics, MetricsMiddleware
-from .routes import openai, operators, scoring, tei, tokens
+from .routes import cohere, openai, operators, retrieval, scoring, tei, tokens
 from .routes.shared import ServerState
 from .settings import ServerSettings
 
 __all__ = ["ServerState", "build_app"]
 
-ROUTERS = (openai.router, tokens.router, operators.router, tei.router, scoring.router, docs.router)
+ROUTERS = (
+    openai.router,
+    tokens.router,
+    operators.router,
+    tei.router,
+    retrieval.router,
+    cohere.router,
+    scoring.router,
+    docs.router,
+)
 
 
 def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:

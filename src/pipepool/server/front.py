@@ -95,12 +95,7 @@ class AsyncEngine:
         raise (InvalidInputError, EngineDeadError, ...); cancelling the caller aborts whatever
         was enqueued."""
         engine = self.engine
-        if self.pending + n > self.max_queued:
-            raise QueueFullError(
-                f"the server has {self.pending} inputs in progress; this request's {n} would "
-                f"exceed --max-queued-requests={self.max_queued}. Retry later."
-            )
-        self.pending += n
+        self._admit(n)
         try:
             loop = asyncio.get_running_loop()
             submitting = loop.run_in_executor(self._lane(texts), lambda: submit(engine))
@@ -120,6 +115,19 @@ class AsyncEngine:
         finally:
             self.pending -= n
 
+    async def run_call(self, n: int, call: Callable[[Engine], T], texts: Sequence = ()) -> T:
+        """``call(engine)``, an engine call that waits for its own results (the retrieval
+        outputs, ``Engine.encode_outputs``; MaxSim scores), on a tokenising lane chosen as
+        ``run`` chooses it, its ``n`` inputs counted in progress (429 past ``max_queued``)
+        until it returns. Cancelling the caller does not stop the call: it runs to its end
+        and its result is dropped."""
+        engine = self.engine
+        self._admit(n)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._lane(texts), lambda: call(engine))
+        running.add_done_callback(lambda done: self._release(n, done))
+        return await asyncio.shield(running)
+
     async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
         """Run CPU work (e.g. serializing a large response, ``size`` values) off the event
         loop."""
@@ -133,6 +141,20 @@ class AsyncEngine:
     def close(self) -> None:
         for pool in (self._small, self._large):
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _admit(self, n: int) -> None:
+        if self.pending + n > self.max_queued:
+            raise QueueFullError(
+                f"the server has {self.pending} inputs in progress; this request's {n} would "
+                f"exceed --max-queued-requests={self.max_queued}. Retry later."
+            )
+        self.pending += n
+
+    def _release(self, n: int, done: asyncio.Future) -> None:
+        """A ``run_call`` ended (on the loop thread): its inputs are no longer in progress."""
+        self.pending -= n
+        if not done.cancelled():
+            done.exception()  # read: a caller that left never will (no "never retrieved")
 
     def _lane(self, inputs: Sequence) -> ThreadPoolExecutor:
         """The pool for a request: by how much there is to tokenise (or to check)."""

@@ -133,9 +133,10 @@ def too_many_tokens(
 
 
 def bounded_embedding(
-    settings: ServerSettings, inputs: list, options: dict[str, Any]
+    settings: ServerSettings, inputs: list, options: dict[str, Any], param: str = "input"
 ) -> Callable[[Engine], AnySubmission]:
-    """``Engine.submit(inputs, **options)`` within the limits, for ``AsyncEngine.run``."""
+    """``Engine.submit(inputs, **options)`` within the limits, for ``AsyncEngine.run``;
+    ``param``: the request field that holds the inputs, which the errors name."""
 
     def submit(engine: Engine) -> AnySubmission:
         d = engine.deployment
@@ -144,7 +145,7 @@ def bounded_embedding(
         if each is not None and len(inputs) * each <= settings.max_tokens_per_request:
             return engine.submit(inputs, **options)
         if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
-            check_text_lengths(settings, d, inputs, "input")
+            check_text_lengths(settings, d, inputs, param)
         ids, total = [], 0
         slices = engine.inputs.token_slices(
             inputs,
@@ -156,7 +157,7 @@ def bounded_embedding(
         for part in slices:  # refused at the first slice over a limit
             total = check_token_counts(
                 settings, d, part.lengths,
-                first=part.first, counted_before=total, inputs=len(inputs), param="input",
+                first=part.first, counted_before=total, inputs=len(inputs), param=param,
             )  # fmt: skip
             ids += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
         # Token ids now: validated, prompt-prefixed and truncated already; not tokenised again.
@@ -180,13 +181,15 @@ def bounded_scoring(
 ) -> Callable[[Engine], Submission]:
     """``submit`` (``n`` pairs or texts to score) within ``--max-tokens-per-request``, for
     ``AsyncEngine.run``: scored inputs are truncated or refused at max_model_len, never
-    chunked; a call not bounded by that in advance is cancelled if its count is over."""
+    chunked; a call not bounded by that in advance is cancelled if its count is over. A
+    ColBERT or BGE-M3 model's pairs (a query and a document each, scored before
+    ``submit`` returns) are always counted."""
 
     def run(engine: Engine) -> Submission:
         each = _tokens_per_input(engine.deployment, truncate_prompt_tokens, "truncate")
         assert each is not None, "a scored input is never chunked"
         submission = submit(engine)
-        if n * each <= settings.max_tokens_per_request:
+        if n * each <= settings.max_tokens_per_request and not submission.done():
             return submission
         total = int(submission.num_tokens.sum())  # filled in as it was enqueued
         if total > settings.max_tokens_per_request:

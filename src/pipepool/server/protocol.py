@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -21,6 +22,9 @@ from pydantic import (
     model_validator,
 )
 
+if TYPE_CHECKING:
+    from ..api.retrieval import RetrievalOutputs, SparseEmbedding
+
 Input = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 _INPUT_HELP = (
@@ -31,6 +35,8 @@ _INPUT_HELP = (
 log = logging.getLogger("pipepool.server")
 
 LongInputs = Literal["truncate", "error", "chunk"]
+EmbedDtype = Literal["float32", "float16", "bfloat16"]
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class _Strict(BaseModel):
@@ -47,7 +53,12 @@ class InputsRequest(_Strict):
     input: Input = Field(description=_INPUT_HELP)
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: little-endian float32 bytes, as OpenAI sends them."
+        "float", description="base64: little-endian bytes of embed_dtype, as OpenAI sends them."
+    )
+    embed_dtype: EmbedDtype = Field(
+        "float32",
+        description="vLLM's: the type of the values sent. base64 holds its little-endian bytes; "
+        "float, the values rounded through it (round to nearest even).",
     )
     truncate_prompt_tokens: StrictInt | None = Field(
         None,
@@ -84,13 +95,31 @@ class InputsRequest(_Strict):
 
 class EmbeddingRequest(InputsRequest):
     """OpenAI's ``/v1/embeddings`` body (vLLM's extras: ``normalize``, truncation,
-    ``long_inputs``)."""
+    ``long_inputs``; pipepool's: ``outputs`` and their options, for sparse and multi-vector
+    models)."""
 
     dimensions: StrictInt | None = Field(
-        None, description="Matryoshka: keep the first N dimensions (then normalize)."
+        None,
+        description="Matryoshka: keep the first N dimensions (then normalize); dense only.",
     )
     normalize: StrictBool | None = Field(
         None, description="L2-normalize (default: what the model was trained with)."
+    )
+    outputs: list[StrictStr] | None = Field(
+        None,
+        description="What each data item carries, any of: dense (embedding), sparse "
+        "(sparse_embedding), multi_vector (one vector per token), from one forward per input. "
+        "Default: dense. A model gives only some (SPLADE: sparse; BGE-M3: all three; ColBERT: "
+        "multi_vector): asking for another is a 400 naming those it gives.",
+    )
+    return_tokens: StrictBool = Field(
+        False, description="sparse: each index's token string too (sparse_embedding.tokens)."
+    )
+    top_k: StrictInt | None = Field(None, description="sparse: keep the k largest weights.")
+    is_query: StrictBool = Field(
+        False,
+        description="multi_vector of a ColBERT model: the query form (query prefix, [MASK] "
+        "expansion to the query length) instead of the document form.",
     )
 
 
@@ -137,20 +166,25 @@ class DetokenizeRequest(_Strict):
     model: StrictStr | None = None
 
 
-class TEIEmbedRequest(_Strict):
-    """Hugging Face text-embeddings-inference's ``POST /embed``."""
+class TEIEmbedSparseRequest(_Strict):
+    """Hugging Face text-embeddings-inference's ``POST /embed_sparse``."""
 
     inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
-    normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
     truncate: StrictBool | None = Field(
         None, description="Truncate inputs over max_model_len (default: the server's policy)."
     )
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
     prompt_name: StrictStr | None = None
-    dimensions: StrictInt | None = None
 
     def texts(self) -> list[str]:
         return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+
+class TEIEmbedRequest(TEIEmbedSparseRequest):
+    """Hugging Face text-embeddings-inference's ``POST /embed``."""
+
+    normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
+    dimensions: StrictInt | None = None
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------
@@ -163,12 +197,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class SparseEmbeddingData(BaseModel):
+    """One input's sparse vector: token ids ascending, their weights (all > 0), and the
+    tokens' strings with ``return_tokens``."""
+
+    indices: list[int]
+    values: list[float]
+    tokens: list[str] | None = None
+
+
 class EmbeddingData(BaseModel):
-    """One input's embedding: floats, or base64 of little-endian float32."""
+    """One input's outputs, those asked for only: ``embedding`` (dense; floats, or base64 of
+    little-endian ``embed_dtype``), ``sparse_embedding``, ``multi_vector`` ([tokens, dim])."""
 
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | str | None = None
+    sparse_embedding: SparseEmbeddingData | None = None
+    multi_vector: list[list[float]] | None = None
+
+
+class TEISparseValue(BaseModel):
+    """One non-zero of a sparse vector in TEI's ``/embed_sparse`` answer (indices ascending)."""
+
+    index: int
+    value: float
 
 
 class EmbeddingResponse(BaseModel):
@@ -181,11 +234,11 @@ class EmbeddingResponse(BaseModel):
 
 
 class PoolingData(BaseModel):
-    """One input's token embeddings ``[num_tokens, hidden]`` (base64: row-major float32)."""
+    """One input's token embeddings ``[num_tokens, hidden]`` (base64: row-major ``embed_dtype``)."""
 
     object: Literal["pooling"] = "pooling"
     index: int
-    data: list[list[float]] | str  # [num_tokens, hidden]; base64: row-major float32
+    data: list[list[float]] | str  # [num_tokens, hidden]; base64: row-major embed_dtype
 
 
 class PoolingResponse(BaseModel):
@@ -253,23 +306,94 @@ class HealthResponse(BaseModel):
     replicas: list[str] | None = None  # each replica's state (--dp > 1)
 
 
-def encode_array(array: np.ndarray, encoding_format: str) -> list | str:
-    """A vector (or matrix) as JSON: nested floats, or base64 of little-endian float32."""
+def encode_array(
+    array: np.ndarray, encoding_format: str, embed_dtype: EmbedDtype = "float32"
+) -> list | str:
+    """A float32 vector (or matrix) as JSON, in ``embed_dtype``: nested floats (the values
+    rounded through it), or base64 of its little-endian bytes, row-major."""
+    if embed_dtype == "float32":
+        if encoding_format == "base64":
+            return _base64(np.ascontiguousarray(array, dtype="<f4"))
+        return array.tolist()
+    # torch rounds to float16 and bfloat16 to nearest even; numpy has no bfloat16.
+    narrow = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    narrow = narrow.to(_TORCH_DTYPES[embed_dtype])
     if encoding_format == "base64":
-        return base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode("ascii")
-    return array.tolist()
+        return _base64(narrow.view(torch.int16).numpy().astype("<i2", copy=False))
+    return narrow.float().numpy().tolist()
+
+
+def _base64(array: np.ndarray) -> str:
+    return base64.b64encode(array.tobytes()).decode("ascii")
 
 
 def embedding_response(
-    model: str, outputs: list[np.ndarray], num_tokens: list[int], encoding_format: str
+    model: str,
+    outputs: list[np.ndarray],
+    num_tokens: list[int],
+    encoding_format: str,
+    embed_dtype: EmbedDtype = "float32",
 ) -> dict:
-    return _list_response(model, "embedding", "embedding", outputs, num_tokens, encoding_format)
+    return _list_response(
+        model, "embedding", "embedding", outputs, num_tokens, encoding_format, embed_dtype
+    )
 
 
 def pooling_response(
-    model: str, outputs: list[np.ndarray], num_tokens: list[int], encoding_format: str
+    model: str,
+    outputs: list[np.ndarray],
+    num_tokens: list[int],
+    encoding_format: str,
+    embed_dtype: EmbedDtype = "float32",
 ) -> dict:
-    return _list_response(model, "pooling", "data", outputs, num_tokens, encoding_format)
+    return _list_response(
+        model, "pooling", "data", outputs, num_tokens, encoding_format, embed_dtype
+    )
+
+
+def outputs_response(
+    model: str,
+    outputs: RetrievalOutputs,
+    encoding_format: str,
+    embed_dtype: EmbedDtype = "float32",
+) -> dict:
+    """``/v1/embeddings`` with ``outputs``: each data item with the outputs asked for and no
+    other (``encoding_format`` and ``embed_dtype`` apply to ``embedding``, the dense one)."""
+    data = []
+    for i in range(len(outputs.num_tokens)):
+        item: dict[str, Any] = {"object": "embedding", "index": i}
+        if outputs.dense is not None:
+            item["embedding"] = encode_array(outputs.dense[i], encoding_format, embed_dtype)
+        if outputs.sparse is not None:
+            sparse = outputs.sparse[i]
+            item["sparse_embedding"] = {
+                "indices": sparse.indices.tolist(),
+                "values": sparse.values.tolist(),
+            }
+            if sparse.tokens is not None:
+                item["sparse_embedding"]["tokens"] = sparse.tokens
+        if outputs.multi_vector is not None:
+            item["multi_vector"] = outputs.multi_vector[i].tolist()
+        data.append(item)
+    tokens = int(sum(outputs.num_tokens))
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def tei_sparse_response(sparse: list[SparseEmbedding]) -> list[list[dict]]:
+    """TEI's ``/embed_sparse`` answer: per input its non-zeros, ``{index, value}``, indices
+    ascending."""
+    return [
+        [
+            {"index": i, "value": v}
+            for i, v in zip(s.indices.tolist(), s.values.tolist(), strict=True)
+        ]
+        for s in sparse
+    ]
 
 
 def _list_response(
@@ -279,12 +403,13 @@ def _list_response(
     outputs: list[np.ndarray],
     num_tokens: list[int],
     encoding_format: str,
+    embed_dtype: EmbedDtype,
 ) -> dict:
     tokens = int(sum(num_tokens))
     return {
         "object": "list",
         "data": [
-            {"object": kind, "index": i, field: encode_array(out, encoding_format)}
+            {"object": kind, "index": i, field: encode_array(out, encoding_format, embed_dtype)}
             for i, out in enumerate(outputs)
         ],
         "model": model,

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Annotated
 
 import numpy as np
 from pydantic import (
     AliasChoices,
+    AllowInfNan,
     BaseModel,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     model_validator,
@@ -30,6 +33,15 @@ _TRUNCATE = Field(
     description="Keep this many tokens of each prompt (-1: max_model_len) instead of the "
     "server's policy for inputs over max_model_len.",
 )
+_WEIGHTS = Field(
+    None,
+    min_length=3,
+    max_length=3,
+    description="pipepool's, BGE-M3 models only: [w_dense, w_sparse, w_colbert], the score is "
+    "FlagEmbedding's colbert+sparse+dense mix (w_dense * dense + w_sparse * sparse + w_colbert "
+    "* colbert) / (w_dense + w_sparse + w_colbert). Default [0.4, 0.2, 0.4].",
+)
+_Finite = Annotated[StrictFloat | StrictInt, AllowInfNan(False)]
 
 
 class RerankDocument(BaseModel):
@@ -63,6 +75,7 @@ class RerankRequest(_Strict):
     )
     use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: StrictInt | None = _TRUNCATE
+    weights: list[_Finite] | None = _WEIGHTS
 
     @model_validator(mode="after")
     def _one_list(self) -> RerankRequest:
@@ -95,6 +108,7 @@ class ScoreRequest(_Strict):
     instruction: StrictStr | None = None
     use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: StrictInt | None = _TRUNCATE
+    weights: list[_Finite] | None = _WEIGHTS
 
 
 class ClassifyRequest(_Strict):

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layers.attention import AttentionMetadata
+from ..core.plan import StepPlan
+from ..layers.attention import AttentionMetadata, prefix_key_rows
 from ..layers.triton_attention import work_list
 from ..models import StepInputs
 
@@ -30,6 +31,9 @@ class HostBatch:
     chunk_dst: np.ndarray | None  # [T] rows of packed K/V holding this step's K/V
     prefix_dst: np.ndarray | None
     prefix_slots: np.ndarray | None
+    # Bidirectional steps with key lengths: the rows of this step's K/V that are keys (cu_k
+    # then counts them); None: every row is a key.
+    key_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,15 +47,22 @@ def build_host_batch(
     kv_rows: np.ndarray | None,
     block_tables: list[np.ndarray],
     block_size: int,
+    key_lens: np.ndarray | None = None,
 ) -> HostBatch:
     """``kv_rows``: the requests holding KV blocks (prompts spanning several steps), with
-    ``block_tables`` in the same order; None for encoders (no KV cache, whole prompts)."""
+    ``block_tables`` in the same order; None for encoders (no KV cache, whole prompts).
+    ``key_lens`` ([R], ``step_key_lens``): whole bidirectional prompts whose keys are their
+    first ``key_lens`` tokens; None where every token is a key."""
     num_reqs = len(lens)
     cu_q = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(lens, out=cu_q[1:])
     # Row t of request r sits at position starts[r] + (t - cu_q[r]): one repeat, no gathers.
     positions = np.arange(cu_q[-1], dtype=np.int64) - np.repeat(cu_q[:-1] - starts, lens)
     batch = HostBatch(starts, lens, cu_q, cu_q, positions, None, None, None, None, None)
+    if key_lens is not None:
+        assert kv_rows is None or not len(kv_rows), "key lengths: whole prompts, no KV cache"
+        assert not starts.any() and bool((key_lens <= lens).all()), "key lengths: whole prompts"
+        batch.cu_k, batch.key_rows = prefix_key_rows(cu_q, key_lens)
     if kv_rows is None or not len(kv_rows):
         return batch
     row_req = np.repeat(np.arange(num_reqs), lens)  # [T] request index of each row
@@ -77,6 +88,19 @@ def build_host_batch(
         batch.prefix_dst = cu_k[prefix_req] + prefix_pos
         batch.prefix_slots = _slots(table, kv_index[prefix_req], prefix_pos, block_size)
     return batch
+
+
+def step_key_lens(plan: StepPlan, lens: np.ndarray) -> np.ndarray | None:
+    """Keys of each of the plan's requests (``lens``: their chunk lengths), where some new
+    request keys only a prefix of its tokens (``NewRequests.key_lens``); else None, and the
+    step is built exactly as without key lengths."""
+    new = plan.new
+    if not new.has_key_lens:
+        return None
+    keys = lens.copy()
+    tail = keys[len(keys) - len(new) :]
+    tail[:] = np.where(new.key_lens > 0, new.key_lens, tail)
+    return keys
 
 
 def _padded_table(block_tables: list[np.ndarray]) -> np.ndarray:
@@ -160,24 +184,30 @@ def to_step_inputs(
             batch.chunk_dst,
             batch.prefix_dst,
             batch.prefix_slots,
+            batch.key_rows,
             *extra,
         ]
     )
     work_t, positions, cu_q, cu_k, write_rows, write_slots, chunk_dst, prefix_dst, prefix_slots = (
         tensors[:9]
     )
+    key_rows = tensors[9]
     assert positions is not None and cu_q is not None  # uploaded for every step
     cu_q32 = cu_q.to(torch.int32)
     cu_k32 = cu_k.to(torch.int32) if cu_k is not None else cu_q32
     has_prefix = batch.chunk_dst is not None
+    if key_rows is not None:
+        max_k = int(np.diff(batch.cu_k).max(initial=0))
+    elif has_prefix:
+        max_k = int((batch.starts + batch.lens).max())
+    else:
+        max_k = int(batch.lens.max(initial=0))
     meta = AttentionMetadata(
         causal=causal,
         cu_seqlens_q=cu_q32,
         cu_seqlens_k=cu_k32,
         max_q=int(batch.lens.max()) if len(batch.lens) else 0,
-        max_k=int((batch.starts + batch.lens).max())
-        if has_prefix
-        else int(batch.lens.max(initial=0)),
+        max_k=max_k,
         cu_q_host=batch.cu_q,
         cu_k_host=batch.cu_k,
         write_rows=write_rows,
@@ -188,5 +218,6 @@ def to_step_inputs(
         total_k=int(batch.cu_k[-1]),
         work=work_t,
         work_programs=int(work[0]) if work is not None else 0,
+        key_rows=key_rows,
     )
-    return StepInputs(positions=positions, attn=meta), tensors[9:]
+    return StepInputs(positions=positions, attn=meta), tensors[10:]

@@ -12,6 +12,10 @@ work list from buffers the graph owns (``layers/triton_attention.py``), which ea
 refills; so the host launches one graph where the pieces cost a replay and an attention
 launch per layer.
 
+Steps with key lengths (``AttentionMetadata.key_rows``: each request's keys a prefix of its
+rows) replay as pieces like any other, their attention being eager; a whole-step graph reads
+one set of offsets for queries and keys, so there they run eagerly.
+
 Captured per padded token count (``graph_buckets``; whole graphs also per attention grid,
 ``_programs``), lazily, the first time a step of that size runs; steps larger than the
 largest bucket run eagerly. Padded rows hold stale values (in a whole graph's attention
@@ -132,7 +136,8 @@ class GraphedForward:
         key: int | tuple[int, int] = bucket
         programs = 0
         if self.whole:
-            if meta.work is None:  # a step without the kernel's work list
+            # A step without the kernel's work list, or whose keys are not its rows.
+            if meta.work is None or meta.key_rows is not None:
                 return self.model(x, inputs, kv_caches)
             programs = self._programs(bucket, meta.work_programs)
             key = (bucket, programs)

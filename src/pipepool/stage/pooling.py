@@ -6,7 +6,12 @@
   MEAN_SQRT_LEN divides the same sum by the length's square root, WEIGHTEDMEAN sums each token
   weighted by its position + 1 and divides by the weights' sum (sentence-transformers' modes).
 - MAX keeps a running elementwise max over chunks.
+- SUM keeps the same sum and divides by nothing (SPLADE's sum pooling).
 - ALL copies every chunk into one prompt-sized buffer (token embeddings).
+
+A SparseEncoder pools its tokens' vocabulary activations instead of their hidden states
+(``token_heads.SpladeTransform``, MAX or SUM); a multi-vector model's token rows (ALL) go
+through its token head (ColBERT projections, BGE-M3's heads).
 
 Two phases, so that nothing syncs the device mid-step: ``prepare`` (host, before the
 forward: index arrays for the step's single upload) and ``pool`` (device, after it). Requests
@@ -26,6 +31,7 @@ from ..core.request import Pooling
 from ..layers.segment_sum import segment_sums
 from .heads import DenseHead, HeadParams, ScoreHead, apply_heads
 from .mirror import StepView
+from .token_heads import ColbertTokenHead, M3TokenHead, SpladeTransform
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,27 @@ class Pooler:
     """Turns each step's final hidden states into finished outputs; keeps the partial state
     of requests whose prompt spans several chunks."""
 
-    def __init__(self, dense: DenseHead | None, score: ScoreHead | None = None) -> None:
+    def __init__(
+        self,
+        dense: DenseHead | None,
+        score: ScoreHead | None = None,
+        splade: SpladeTransform | None = None,
+        token_head: M3TokenHead | ColbertTokenHead | None = None,
+    ) -> None:
         self.dense = dense
         self.score = score  # a classifier's head: vectors become its (activated) logits
+        self.splade = splade  # a SparseEncoder's: vectors pool vocabulary activations
+        self.token_head = token_head  # a multi-vector model's: token rows go through it
         self._partial: dict[int, torch.Tensor] = {}  # CLS row [H] | MEAN sum [H] | ALL [len, H]
         # Tokens each accumulator has absorbed (the state digest covers it).
         self._tokens: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._partial)
+
+    def fresh(self) -> Pooler:
+        """A pooler with the same heads and no request state."""
+        return Pooler(self.dense, self.score, self.splade, self.token_head)
 
     def drop(self, request_id: int) -> None:
         self._partial.pop(request_id, None)
@@ -207,15 +225,25 @@ class Pooler:
         assert pick_t is not None and mean_lens_t is not None and all_rows_t is not None
         h = hidden.shape[1]
         picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
-        summed = hidden if weights_t is None else hidden.float() * weights_t.unsqueeze(1)
-        sums = None
-        if bounds_t is not None:
-            sums = segment_sums(summed, bounds_t)  # [slots, H]
-        elif seg_t is not None:
-            sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
-            sums.index_add_(0, seg_t, summed.float())  # [slots + 1, H]; the last: no slot
-        maxes = None
-        if max_seg_t is not None:
+        sums = maxes = None
+        if self.splade is not None:  # vocabulary activations, pooled a block at a time
+            splade = self.splade
+            if picked is not None:
+                picked = splade(picked)
+            if seg_t is not None:
+                sums = splade.pool_rows(hidden, seg_t, prep.mean_slots + 1, "sum", weights_t)
+            if max_seg_t is not None:
+                assert prep.max_seg is not None  # max_seg_t is its upload
+                maxes = splade.pool_rows(hidden, max_seg_t, int(prep.max_seg.max()) + 1, "amax")
+        elif bounds_t is not None or seg_t is not None:
+            summed = hidden if weights_t is None else hidden.float() * weights_t.unsqueeze(1)
+            if bounds_t is not None:
+                sums = segment_sums(summed, bounds_t)  # [slots, H]
+            else:
+                assert seg_t is not None
+                sums = hidden.new_zeros((prep.mean_slots + 1, h), dtype=torch.float32)
+                sums.index_add_(0, seg_t, summed.float())  # [slots + 1, H]; the last: no slot
+        if max_seg_t is not None and self.splade is None:
             assert prep.max_seg is not None  # max_seg_t is its upload
             slots = int(prep.max_seg.max()) + 1
             maxes = hidden.new_full((slots, h), float("-inf"), dtype=torch.float32)
@@ -252,12 +280,24 @@ class Pooler:
         elif vec is not None:
             vec = apply_heads(vec, prep.vector_heads, vdims_t, vnorm_t)
         tok = _cat(tokens)
-        if tok is not None and self.score is not None:  # a token classifier: logits per token
-            tok = self.score(tok, prep.token_heads, tnorm_t)
-        elif tok is not None:
-            tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
         offsets = np.zeros(len(prep.token_lens) + 1, dtype=np.int64)
         np.cumsum(prep.token_lens, out=offsets[1:])
+        if tok is not None and self.score is not None:  # a token classifier: logits per token
+            tok = self.score(tok, prep.token_heads, tnorm_t)
+        elif tok is not None and isinstance(self.token_head, M3TokenHead):
+            first = torch.as_tensor(offsets[:-1]).to(tok.device, non_blocking=True)
+            heads = prep.token_heads
+            norm: torch.Tensor | bool
+            if heads.uniform:
+                norm = bool(heads.normalize[0]) if len(heads.normalize) else True
+            else:
+                assert tnorm_t is not None, "non-uniform rows come with their arrays"
+                norm = tnorm_t.index_select(0, first).bool()
+            tok = self.token_head(tok, first, norm)
+        elif tok is not None:
+            if self.token_head is not None:  # ColBERT: projections, then the usual heads
+                tok = self.token_head(tok)
+            tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
         return PooledStep(prep.vector_ids, vec, prep.token_owner_ids, offsets, tok)
 
     def _advance_partial(self, hidden, picked, held, sums, req_ids, view, cu_q, row, slot):
@@ -300,16 +340,18 @@ class Pooler:
 
 
 # Poolings over a (weighted) sum of a prompt's tokens; they differ in weights and divisor.
-_SUMS = (Pooling.MEAN, Pooling.MEAN_SQRT_LEN, Pooling.WEIGHTEDMEAN)
+_SUMS = (Pooling.MEAN, Pooling.MEAN_SQRT_LEN, Pooling.WEIGHTEDMEAN, Pooling.SUM)
 
 
 def _divide(sums: torch.Tensor, lengths: torch.Tensor, kinds: torch.Tensor | None) -> torch.Tensor:
-    """[n, H] sums over their divisors: the length (MEAN), its square root (MEAN_SQRT_LEN), or
-    the sum of the weights 1..length (WEIGHTEDMEAN). ``kinds`` None: every row is MEAN."""
+    """[n, H] sums over their divisors: the length (MEAN), its square root (MEAN_SQRT_LEN),
+    the sum of the weights 1..length (WEIGHTEDMEAN), or 1 (SUM). ``kinds`` None: every row is
+    MEAN."""
     n = lengths.to(torch.float64)
     if kinds is not None:
         n = torch.where(kinds == Pooling.MEAN_SQRT_LEN, n.sqrt(), n)
         n = torch.where(kinds == Pooling.WEIGHTEDMEAN, n * (n + 1) / 2, n)
+        n = torch.where(kinds == Pooling.SUM, torch.ones_like(n), n)
     return sums / n.to(sums.dtype).unsqueeze(1)
 
 

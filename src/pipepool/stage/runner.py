@@ -34,17 +34,19 @@ from ..errors import StateDivergence
 from ..layers import segment_sum
 from ..loading.classifier import ClassifierHead
 from ..loading.model_folder import ModelFolder
+from ..loading.retrieval import RetrievalHead
 from ..loading.weights import Checkpoint
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
 from .background_compile import BackgroundCompile, compiled_layer_body
-from .batch import DeviceUploader, build_host_batch, to_step_inputs
+from .batch import DeviceUploader, build_host_batch, step_key_lens, to_step_inputs
 from .cuda_graphs import GraphedForward
 from .heads import DenseHead, ScoreHead
 from .kv_cache import KVCache
 from .mirror import Mirror, StepView
 from .output import StageOutput
 from .pooling import PooledStep, Pooler
+from .token_heads import build_token_heads
 from .transport import Inbound, Outbound
 
 _log = logging.getLogger("pipepool.stage")
@@ -66,6 +68,7 @@ class StageSpec:
     # Compile while serving eagerly, not before the stage is ready (background_compile.py).
     compile_in_background: bool = False
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
+    retrieval: RetrievalHead | None = None  # sparse / multi-vector heads, run by the last stage
     attn_kernel: str = "portable"  # chosen once, in the deployment
     fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
     causal: bool = False  # the checkpoint's attention, decided once (models/checkpoint_math.py)
@@ -157,7 +160,10 @@ class StageRunner:
                 head = self.model.score_head
                 assert head is not None, "a classifier's last stage has its score head"
                 score = ScoreHead(head, spec.classifier.activation)
-            self.pooler = Pooler(dense, score)
+            splade, token_head = build_token_heads(
+                spec.retrieval, folder, self.model.hidden_size, spec.dtype, spec.device
+            )
+            self.pooler = Pooler(dense, score, splade, token_head)
         self.compiling: BackgroundCompile | None = None
         self.forward = self.model
         if spec.compile and spec.compile_in_background:
@@ -172,7 +178,13 @@ class StageRunner:
         # Fixed at load, read every step: the attention kernel's work list (encoders with the
         # Triton kernel), MEAN sums by the segment-sum kernel (CUDA).
         self.attn_block_rows = self.model.attention_block_rows()
-        self.mean_by_segments = segment_sum.supported(spec.device)
+        # Whether every attention of the model can key a prefix of a prompt (key lengths).
+        self.takes_key_lengths = family_of(folder.architecture).honours_key_lengths(
+            folder.hf_config, spec.causal
+        )
+        self.mean_by_segments = segment_sum.supported(spec.device) and not (
+            self.pooler is not None and self.pooler.splade is not None
+        )
         self.uploader = DeviceUploader(spec.device)
         self.clock = BusyClock(spec.device)  # time spent computing, not waiting for inputs
         # The step timeline (EngineConfig.trace); None when off, and then nothing is recorded.
@@ -213,7 +225,7 @@ class StageRunner:
         (the KV cache needs no clearing: a slot is always written before it is read)."""
         self.mirror = Mirror(self.spec.index)
         if self.pooler is not None:
-            self.pooler = Pooler(self.pooler.dense, self.pooler.score)
+            self.pooler = self.pooler.fresh()
         self.clock = BusyClock(self.spec.device)  # counts from zero, as the new stages do
 
     # -- one step -------------------------------------------------------------------------
@@ -297,9 +309,15 @@ class StageRunner:
         also pool. Returns (hidden [T, H], pooled outputs)."""
         model, spec = self.model, self.spec
         kv_rows = view.entry_rows if model.causal else None
+        keys = step_key_lens(plan, view.lens)  # None unless some request keys a prefix
+        if keys is not None and (model.causal or not self.takes_key_lengths):
+            raise ValueError(
+                f"stage {spec.index}, step {plan.step_id}: key lengths (ColBERT query expansion) "
+                f"are not supported by this model's attention ({type(model).__name__})"
+            )
         batch = build_host_batch(
             view.starts, view.lens, view.prompt_lens, kv_rows, view.block_tables,
-            self.config.block_size,
+            self.config.block_size, keys,
         )  # fmt: skip
         prep = None
         types = plan.token_type_ids if spec.is_first and len(plan.token_type_ids) else None

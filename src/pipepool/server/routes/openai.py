@@ -10,18 +10,24 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from .. import protocol
-from . import scoring
+from . import retrieval, scoring
 from .shared import ERRORS, READ_ERRORS, check_model, run_model_outputs, state_of
 
-# (model name, outputs, tokens per input, encoding format) -> response body
-Respond = Callable[[str, list[np.ndarray], list[int], str], dict]
+# (model name, outputs, tokens per input, encoding format, embed dtype) -> response body
+Respond = Callable[[str, list[np.ndarray], list[int], str, protocol.EmbedDtype], dict]
 
 router = APIRouter()
 
 
 @router.post("/v1/embeddings", response_model=protocol.EmbeddingResponse, responses=ERRORS)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
-    """One vector per input (OpenAI's embeddings API)."""
+    """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
+    vector, the sparse vector and the token vectors the model gives (``retrieval.py``)."""
+    if body.outputs is not None:
+        check_model(state_of(request), body.model)
+        outputs = retrieval.check_model_outputs(request, body.outputs)
+        if outputs != ("dense",):
+            return await retrieval.embeddings(body, request, outputs)
     return await _run_model(
         request,
         body,
@@ -64,7 +70,8 @@ async def _run_model(
     # Serializing thousands of floats takes a while: keep it off the event loop.
     text = await state.front.offload(
         lambda: json.dumps(
-            respond(name, done.outputs, done.num_tokens, fmt), separators=(",", ":")
+            respond(name, done.outputs, done.num_tokens, fmt, body.embed_dtype),
+            separators=(",", ":"),
         ),
         size=sum(out.size for out in done.outputs),
     )

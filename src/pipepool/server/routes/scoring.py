@@ -1,7 +1,9 @@
 """The scoring routes of a classifier (cross-encoder, reranker): Cohere v2 / Jina ``POST
 /rerank`` (also ``/v1/rerank``, ``/v2/rerank``; TEI's body form too), vLLM's ``/score`` and
 ``/classify``. The same limits, errors, metrics and API key as ``/v1/embeddings``: a request's
-pairs (or texts) are engine requests like any inputs, sharing steps with other clients."""
+pairs (or texts) are engine requests like any inputs, sharing steps with other clients.
+A ColBERT model reranks and scores by MaxSim, BGE-M3 by its weighted mix (``weights``):
+``Engine.submit_pairs`` computes those before it returns (``api/retrieval_scoring.py``)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
             instruction=body.instruction,
             max_tokens_per_doc=body.max_tokens_per_doc,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            weights=body.weights,
         ),
         param="texts" if body.tei else "documents",
         texts=[body.query, *documents],
@@ -93,6 +96,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
             use_activation=activation,
             instruction=body.instruction,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            weights=body.weights,
         ),
         param="text_2",
         texts=[*firsts, *seconds],
@@ -159,7 +163,9 @@ async def token_classify(body, request: Request) -> Response:
         return done
     name = state_of(request).settings.response_name(body.model)
     outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
-    return _json(pooling_response(name, outputs, done.num_tokens, body.encoding_format))
+    return _json(
+        pooling_response(name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype)
+    )
 
 
 async def _run(

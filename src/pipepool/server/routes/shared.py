@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
 
+from ...api.engine import Engine
 from ...errors import PipepoolError
 from .. import protocol
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, model_not_found
@@ -68,15 +69,34 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.pipepool
 
 
-async def run_model_outputs(request: Request, inputs: list, **options) -> Encoded | Response:
+async def run_model_outputs(
+    request: Request, inputs: list, *, param: str = "input", **options
+) -> Encoded | Response:
     """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
-    outputs; a bare Response (499) if the client left meanwhile."""
+    outputs; a bare Response (499) if the client left meanwhile. ``param``: the request field
+    that holds the inputs, which the errors name."""
     state = state_of(request)
-    check_inputs(state, inputs)
-    check_input_count(state.settings, len(inputs), "input")
-    submit = bounded_embedding(state.settings, inputs, options)
+    check_inputs(state, inputs, param)
+    check_input_count(state.settings, len(inputs), param)
+    submit = bounded_embedding(state.settings, inputs, options, param)
     try:
         return await unless_client_leaves(request, state.front.run(len(inputs), submit, inputs))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+async def run_model_call(
+    request: Request, inputs: list, call: Callable[[Engine], T], *, param: str = "input"
+) -> T | Response:
+    """``run_model_outputs`` for an engine call that waits for its own results
+    (``AsyncEngine.run_call``: sparse and multi-vector outputs): the same input checks and
+    count limit, the queue, the engine's errors as 4xx/5xx, and a 499 if the client left
+    meanwhile. ``call`` holds the request to its other limits itself."""
+    state = state_of(request)
+    check_inputs(state, inputs, param)
+    check_input_count(state.settings, len(inputs), param)
+    try:
+        return await unless_client_leaves(request, state.front.run_call(len(inputs), call, inputs))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 
@@ -87,11 +107,11 @@ def check_model(state: ServerState, name: str | None) -> None:
         raise model_not_found(name, state.settings.shown_model_names)
 
 
-def check_inputs(state: ServerState, inputs: list) -> None:
+def check_inputs(state: ServerState, inputs: list, param: str = "input") -> None:
     """400 for an empty input list, and for token ids unless the server was told to take
     them (``--allow-token-ids``): ids of another tokenizer would give wrong vectors silently."""
     if not inputs:
-        raise APIError(400, "input is empty: send at least one text", param="input")
+        raise APIError(400, f"{param} is empty: send at least one text", param=param)
     if isinstance(inputs[0], str) or state.settings.allow_token_ids:
         return
     raise APIError(

@@ -1,0 +1,301 @@
+"""``Router``: several engines behind one object, each call sent to one of them by model name.
+
+The router holds no inference logic: every call is the named engine's own method (``Engine``),
+chosen here by name, or, with no name, as the only model that can do the call's task (as an
+OpenAI-style server picks a model when a request leaves ``model`` out). What a model can do is
+``model_tasks``, derived from its deployment: the same answer the engine's own methods give by
+accepting or refusing a call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..config import EngineConfig
+from ..errors import InvalidInputError
+from .engine import Engine
+from .retrieval_scoring import scores_pairs_itself
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..loading.deployment import Deployment
+    from .retrieval import RetrievalOutputs, SparseEmbedding
+    from .scoring import Classification, RerankResult
+
+log = logging.getLogger("pipepool")
+
+# Every task a model may have, in the order ``model_tasks`` lists them. Each is one Engine
+# method family: embed (embed, encode, pool, ...), sparse (embed_sparse), multi_vector
+# (embed_multi_vector), score / rerank (pairs), classify (one row of labels per text),
+# classify_tokens (a token classifier's labels per token).
+TASKS = ("embed", "sparse", "multi_vector", "score", "rerank", "classify", "classify_tokens")
+# encode_outputs' outputs as tasks.
+_OUTPUT_TASKS = {"dense": "embed", "sparse": "sparse", "multi_vector": "multi_vector"}
+
+ModelSpec = str | os.PathLike[str] | Mapping[str, Any]
+
+
+class ModelNotFoundError(InvalidInputError):
+    """A call named a model the router does not hold (``param`` is "model"; ``names``: those it
+    holds)."""
+
+    def __init__(self, name: object, names: Sequence[str]) -> None:
+        super().__init__(
+            f"no model named {name!r}; the models are: {', '.join(names)}", param="model"
+        )
+        self.name = name
+        self.names = tuple(names)
+
+    def __reduce__(self):  # built again from its two arguments
+        return (type(self), (self.name, self.names))
+
+
+def model_tasks(deployment: Deployment) -> tuple[str, ...]:
+    """What a model can be asked to do, in ``TASKS`` order: "embed", "sparse" and
+    "multi_vector" for the outputs it gives (``deployment.outputs``) where it is no classifier
+    (a classifier's hidden states are not embeddings); "score" and "rerank" for a one-label
+    classifier and for a model that scores pairs from its retrieval outputs (ColBERT, BGE-M3);
+    "classify" for a sequence classifier; "classify_tokens" for a token classifier."""
+    head = deployment.classifier
+    tasks: set[str] = set()
+    if head is None:
+        tasks.update(_OUTPUT_TASKS[o] for o in deployment.outputs)
+        if scores_pairs_itself(deployment):
+            tasks.update(("score", "rerank"))
+    elif head.per_token:
+        tasks.add("classify_tokens")
+    else:
+        tasks.add("classify")
+        if head.can_rerank:
+            tasks.update(("score", "rerank"))
+    return tuple(t for t in TASKS if t in tasks)
+
+
+class Router:
+    """Engines by model name, one call at a time routed to one of them.
+
+    ``Router({"name": "path/or/hub-id", ...}, **options)`` starts one ``Engine`` per model, one
+    after the other in the mapping's order, with ``options`` (``EngineConfig`` fields) shared by
+    all; a model given as a dict (``{"model": "path", "pipeline_parallel_size": 2}``) adds or
+    overrides options for that model alone. Every spec and option is checked before the first
+    engine starts (``InvalidInputError`` naming the model). If an engine fails to start, those
+    already started are closed and its error is raised with a note naming the model.
+    ``Router.from_engines`` takes engines already started.
+
+    The router owns its engines: ``close()`` (or leaving a ``with`` block) closes them all.
+    Methods are as thread-safe as the engines': the router never changes after it is built.
+    """
+
+    def __init__(self, models: Mapping[str, ModelSpec], **options: Any) -> None:
+        if "model" in options:
+            raise InvalidInputError(
+                "a Router's models are named in its first argument, not by model=",
+                param="model",
+            )
+        configs = {name: _config(name, spec, options) for name, spec in _named(models).items()}
+        self._adopt(_start_all(configs))
+
+    @classmethod
+    def from_engines(cls, engines: Mapping[str, Engine]) -> Router:
+        """A router over engines already started, by name; it closes them on ``close()``."""
+        for name, engine in _named(engines).items():
+            if not isinstance(engine, Engine):
+                raise InvalidInputError(
+                    f"model {name!r}: from_engines takes started Engines, got "
+                    f"{type(engine).__name__} (Router(...) starts engines from paths)",
+                    param="models",
+                )
+        router = object.__new__(cls)
+        router._adopt(dict(engines))
+        return router
+
+    def _adopt(self, engines: dict[str, Engine]) -> None:
+        self._engines = engines
+        # What each model can do, in the router's order; fixed, as a model's deployment is.
+        self._tasks = {name: model_tasks(e.deployment) for name, e in engines.items()}
+
+    # -- routing ------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, tasks) per model, in the order the router was given them (``model_tasks``)."""
+        return list(self._tasks.items())
+
+    def engine(self, name: str | None = None, task: str | None = None) -> Engine:
+        """The engine named ``name``, whatever ``task`` is (its own methods refuse what it
+        cannot do, saying what it does instead); with no name, the only model that can do
+        ``task`` (no task either: the only model). Raises ``ModelNotFoundError`` for a name
+        the router does not hold, ``InvalidInputError`` naming the choices where no model, or
+        more than one, fits."""
+        if task is not None and task not in TASKS:
+            raise InvalidInputError(
+                f"unknown task {task!r}; tasks are: {', '.join(TASKS)}", param="task"
+            )
+        return self._route(name, () if task is None else (task,))
+
+    def _route(self, name: str | None, tasks: tuple[str, ...]) -> Engine:
+        if name is not None:
+            if name not in self._engines:
+                raise ModelNotFoundError(name, list(self._engines))
+            return self._engines[name]
+        able = [n for n, can in self._tasks.items() if set(tasks) <= set(can)]
+        if len(able) == 1:
+            return self._engines[able[0]]
+        what = " and ".join(tasks) or "this call"
+        if not able:
+            listing = "; ".join(f"{n} ({', '.join(can) or 'nothing'})" for n, can in self.models)
+            raise InvalidInputError(
+                f"no model here can do {what}; the models are: {listing}", param="model"
+            )
+        raise InvalidInputError(
+            f"{len(able)} models can do {what} ({', '.join(able)}): name one with model=",
+            param="model",
+        )
+
+    # -- calls, each the routed engine's method ---------------------------------------------
+
+    def embed(self, inputs, *, model: str | None = None, **options: Any) -> np.ndarray:
+        """``Engine.embed`` of ``model`` (None: the only model that embeds)."""
+        return self.engine(model, "embed").embed(inputs, **options)
+
+    def embed_sparse(
+        self, inputs, *, model: str | None = None, **options: Any
+    ) -> list[SparseEmbedding]:
+        """``Engine.embed_sparse`` of ``model`` (None: the only model with sparse outputs)."""
+        return self.engine(model, "sparse").embed_sparse(inputs, **options)
+
+    def embed_multi_vector(
+        self, inputs, *, model: str | None = None, **options: Any
+    ) -> list[np.ndarray]:
+        """``Engine.embed_multi_vector`` of ``model`` (None: the only multi-vector model)."""
+        return self.engine(model, "multi_vector").embed_multi_vector(inputs, **options)
+
+    def encode_outputs(
+        self,
+        inputs,
+        outputs: str | Sequence[str] = ("dense",),
+        *,
+        model: str | None = None,
+        **options: Any,
+    ) -> RetrievalOutputs:
+        """``Engine.encode_outputs`` of ``model`` (None: the only model that gives every one
+        of ``outputs``; the engine checks them)."""
+        wanted = [outputs] if isinstance(outputs, str) else list(outputs)
+        tasks = tuple(_OUTPUT_TASKS[o] for o in wanted if o in _OUTPUT_TASKS)
+        return self._route(model, tasks).encode_outputs(inputs, outputs, **options)
+
+    def score(self, text_1, text_2, *, model: str | None = None, **options: Any) -> np.ndarray:
+        """``Engine.score`` of ``model`` (None: the only model that scores pairs)."""
+        return self.engine(model, "score").score(text_1, text_2, **options)
+
+    def rerank(
+        self, query: str, documents, *, model: str | None = None, **options: Any
+    ) -> list[RerankResult]:
+        """``Engine.rerank`` of ``model`` (None: the only model that reranks)."""
+        return self.engine(model, "rerank").rerank(query, documents, **options)
+
+    def classify(self, texts, *, model: str | None = None, **options: Any) -> Classification:
+        """``Engine.classify`` of ``model`` (None: the only sequence classifier)."""
+        return self.engine(model, "classify").classify(texts, **options)
+
+    def classify_tokens(
+        self, texts, *, model: str | None = None, **options: Any
+    ) -> list[list[dict]]:
+        """``Engine.classify_tokens`` of ``model`` (None: the only token classifier)."""
+        return self.engine(model, "classify_tokens").classify_tokens(texts, **options)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def health(self) -> dict[str, str]:
+        """Each model's ``Engine.health``: ok | degraded | dead | closed."""
+        return {name: engine.health for name, engine in self._engines.items()}
+
+    def close(self) -> None:
+        """Close every engine, each even where closing one before it raised; then raise the
+        first such error (noting its model)."""
+        _close_all(self._engines)
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _named(models: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``models`` once its names are checked: a non-empty mapping of non-empty strings (a
+    mapping's names are unique by construction)."""
+    if not isinstance(models, Mapping) or not models:
+        raise InvalidInputError(
+            "a Router takes a non-empty mapping of model names to models", param="models"
+        )
+    for name in models:
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidInputError(
+                f"model names must be non-empty strings, got {name!r}", param="models"
+            )
+    return models
+
+
+def _config(name: str, spec: ModelSpec, shared: Mapping[str, Any]) -> EngineConfig:
+    """The engine config of model ``name``: ``spec`` its path (or hub id), or a dict of its
+    options with its path under "model", over the options ``shared`` by every model."""
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"model": spec}
+    if not isinstance(spec, Mapping):
+        raise InvalidInputError(
+            f"model {name!r}: give a path or hub id, or a dict of engine options with one under "
+            f'"model"; got {type(spec).__name__}',
+            param="models",
+        )
+    path = spec.get("model")
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidInputError(
+            f'model {name!r}: its options need "model" (a path or hub id); got {path!r}',
+            param="models",
+        )
+    try:
+        return EngineConfig.from_options(**{**shared, **spec, "model": os.fspath(path)})
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"model {name!r}: {exc}", param=exc.param) from exc
+
+
+def _start_all(configs: Mapping[str, EngineConfig]) -> dict[str, Engine]:
+    """An engine per config, started one after the other; if one fails, those started before
+    it are closed and its error raised, noting the model."""
+    engines: dict[str, Engine] = {}
+    for name, config in configs.items():
+        try:
+            engines[name] = Engine.from_config(config)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                exc.add_note(
+                    f"model {name!r} ({config.model}) did not start; the router closed the "
+                    f"{len(engines)} model(s) started before it"
+                )
+            try:
+                _close_all(engines)
+            except Exception as close_error:  # the start's error is the one to raise
+                log.warning("closing the models started before %r: %r", name, close_error)
+            raise
+    return engines
+
+
+def _close_all(engines: Mapping[str, Engine]) -> None:
+    """Close every engine, in reverse order of start; raise the first error once all are
+    tried."""
+    first: Exception | None = None
+    for name, engine in reversed(list(engines.items())):
+        try:
+            engine.close()
+        except Exception as exc:
+            log.warning("closing model %r: %r", name, exc)
+            exc.add_note(f"while closing model {name!r} of a router")
+            first = first or exc
+    if first is not None:
+        raise first

@@ -1,0 +1,133 @@
+"""Sparse and multi-vector outputs over HTTP: TEI's ``POST /embed_sparse`` (SPLADE's vectors,
+BGE-M3's lexical weights) here, and ``POST /v1/embeddings`` with ``outputs`` (``openai.py``
+hands such requests to ``embeddings`` below). Both wait for ``Engine.encode_outputs`` on a
+tokenising lane (``AsyncEngine.run_call``: one forward per input, every output asked for from
+it), with the limits, error bodies, metrics and API key of ``/embed``.
+
+Tokens per request are counted once the outputs are back (``encode_outputs`` tokenises and
+computes in one call): a request over ``--max-tokens-per-request`` is answered 400 then, its
+work done for nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from fastapi import APIRouter, Request, Response
+
+from ...api.engine import Engine
+from ...api.retrieval import RetrievalOutputs, check_outputs
+from ...errors import PipepoolError
+from .. import protocol
+from ..errors import APIError, from_engine
+from ..limits import too_many_tokens
+from .shared import ERRORS, run_model_call, state_of
+
+router = APIRouter()
+
+
+@router.post(
+    "/embed_sparse",
+    tags=["TEI"],
+    response_model=list[list[protocol.TEISparseValue]],
+    responses=ERRORS,
+)
+async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -> Response:
+    """One sparse vector per input, as TEI answers: its non-zeros as ``{index, value}``,
+    indices ascending (SPLADE models; BGE-M3's lexical weights)."""
+    check_model_outputs(request, ["sparse"])
+    done = await encode(
+        request,
+        body.texts(),
+        ("sparse",),
+        # TEI: truncate=false leaves the server's policy (its --long-inputs) in charge.
+        long_inputs="truncate" if body.truncate else None,
+        truncation_side=body.truncation_direction.lower(),
+        prompt_name=body.prompt_name,
+    )
+    if isinstance(done, Response):
+        return done
+    sparse = done.sparse
+    assert sparse is not None, "asked for sparse outputs"
+    size = sum(len(s.indices) for s in sparse)
+    return await _json(request, lambda: protocol.tei_sparse_response(sparse), size)
+
+
+async def embeddings(
+    body: protocol.EmbeddingRequest, request: Request, outputs: tuple[str, ...]
+) -> Response:
+    """``/v1/embeddings`` asking for ``outputs`` (checked by ``check_model_outputs``), other
+    than the dense vector alone."""
+    if body.dimensions is not None:
+        raise APIError(
+            400,
+            "dimensions applies to dense embeddings only; it cannot be combined with "
+            f"{', '.join(o for o in outputs if o != 'dense')} outputs",
+            param="dimensions",
+            code="invalid_value",
+        )
+    done = await encode(
+        request,
+        body.inputs(),
+        outputs,
+        top_k=body.top_k,
+        return_tokens=body.return_tokens,
+        is_query=body.is_query,
+        normalize=body.normalize,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        long_inputs=body.long_inputs,
+    )
+    if isinstance(done, Response):
+        return done
+    name = state_of(request).settings.response_name(body.model)
+    size = sum(len(s.indices) for s in done.sparse or ())
+    size += sum(m.size for m in done.multi_vector or ())
+    size += done.dense.size if done.dense is not None else 0
+    return await _json(
+        request,
+        lambda: protocol.outputs_response(name, done, body.encoding_format, body.embed_dtype),
+        size,
+    )
+
+
+def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ...]:
+    """The outputs asked for, in ``OUTPUTS`` order, each one the model gives: else 400 naming
+    those it gives (503 while the model loads)."""
+    try:
+        return check_outputs(state_of(request).front.engine.deployment, asked)
+    except PipepoolError as exc:  # InvalidInputError: 400; loading or failed: 503
+        raise from_engine(exc) from None
+
+
+async def encode(
+    request: Request,
+    inputs: list,
+    outputs: tuple[str, ...],
+    *,
+    long_inputs: str | None = None,
+    **options,
+) -> RetrievalOutputs | Response:
+    """``Engine.encode_outputs(inputs, outputs, **options)`` within the server's limits; a
+    bare Response (499) if the client left meanwhile. ``long_inputs``: as asked, else the
+    server's policy, chunking (which combines dense vectors only) read as truncation."""
+    settings = state_of(request).settings
+
+    def call(engine: Engine) -> RetrievalOutputs:
+        policy = long_inputs or engine.config.long_inputs
+        if long_inputs is None and policy == "chunk":
+            policy = "truncate"
+        out = engine.encode_outputs(inputs, outputs, long_inputs=policy, **options)
+        total = int(sum(out.num_tokens))
+        if total > settings.max_tokens_per_request:
+            raise too_many_tokens(settings, total, "input")
+        return out
+
+    return await run_model_call(request, inputs, call)
+
+
+async def _json(request: Request, build, size: int) -> Response:
+    # Serializing thousands of numbers takes a while: keep it off the event loop.
+    text = await state_of(request).front.offload(
+        lambda: json.dumps(build(), separators=(",", ":")), size=size
+    )
+    return Response(text, media_type="application/json")

@@ -19,7 +19,9 @@ from .loading.classifier import RERANKERS
 # default pooling can be).
 POOLING_TYPES = POOLING_NAMES
 VECTOR_POOLINGS = tuple(p for p in POOLING_NAMES if p != "all")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "int8": the CPU encoder's linear layers as dynamic int8 GEMMs, everything else float32
+# (layers/int8_linear.py); an opt-in that trades a little quality for speed.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 # What happens to an input longer than max_model_len: cut to fit (what sentence-transformers and
 # TEI do by default), refused, or embedded window by window and combined (vLLM's chunked
 # processing).
@@ -55,7 +57,8 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto",
-        "auto: float32 on the CPU; on GPU float16 for float16 checkpoints, else bfloat16",
+        "auto: float32 on the CPU; on GPU float16 for float16 checkpoints, else bfloat16; "
+        "int8: CPU encoders (BERT family) with dynamic int8 linear layers, the rest float32",
         choices=DTYPES,
     )
     device: str = option("auto", "auto | cpu | cuda (auto: cuda when available)")

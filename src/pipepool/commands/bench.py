@@ -1,7 +1,8 @@
 """``pipepool bench``: engine vs Hugging Face transformers on token-id workloads (W1-W4), or
-vs ``SentenceTransformer.encode`` on text workloads (T4, T5), same weights, same device, same
-run. Prints a table and, with --json, writes the rows; progress lines (each phase, each pass)
-go to stderr."""
+vs ``SentenceTransformer.encode`` on text workloads (T4-T6), same weights, same device, same
+run; with --cpu-peers, vs sentence-transformers and ONNX Runtime on the CPU (``cpu_peers``).
+Prints a table and, with --json, writes the rows; progress lines (each phase, each pass) go to
+stderr."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import torch
 
 from ..api.engine import Engine
 from ..driver.local import LocalPipeline
+from ..errors import InvalidInputError
 from ..loading.deployment import flops_per_token, plan_deployment
 from ..loading.weights import Checkpoint
 from ..models import family_of
 from ..stage.runner import StageRunner
+from . import cpu_peers
 from .common import add_engine_args, engine_config
 from .workloads import (
     TEXT_WORKLOADS,
@@ -52,14 +55,14 @@ def add_parser(sub, help: str) -> None:
     p.add_argument(
         "--workload",
         type=_workloads,
-        default="W1",
-        help="comma-separated: W1,W2,W3,W4 (token ids), T4,T5 (texts) (default: W1)",
+        help="comma-separated: W1,W2,W3,W4 (token ids), T4,T5,T6 (texts) (default: W1; T5 "
+        "with --cpu-peers)",
     )
     p.add_argument(
         "--requests",
         type=_positive_int,
         metavar="N",
-        help="use only the first N requests (texts for T4, T5) of each workload",
+        help="use only the first N requests (texts for T4-T6) of each workload",
     )
     p.add_argument(
         "--peer-batch-sizes",
@@ -123,6 +126,7 @@ def add_parser(sub, help: str) -> None:
         "kv_cache_tokens": "4 step budgets plus the workload's longest request",
     }
     add_engine_args(p, own_defaults=own)
+    cpu_peers.add_args(p)
 
 
 def _workloads(text: str) -> list[str]:
@@ -154,11 +158,15 @@ def _positive_int(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cpu_peers:
+        if any(name not in TEXT_WORKLOADS for name in args.workload or []):
+            raise InvalidInputError("--cpu-peers runs text workloads only (T4, T5, T6)")
+        return cpu_peers.run(args)
     config = engine_config(args)
     if args.dtype is None and torch.cuda.is_available():
         config = config.replace(dtype="bfloat16")
     rows = []
-    names = args.workload
+    names = args.workload or ["W1"]
     for name in names:
         run_one = bench_text if name in TEXT_WORKLOADS else bench_one
         rows.append(run_one(_trace_per_workload(config, name, len(names)), name, args))

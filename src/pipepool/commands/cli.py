@@ -22,7 +22,15 @@ SUBCOMMANDS = {
     "bench": "measure throughput against Hugging Face transformers",
 }
 # Modules a subcommand cannot run without, and the extra that installs them.
-_EXTRAS = {"fastapi": "server", "uvicorn": "server", "pydantic": "server"}
+_EXTRAS = {
+    "fastapi": "server",
+    "uvicorn": "server",
+    "pydantic": "server",
+    # `bench --cpu-peers`: the ONNX export and runtime peers
+    "onnx": "bench-cpu",
+    "onnxscript": "bench-cpu",
+    "onnxruntime": "bench-cpu",
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ Token-id workloads (drawn with a fixed seed):
 
 Text workloads (words of the model's own vocabulary, fixed seed):
 - T4: 8192 queries, log-normal word counts (median 28 words, sigma 0.8) clipped to [3, 200]
-- T5: 2,000 texts of 5-60 words (uniform)
+- T5: 2,000 texts of 5-60 words (uniform): the "queries" of ``--cpu-peers``
+- T6: 500 texts of 100-300 words (uniform): its "passages"
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ WORKLOADS = {
     "W4": (8192, 4, 256),
 }
 LOGNORMAL = {"W4": (32, 0.8), "T4": (28, 0.8)}  # median, sigma
-TEXT_WORKLOADS = {"T4": (8192, 3, 200), "T5": (2000, 5, 60)}  # texts, min / max words
+TEXT_WORKLOADS = {  # texts, min / max words
+    "T4": (8192, 3, 200),
+    "T5": (2000, 5, 60),
+    "T6": (500, 100, 300),
+}
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig, split_layers
 from ..errors import InvalidInputError, ModelLoadError
-from ..layers import qk_rope
+from ..layers import int8_linear, qk_rope
 from ..layers.attention import choose_kernel
 from ..models import Family, family_of
 from ..models.checkpoint_math import check_config, decide_causal
@@ -81,6 +81,9 @@ class Deployment:
     # by self-checks on the planning process's device: every stage runs the same kernels.
     attn_kernel: str = "portable"
     fused_qk_rope: bool = False
+    # EngineConfig.dtype "int8": the encoder's linear layers run as dynamic int8 GEMMs on the
+    # CPU (layers/int8_linear.py); ``dtype`` is float32, what every other tensor keeps.
+    int8_linears: bool = False
     # "all": the planning process sees every stage's device (``devices`` names them);
     # "local": torchrun, each rank takes ``cuda:LOCAL_RANK`` of its own host (``devices`` says
     # only the kind), so no host needs to see as many GPUs as there are stages.
@@ -126,6 +129,7 @@ class Deployment:
             attn_kernel=self.attn_kernel,
             fused_qk_rope=self.fused_qk_rope,
             causal=self.causal,
+            int8_linears=self.int8_linears,
         )
 
     def stage_device(self, index: int, local_rank: int | None = None) -> torch.device:
@@ -167,6 +171,9 @@ def plan_deployment(
     )
     device_kind = resolve_device_kind(config.device)
     dtype = _dtype(config.dtype, hf, device_kind)
+    int8 = config.dtype == "int8"
+    if int8:
+        _check_int8(config, family, hf, causal, device_kind)
     checkpoint = Checkpoint(folder.path, family)
     classifier = read_classifier(
         folder,
@@ -266,6 +273,7 @@ def plan_deployment(
         retrieval=retrieval,
         attn_kernel=attn_kernel,
         fused_qk_rope=fused,
+        int8_linears=int8,
         placement="local" if local_placement else "all",
     )
 
@@ -342,12 +350,44 @@ def resolve_device_kind(device: str) -> str:
 
 
 def _dtype(name: str, hf: dict, device_kind: str) -> torch.dtype:
+    if name == "int8":
+        return torch.float32  # only the linear layers' GEMMs are int8 (int8_linears)
     if name != "auto":
         return getattr(torch, name)
     if device_kind == "cpu":
         return torch.float32  # the reference precision; CPU half-precision matmuls are slow
     stored = hf.get("dtype", hf.get("torch_dtype"))
     return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def _check_int8(
+    config: EngineConfig, family: Family, hf: dict, causal: bool, device_kind: str
+) -> None:
+    """dtype int8: a CPU encoder whose layers have the int8 path, on a CPU whose int8 kernel
+    passes its self-check, run eagerly."""
+    if device_kind != "cpu":
+        raise InvalidInputError(
+            "dtype int8 runs on the CPU only (dynamic int8 linear layers); on CUDA use "
+            "bfloat16 or float16",
+            param="dtype",
+        )
+    if not family.supports_int8(hf, causal):
+        raise InvalidInputError(
+            f"dtype int8 is not available for the {family.name} family: its CPU path has no "
+            "int8 linear layers (BERT-family encoders do: bert, roberta, distilbert, electra)",
+            param="dtype",
+        )
+    if config.compile:
+        raise InvalidInputError(
+            "dtype int8 runs its layers eagerly; compile cannot be set with it", param="compile"
+        )
+    if not int8_linear.supported():
+        raise InvalidInputError(
+            "dtype int8 is not supported on this machine: PyTorch's FBGEMM int8 linear is "
+            "missing or disagrees with float32 beyond int8 rounding (it needs an x86 CPU with "
+            "AVX512-VNNI or AVX-VNNI)",
+            param="dtype",
+        )
 
 
 def _stage_devices(kind: str, num_stages: int) -> tuple[str, ...]:

@@ -246,9 +246,15 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
         return None
     modules = _read_json(modules_file)
     pooling, normalize, dense, splade, colbert_dense = None, False, [], None, []
-    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind = _st_module_kind(modules_file, module.get("type", ""))
+    ordered = sorted(modules, key=lambda m: m.get("idx", 0))
+    kinds = [_st_module_kind(modules_file, m.get("type", "")) for m in ordered]
+    for module, kind in zip(ordered, kinds, strict=True):
         folder = path / module.get("path", "")
+        if kind == "PylateDense" and extra.get("model_type") not in (None, "ColBERT"):
+            raise ModelLoadError(
+                f"{modules_file}: module {module.get('type')!r} is PyLate's, which pipepool runs "
+                f"in ColBERT folders only (this one's model_type is {extra.get('model_type')!r})"
+            )
         if kind == "MLMTransformer" and extra.get("model_type") != "SparseEncoder":
             raise ModelLoadError(
                 f"{modules_file}: an MLMTransformer outside a SparseEncoder is not supported"
@@ -259,7 +265,9 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
                     f"{path}: the transformer lives in subfolder {module['path']!r}; "
                     "pass that folder as the model"
                 )
-            _check_st_transformer(path / "sentence_bert_config.json")
+            _check_st_transformer(
+                path / "sentence_bert_config.json", fill_mask="SpladePooling" in kinds
+            )
         elif kind == "Pooling":
             pooling = _read_st_pooling(folder)
         elif kind == "PylateDense":
@@ -286,15 +294,6 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             "SpladePooling module, nothing else"
         )
     bert_config = path / "sentence_bert_config.json"
-    if (
-        bert_config.is_file()
-        and _read_json(bert_config).get("transformer_task") == "fill-mask"
-        and splade is None
-    ):
-        raise ModelLoadError(
-            f"{bert_config}: transformer_task 'fill-mask' (token logits) is supported under a "
-            "SpladePooling module only"
-        )
     max_seq_length = (
         _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     )
@@ -380,9 +379,15 @@ _ST_TOKENIZER_KWARGS = frozenset(
 )
 
 
-def _check_st_transformer(bert_config: Path) -> None:
-    """The Transformer module's own settings that change what it computes."""
+def _check_st_transformer(bert_config: Path, *, fill_mask: bool = False) -> None:
+    """The Transformer module's own settings that change what it computes; ``fill_mask``:
+    whether a SpladePooling module reads its token logits."""
     config = _read_json(bert_config) if bert_config.is_file() else {}
+    if config.get("transformer_task") == "fill-mask" and not fill_mask:
+        raise ModelLoadError(
+            f"{bert_config}: transformer_task 'fill-mask' (token logits) is supported under a "
+            "SpladePooling module only"
+        )
     if config.get("do_lower_case"):
         raise ModelLoadError(
             f"{bert_config}: do_lower_case=true (sentence-transformers lowercases every text "

@@ -40,6 +40,8 @@ class StageClass(Protocol):
 
     def honours_key_lengths(self, cfg: Any) -> bool: ...
 
+    def supports_int8(self, cfg: Any) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Family:
@@ -85,6 +87,11 @@ class Family:
         """Whether the checkpoint's attention can key only a prefix of a prompt (key lengths:
         ColBERT's query expansion): bidirectional, and through ``attend`` in every layer."""
         return not causal and self.stage.honours_key_lengths(self.config(hf, causal))
+
+    def supports_int8(self, hf: dict, causal: bool) -> bool:
+        """Whether the checkpoint's CPU path can run its linear layers as dynamic int8
+        (``EngineConfig.dtype="int8"``): BERT's block (bert, roberta, distilbert, electra)."""
+        return not causal and self.stage.supports_int8(self.config(hf, causal))
 
     def build(
         self,

@@ -96,6 +96,16 @@ class StageModel(nn.Module):
         layers add position biases or windows of their own to the scores say no."""
         return False
 
+    @classmethod
+    def supports_int8(cls, cfg: Any) -> bool:
+        """Whether this family's CPU path can run its linear layers as dynamic int8
+        (``EngineConfig.dtype="int8"``; ``quantize_int8``)."""
+        return False
+
+    def quantize_int8(self) -> None:
+        """Pack the layers' projections as int8 and run them so from the next forward on."""
+        raise NotImplementedError(f"{type(self).__name__} has no int8 path")
+
     def attention_block_rows(self) -> int | None:
         """The Triton attention kernel's BLOCK_M where this model runs it from a work list (an
         encoder: its steps carry the list, which lets a CUDA graph hold its whole forward),

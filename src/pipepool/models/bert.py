@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..layers import cpu_linear
+from ..layers import cpu_linear, int8_linear
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
@@ -108,6 +108,28 @@ def post_attention_fused(
     return F.layer_norm(x, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
 
 
+class Int8Linears(NamedTuple):
+    """A BERT layer's four projections packed as int8 (layers/int8_linear.py), biases inside."""
+
+    qkv: torch.ScriptObject
+    attn_out: torch.ScriptObject
+    ffn_in: torch.ScriptObject
+    ffn_out: torch.ScriptObject
+
+
+def post_attention_int8(
+    cfg: EncoderConfig, x: torch.Tensor, a: torch.Tensor, q: Int8Linears, w: FfnWeights
+) -> torch.Tensor:
+    """post_attention with the three projections in int8; activation, residual adds and
+    norms in fp32 (``w`` gives the norms)."""
+    h, eps = cfg.hidden_size, cfg.layer_norm_eps
+    y = int8_linear.linear(a.flatten(1), q.attn_out).add_(x)
+    x = F.layer_norm(y, (h,), w.attn_norm, w.attn_norm_bias, eps)
+    ffn_in = get_activation(cfg.hidden_act)(int8_linear.linear(x, q.ffn_in))
+    y = int8_linear.linear(ffn_in, q.ffn_out).add_(x)
+    return F.layer_norm(y, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
+
+
 def embed(
     ids: torch.Tensor,
     positions: torch.Tensor,
@@ -144,6 +166,7 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.scale = self.head_dim**-0.5
         self._packed: tuple[tuple, FfnWeights] | None = None  # see packed_ffn_weights
+        self._int8: Int8Linears | None = None  # see quantize_int8
 
     def ffn_weights(self) -> FfnWeights:
         return FfnWeights(
@@ -164,6 +187,21 @@ class EncoderLayer(nn.Module):
         q, k, v = self.qkv_proj(x).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
         a = attend(q, k, v, inputs.attn, None, scale=self.scale)  # [T, H, D]
         return post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
+
+    def quantize_int8(self) -> None:
+        """Pack the four projections as int8 for :meth:`forward_int8` (once, after loading:
+        later writes to the fp32 weights are not seen)."""
+        linears = (self.qkv_proj, self.attn_out, self.ffn_in, self.ffn_out)
+        self._int8 = Int8Linears(*(int8_linear.pack(m.weight, m.bias) for m in linears))
+
+    def forward_int8(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """CPU, ``dtype="int8"``: the block with every projection a dynamic int8 GEMM."""
+        q8 = self._int8
+        assert q8 is not None, "quantize_int8() first"
+        qkv = int8_linear.linear(x, q8.qkv)  # [T, 3 * hidden]
+        q, k, v = qkv.view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
+        a = attend(q, k, v, inputs.attn, None, scale=self.scale)  # [T, H, D]
+        return post_attention_int8(self.cfg, x, a, q8, self.ffn_weights())
 
     def packed_ffn_weights(self) -> FfnWeights:
         """ffn_weights() with oneDNN copies of the three projection weights, packed on first use
@@ -215,6 +253,15 @@ class EncoderStage(StageModel):
     def honours_key_lengths(cls, cfg: Any) -> bool:
         return True  # every layer attends through attend()
 
+    @classmethod
+    def supports_int8(cls, cfg: Any) -> bool:
+        return True  # EncoderLayer.forward_int8
+
+    def quantize_int8(self) -> None:
+        for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
+            layer.quantize_int8()
+        self.int8 = True
+
     def _init_body(self, cfg: EncoderConfig, layers: range, first: bool, last: bool) -> None:
         """What every BERT-style encoder stage sets before its own embeddings and layers (the
         relatives in encoders.py and deberta.py build theirs, around the same block)."""
@@ -228,6 +275,7 @@ class EncoderStage(StageModel):
         self.attn_kernel = "portable"
         self.post = post_attention  # or one torch.compile'd graph shared by every layer
         self.embed = embed  # or its torch.compile'd graph (first stage)
+        self.int8 = False  # the layers run forward_int8 (quantize_int8; CPU only)
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches=None) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -275,7 +323,9 @@ class EncoderStage(StageModel):
                 self.cfg.layer_norm_eps,
             )  # fmt: skip
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
-            if fused:
+            if self.int8:
+                x = layer.forward_int8(x, inputs)
+            elif fused:
                 x = layer.forward_fused(x, inputs)
             else:
                 x = layer(x, inputs, self.post, self.attn_kernel)

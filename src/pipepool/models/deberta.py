@@ -230,6 +230,10 @@ class DebertaStage(EncoderStage):
     graph_safe = False  # disentangled attention reads the step's host offsets
 
     @classmethod
+    def supports_int8(cls, cfg: Any) -> bool:
+        return False  # its layers attend with position terms of their own
+
+    @classmethod
     def honours_key_lengths(cls, cfg: Any) -> bool:
         return False  # disentangled attention keys every token of a prompt
 

@@ -218,6 +218,10 @@ class RelativeEncoderStage(EncoderStage):
         # DistilBERT and ELECTRA attend through attend(); MPNet's biased attention does not.
         return not cfg.relative_buckets
 
+    @classmethod
+    def supports_int8(cls, cfg: Any) -> bool:
+        return not cfg.relative_buckets  # MPNet's layers project q|k|v in their own attention
+
     def reset_buffers(self) -> None:
         if self.relative.relative_buckets:
             self.relative_attention_bias.reset_buffers()
@@ -246,7 +250,9 @@ class RelativeEncoderStage(EncoderStage):
             bias = (BiasedAttentionPlan.build(inputs.attn.cu_q_host, table, exact=exact),)
         # BiasedEncoderLayers where the stage has the bias; plain EncoderLayers (no bias) where not.
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
-            if fused:
+            if self.int8:
+                x = layer.forward_int8(x, inputs)
+            elif fused:
                 x = layer.forward_fused(x, inputs, *bias)
             else:
                 x = layer(x, inputs, self.post, self.attn_kernel, *bias)

@@ -197,6 +197,8 @@ def _engine_reference(
         pipeline_parallel_size=1,
         pp_partition=None,
         max_num_batched_tokens=budget,
+        # int8 is measured against float32: its reference is the float32 engine
+        dtype="float32" if config.dtype == "int8" else config.dtype,
     )
     try:
         with Engine.from_config(ref_config) as engine:

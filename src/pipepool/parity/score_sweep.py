@@ -155,7 +155,7 @@ def run_score_parity(
     expected = np.stack(ref.outputs["score"])
     threshold = sweep.max_score_diff
     if threshold is None:
-        fp32 = deployment.dtype == torch.float32
+        fp32 = deployment.dtype == torch.float32 and not deployment.int8_linears
         threshold = MAX_SCORE_DIFF_FP32 if fp32 else MAX_SCORE_DIFF_16BIT
     report = ScoreReport(
         model=str(deployment.folder.path),

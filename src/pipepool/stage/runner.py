@@ -72,6 +72,9 @@ class StageSpec:
     attn_kernel: str = "portable"  # chosen once, in the deployment
     fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
     causal: bool = False  # the checkpoint's attention, decided once (models/checkpoint_math.py)
+    # Linear layers as dynamic int8 GEMMs (EngineConfig.dtype "int8"; CPU encoders), quantized
+    # once at load; ``dtype`` (float32) is then everything else's.
+    int8_linears: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -424,6 +427,8 @@ def load_stage_model(
     checkpoint.load_stage(model)
     checkpoint.close()
     model.eval()
+    if spec.int8_linears:
+        model.quantize_int8()
     # Kernels are the deployment's choice (made once for every stage). The fused q/k-norm +
     # RoPE kernel still checks itself against torch's ops on this stage's weights: a kernel
     # that disagrees here is not used (numerically the same op, only slower).

@@ -315,10 +315,3 @@ def _empty(wanted: tuple[str, ...], d: Deployment) -> RetrievalOutputs:
         sparse=[] if "sparse" in wanted else None,
         multi_vector=[] if "multi_vector" in wanted else None,
     )
-
-
-def lexical_weights(
-    prompt: np.ndarray, weights: np.ndarray, special: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``lexical_weights_of`` for one prompt."""
-    return lexical_weights_of([prompt], [weights], special)[0]

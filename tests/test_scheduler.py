@@ -3,7 +3,8 @@
 A fake pipeline answers each plan the way a correct last stage would (the digest chain the
 plan expects, an output for every request whose final chunk the plan holds), keeping up to ``depth``
 plans in flight like the engine loop does. Every plan is checked against the invariants
-that keep the stages in lockstep: token budget, request cap, FIFO admission, chunks that
+that keep the stages in lockstep: token budget, request cap, fair admission (batches start in
+arrival order, each batch's requests in its order, online before background), chunks that
 tile each prompt exactly, the right tokens for each chunk, and KV blocks that all come back.
 """
 
@@ -30,9 +31,11 @@ def prompt_of(request_id: int, prompt_len: int) -> np.ndarray:
     return (np.arange(prompt_len, dtype=np.int64) + 7 * request_id) % 97
 
 
-def make_batch(first_id: int, lens: list[int]) -> RequestBatch:
+def make_batch(first_id: int, lens: list[int], *, background: bool = False) -> RequestBatch:
     prompts = [prompt_of(first_id + i, n) for i, n in enumerate(lens)]
-    return RequestBatch.from_prompts(first_id, prompts, PARAMS)
+    batch = RequestBatch.from_prompts(first_id, prompts, PARAMS)
+    batch.background = background
+    return batch
 
 
 def make_scheduler(
@@ -77,9 +80,9 @@ class Tracker:
         self.plans = 0
         self._next_id = 0
 
-    def add(self, *lens: int) -> RequestBatch:
+    def add(self, *lens: int, background: bool = False) -> RequestBatch:
         """One batch of prompts with these lengths (consecutive ids)."""
-        batch = make_batch(self._next_id, list(lens))
+        batch = make_batch(self._next_id, list(lens), background=background)
         for i, n in enumerate(lens):
             rid = self._next_id + i
             self.prompt_lens[rid] = n
@@ -119,11 +122,7 @@ class Tracker:
             if self.encoder:
                 assert (start, end) == (0, self.prompt_lens[rid]), "encoders never chunk"
             if start == 0:
-                # FIFO: everyone who arrived earlier got a first chunk already (or was
-                # aborted while waiting); within a plan, in arrival order too.
-                earlier = self.arrival[: self.arrival.index(rid)]
-                overtaken = [r for r in earlier if r not in self.chunks and r not in self.aborted]
-                assert not overtaken, f"request {rid} started before {overtaken}"
+                self._check_admission_order(rid)
                 i = new_ids.index(rid)
                 assert plan.new.prompt_lens[i] == self.prompt_lens[rid]
                 if s.blocks is not None:
@@ -134,6 +133,29 @@ class Tracker:
             previous.append((start, end))
         if plan.num_reqs:
             assert np.array_equal(plan.token_ids, np.concatenate(expected_tokens))
+
+    def _check_admission_order(self, rid: int) -> None:
+        """Fair admission: the earlier requests of ``rid``'s batch started already, and so
+        did the first request of every batch that arrived before it in its queue; an online
+        request overtakes any background one. (Aborted requests excepted.)"""
+        batch = self.batches[rid]
+
+        def started(r: int) -> bool:
+            return r in self.chunks or r in self.aborted
+
+        behind = [r for r in range(batch.first_id, rid) if not started(r)]
+        assert not behind, f"request {rid} started before {behind} of its own batch"
+        for first in sorted({self.batches[r].first_id for r in self.arrival}):
+            other = self.batches[first]
+            if first >= batch.first_id:
+                break  # arrived with or after it (ids are given in arrival order)
+            if other.background == batch.background:  # the same queue: starts in order
+                assert any(started(r) for r in range(first, other.end_id)), (
+                    f"request {rid} started before batch {first}, which arrived earlier"
+                )
+            elif batch.background:  # online work all goes first
+                waiting = [r for r in range(first, other.end_id) if not started(r)]
+                assert not waiting, f"background request {rid} overtook online {waiting}"
 
     def collect(self, plan: StepPlan) -> None:
         result = answer(plan, self.prompt_lens)
@@ -522,3 +544,87 @@ def test_a_smaller_budget_for_one_step_keeps_every_rule_within_it():
         t.collect(plan)
     assert t.finished == {0: 0.0}
     t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_small_batch_starts_in_the_next_step_not_after_a_large_one(chunked):
+    s = make_scheduler(16, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    large = t.add(*[4] * 40)  # ten full steps
+    first = s.schedule()
+    t.check(first)
+    small = t.add(3)
+    second = s.schedule()
+    t.check(second)
+    assert second.new.request_ids[0] == small.first_id  # first in the very next step
+    assert second.num_tokens == 15  # the large batch fills what is left (3 + 3 × 4)
+    third = s.schedule()
+    t.check(third)
+    assert set(third.req_ids.tolist()) <= set(range(large.first_id, large.end_id))
+    for plan in (first, second, third):
+        t.collect(plan)
+    run(t)
+    assert sorted(t.finished) == list(range(41))
+    t.assert_drained()
+
+
+def test_large_batches_take_turns_step_by_step():
+    s = make_scheduler(8, 64, chunked=False)
+    t = Tracker(s, {}, encoder=True)
+    a, b = t.add(*[4] * 10), t.add(*[4] * 10)
+    owners = []
+    for _ in range(6):
+        plan = s.schedule()
+        t.check(plan)
+        owners.append({"a" if rid < b.first_id else "b" for rid in plan.req_ids.tolist()})
+        t.collect(plan)
+    assert owners == [{"a"}, {"b"}, {"a"}, {"b"}, {"a"}, {"b"}]
+    assert a.cursor == b.cursor == 6
+    run(t)
+    t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_background_work_fills_only_what_online_work_leaves(chunked):
+    s = make_scheduler(16, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    job = t.add(*[4] * 20, background=True)
+    first = s.schedule()
+    t.check(first)
+    assert first.num_tokens == 16  # alone, background work takes whole steps
+    online = t.add(4, 4, 4)
+    second = s.schedule()
+    t.check(second)
+    ids = second.new.request_ids.tolist()
+    assert ids[:3] == list(range(online.first_id, online.end_id))  # online first
+    assert ids[3:] == [job.first_id + 4]  # the job fills the rest
+    t.collect(first)
+    t.collect(second)
+    run(t)
+    assert sorted(t.finished) == list(range(23))
+    t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_random_mixes_of_online_and_background_batches_keep_every_invariant(chunked):
+    rng = np.random.default_rng(11 if chunked else 12)
+    for trial in range(20):
+        budget = int(rng.choice([7, 16, 64]))
+        s = make_scheduler(budget, int(rng.choice([3, 256])), chunked=chunked, num_blocks=80)
+        t = Tracker(s, {}, encoder=not chunked)
+        inflight: deque[StepPlan] = deque()
+        for _ in range(60):
+            for _ in range(int(rng.integers(0, 3))):
+                lens = rng.integers(1, 40, size=int(rng.integers(1, 6))).tolist()
+                t.add(*lens, background=bool(rng.random() < 0.4))
+            plan = s.schedule()
+            if plan is not None:
+                t.check(plan)
+                inflight.append(plan)
+            if inflight and (len(inflight) >= 3 or rng.random() < 0.5):
+                t.collect(inflight.popleft())
+        run(t, depth=3, inflight=inflight)
+        assert sorted(t.finished) == list(range(len(t.prompt_lens))), f"trial {trial}"
+        for rid in t.prompt_lens:
+            t.assert_tiled(rid)
+        t.assert_drained()

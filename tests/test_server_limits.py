@@ -314,3 +314,22 @@ def test_stage_death_without_restarts_fails_requests_503_and_the_server_exits_no
     log = server.log()
     assert "cannot recover" in log and "stage 1" in log
     assert not _alive(stage)
+
+
+def test_large_requests_leave_the_last_part_of_the_queue_to_small_ones():
+    from pipepool.server.front import SMALL_REQUEST_INPUTS, AsyncEngine, QueueFullError
+
+    front = AsyncEngine(owner=None, max_queued=64)  # type: ignore[arg-type]  # no engine needed
+    try:
+        front._admit(60)  # an empty queue takes any request the input limit lets through
+        front.pending = 24
+        large = SMALL_REQUEST_INPUTS + 1  # 24 + 33 fits 64, not 64 - 64 // 8
+        with pytest.raises(QueueFullError, match="kept for small requests"):
+            front._admit(large)
+        front._admit(SMALL_REQUEST_INPUTS)  # 56
+        front._admit(8)  # 64: the queue is full for everyone
+        with pytest.raises(QueueFullError) as full:
+            front._admit(1)
+        assert "small requests" not in str(full.value)
+    finally:
+        front.close()

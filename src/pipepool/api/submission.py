@@ -19,6 +19,7 @@ class Submission(Future):
     ``num_done`` counts them and ``add_progress_callback`` hears about every step that
     finished some. ``cancel()`` aborts whatever has not finished: the engine frees it.
     ``num_tokens`` is each input's prompt length after truncation (usage reports).
+    ``background``: batch-job work, queued below online calls (``api.priority``).
     """
 
     def __init__(
@@ -27,9 +28,12 @@ class Submission(Future):
         num_inputs: int,
         width: int,
         on_cancel: Callable[[Submission], None],
+        *,
+        background: bool = False,
     ) -> None:
         super().__init__()
         self.params = params
+        self.background = background
         self.num_inputs = num_inputs
         self.num_done = 0
         self.num_tokens = np.zeros(num_inputs, dtype=np.int64)

@@ -62,11 +62,14 @@ class RequestBatch:
     keys of its attention; the tokens after them still attend and produce outputs, but no
     token attends to them (ColBERT's query expansion: [MASK] padding with attention mask 0).
     0 or the prompt's length: every token is a key. None: so for every prompt.
+
+    ``background``: batch-job work (``api.priority``), admitted only where online batches
+    leave room in a step.
     """
 
     __slots__ = (
-        "cancelled", "cursor", "first_id", "key_lens", "lengths", "offsets", "params",
-        "token_ids", "type_ids",
+        "background", "cancelled", "cursor", "first_id", "key_lens", "lengths", "offsets",
+        "params", "token_ids", "type_ids",
     )  # fmt: skip
 
     def __init__(
@@ -77,6 +80,7 @@ class RequestBatch:
         params: PoolingParams,
         type_ids: np.ndarray | None = None,
         key_lens: np.ndarray | None = None,
+        background: bool = False,
     ) -> None:
         assert len(lengths) > 0 and bool((lengths > 0).all()), "empty batch or prompt"
         self.first_id = first_id
@@ -96,6 +100,7 @@ class RequestBatch:
             assert bool(((self.key_lens >= 0) & (self.key_lens <= self.lengths)).all()), (
                 "key lengths must lie in [1, prompt length] (0: every token is a key)"
             )
+        self.background = background
         self.cursor = 0
         self.cancelled = False  # aborted: nothing more is admitted, results are dropped
 
@@ -114,7 +119,9 @@ class RequestBatch:
         restarted pipeline runs unfinished requests again under new ids)."""
         tokens, types = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
         keys = self.key_lens[lo:hi] if self.key_lens is not None else None
-        return RequestBatch(first_id, tokens, self.lengths[lo:hi], self.params, types, keys)
+        return RequestBatch(
+            first_id, tokens, self.lengths[lo:hi], self.params, types, keys, self.background
+        )
 
     @property
     def has_key_lens(self) -> bool:

@@ -1,8 +1,13 @@
-"""FIFO scheduling with a per-step token budget and chunked prefill. CPU only, no torch.
+"""Fair scheduling with a per-step token budget and chunked prefill. CPU only, no torch.
 
 Policy, in one place:
-- Requests are served strictly in arrival order. Admitted requests whose prompt is only
-  partly scheduled come first (they are older than anything waiting), then waiting ones.
+- Admitted requests whose prompt is only partly scheduled come first (they are older than
+  anything waiting), then waiting ones: online batches, then background ones (batch jobs,
+  ``RequestBatch.background``), which only fill what online work leaves of a step.
+- Within a queue, batches start in arrival order and each batch's requests go in its order.
+  A batch that had its turn in a step and still has requests left goes to the back of its
+  queue at the next, so a small call is never queued behind the whole of a large one: it
+  starts within one step per batch ahead of it, not when the large one is done.
 - A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
@@ -211,10 +216,11 @@ def _new_requests(parts: list[_NewPart]) -> NewRequests:
 
 
 class Scheduler:
-    """The driver's FIFO of request batches, cut into steps.
+    """The driver's queues of request batches (online, then background), cut into steps.
 
     ``schedule(max_tokens)`` returns the next immutable ``StepPlan`` (or None): requests in
-    arrival order within the token budget and the request cap; causal prompts (``chunked``)
+    the module's fair order within the token budget and the request cap; causal prompts
+    (``chunked``)
     split into chunks across steps, admitted only when KV blocks for the whole prompt are
     free; bidirectional prompts whole, one longer than the budget alone in its step. Every
     plan carries each request's expected ``num_computed_tokens`` and, with ``verify_state``,
@@ -239,7 +245,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.chunked = chunked
         self.blocks = blocks
-        self.waiting: deque[RequestBatch] = deque()  # batches with requests not yet admitted
+        # Batches with requests not yet admitted: online ones, and background ones.
+        self.waiting: deque[RequestBatch] = deque()
+        self.background: deque[RequestBatch] = deque()
         self.running: list[_Split] = []  # split prompts with chunks left to plan; FIFO
         self.num_waiting = 0  # requests not yet admitted
         self.num_admitted = 0  # admitted, result not yet back (nor aborted)
@@ -255,7 +263,7 @@ class Scheduler:
                 "key lengths (RequestBatch.key_lens) need bidirectional attention; this model is "
                 "causal and chunks its prompts"
             )
-        self.waiting.append(batch)
+        self._queue_of(batch).append(batch)
         self.num_waiting += len(batch)
 
     def abort(self, batch: RequestBatch) -> int:
@@ -268,7 +276,7 @@ class Scheduler:
             unplanned += int(batch.offsets[-1] - batch.offsets[batch.cursor])
             self.num_waiting -= len(batch) - batch.cursor
             batch.cursor = len(batch)
-            self.waiting.remove(batch)
+            self._queue_of(batch).remove(batch)
         for split in [s for s in self.running if s.batch is batch]:
             # Admitted, so the stages mirror it, but its final chunk will never reach them:
             # they drop it with the next plan.
@@ -280,7 +288,7 @@ class Scheduler:
         return unplanned
 
     def has_schedulable(self) -> bool:
-        return bool(self.running or self.waiting or self._freed)
+        return bool(self.running or self.waiting or self.background or self._freed)
 
     # -- planning -------------------------------------------------------------------------
 
@@ -332,9 +340,22 @@ class Scheduler:
         return done
 
     def _admit(self, step: _PlanBuilder) -> None:
-        """First chunks of waiting requests, in arrival order, while budget and seats last."""
-        while self.waiting and not step.full:
-            batch = self.waiting[0]
+        """First chunks of waiting requests, online before background, while budget and seats
+        last."""
+        for queue in (self.waiting, self.background):
+            if len(queue) > 1 and queue[0].cursor:
+                # The head had its turn in an earlier step: the others go first in this one.
+                queue.rotate(-1)
+            self._admit_from(queue, step)
+            if queue:
+                # The step is full, or the head waits for a step of its own or for KV blocks
+                # (which nobody may take before it): nothing behind it starts now.
+                return
+
+    def _admit_from(self, queue: deque[RequestBatch], step: _PlanBuilder) -> None:
+        """First chunks of ``queue``'s requests, in its order, while budget and seats last."""
+        while queue and not step.full:
+            batch = queue[0]
             c = batch.cursor
             window = batch.lengths[c : c + min(len(batch) - c, step.seqs, step.budget)]
             fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
@@ -392,7 +413,12 @@ class Scheduler:
         self.num_waiting -= n
         self.num_admitted += n
         if batch.cursor == len(batch):
-            self.waiting.popleft()
+            queue = self._queue_of(batch)
+            assert queue[0] is batch, "only the head of a queue is admitted"
+            queue.popleft()
+
+    def _queue_of(self, batch: RequestBatch) -> deque[RequestBatch]:
+        return self.background if batch.background else self.waiting
 
     def _free_blocks(self, split: _Split) -> None:
         if len(split.block_ids):

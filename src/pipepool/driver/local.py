@@ -255,7 +255,7 @@ class LocalPipeline:
             self.raise_if_dead()
             batch = RequestBatch(
                 self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
-                part.key_lens,
+                part.key_lens, submission.background,
             )  # fmt: skip
             self._next_id += len(batch)
             if rows is None:

@@ -45,6 +45,7 @@ class Work:
     params: PoolingParams
     type_ids: np.ndarray | None = None  # token types of pair inputs; None: all 0
     key_lens: np.ndarray | None = None  # keys per prompt (RequestBatch.key_lens); None: all
+    background: bool = False  # batch-job work (RequestBatch.background)
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ class ReplicaPipeline:
     def _new_batch(self, submission: Submission, part: TokenSlice) -> RequestBatch:
         batch = RequestBatch(
             self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
-            part.key_lens,
+            part.key_lens, submission.background,
         )  # fmt: skip
         self._next_id += len(batch)
         submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
@@ -255,7 +255,7 @@ class ReplicaPipeline:
         slot.outstanding += batch.num_tokens
         work = Work(
             batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids,
-            batch.key_lens,
+            batch.key_lens, batch.background,
         )  # fmt: skip
         slot.serving_proc().post(work)
 

@@ -12,6 +12,7 @@ All methods are called from the event loop thread; the counters are only touched
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,10 @@ class Encoded:
 # tokenise in a few milliseconds; a request up to the character bound of a long-context model
 # may take seconds.
 LARGE_REQUEST = 1 << 16
+# A request of at most this many inputs (TEI's default client batch) may use the last
+# 1/SMALL_REQUEST_RESERVE of the queue, which larger ones may not while others are queued.
+SMALL_REQUEST_INPUTS = 32
+SMALL_REQUEST_RESERVE = 8
 
 
 class AsyncEngine:
@@ -98,7 +103,10 @@ class AsyncEngine:
         self._admit(n)
         try:
             loop = asyncio.get_running_loop()
-            submitting = loop.run_in_executor(self._lane(texts), lambda: submit(engine))
+            # In this task's context, so that what marks the call (``api.priority``'s
+            # background work) reaches Engine.submit on the tokenising thread.
+            context = contextvars.copy_context()
+            submitting = loop.run_in_executor(self._lane(texts), context.run, submit, engine)
             try:
                 submission = await asyncio.shield(submitting)
             except asyncio.CancelledError:
@@ -124,7 +132,8 @@ class AsyncEngine:
         engine = self.engine
         self._admit(n)
         loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._lane(texts), lambda: call(engine))
+        context = contextvars.copy_context()  # as in ``run``: the call's priority goes along
+        running = loop.run_in_executor(self._lane(texts), context.run, call, engine)
         running.add_done_callback(lambda done: self._release(n, done))
         return await asyncio.shield(running)
 
@@ -143,10 +152,17 @@ class AsyncEngine:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _admit(self, n: int) -> None:
-        if self.pending + n > self.max_queued:
+        limit = self.max_queued
+        if n > SMALL_REQUEST_INPUTS and self.pending:
+            # The last part of the queue is kept for small requests: clients that fill the
+            # queue with large ones cannot turn every one-text request away.
+            limit -= self.max_queued // SMALL_REQUEST_RESERVE
+        if self.pending + n > limit:
             raise QueueFullError(
                 f"the server has {self.pending} inputs in progress; this request's {n} would "
-                f"exceed --max-queued-requests={self.max_queued}. Retry later."
+                f"exceed --max-queued-requests={self.max_queued}"
+                + ("" if limit == self.max_queued else " less the part kept for small requests")
+                + ". Retry later."
             )
         self.pending += n
 

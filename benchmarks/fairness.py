@@ -81,7 +81,7 @@ async def phase_maximal(url: str, inputs: int, words: int, interval: float) -> l
             await asyncio.sleep(interval)
         r = await task
         took = time.perf_counter() - t
-    tokens = r.json()["usage"]["prompt_tokens"] if r.status_code == 200 else 0
+    tokens = r.json()["usage"]["prompt_tokens"] if r.status_code == 200 else r.text[:200]
     print(
         f"2. maximal request ({inputs} inputs, {tokens} tokens, status {r.status_code}, "
         f"{took:.1f} s); one-word meanwhile: {summary(latencies)}; statuses {dict(statuses)}",
@@ -171,9 +171,10 @@ def main() -> int:
             print("server not ready", file=sys.stderr)
             return 1
         idle = asyncio.run(phase_idle(url, 30))
-        # Words a maximal request's texts have: its tokens at about the request limit
-        # (a word is a token or so, plus the two special tokens).
-        words = max(1, args.max_tokens_per_request // args.max_inputs_per_request - 4)
+        # Words of a maximal request's texts: their tokens add up to 95% of the request limit.
+        per_text = 0.95 * args.max_tokens_per_request / args.max_inputs_per_request
+        probe = httpx.post(url + "/tokenize", json={"prompt": text(100, 0)}, timeout=60).json()
+        words = max(1, int(100 * per_text / probe["count"]))
         during = asyncio.run(
             phase_maximal(url, args.max_inputs_per_request, words, args.probe_interval)
         )

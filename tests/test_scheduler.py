@@ -122,7 +122,7 @@ class Tracker:
             if self.encoder:
                 assert (start, end) == (0, self.prompt_lens[rid]), "encoders never chunk"
             if start == 0:
-                self._check_admission_order(rid)
+                self._check_admission_order(rid, set(new_ids))
                 i = new_ids.index(rid)
                 assert plan.new.prompt_lens[i] == self.prompt_lens[rid]
                 if s.blocks is not None:
@@ -134,10 +134,11 @@ class Tracker:
         if plan.num_reqs:
             assert np.array_equal(plan.token_ids, np.concatenate(expected_tokens))
 
-    def _check_admission_order(self, rid: int) -> None:
+    def _check_admission_order(self, rid: int, new_ids: set[int]) -> None:
         """Fair admission: the earlier requests of ``rid``'s batch started already, and so
-        did the first request of every batch that arrived before it in its queue; an online
-        request overtakes any background one. (Aborted requests excepted.)"""
+        did the first request of every batch that arrived before it in its queue, unless
+        ``rid``'s batch goes in whole in this plan (a small call); an online request overtakes
+        any background one. (Aborted requests excepted.)"""
         batch = self.batches[rid]
 
         def started(r: int) -> bool:
@@ -150,7 +151,8 @@ class Tracker:
             if first >= batch.first_id:
                 break  # arrived with or after it (ids are given in arrival order)
             if other.background == batch.background:  # the same queue: starts in order
-                assert any(started(r) for r in range(first, other.end_id)), (
+                whole = all(r in new_ids or started(r) for r in range(rid, batch.end_id))
+                assert whole or any(started(r) for r in range(first, other.end_id)), (
                     f"request {rid} started before batch {first}, which arrived earlier"
                 )
             elif batch.background:  # online work all goes first
@@ -628,3 +630,23 @@ def test_random_mixes_of_online_and_background_batches_keep_every_invariant(chun
         for rid in t.prompt_lens:
             t.assert_tiled(rid)
         t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_small_calls_behind_many_large_ones_start_in_the_next_step(chunked):
+    s = make_scheduler(32, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    for _ in range(8):
+        t.add(*[4] * 30)  # eight large calls: 60 steps of work
+    first = s.schedule()
+    t.check(first)
+    small = [t.add(2), t.add(1, 2)]
+    second = s.schedule()
+    t.check(second)
+    new = second.new.request_ids.tolist()
+    assert {b.first_id for b in small} | {small[1].first_id + 1} <= set(new)
+    t.collect(first)
+    t.collect(second)
+    run(t)
+    assert len(t.finished) == 8 * 30 + 3
+    t.assert_drained()

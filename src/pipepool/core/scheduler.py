@@ -4,10 +4,11 @@ Policy, in one place:
 - Admitted requests whose prompt is only partly scheduled come first (they are older than
   anything waiting), then waiting ones: online batches, then background ones (batch jobs,
   ``RequestBatch.background``), which only fill what online work leaves of a step.
-- Within a queue, batches start in arrival order and each batch's requests go in its order.
-  A batch that had its turn in a step and still has requests left goes to the back of its
-  queue at the next, so a small call is never queued behind the whole of a large one: it
-  starts within one step per batch ahead of it, not when the large one is done.
+- Within a queue, each batch's requests go in its order, and a small call never waits for
+  large ones: while several batches wait, every batch whose rest fits an equal share of the
+  step (tokens and seats) goes in whole first. Then batches go in arrival order, one taking
+  what fits; one that had its turn and still has requests left goes to the back of its queue
+  at the next step, so large calls take turns step by step.
 - A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
@@ -343,14 +344,26 @@ class Scheduler:
         """First chunks of waiting requests, online before background, while budget and seats
         last."""
         for queue in (self.waiting, self.background):
-            if len(queue) > 1 and queue[0].cursor:
-                # The head had its turn in an earlier step: the others go first in this one.
-                queue.rotate(-1)
+            if len(queue) > 1:
+                if queue[0].cursor:
+                    # The head had its turn in an earlier step: the others go first now.
+                    queue.rotate(-1)
+                self._admit_small(queue, step)
             self._admit_from(queue, step)
             if queue:
                 # The step is full, or the head waits for a step of its own or for KV blocks
                 # (which nobody may take before it): nothing behind it starts now.
                 return
+
+    def _admit_small(self, queue: deque[RequestBatch], step: _PlanBuilder) -> None:
+        """Whole what is left of every batch in ``queue`` that fits an equal share of the step
+        (tokens and seats): a small call queued behind large ones starts in this step."""
+        tokens, seats = step.budget // len(queue), step.seqs // len(queue)
+        for batch in list(queue):
+            c = batch.cursor
+            n = len(batch) - c
+            if n <= seats and batch.offsets[-1] - batch.offsets[c] <= tokens:
+                self._take_prompts(step, batch, n)
 
     def _admit_from(self, queue: deque[RequestBatch], step: _PlanBuilder) -> None:
         """First chunks of ``queue``'s requests, in its order, while budget and seats last."""
@@ -360,17 +373,22 @@ class Scheduler:
             window = batch.lengths[c : c + min(len(batch) - c, step.seqs, step.budget)]
             fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
             if fits:  # whole prompts, one slice of the batch
-                rows = slice(c, c + fits)
-                ids = np.arange(batch.first_id + c, batch.first_id + c + fits, dtype=np.int64)
-                lens = batch.lengths[rows]
-                span = batch.span(batch.offsets[c], batch.offsets[c + fits])
-                step.take(batch, ids, np.zeros(fits, np.int64), lens, span, np.ones(fits, bool))
-                keys = batch.key_lens[rows] if batch.key_lens is not None else None
-                step.new.append(_NewPart(ids, lens, batch.params, None, keys))
-                self._advance(batch, fits)
+                self._take_prompts(step, batch, fits)
                 continue
             if not self._admit_split(step, batch):
                 return
+
+    def _take_prompts(self, step: _PlanBuilder, batch: RequestBatch, n: int) -> None:
+        """The batch's next ``n`` prompts, whole, into the step (they fit it)."""
+        c = batch.cursor
+        rows = slice(c, c + n)
+        ids = np.arange(batch.first_id + c, batch.first_id + c + n, dtype=np.int64)
+        lens = batch.lengths[rows]
+        span = batch.span(batch.offsets[c], batch.offsets[c + n])
+        step.take(batch, ids, np.zeros(n, np.int64), lens, span, np.ones(n, bool))
+        keys = batch.key_lens[rows] if batch.key_lens is not None else None
+        step.new.append(_NewPart(ids, lens, batch.params, None, keys))
+        self._advance(batch, n)
 
     def _admit_split(self, step: _PlanBuilder, batch: RequestBatch) -> bool:
         """The head of the queue does not fit whole in what is left of the step: split it,
@@ -414,8 +432,10 @@ class Scheduler:
         self.num_admitted += n
         if batch.cursor == len(batch):
             queue = self._queue_of(batch)
-            assert queue[0] is batch, "only the head of a queue is admitted"
-            queue.popleft()
+            if queue[0] is batch:
+                queue.popleft()
+            else:  # admitted whole by ``_admit_small``
+                queue.remove(batch)
 
     def _queue_of(self, batch: RequestBatch) -> deque[RequestBatch]:
         return self.background if batch.background else self.waiting

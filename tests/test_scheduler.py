@@ -80,9 +80,14 @@ class Tracker:
         self.plans = 0
         self._next_id = 0
 
-    def add(self, *lens: int, background: bool = False) -> RequestBatch:
-        """One batch of prompts with these lengths (consecutive ids)."""
+    def add(
+        self, *lens: int, background: bool = False, slice_of: RequestBatch | None = None
+    ) -> RequestBatch:
+        """One batch of prompts with these lengths (consecutive ids); ``slice_of``: a later
+        slice of that batch's call."""
         batch = make_batch(self._next_id, list(lens), background=background)
+        if slice_of is not None:
+            batch.call = slice_of.call
         for i, n in enumerate(lens):
             rid = self._next_id + i
             self.prompt_lens[rid] = n
@@ -136,7 +141,7 @@ class Tracker:
 
     def _check_admission_order(self, rid: int, new_ids: set[int]) -> None:
         """Fair admission: the earlier requests of ``rid``'s batch started already, and so
-        did the first request of every batch that arrived before it in its queue, unless
+        did some request of every call that arrived before its call in its queue, unless
         ``rid``'s batch goes in whole in this plan (a small call); an online request overtakes
         any background one. (Aborted requests excepted.)"""
         batch = self.batches[rid]
@@ -146,17 +151,20 @@ class Tracker:
 
         behind = [r for r in range(batch.first_id, rid) if not started(r)]
         assert not behind, f"request {rid} started before {behind} of its own batch"
-        for first in sorted({self.batches[r].first_id for r in self.arrival}):
-            other = self.batches[first]
-            if first >= batch.first_id:
+        whole = all(r in new_ids or started(r) for r in range(rid, batch.end_id))
+        calls: dict[int, list[int]] = {}  # call -> its requests, calls in arrival order
+        for r in self.arrival:
+            calls.setdefault(self.batches[r].call, []).append(r)
+        for call, requests in calls.items():
+            other = self.batches[requests[0]]
+            if call >= batch.call:
                 break  # arrived with or after it (ids are given in arrival order)
-            if other.background == batch.background:  # the same queue: starts in order
-                whole = all(r in new_ids or started(r) for r in range(rid, batch.end_id))
-                assert whole or any(started(r) for r in range(first, other.end_id)), (
-                    f"request {rid} started before batch {first}, which arrived earlier"
+            if other.background == batch.background:  # the same queue: calls start in order
+                assert whole or any(started(r) for r in requests), (
+                    f"request {rid} started before call {call}, which arrived earlier"
                 )
             elif batch.background:  # online work all goes first
-                waiting = [r for r in range(first, other.end_id) if not started(r)]
+                waiting = [r for r in requests if not started(r)]
                 assert not waiting, f"background request {rid} overtook online {waiting}"
 
     def collect(self, plan: StepPlan) -> None:
@@ -615,10 +623,15 @@ def test_random_mixes_of_online_and_background_batches_keep_every_invariant(chun
         s = make_scheduler(budget, int(rng.choice([3, 256])), chunked=chunked, num_blocks=80)
         t = Tracker(s, {}, encoder=not chunked)
         inflight: deque[StepPlan] = deque()
+        added: list[RequestBatch] = []
         for _ in range(60):
             for _ in range(int(rng.integers(0, 3))):
                 lens = rng.integers(1, 40, size=int(rng.integers(1, 6))).tolist()
-                t.add(*lens, background=bool(rng.random() < 0.4))
+                if added and rng.random() < 0.3:  # a later slice of an earlier call
+                    call = added[int(rng.integers(len(added)))]
+                    added.append(t.add(*lens, background=call.background, slice_of=call))
+                else:
+                    added.append(t.add(*lens, background=bool(rng.random() < 0.4)))
             plan = s.schedule()
             if plan is not None:
                 t.check(plan)
@@ -649,4 +662,22 @@ def test_small_calls_behind_many_large_ones_start_in_the_next_step(chunked):
     t.collect(second)
     run(t)
     assert len(t.finished) == 8 * 30 + 3
+    t.assert_drained()
+
+
+def test_a_call_in_several_slices_takes_turns_as_one_call():
+    s = make_scheduler(8, 64, chunked=False)
+    t = Tracker(s, {}, encoder=True)
+    x = t.add(*[4] * 4)
+    x_slices = [x, t.add(*[4] * 4, slice_of=x), t.add(*[4] * 4, slice_of=x)]
+    y = t.add(*[4] * 12)
+    owners = []
+    for _ in range(6):
+        plan = s.schedule()
+        t.check(plan)
+        owners.append({"y" if rid >= y.first_id else "x" for rid in plan.req_ids.tolist()})
+        t.collect(plan)
+    assert owners == [{"x"}, {"y"}, {"x"}, {"y"}, {"x"}, {"y"}]
+    assert sum(b.cursor for b in x_slices) == y.cursor == 6
+    run(t)
     t.assert_drained()

@@ -64,12 +64,13 @@ class RequestBatch:
     0 or the prompt's length: every token is a key. None: so for every prompt.
 
     ``background``: batch-job work (``api.priority``), admitted only where online batches
-    leave room in a step.
+    leave room in a step. ``call``: the call it belongs to (the first id of that call's first
+    batch; a call's slices share it), which takes turns with other calls as one.
     """
 
     __slots__ = (
-        "background", "cancelled", "cursor", "first_id", "key_lens", "lengths", "offsets",
-        "params", "token_ids", "type_ids",
+        "background", "call", "cancelled", "cursor", "first_id", "key_lens", "lengths",
+        "offsets", "params", "token_ids", "type_ids",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +102,7 @@ class RequestBatch:
                 "key lengths must lie in [1, prompt length] (0: every token is a key)"
             )
         self.background = background
+        self.call = first_id
         self.cursor = 0
         self.cancelled = False  # aborted: nothing more is admitted, results are dropped
 
@@ -119,9 +121,11 @@ class RequestBatch:
         restarted pipeline runs unfinished requests again under new ids)."""
         tokens, types = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
         keys = self.key_lens[lo:hi] if self.key_lens is not None else None
-        return RequestBatch(
+        batch = RequestBatch(
             first_id, tokens, self.lengths[lo:hi], self.params, types, keys, self.background
         )
+        batch.call = self.call
+        return batch
 
     @property
     def has_key_lens(self) -> bool:

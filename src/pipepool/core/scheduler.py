@@ -4,11 +4,12 @@ Policy, in one place:
 - Admitted requests whose prompt is only partly scheduled come first (they are older than
   anything waiting), then waiting ones: online batches, then background ones (batch jobs,
   ``RequestBatch.background``), which only fill what online work leaves of a step.
-- Within a queue, each batch's requests go in its order, and a small call never waits for
+- Within a queue, each call's requests go in its order, and a small call never waits for
   large ones: while several batches wait, every batch whose rest fits an equal share of the
   step (tokens and seats) goes in whole first. Then batches go in arrival order, one taking
-  what fits; one that had its turn and still has requests left goes to the back of its queue
-  at the next step, so large calls take turns step by step.
+  what fits; a call that had that turn and still has requests left goes to the back of its
+  queue at the next step (all its batches: a call's slices are one call), so large calls take
+  turns step by step.
 - A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
@@ -75,6 +76,21 @@ class Ledger:
 
     batches: tuple[RequestBatch, ...]  # batches with requests in the plan, by first id
     final: np.ndarray  # [R] bool: the plan holds the request's final chunk
+
+
+class _Queue(deque[RequestBatch]):
+    """Batches with requests not yet admitted, in the order they take turns; ``served``: the
+    call whose batch last had the head's turn."""
+
+    served: int | None = None
+
+    def to_back(self, call: int) -> None:
+        """Every batch of ``call`` behind the others, each keeping its order."""
+        mine = [b for b in self if b.call == call]
+        if len(mine) < len(self):
+            rest = [b for b in self if b.call != call]
+            self.clear()
+            self.extend(rest + mine)
 
 
 class _PlanBuilder:
@@ -247,8 +263,8 @@ class Scheduler:
         self.chunked = chunked
         self.blocks = blocks
         # Batches with requests not yet admitted: online ones, and background ones.
-        self.waiting: deque[RequestBatch] = deque()
-        self.background: deque[RequestBatch] = deque()
+        self.waiting = _Queue()
+        self.background = _Queue()
         self.running: list[_Split] = []  # split prompts with chunks left to plan; FIFO
         self.num_waiting = 0  # requests not yet admitted
         self.num_admitted = 0  # admitted, result not yet back (nor aborted)
@@ -345,9 +361,9 @@ class Scheduler:
         last."""
         for queue in (self.waiting, self.background):
             if len(queue) > 1:
-                if queue[0].cursor:
-                    # The head had its turn in an earlier step: the others go first now.
-                    queue.rotate(-1)
+                if queue[0].call == queue.served:
+                    # The head's call had its turn in an earlier step: the others go first.
+                    queue.to_back(queue[0].call)
                 self._admit_small(queue, step)
             self._admit_from(queue, step)
             if queue:
@@ -355,17 +371,22 @@ class Scheduler:
                 # (which nobody may take before it): nothing behind it starts now.
                 return
 
-    def _admit_small(self, queue: deque[RequestBatch], step: _PlanBuilder) -> None:
+    def _admit_small(self, queue: _Queue, step: _PlanBuilder) -> None:
         """Whole what is left of every batch in ``queue`` that fits an equal share of the step
-        (tokens and seats): a small call queued behind large ones starts in this step."""
+        (tokens and seats) and is its call's next: a small call queued behind large ones
+        starts in this step."""
         tokens, seats = step.budget // len(queue), step.seqs // len(queue)
+        calls = set()
         for batch in list(queue):
+            if batch.call in calls:
+                continue  # a later slice of a call waits for the earlier ones
+            calls.add(batch.call)
             c = batch.cursor
             n = len(batch) - c
             if n <= seats and batch.offsets[-1] - batch.offsets[c] <= tokens:
                 self._take_prompts(step, batch, n)
 
-    def _admit_from(self, queue: deque[RequestBatch], step: _PlanBuilder) -> None:
+    def _admit_from(self, queue: _Queue, step: _PlanBuilder) -> None:
         """First chunks of ``queue``'s requests, in its order, while budget and seats last."""
         while queue and not step.full:
             batch = queue[0]
@@ -374,9 +395,11 @@ class Scheduler:
             fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
             if fits:  # whole prompts, one slice of the batch
                 self._take_prompts(step, batch, fits)
+                queue.served = batch.call
                 continue
             if not self._admit_split(step, batch):
                 return
+            queue.served = batch.call
 
     def _take_prompts(self, step: _PlanBuilder, batch: RequestBatch, n: int) -> None:
         """The batch's next ``n`` prompts, whole, into the step (they fit it)."""
@@ -437,7 +460,7 @@ class Scheduler:
             else:  # admitted whole by ``_admit_small``
                 queue.remove(batch)
 
-    def _queue_of(self, batch: RequestBatch) -> deque[RequestBatch]:
+    def _queue_of(self, batch: RequestBatch) -> _Queue:
         return self.background if batch.background else self.waiting
 
     def _free_blocks(self, split: _Split) -> None:

@@ -258,6 +258,8 @@ class LocalPipeline:
                 part.key_lens, submission.background,
             )  # fmt: skip
             self._next_id += len(batch)
+            if submission.batches:  # a later slice: it takes turns as part of its call
+                batch.call = submission.batches[0].call
             if rows is None:
                 submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
             else:

@@ -42,10 +42,12 @@ def _encoder_scheduler(budget: int) -> Scheduler:
 
 def test_key_lens_travel_from_batches_into_the_plans_of_new_requests():
     sched = _encoder_scheduler(budget=16)
-    plain = RequestBatch(0, np.arange(15), np.array([7, 8]), PARAMS)  # a step of its own
-    keyed_lens = np.array([6, 8, 20, 3])  # 20 > budget: runs alone in a step of its own
+    # Steps: {6, 0} (the small tail call goes in whole first: plain rows only), {1, 2} (a
+    # plain row beside a keyed one), {3}, {4} (20 > budget: alone), {5}.
+    plain = RequestBatch(0, np.arange(15), np.array([7, 8]), PARAMS)
+    keyed_lens = np.array([6, 8, 20, 3])
     keyed = RequestBatch(2, np.arange(37), keyed_lens, PARAMS, key_lens=np.array([3, 0, 11, 3]))
-    tail = RequestBatch(6, np.arange(2), np.array([2]), PARAMS)  # shares a step with id 5
+    tail = RequestBatch(6, np.arange(2), np.array([2]), PARAMS)
     for batch in (plain, keyed, tail):
         sched.add(batch)
     seen: dict[int, int] = {}
@@ -53,7 +55,7 @@ def test_key_lens_travel_from_batches_into_the_plans_of_new_requests():
     prompt_lens = {0: 7, 1: 8, 2: 6, 3: 8, 4: 20, 5: 3, 6: 2}
     while (plan := sched.schedule()) is not None:
         new = plan.new
-        if set(new.request_ids.tolist()) <= {0, 1}:
+        if set(new.request_ids.tolist()) <= {0, 1, 6}:
             plain_only_steps += 1
             assert not len(new.key_lens)  # nothing to send where every token is a key
         else:
@@ -62,7 +64,7 @@ def test_key_lens_travel_from_batches_into_the_plans_of_new_requests():
         assert plan.without_tokens().new is new  # every stage attends: every stage gets them
         sched.update(plan, answer(plan, prompt_lens), last_stage=0)
     assert plain_only_steps == 1
-    assert seen == {2: 3, 3: 0, 4: 11, 5: 3, 6: 0}  # a plain row sharing a step: 0
+    assert seen == {1: 0, 2: 3, 3: 0, 4: 11, 5: 3}  # a plain row sharing a step: 0
 
 
 def test_restarted_rows_keep_their_key_lens_and_causal_schedulers_refuse_them():

@@ -3,9 +3,10 @@
 A fake pipeline answers each plan the way a correct last stage would (the digest chain the
 plan expects, an output for every request whose final chunk the plan holds), keeping up to ``depth``
 plans in flight like the engine loop does. Every plan is checked against the invariants
-that keep the stages in lockstep: token budget, request cap, fair admission (batches start in
-arrival order, each batch's requests in its order, online before background), chunks that
-tile each prompt exactly, the right tokens for each chunk, and KV blocks that all come back.
+that keep the stages in lockstep: token budget, request cap, fair admission (calls start in
+arrival order unless small enough to go in whole, each batch's requests in its order, online
+before background and never in the same step), chunks that tile each prompt exactly, the
+right tokens for each chunk, and KV blocks that all come back.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class Tracker:
             previous.append((start, end))
         if plan.num_reqs:
             assert np.array_equal(plan.token_ids, np.concatenate(expected_tokens))
+        kinds = {self.batches[rid].background for rid in new_ids}
+        assert len(kinds) < 2, "a step that starts online requests starts no background ones"
 
     def _check_admission_order(self, rid: int, new_ids: set[int]) -> None:
         """Fair admission: the earlier requests of ``rid``'s batch started already, and so
@@ -595,7 +598,7 @@ def test_large_batches_take_turns_step_by_step():
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-def test_background_work_fills_only_what_online_work_leaves(chunked):
+def test_background_work_takes_only_steps_without_online_work(chunked):
     s = make_scheduler(16, 64, chunked=chunked)
     t = Tracker(s, {}, encoder=not chunked)
     job = t.add(*[4] * 20, background=True)
@@ -605,11 +608,13 @@ def test_background_work_fills_only_what_online_work_leaves(chunked):
     online = t.add(4, 4, 4)
     second = s.schedule()
     t.check(second)
-    ids = second.new.request_ids.tolist()
-    assert ids[:3] == list(range(online.first_id, online.end_id))  # online first
-    assert ids[3:] == [job.first_id + 4]  # the job fills the rest
-    t.collect(first)
-    t.collect(second)
+    # Online alone, as short as it is: the job waits for the next step.
+    assert second.new.request_ids.tolist() == list(range(online.first_id, online.end_id))
+    third = s.schedule()
+    t.check(third)
+    assert third.new.request_ids.tolist() == list(range(job.first_id + 4, job.first_id + 8))
+    for plan in (first, second, third):
+        t.collect(plan)
     run(t)
     assert sorted(t.finished) == list(range(23))
     t.assert_drained()

@@ -3,9 +3,10 @@
 A batch job (the server's Batch API, ``pipepool run-batch``) marks its calls as background
 with ``background_work()``; every engine call made inside it, in this thread or in a task or
 thread that copied this context (``contextvars.copy_context``), is queued behind every online
-call not yet admitted, and fills what is left of each step. Work already admitted into a step
-runs to its end whatever comes later: online latency is bounded by the steps in flight, not by
-the size of a batch.
+call not yet admitted and goes only into steps that take no online work, so a step that
+carries online requests is as short as they make it. Work already admitted into a step runs to
+its end whatever comes later: online latency is bounded by the steps in flight, not by the
+size of a batch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Policy, in one place:
 - Admitted requests whose prompt is only partly scheduled come first (they are older than
   anything waiting), then waiting ones: online batches, then background ones (batch jobs,
-  ``RequestBatch.background``), which only fill what online work leaves of a step.
+  ``RequestBatch.background``), which go only into steps that take no online work: a step
+  that carries online requests stays as short as they make it.
 - Within a queue, each call's requests go in its order, and a small call never waits for
   large ones: while several batches wait, every batch whose rest fits an equal share of the
   step (tokens and seats) goes in whole first. Then batches go in arrival order, one taking
@@ -357,9 +358,10 @@ class Scheduler:
         return done
 
     def _admit(self, step: _PlanBuilder) -> None:
-        """First chunks of waiting requests, online before background, while budget and seats
-        last."""
+        """First chunks of waiting requests while budget and seats last: online ones, or if
+        there are none, background ones."""
         for queue in (self.waiting, self.background):
+            seats = step.seqs
             if len(queue) > 1:
                 if queue[0].call == queue.served:
                     # The head's call had its turn in an earlier step: the others go first.
@@ -370,6 +372,8 @@ class Scheduler:
                 # The step is full, or the head waits for a step of its own or for KV blocks
                 # (which nobody may take before it): nothing behind it starts now.
                 return
+            if step.seqs < seats:
+                return  # online work took part of the step: no background work joins it
 
     def _admit_small(self, queue: _Queue, step: _PlanBuilder) -> None:
         """Whole what is left of every batch in ``queue`` that fits an equal share of the step

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,14 @@ import pytest
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers the tests start without --state-dir keep their Batch API state in a folder of this
+# run (the default is under the user's data directory, $XDG_DATA_HOME).
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="pipepool-tests-data-")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models
+
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 

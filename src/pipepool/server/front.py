@@ -22,6 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..api.engine import Engine
+from ..api.priority import is_background
 from ..api.submission import Submission
 from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
@@ -61,8 +62,8 @@ SMALL_REQUEST_RESERVE = 8
 
 class AsyncEngine:
     """The server's side of the engine: asyncio calls over the engine's threads, with the
-    queue limit (429 past ``max_queued``), tokenising lanes by request size, and the
-    engine's owner (loading, health)."""
+    queue limit (429 past ``max_queued``), tokenising lanes by request size and one for
+    background work, and the engine's owner (loading, health)."""
 
     def __init__(self, owner: EngineOwner, *, max_queued: int, threads: int | None = None) -> None:
         self.owner = owner
@@ -72,6 +73,11 @@ class AsyncEngine:
         self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
         self._large = ThreadPoolExecutor(
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-large"
+        )
+        # Background work (batch jobs, ``api.priority``) has a lane of its own: thousands of
+        # batch lines queued for tokenising or serialising never hold up an online request.
+        self._background = ThreadPoolExecutor(
+            max(1, workers // 2), thread_name_prefix="pipepool-tokenize-background"
         )
         self.pending = 0  # engine requests admitted here and not yet answered
         self.aborted_http_requests = 0  # HTTP requests cancelled (client left, shutdown)
@@ -140,7 +146,10 @@ class AsyncEngine:
     async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
         """Run CPU work (e.g. serializing a large response, ``size`` values) off the event
         loop."""
-        pool = self._large if size > LARGE_REQUEST else self._small
+        if is_background():
+            pool = self._background
+        else:
+            pool = self._large if size > LARGE_REQUEST else self._small
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def abandon_after(self, seconds: float) -> None:
@@ -148,7 +157,7 @@ class AsyncEngine:
         asyncio.get_running_loop().call_later(seconds, self.abandoned.set)
 
     def close(self) -> None:
-        for pool in (self._small, self._large):
+        for pool in (self._small, self._large, self._background):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _admit(self, n: int) -> None:
@@ -173,7 +182,10 @@ class AsyncEngine:
             done.exception()  # read: a caller that left never will (no "never retrieved")
 
     def _lane(self, inputs: Sequence) -> ThreadPoolExecutor:
-        """The pool for a request: by how much there is to tokenise (or to check)."""
+        """The pool for a request: background work's, or by how much there is to tokenise (or
+        to check)."""
+        if is_background():
+            return self._background
         size = 0
         for x in inputs:
             size += len(x) if isinstance(x, (str, Sequence)) else 1

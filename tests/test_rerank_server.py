@@ -155,7 +155,7 @@ def test_classify_returns_probabilities_and_labels(server, cross_encoder_path):
         ("/rerank", {"model": "gpt-4", "query": "q", "documents": ["a"]}, 404, "model", None),
         ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, 400, "text_1", None),
         ("/classify", {"input": []}, 400, "input", "input is empty"),
-        ("/v1/embeddings", {"input": "a"}, 400, "model", "not an embedding model"),
+        ("/v1/embeddings", {"input": "a"}, 404, "model", "does not give embeddings"),
     ],
 )
 def test_bad_requests_get_a_4xx_with_an_error_body(server, path, body, status, param, says):
@@ -185,7 +185,7 @@ def test_metrics_count_the_scoring_routes(server):
 # -- a model that cannot rerank -------------------------------------------------------------------
 
 
-def test_an_embedding_model_answers_400_to_rerank_score_and_classify(bert_path):
+def test_an_embedding_model_answers_404_to_rerank_score_and_classify(bert_path):
     from fastapi.testclient import TestClient
 
     from pipepool.server.app import build_app
@@ -205,8 +205,8 @@ def test_an_embedding_model_answers_400_to_rerank_score_and_classify(bert_path):
                 ("/classify", {"input": "a"}),
             ):
                 r = client.post(path, json=body)
-                err = assert_error(r, 400, "invalid_request_error", param="model")
-                assert "embedding model and cannot" in err["message"]
+                err = assert_error(r, 404, "invalid_request_error", "unsupported_task", "model")
+                assert "does not give" in err["message"] and "What it does: embed" in err["message"]
             assert client.post("/v1/embeddings", json={"input": "a"}).status_code == 200
     finally:
         front.close()

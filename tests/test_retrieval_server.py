@@ -287,21 +287,17 @@ def test_colbert_multi_vector_outputs_equal_pylate(colbert_server, colbert_refer
 @pytest.mark.parametrize(
     "which,path,body,param,says",
     [
-        ("splade", "/v1/embeddings", {"outputs": ["multi_vector"]}, "outputs", "gives sparse"),
-        ("splade", "/v1/embeddings", {"outputs": ["dense"]}, "outputs", "gives sparse"),
         ("splade", "/v1/embeddings", {"outputs": ["bogus"]}, "outputs", "bogus"),
         ("splade", "/v1/embeddings", {"outputs": []}, "outputs", "non-empty"),
         ("m3", "/v1/embeddings", {"outputs": ["sparse"], "dimensions": 8}, "dimensions", None),
         ("m3", "/v1/embeddings", {"outputs": ["sparse"], "top_k": 0}, "top_k", None),
         ("m3", "/v1/embeddings", {"outputs": ["sparse"], "long_inputs": "chunk"}, None, "chunk"),
-        ("colbert", "/embed_sparse", {"inputs": ["a"]}, "outputs", "gives multi_vector"),
         ("colbert", "/rerank", {"query": "q", "documents": ["a"], "weights": [1, 1, 1]},
          "weights", "BGE-M3"),
         ("colbert", "/rerank", {"query": "q", "documents": ["a"], "instruction": "x"},
          "instruction", None),
         ("m3", "/rerank", {"query": "q", "documents": ["a"], "weights": [1, 1]}, "weights", None),
         ("m3", "/score", {"text_1": "q", "text_2": "a", "weights": [0, 0, 0]}, "weights", None),
-        ("splade", "/rerank", {"query": "q", "documents": ["a"]}, "model", "cannot"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_a_400_with_an_error_body(
@@ -313,3 +309,22 @@ def test_bad_requests_get_a_400_with_an_error_body(
     err = assert_error(post(server, path, body), 400, "invalid_request_error", param=param)
     if says is not None:
         assert says in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "which,path,body,says",
+    [
+        ("splade", "/v1/embeddings", {"outputs": ["multi_vector"]}, "multi-vector outputs"),
+        ("splade", "/v1/embeddings", {"outputs": ["dense"]}, "embeddings"),
+        ("colbert", "/embed_sparse", {"inputs": ["a"]}, "sparse outputs"),
+        ("splade", "/rerank", {"query": "q", "documents": ["a"]}, "reranking"),
+    ],
+)  # fmt: skip
+def test_a_task_the_model_does_not_do_is_404_naming_what_it_does(request, which, path, body, says):
+    """As OpenAI answers a model used on an endpoint it does not serve."""
+    server = request.getfixturevalue(f"{which}_server")
+    if path == "/v1/embeddings":
+        body = {"input": ["some text"], **body}
+    r = post(server, path, body)
+    err = assert_error(r, 404, "invalid_request_error", code="unsupported_task", param="model")
+    assert f"does not give {says}" in err["message"] and "What it does: " in err["message"], err

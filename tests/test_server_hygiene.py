@@ -271,9 +271,9 @@ def test_booleans_are_strict(server, path, body, field):
 
 def test_true_booleans_pass_validation(server):
     assert post(server, "/v1/embeddings", {"input": "a", "normalize": False}).status_code == 200
-    # An embedding model cannot score: the 400 is about the model, not the boolean.
+    # An embedding model cannot score: the 404 is about the model, not the boolean.
     r = post(server, "/score", {"text_1": "a", "text_2": "b", "use_activation": False})
-    assert_error(r, 400, "invalid_request_error", param="model")
+    assert_error(r, 404, "invalid_request_error", param="model")
 
 
 def test_no_server_path_in_any_answer(server, qwen3_path):
@@ -371,8 +371,8 @@ def test_tei_and_tokenizer_routes_are_labelled_by_their_route_in_metrics(server)
 
 # -- the schema (last: it checks the statuses every test above got) ---------------------------
 
-MODEL_ROUTE = {"200", "400", "401", "404", "413", "429", "500", "503"}
-TOKENIZER_ROUTE = {"200", "400", "401", "404", "413", "500", "503"}
+MODEL_ROUTE = {"200", "400", "401", "404", "408", "413", "429", "500", "503"}
+TOKENIZER_ROUTE = {"200", "400", "401", "404", "408", "413", "500", "503"}
 READ_ROUTE = {"200", "401", "500"}
 MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/embed", "/rerank", "/v1/rerank", "/v2/rerank")
 MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed", "/embed_sparse")
@@ -385,6 +385,14 @@ ANSWERS = {
     ("/version", "get"): READ_ROUTE,
     ("/health", "get"): {"200", "500", "503"},
     ("/metrics", "get"): {"200", "500"},
+    ("/v1/files", "post"): {"200", "400", "401", "408", "413", "500"},
+    ("/v1/files/{file_id}", "get"): {"200", "401", "404", "500"},
+    ("/v1/files/{file_id}", "delete"): {"200", "401", "404", "500"},
+    ("/v1/files/{file_id}/content", "get"): {"200", "401", "404", "500"},
+    ("/v1/batches", "post"): {"200", "400", "401", "404", "408", "413", "500"},
+    ("/v1/batches", "get"): {"200", "400", "401", "500"},
+    ("/v1/batches/{batch_id}", "get"): {"200", "401", "404", "500"},
+    ("/v1/batches/{batch_id}/cancel", "post"): {"200", "401", "404", "409", "500"},
 }
 
 

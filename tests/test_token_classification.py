@@ -133,7 +133,7 @@ def test_pooling_route_answers_each_tokens_label_probabilities(model_dir, tmp_pa
             assert got.shape == want.shape == (len(want), len(LABELS))
             assert np.abs(got - want).max() <= 1e-4
         r = httpx.post(server.url + "/v1/embeddings", json={"input": "a text"}, timeout=60)
-        assert r.status_code == 400 and "classifier" in r.json()["error"]["message"]
+        assert r.status_code == 404 and "classify_tokens" in r.json()["error"]["message"]
     finally:
         server.stop()
 

@@ -1,4 +1,4 @@
-"""``pipepool embed | rerank | ner | serve | parity | bench``."""
+"""``pipepool embed | rerank | ner | serve | run-batch | parity | bench``."""
 
 from __future__ import annotations
 
@@ -6,18 +6,21 @@ import argparse
 import gc
 import importlib
 import sys
+from types import ModuleType
 from typing import NoReturn
 
 from .. import __version__
 from ..errors import PipepoolError
 
-# name -> module under pipepool.commands with add_parser(subparsers) and run(args) -> int.
+# name -> module under pipepool.commands (the name, "-" read as "_") with add_parser(subparsers)
+# and run(args) -> int.
 # Imported lazily: `serve` needs the server extras, the others must not.
 SUBCOMMANDS = {
     "embed": "embed texts or token ids and print or save the vectors",
     "rerank": "rank documents by relevance to a query with a cross-encoder or reranker",
     "ner": "tag named entities of texts with a token classifier",
     "serve": "run an OpenAI-, TEI- and Cohere-compatible embedding and rerank server",
+    "run-batch": "run a file of OpenAI batch requests offline (vLLM's run-batch), resumable",
     "parity": "check vectors against transformers or PP=1, per request",
     "bench": "measure throughput against Hugging Face transformers",
 }
@@ -26,10 +29,14 @@ _EXTRAS = {
     "fastapi": "server",
     "uvicorn": "server",
     "pydantic": "server",
+    "python_multipart": "server",
+    "httpx": "server",
     # `bench --cpu-peers`: the ONNX export and runtime peers
     "onnx": "bench-cpu",
     "onnxscript": "bench-cpu",
     "onnxruntime": "bench-cpu",
+    # `embed --output-dir`: the parquet shards
+    "pyarrow": "jobs",
 }
 
 
@@ -45,7 +52,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help in SUBCOMMANDS.items():
         if command is None or name == command:
-            importlib.import_module(f"pipepool.commands.{name}").add_parser(sub, help=help)
+            _command_module(name).add_parser(sub, help=help)
         else:
             sub.add_parser(name, help=help, add_help=False)
     return parser
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in SUBCOMMANDS else "").parse_args(argv)
     try:
-        module = importlib.import_module(f"pipepool.commands.{args.command}")
+        module = _command_module(args.command)
         return int(module.run(args) or 0)
     except PipepoolError as exc:
         print(f"pipepool {args.command}: error: {exc}", file=sys.stderr)
@@ -74,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _command_module(name: str) -> ModuleType:
+    return importlib.import_module(f"pipepool.commands.{name.replace('-', '_')}")
 
 
 def run_as_program() -> NoReturn:

@@ -1,6 +1,6 @@
 """``pipepool embed``: texts (arguments, a file or stdin) in, vectors out (printed, .npy or
 .jsonl; sparse and token vectors: ``embed_outputs.py``). Input files are read line for line by
-``intake.text_files``."""
+``intake.text_files``. With ``--output-dir``, a resumable corpus job: ``embed_corpus.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
+from . import embed_corpus
 from .common import add_engine_args, engine_config
 from .input_lines import empty_text_ids, located
 
@@ -93,6 +94,7 @@ def add_parser(sub, help: str) -> None:
         help="keep only the first N tokens of every input (-1: max_model_len)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    embed_corpus.add_arguments(p)
     add_engine_args(p)
 
 
@@ -120,6 +122,8 @@ def check_output(output: Path | None, output_type: str = "dense") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output_dir is not None:
+        return embed_corpus.run(args)
     from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
     from . import embed_outputs
 

@@ -8,7 +8,9 @@ the background (``/health`` says 503 until it is ready). On SIGTERM or Ctrl-C it
 accepting connections, lets the requests in flight finish (up to ``--shutdown-timeout``, then
 answers what is left 503), then stops the pipeline stages. If the engine fails for good (a
 stage died more often than it may be restarted), the server stops too and exits non-zero, so
-that an orchestrator restarts it.
+that an orchestrator restarts it. Batches of the Batch API run in this process
+(``server/batch_runner.py``), below online requests; a server started again on the same
+``--state-dir`` resumes those a stop or a kill left unfinished.
 """
 
 from __future__ import annotations
@@ -124,6 +126,33 @@ def add_parser(sub, help: str) -> None:
     )
     add_env_argument(
         g,
+        "--header-timeout",
+        type=float,
+        default=S.header_timeout_s,
+        help="seconds a request's headers may take from its first byte (a new connection's "
+        "first request: from the connection's opening); slower ones are answered 408 and the "
+        "connection closed (default 10). Idle keep-alive connections: --timeout-keep-alive",
+    )
+    add_env_argument(
+        g,
+        "--body-timeout",
+        type=float,
+        default=S.body_timeout_s,
+        help="seconds the server waits for the next part of a request body; the whole body "
+        "must also arrive within this plus 1 s per 16 KiB. Slower bodies are answered 408 and "
+        "the connection closed (default 30)",
+    )
+    add_env_argument(
+        g,
+        "--max-connections-per-client",
+        type=int,
+        default=S.max_connections_per_client,
+        help="open connections one client address may hold (per API server process); more "
+        "are answered 429 and closed at once. 0: no cap, for a server behind a proxy, where "
+        "every client has the proxy's address (default 512)",
+    )
+    add_env_argument(
+        g,
         "--api-server-count",
         type=int,
         default=1,
@@ -131,6 +160,29 @@ def add_parser(sub, help: str) -> None:
         "parses, tokenises, routes and serialises requests with a core of its own: raise it "
         "when one process is the limit (small models, many short requests; /metrics shows "
         "the process's own CPU). Above 1 the pipeline runs in replica processes even at --dp 1",
+    )
+    add_env_argument(
+        g,
+        "--state-dir",
+        help="where the Batch API keeps its files and batches (SQLite and the files' bytes); "
+        "a server started again on it resumes the batches left unfinished (default: "
+        "$XDG_DATA_HOME/pipepool, else ~/.local/share/pipepool)",
+    )
+    add_env_argument(
+        g,
+        "--max-batch-requests",
+        type=int,
+        default=S.max_batch_requests,
+        help="a batch input file with more requests fails validation (default 50000, OpenAI's "
+        "own limit)",
+    )
+    add_env_argument(
+        g,
+        "--max-batch-file-bytes",
+        type=int,
+        default=S.max_batch_file_bytes,
+        help="larger uploads to /v1/files are answered 413 (default 200 MiB, OpenAI's own "
+        "limit); --max-body-bytes does not apply to them",
     )
     add_env_argument(
         g,
@@ -166,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.rendezvous import torchrun_env
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import ApiServers
+    from ..server.batch_runner import batch_runner
     from ..server.front import AsyncEngine
     from ..server.logs import log_config
     from ..server.owner import EngineOwner
@@ -195,10 +248,16 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         backlog=args.backlog,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections_per_client=args.max_connections_per_client,
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=args.access_log,
         api_server_count=args.api_server_count,
+        state_dir=args.state_dir,
+        max_batch_requests=args.max_batch_requests,
+        max_batch_file_bytes=args.max_batch_file_bytes,
     )
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
@@ -219,7 +278,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
-    server = build_server(settings, front, logs, on_started=announce.server_started)
+
+    def started() -> None:  # on the server's event loop, once it listens
+        announce.server_started()
+        batches.start()
+
+    server = build_server(settings, front, logs, on_started=started)
+    # Only this process runs batches; the other front-end processes serve their routes.
+    batches = batch_runner(server.config.app, settings, front, stopping=lambda: server.should_exit)
     if socket_dir is not None:
         try:
             sockets = [server.config.bind_socket()]  # exits naming the error if it cannot

@@ -4,8 +4,9 @@
 ``outputs`` of /v1/embeddings (``routes/retrieval.py``), Cohere's /v2/embed
 (``routes/cohere.py``), /rerank, /score and /classify of a classifier, and /rerank and /score
 of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and /version for
-operators (``routes/operators.py``). API docs at /docs, served from here (``docs.py``: no CDN,
-so they load offline)."""
+operators (``routes/operators.py``), OpenAI's Files and Batches APIs (``routes/files.py``,
+``routes/batches.py``; ``batch_runner.py`` runs the batches). API docs at /docs, served from
+here (``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from .. import __version__
 from . import docs
 from .errors import install_handlers
 from .front import AsyncEngine
-from .guards import GuardMiddleware
 from .metrics import HttpMetrics, MetricsMiddleware
-from .routes import cohere, openai, operators, retrieval, scoring, tei, tokens
+from .openapi import bound_by_server
+from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
 from .routes.shared import ServerState
 from .settings import ServerSettings
 
@@ -33,6 +34,8 @@ ROUTERS = (
     retrieval.router,
     cohere.router,
     scoring.router,
+    files.router,
+    batches.router,
     docs.router,
 )
 
@@ -55,19 +58,22 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
     install_handlers(app, http.on_error)
     # Added last = runs first: metrics count what the guards turn away.
     app.add_middleware(
-        GuardMiddleware,
+        files.UploadGuards,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
+        max_upload_bytes=settings.max_batch_file_bytes,
+        body_timeout_s=settings.body_timeout_s,
         on_error=http.on_error,
     )
     app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
-    _schema_as_answered(app)
+    _schema_as_answered(app, settings, front)
     return app
 
 
-def _schema_as_answered(app: FastAPI) -> None:
+def _schema_as_answered(app: FastAPI, settings: ServerSettings, front: AsyncEngine) -> None:
     """The OpenAPI schema without FastAPI's 422 answers: a request that fails validation is
-    answered 400 with an OpenAI error body (``errors.py``), which each route lists."""
+    answered 400 with an OpenAI error body (``errors.py``), which each route lists; with the
+    bounds of this server's settings and model (``openapi.py``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -77,6 +83,7 @@ def _schema_as_answered(app: FastAPI) -> None:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        bound_by_server(schema, settings, front)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

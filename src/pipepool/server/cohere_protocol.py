@@ -14,12 +14,13 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictFloat,
-    StrictInt,
     StrictStr,
+    WithJsonSchema,
     field_validator,
 )
 
 from ..api.quantization import quantize_embeddings
+from .openapi import CheckedPositiveInt, Dimensions, Texts
 from .protocol import _Strict, encode_array
 
 # The types of Cohere's embedding_types; the int8..ubinary ones are sentence-transformers'
@@ -28,22 +29,27 @@ EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_query", "search_document", "classification", "clustering"]
 Truncate = Literal["NONE", "START", "END"]
 _Finite = Annotated[StrictFloat, AllowInfNan(False)]
+_Types = Annotated[list[EmbeddingType], Field(json_schema_extra={"minItems": 1})]
+# Refused by name when given (not null), so that a client learns why.
+_Refused = Annotated[Any, WithJsonSchema({"type": "null"})]
+# Two rows, minimums then maximums (rows of equal length: checked, not stated).
+_Ranges = Annotated[list[list[_Finite]], Field(json_schema_extra={"minItems": 2, "maxItems": 2})]
 
 
 class CohereEmbedRequest(_Strict):
     """Cohere v2's embed body (text only), plus pipepool's ``ranges``."""
 
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
-    images: Any = Field(None, description="Not supported: this server embeds text.")
-    inputs: Any = Field(None, description="Not supported: send texts.")
-    texts: list[StrictStr] = Field(description="The texts to embed.")
+    images: _Refused = Field(None, description="Not supported: this server embeds text.")
+    inputs: _Refused = Field(None, description="Not supported: send texts.")
+    texts: Texts = Field(description="The texts to embed.")
     input_type: InputType = Field(
         description="search_query and search_document take the model's query and document "
         "prompts (sentence-transformers' encode_query / encode_document); classification and "
         "clustering a prompt of that name, where the model has one. Otherwise the model's "
         "default prompt, if any."
     )
-    embedding_types: list[EmbeddingType] = Field(
+    embedding_types: _Types = Field(
         ["float"],
         description="float | int8 | uint8 | binary | ubinary | base64 (little-endian float32 "
         "bytes of each vector); each as sentence-transformers' quantize_embeddings makes it.",
@@ -53,13 +59,13 @@ class CohereEmbedRequest(_Strict):
         description="Texts over the model's length (or max_tokens): END cuts their end, START "
         "their start, NONE answers 400.",
     )
-    output_dimension: StrictInt | None = Field(
+    output_dimension: Dimensions | None = Field(
         None, description="Matryoshka: keep the first N dimensions (then normalize)."
     )
-    max_tokens: StrictInt | None = Field(
-        None, ge=1, description="Tokens of each text kept (truncate NONE: longer ones are 400)."
+    max_tokens: CheckedPositiveInt | None = Field(
+        None, description="Tokens of each text kept (truncate NONE: longer ones are 400)."
     )
-    ranges: list[list[_Finite]] | None = Field(
+    ranges: _Ranges | None = Field(
         None,
         description="pipepool's: int8/uint8 buckets as quantize_embeddings' ranges, [2, dim] "
         "(each dimension's minimum, then maximum). Default: the range of this request's "

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ..errors import EngineDeadError, InvalidInputError, PromptTooLongError
 
@@ -118,13 +119,16 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
         # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error".
         return send(_wrong_content_type(request, exc) or _from_validation(exc))
 
-    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = APIError(exc.status_code, str(exc.detail), type=kind, code=code)
-        err.headers = getattr(exc, "headers", None)
-        return send(err)
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return send(
+            APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers)
+        )
 
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
         return send(from_engine(exc))
@@ -133,6 +137,27 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method of the routes at the request's path: starlette's 405 names those of the
+    first such route only (``GET /v1/batches`` and ``POST /v1/batches`` are two routes)."""
+    methods: set[str] = set()
+    for route in _leaves(request.app.router.routes):
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
+def _leaves(routes: list) -> Iterator:
+    """The routes of ``routes``, those of an included router in its place (FastAPI keeps an
+    included router whole, as ``original_router``; the app's are included without a prefix)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is None:
+            yield route
+        else:
+            yield from _leaves(inner.routes)
 
 
 def _wrong_content_type(request: Request, exc: RequestValidationError) -> APIError | None:

@@ -1,5 +1,5 @@
-"""Checks made before the app parses anything: the API key (401), the body size (413), and
-text no route can take (400: a lone surrogate).
+"""Checks made before the app parses anything: the API key (401), the body size (413), how
+fast the body arrives (408), and text no route can take (400: a lone surrogate).
 
 A plain ASGI middleware rather than a FastAPI dependency: an unauthenticated or oversized
 request must be turned away before its body is buffered and parsed. The body is read here,
@@ -9,9 +9,11 @@ to the app; after it, the app's ``receive`` still reports the client's disconnec
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
+import time
 from collections.abc import Callable
 
 from .errors import AUTHENTICATION, APIError
@@ -21,14 +23,19 @@ from .errors import AUTHENTICATION, APIError
 # as the bytes UTF-8 would give it, which Python's JSON parser lets through ("surrogatepass").
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
+# The slowest a request body may arrive on average, after its first --body-timeout seconds:
+# 128 kbit/s, a poor mobile link. A 32 MiB body (--max-body-bytes' default) may take 34 min.
+MIN_BODY_RATE = 16 << 10  # bytes per second
+
 # Open without a key: probes, scrapers and the API docs.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 
 
 class GuardMiddleware:
     """ASGI middleware in front of every route: the API key, the body-size bound (from
-    Content-Length and while reading) and lone surrogates in JSON strings, each refused with an
-    OpenAI-style error (``on_error`` counts it) before a route or the engine sees the request."""
+    Content-Length and while reading), the body's pace (``body_timeout_s``) and lone surrogates
+    in JSON strings, each refused with an OpenAI-style error (``on_error`` counts it) before a
+    route or the engine sees the request."""
 
     def __init__(
         self,
@@ -36,11 +43,13 @@ class GuardMiddleware:
         *,
         api_key: str | None,
         max_body_bytes: int,
+        body_timeout_s: float,
         on_error: Callable[[APIError], None],
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.on_error = on_error
 
     async def __call__(self, scope, receive, send) -> None:
@@ -58,8 +67,18 @@ class GuardMiddleware:
             await self._reject(self._too_large(), scope, receive, send)
             return
         chunks, size = [], 0
+        started = time.monotonic()
         while True:
-            message = await receive()
+            # No wait for the next part longer than body_timeout_s, and the whole body at
+            # MIN_BODY_RATE after the first body_timeout_s: a client sending a byte a second
+            # is turned away, one on a slow link sending a large body is not.
+            late = started + self.body_timeout_s + size / MIN_BODY_RATE - time.monotonic()
+            try:
+                async with asyncio.timeout(min(self.body_timeout_s, late)):
+                    message = await receive()
+            except TimeoutError:
+                await self._reject(self._too_slow(), scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its request: nobody to answer
             chunk = message.get("body", b"")
@@ -101,6 +120,16 @@ class GuardMiddleware:
             f"request body is larger than the server's limit of {self.max_body_bytes} bytes "
             "(--max-body-bytes); send fewer or shorter inputs per request",
             code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is not read
+        )
+
+    def _too_slow(self) -> APIError:
+        return APIError(
+            408,
+            f"the request body did not arrive in time: at most {self.body_timeout_s:g} s "
+            f"(--body-timeout) between its parts, and all of it within that plus 1 s per "
+            f"{MIN_BODY_RATE >> 10} KiB",
+            code="request_timeout",
             headers={"Connection": "close"},  # the rest of the body is not read
         )
 

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from ..api.engine import Engine
@@ -38,6 +39,16 @@ class _Histogram:
                 self.counts[i] += 1
 
 
+@dataclass
+class ConnectionCounts:
+    """What the connection guards (``connections.py``) count, for /metrics. Updated on the
+    event loop thread only."""
+
+    open: int = 0  # connections admitted and not yet closed
+    refused: int = 0  # closed at once: their address held --max-connections-per-client
+    header_timeouts: int = 0  # closed: a request's headers took over --header-timeout
+
+
 class HttpMetrics:
     """What the server itself counts. Updated on the event loop thread only.
 
@@ -50,6 +61,7 @@ class HttpMetrics:
         self.errors: Counter[tuple[str, str]] = Counter()  # (error type, error code)
         self.latency: dict[str, _Histogram] = {}
         self.in_flight = 0
+        self.connections = ConnectionCounts()
 
     def on_error(self, err: APIError) -> None:
         self.errors[(err.type, err.code or "")] += 1
@@ -138,6 +150,19 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
         front.aborted_inputs,
     )
     out.gauge("pipepool_http_requests_in_flight", "HTTP requests being handled", http.in_flight)
+    out.gauge("pipepool_http_connections_open", "HTTP connections open", http.connections.open)
+    out.counter(
+        "pipepool_http_connections_refused_total",
+        "connections answered 429 and closed at once: their client address already held "
+        "--max-connections-per-client",
+        http.connections.refused,
+    )
+    out.counter(
+        "pipepool_http_header_timeouts_total",
+        "connections answered 408 and closed: a request's headers were not complete within "
+        "--header-timeout (slow bodies: pipepool_http_errors_total code request_timeout)",
+        http.connections.header_timeouts,
+    )
     out.counter(
         "process_cpu_seconds_total",
         "CPU time of the front-end process that answered (near 1 s a second: it is the limit; "

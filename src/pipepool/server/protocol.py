@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -15,20 +15,35 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictInt,
     StrictStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from ..loading.retrieval import OUTPUTS
+from .openapi import (
+    CheckedPositiveInt,
+    Dimensions,
+    PromptName,
+    Text,
+    Texts,
+    TokenId,
+    TokenIdLists,
+    TokenIds,
+    TruncateTokens,
+    inputs_bound,
+    one_of_fields,
+)
+
 if TYPE_CHECKING:
     from ..api.retrieval import RetrievalOutputs, SparseEmbedding
 
-Input = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+Input = Text | Texts | TokenIds | TokenIdLists
 
 _INPUT_HELP = (
-    "A string, a list of strings, a list of token ids (one input), or a list of token-id lists."
+    "A string, a list of strings, a list of token ids (one input), or a list of token-id lists "
+    "(token ids on a server started with --allow-token-ids only)."
 )
 
 
@@ -37,6 +52,11 @@ log = logging.getLogger("pipepool.server")
 LongInputs = Literal["truncate", "error", "chunk"]
 EmbedDtype = Literal["float32", "float16", "bfloat16"]
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Names checked by the route (a 400 naming the choices), stated in the schema.
+_Outputs = Annotated[
+    list[Annotated[StrictStr, Field(json_schema_extra={"enum": list(OUTPUTS)})]],
+    Field(json_schema_extra={"minItems": 1}),
+]
 
 
 class _Strict(BaseModel):
@@ -60,7 +80,7 @@ class InputsRequest(_Strict):
         description="vLLM's: the type of the values sent. base64 holds its little-endian bytes; "
         "float, the values rounded through it (round to nearest even).",
     )
-    truncate_prompt_tokens: StrictInt | None = Field(
+    truncate_prompt_tokens: TruncateTokens | None = Field(
         None,
         description="Keep this many tokens of longer inputs (-1: max_model_len) instead of "
         "answering 400.",
@@ -98,24 +118,27 @@ class EmbeddingRequest(InputsRequest):
     ``long_inputs``; pipepool's: ``outputs`` and their options, for sparse and multi-vector
     models)."""
 
-    dimensions: StrictInt | None = Field(
+    dimensions: Dimensions | None = Field(
         None,
         description="Matryoshka: keep the first N dimensions (then normalize); dense only.",
     )
     normalize: StrictBool | None = Field(
         None, description="L2-normalize (default: what the model was trained with)."
     )
-    outputs: list[StrictStr] | None = Field(
+    outputs: _Outputs | None = Field(
         None,
         description="What each data item carries, any of: dense (embedding), sparse "
         "(sparse_embedding), multi_vector (one vector per token), from one forward per input. "
         "Default: dense. A model gives only some (SPLADE: sparse; BGE-M3: all three; ColBERT: "
-        "multi_vector): asking for another is a 400 naming those it gives.",
+        "multi_vector): asking for another is a 404 naming those it gives.",
     )
     return_tokens: StrictBool = Field(
         False, description="sparse: each index's token string too (sparse_embedding.tokens)."
     )
-    top_k: StrictInt | None = Field(None, description="sparse: keep the k largest weights.")
+    # Checked here: a request for other outputs than sparse would not look at it.
+    top_k: CheckedPositiveInt | None = Field(
+        None, description="sparse: keep the k largest weights."
+    )
     is_query: StrictBool = Field(
         False,
         description="multi_vector of a ColBERT model: the query form (query prefix, [MASK] "
@@ -132,13 +155,16 @@ class PoolingRequest(InputsRequest):
 class TokenizeRequest(_Strict):
     """vLLM's ``/tokenize`` body: one text, as ``prompt`` or ``input``."""
 
-    prompt: StrictStr | None = Field(None, description="The text to tokenize.")
-    input: StrictStr | None = Field(None, description="Same as prompt (give one of them).")
-    inputs: StrictStr | list[StrictStr] | None = Field(
+    model_config = ConfigDict(json_schema_extra=one_of_fields("prompt", "input", "inputs"))
+
+    prompt: Text | None = Field(None, description="The text to tokenize.")
+    input: Text | None = Field(None, description="Same as prompt (give one of them).")
+    # TEI tokenizes an empty text, and an empty list, as it is.
+    inputs: StrictStr | Annotated[list[StrictStr], inputs_bound(min_items=0)] | None = Field(
         None, description="TEI's form: one text or a list; answered as TEI answers."
     )
     model: StrictStr | None = None
-    add_special_tokens: StrictBool = Field(
+    add_special_tokens: Annotated[StrictBool, Field(json_schema_extra={"const": True})] = Field(
         True, description="Must be true: the model's special tokens are part of every prompt."
     )
 
@@ -162,19 +188,21 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     """vLLM's ``POST /detokenize``: token ids of this model's tokenizer back to text."""
 
-    tokens: list[StrictInt] = Field(description="Token ids, each in [0, vocabulary size).")
+    tokens: list[TokenId] = Field(description="Token ids, each in [0, vocabulary size).")
     model: StrictStr | None = None
 
 
 class TEIEmbedSparseRequest(_Strict):
     """Hugging Face text-embeddings-inference's ``POST /embed_sparse``."""
 
-    inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
+    inputs: Text | Texts = Field(description="One text or a list of texts.")
     truncate: StrictBool | None = Field(
         None, description="Truncate inputs over max_model_len (default: the server's policy)."
     )
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
-    prompt_name: StrictStr | None = None
+    prompt_name: PromptName | None = Field(
+        None, description="One of the model's prompts, put before each text."
+    )
 
     def texts(self) -> list[str]:
         return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
@@ -184,7 +212,7 @@ class TEIEmbedRequest(TEIEmbedSparseRequest):
     """Hugging Face text-embeddings-inference's ``POST /embed``."""
 
     normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
-    dimensions: StrictInt | None = None
+    dimensions: Dimensions | None = None
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------

@@ -13,6 +13,7 @@ from pydantic import (
     AliasChoices,
     AllowInfNan,
     BaseModel,
+    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -21,6 +22,16 @@ from pydantic import (
     model_validator,
 )
 
+from .openapi import (
+    AnyTexts,
+    NonNegativeInt,
+    PositiveInt,
+    Text,
+    Texts,
+    TruncateTokens,
+    inputs_bound,
+    one_of_fields,
+)
 from .protocol import Usage, _Strict
 
 _ACTIVATION = Field(
@@ -50,16 +61,22 @@ class RerankDocument(BaseModel):
     text: StrictStr
 
 
+# Texts (each may be empty: half of a query-document pair) or {text} objects.
+_Documents = Annotated[list[StrictStr | RerankDocument], inputs_bound()]
+
+
 class RerankRequest(_Strict):
     """Cohere v2 / Jina rerank; TEI's form sends ``texts`` instead of ``documents``."""
 
+    model_config = ConfigDict(json_schema_extra=one_of_fields("documents", "texts"))
+
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     query: StrictStr
-    documents: list[StrictStr | RerankDocument] | None = Field(
+    documents: _Documents | None = Field(
         None, description="Texts (or {text} objects, Cohere v1 / Jina) to rank by the query."
     )
-    texts: list[StrictStr] | None = Field(None, description="TEI's name for documents.")
-    top_n: StrictInt | None = Field(
+    texts: AnyTexts | None = Field(None, description="TEI's name for documents.")
+    top_n: NonNegativeInt | None = Field(
         None, description="Return the N most relevant documents (absent or 0: all)."
     )
     return_documents: StrictBool | None = Field(
@@ -67,14 +84,14 @@ class RerankRequest(_Strict):
     )
     return_text: StrictBool = Field(False, description="TEI's return_documents.")
     raw_scores: StrictBool = Field(False, description="TEI: raw logits instead of the activation.")
-    max_tokens_per_doc: StrictInt | None = Field(
+    max_tokens_per_doc: PositiveInt | None = Field(
         None, description="Cut each document to its first N tokens first (Cohere v2)."
     )
     instruction: StrictStr | None = Field(
         None, description="Qwen3-Reranker's task instruction (default: its web-search one)."
     )
     use_activation: StrictBool | None = _ACTIVATION
-    truncate_prompt_tokens: StrictInt | None = _TRUNCATE
+    truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
     weights: list[_Finite] | None = _WEIGHTS
 
     @model_validator(mode="after")
@@ -103,11 +120,13 @@ class ScoreRequest(_Strict):
     """vLLM's score: one text_1 against every text_2, or text_1[i] with text_2[i]."""
 
     model: StrictStr | None = None
-    text_1: StrictStr | list[StrictStr]
-    text_2: StrictStr | list[StrictStr]
+    text_1: StrictStr | AnyTexts = Field(
+        description="One text, scored against every text_2, or as many texts as text_2."
+    )
+    text_2: StrictStr | AnyTexts
     instruction: StrictStr | None = None
     use_activation: StrictBool | None = _ACTIVATION
-    truncate_prompt_tokens: StrictInt | None = _TRUNCATE
+    truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
     weights: list[_Finite] | None = _WEIGHTS
 
 
@@ -115,9 +134,9 @@ class ClassifyRequest(_Strict):
     """vLLM's classify: label probabilities per input text."""
 
     model: StrictStr | None = None
-    input: StrictStr | list[StrictStr]
+    input: Text | Texts
     use_activation: StrictBool | None = _ACTIVATION
-    truncate_prompt_tokens: StrictInt | None = _TRUNCATE
+    truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)

@@ -3,6 +3,7 @@ and the limits that protect it."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,6 +51,17 @@ class ServerSettings:
     # AWS ALB 60 s): 75 s, nginx's own keepalive_timeout.
     timeout_keep_alive_s: float = 75.0
     backlog: int = 2048  # connections the kernel queues before accept (bursts of clients)
+    # Slow clients (``connections.py``, ``guards.py``): a request's headers must be complete
+    # this long after its first byte (or after the connection opened), else 408 and closed;
+    # no wait for the next part of a body may be longer, and the whole body must arrive
+    # within it plus a second per ``guards.MIN_BODY_RATE`` bytes, else 408 and closed. Without
+    # them a client sending a byte a second holds a connection (and its memory) for hours.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Connections one client address may hold open in one front-end process; more are answered
+    # 429 and closed at once. 0: no cap (behind a proxy every client has the proxy's address).
+    # 512: twice the 256 concurrent connections the repository's own soak test opens.
+    max_connections_per_client: int = 512
     log_level: str = "info"
     log_format: str = "text"  # text | json
     access_log: bool = True
@@ -58,6 +70,17 @@ class ServerSettings:
     # the main process (it owns the replicas), 1 .. count - 1 for the others.
     api_server_count: int = 1
     api_server_index: int = 0
+    # The Batch API's records and files (``batch_store.py``); None: ``default_state_dir()``.
+    state_dir: str | None = None
+    # What one batch may hold: OpenAI's own limits, so that a batch file made for OpenAI is
+    # accepted whole.
+    max_batch_requests: int = 50_000
+    max_batch_file_bytes: int = 200 << 20
+
+    @property
+    def batch_state_dir(self) -> Path:
+        """Where the Batch API keeps its records and files."""
+        return Path(self.state_dir).expanduser() if self.state_dir else default_state_dir()
 
     @property
     def model_name(self) -> str:
@@ -80,7 +103,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         positive = ("max_inputs_per_request", "max_tokens_per_request", "max_chunked_tokens")
-        for name in (*positive, "max_body_bytes", "max_queued_requests"):
+        limits = ("max_body_bytes", "max_queued_requests", "max_batch_requests")
+        for name in (*positive, *limits, "max_batch_file_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
         if self.max_queued_requests < self.max_inputs_per_request:
@@ -102,12 +126,27 @@ class ServerSettings:
             raise InvalidInputError("timeout_keep_alive must be > 0", param="timeout_keep_alive")
         if self.backlog < 1:
             raise InvalidInputError("backlog must be >= 1", param="backlog")
+        for name in ("header_timeout", "body_timeout"):
+            if getattr(self, f"{name}_s") <= 0:
+                raise InvalidInputError(f"{name} must be > 0", param=name)
+        if self.max_connections_per_client < 0:
+            raise InvalidInputError(
+                "max_connections_per_client must be >= 0 (0: no cap)",
+                param="max_connections_per_client",
+            )
         if self.api_server_count < 1:
             raise InvalidInputError("api_server_count must be >= 1", param="api_server_count")
         if not 0 <= self.api_server_index < self.api_server_count:
             raise InvalidInputError("api_server_index out of range", param="api_server_index")
         if self.api_key is not None and not self.api_key:
             raise InvalidInputError("api_key is empty", param="api_key")
+
+
+def default_state_dir() -> Path:
+    """The user's data directory for pipepool (XDG: ``$XDG_DATA_HOME/pipepool``, else
+    ``~/.local/share/pipepool``)."""
+    base = os.environ.get("XDG_DATA_HOME") or "~/.local/share"
+    return Path(base).expanduser() / "pipepool"
 
 
 def served_model_names(model: str | None, extra: str | None = None) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import uvicorn
 
-from .app import build_app
+from .app import ServerState, build_app
+from .connections import MAX_HEADER_BYTES, ConnectionGuard, guarded_protocol
 from .front import AsyncEngine
 from .settings import ServerSettings
 
@@ -58,10 +59,21 @@ def build_server(
     logs: dict,
     on_started: Callable[[], None],
 ) -> Server:
-    """The server of one front-end process (the main one, or one of ``--api-server-count``);
-    ``on_started`` once it accepts connections."""
+    """The server of one front-end process (the main one, or one of ``--api-server-count``):
+    the app, behind the connection guards (``connections.py``: each process counts its own
+    connections); ``on_started`` once it accepts connections."""
+    app = build_app(settings, front)
+    state: ServerState = app.state.pipepool
+    guard = ConnectionGuard(
+        max_per_client=settings.max_connections_per_client,
+        header_timeout_s=settings.header_timeout_s,
+        counts=state.http.connections,
+    )
     config = uvicorn.Config(
-        build_app(settings, front),
+        app,
+        http=guarded_protocol(guard),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # h11's bound on headers, as httptools'
+        ws="none",  # no WebSocket routes: an upgrade would leave the connection uncounted
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

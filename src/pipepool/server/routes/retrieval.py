@@ -18,10 +18,11 @@ from fastapi import APIRouter, Request, Response
 from ...api.engine import Engine
 from ...api.retrieval import RetrievalOutputs, check_outputs
 from ...errors import PipepoolError
+from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import too_many_tokens
-from .shared import ERRORS, run_model_call, state_of
+from .shared import ERRORS, check_task, run_model_call, state_of
 
 router = APIRouter()
 
@@ -91,8 +92,11 @@ async def embeddings(
 
 
 def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ...]:
-    """The outputs asked for, in ``OUTPUTS`` order, each one the model gives: else 400 naming
-    those it gives (503 while the model loads)."""
+    """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none, 404 for one
+    the model does not give (``check_task``: each output is a task), 503 while it loads."""
+    for output in dict.fromkeys(asked):
+        if output in OUTPUTS:
+            check_task(state_of(request), "embed" if output == "dense" else output)
     try:
         return check_outputs(state_of(request).front.engine.deployment, asked)
     except PipepoolError as exc:  # InvalidInputError: 400; loading or failed: 503

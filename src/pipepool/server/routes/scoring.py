@@ -26,6 +26,7 @@ from .shared import (
     ERRORS,
     ClientGone,
     check_model,
+    check_task,
     state_of,
     unless_client_leaves,
 )
@@ -50,6 +51,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     done = await _run(
         request,
         body.model,
+        "rerank",
         n,
         lambda engine: engine.submit_pairs(
             [body.query] * n,
@@ -89,6 +91,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
     done = await _run(
         request,
         body.model,
+        "score",
         len(firsts),
         lambda engine: engine.submit_pairs(
             firsts,
@@ -120,6 +123,7 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     done = await _run(
         request,
         body.model,
+        "classify",
         len(texts),
         lambda engine: engine.submit_classify(
             texts, use_activation=activation, truncate_prompt_tokens=body.truncate_prompt_tokens
@@ -151,6 +155,7 @@ async def token_classify(body, request: Request) -> Response:
     done = await _run(
         request,
         body.model,
+        "classify_tokens",
         len(texts),
         lambda engine: engine.submit_classify(
             texts, truncate_prompt_tokens=body.truncate_prompt_tokens, per_token=True
@@ -171,6 +176,7 @@ async def token_classify(body, request: Request) -> Response:
 async def _run(
     request: Request,
     model: str | None,
+    task: str,
     n: int,
     submit: Callable[[Engine], Submission],
     *,
@@ -178,11 +184,13 @@ async def _run(
     texts: Sequence,
     truncate_prompt_tokens: int | None,
 ) -> Encoded | Response:
-    """The shared path of the model routes: the model name, the server's limits (inputs and
-    tokens per request), the tokenising lane (by the size of ``texts``), the queue, the
-    engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
+    """The shared path of the model routes: the model name and the task (404 for a model that
+    cannot do it), the server's limits (inputs and tokens per request), the tokenising lane
+    (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx, and a 499 if the
+    client leaves meanwhile."""
     state = state_of(request)
     check_model(state, model)
+    check_task(state, task)
     check_input_count(state.settings, n, param)
     bounded = bounded_scoring(state.settings, n, truncate_prompt_tokens, submit, param)
     try:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 
 from ...api.engine import Engine
+from ...api.router import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, model_not_found
@@ -32,7 +33,10 @@ _MEANING = {
     400: "Invalid request: a bad field, a lone surrogate, too many inputs or tokens (the message "
     "names the limit and its flag).",
     401: "Missing or wrong API key (a server started with --api-key).",
-    404: "Unknown model name.",
+    404: "Unknown model name, or a task the served model cannot do (an embedding model's "
+    "/rerank, sparse outputs of a dense model): OpenAI's answer to a model used on an "
+    "endpoint it does not serve.",
+    408: "The request body did not arrive within --body-timeout.",
     413: "Request body larger than --max-body-bytes.",
     429: "The server's queue is full (--max-queued-requests); retry after Retry-After seconds.",
     500: "Internal error (the server's log has the details).",
@@ -49,8 +53,8 @@ def errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # The error answers of the routes that run the model, and of those that only tokenise.
-ERRORS = errors_doc(400, 401, 404, 413, 429, 500, 503)
-TOKENIZER_ERRORS = errors_doc(400, 401, 404, 413, 500, 503)
+ERRORS = errors_doc(400, 401, 404, 408, 413, 429, 500, 503)
+TOKENIZER_ERRORS = errors_doc(400, 401, 404, 408, 413, 500, 503)
 # A route that reads no body: only the API key can turn it away.
 READ_ERRORS = errors_doc(401, 500)
 
@@ -74,8 +78,9 @@ async def run_model_outputs(
 ) -> Encoded | Response:
     """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
     outputs; a bare Response (499) if the client left meanwhile. ``param``: the request field
-    that holds the inputs, which the errors name."""
+    that holds the inputs, which the errors name. 404 for a model that does not embed."""
     state = state_of(request)
+    check_task(state, "embed")
     check_inputs(state, inputs, param)
     check_input_count(state.settings, len(inputs), param)
     submit = bounded_embedding(state.settings, inputs, options, param)
@@ -105,6 +110,38 @@ def check_model(state: ServerState, name: str | None) -> None:
     """404 for a model name this server does not serve (naming those it shows)."""
     if name is not None and name not in state.settings.model_names:
         raise model_not_found(name, state.settings.shown_model_names)
+
+
+# Each task (``api.router.TASKS``) as a 404 names it: what it gives, and what model gives it.
+_TASKS = {
+    "embed": ("embeddings", "an embedding model"),
+    "sparse": ("sparse outputs", "a SPLADE or BGE-M3 model"),
+    "multi_vector": ("multi-vector outputs", "a ColBERT or BGE-M3 model"),
+    "score": ("scores of pairs", "a cross-encoder or reranker with one label, or a ColBERT or "
+              "BGE-M3 model"),
+    "classify": ("classification", "a sequence classifier (*ForSequenceClassification)"),
+    "classify_tokens": ("token classification", "a token classifier (*ForTokenClassification)"),
+}  # fmt: skip
+_TASKS["rerank"] = ("reranking", _TASKS["score"][1])
+
+
+def check_task(state: ServerState, task: str) -> None:
+    """404 where the served model cannot do ``task`` (one of ``api.router.TASKS``), as OpenAI
+    answers a model used on an endpoint it does not serve; 503 while the model loads."""
+    try:
+        deployment = state.front.engine.deployment
+    except PipepoolError as exc:  # loading, or failed to start
+        raise from_engine(exc) from None
+    tasks = model_tasks(deployment)
+    if task not in tasks:
+        what, needs = _TASKS[task]
+        raise APIError(
+            404,
+            f"this model ({deployment.folder.architecture}) does not give {what}: that needs "
+            f"{needs}. What it does: {', '.join(tasks) or 'nothing'}",
+            param="model",
+            code="unsupported_task",
+        )
 
 
 def check_inputs(state: ServerState, inputs: list, param: str = "input") -> None:

@@ -1,0 +1,78 @@
+"""Does the server accept exactly what its OpenAPI schema says, and answer only what it lists?
+Schemathesis with every check against a ``pipepool serve`` of the bundled MiniLM (issue 37
+item 6):
+
+    pip install schemathesis
+    python benchmarks/schema_conformance.py [--max-examples 100] [--seed 2]
+
+Prints the cases generated and the failures by check, each failing operation with its code,
+and exits non-zero on any failure that is not one of ``KNOWN``: requests the schema cannot
+tell apart from those the server takes, as JSON Schema cannot compare two fields or count
+tokens. The server keeps its Batch API state, and schemathesis its caches, in a temporary
+folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from served import start_server
+
+# (operation, check code): why the schema cannot say it.
+KNOWN = {
+    ("POST /score", "ST202"): "text_1 and text_2 lists of different lengths (both over one)",
+    ("POST /v1/score", "ST202"): "text_1 and text_2 lists of different lengths (both over one)",
+    ("POST /v2/embed", "ST202"): "truncate NONE with a text of more tokens than max_tokens",
+    # A multipart file part holds bytes: schemathesis sends a JSON null or number as the
+    # file's bytes ("null"), a valid file, and counts it as a schema violation.
+    ("POST /v1/files", "ST201"): "schemathesis' multipart encoding of a non-string file",
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-examples", type=int, default=100, help="cases per operation")
+    p.add_argument("--seed", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    args = p.parse_args()
+    if shutil.which("schemathesis") is None:
+        raise SystemExit("schemathesis is not installed: pip install schemathesis")
+    work = Path(tempfile.mkdtemp(prefix="pipepool-schema-"))
+    proc, url = start_server(["--device", "cpu", "--state-dir", str(work / "state")])
+    try:
+        subprocess.run(
+            ["schemathesis", "run", f"{url}/openapi.json", "--checks", "all",
+             "--max-examples", str(args.max_examples), "--seed", str(args.seed),
+             "--workers", str(args.workers), "--continue-on-failure",
+             "--report", "json", "--report-dir", str(work / "report")],
+            check=False,
+            cwd=work,  # its caches (.hypothesis, .schemathesis) go there, not in the checkout
+        )  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    (report_path,) = (work / "report").glob("*.json")
+    report = json.loads(report_path.read_text())
+    shutil.rmtree(work, ignore_errors=True)
+    cases = report["test_cases"]
+    print(f"\n{cases['generated']} cases, {cases['with_failures']} with failures")
+    unexpected = 0
+    for failure in report["failures"]:
+        print(f"{failure['code']} {failure['title']}: {failure['count']}")
+        for operation in failure["operations"]:
+            why = KNOWN.get((operation, failure["code"]))
+            unexpected += why is None
+            print(f"  {operation}: {why or 'NOT KNOWN'}")
+    for error in report["errors"]:
+        print(f"error (schemathesis' own): {error['title']}: {error['count']}")
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Batch and corpus jobs: what does not need the server."""

@@ -1,0 +1,159 @@
+"""What the OpenAPI schema says beyond what pydantic derives from the request models: the bounds
+the server checks itself, and those that depend on its settings and on its model.
+
+The server checks some values after validation, with messages that name the input at fault
+("input 2 is an empty string", "tokens 3 is 40000, outside this model's vocabulary"), which
+pydantic's own constraints would replace with its generic ones. The types here state such a
+bound in the schema alone; validation stays the server's. A bound that depends on this server
+is marked (``x-bounded-by``, ``x-token-ids``) and filled in by ``bound_schema`` from the
+settings, and from the model once it is loaded (until then every model route answers 503).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchema
+
+if TYPE_CHECKING:
+    from ..api.engine import Engine
+    from .front import AsyncEngine
+    from .settings import ServerSettings
+
+BOUNDED_BY = "x-bounded-by"  # names a ModelBounds field, or "inputs" (the settings' limit)
+TOKEN_IDS = "x-token-ids"  # a form of input taken only with --allow-token-ids
+
+
+def _schema(**extra: Any) -> Any:
+    return Field(json_schema_extra=extra)
+
+
+def _integral(value: object) -> object:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# JSON Schema's integer: 2.0 is one (JSON has one number type), true and "2" are not.
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def inputs_bound(min_items: int = 1, **extra: Any) -> Any:
+    """The bounds of a list of inputs: at least ``min_items``, at most
+    --max-inputs-per-request."""
+    return _schema(minItems=min_items, **{BOUNDED_BY: "inputs"}, **extra)
+
+
+# A text the server refuses when empty.
+Text = Annotated[StrictStr, _schema(minLength=1)]
+Texts = Annotated[list[Text], inputs_bound()]
+# Texts that may be empty (each half of a query-document pair).
+AnyTexts = Annotated[list[StrictStr], inputs_bound()]
+TokenId = Annotated[Integer, _schema(minimum=0, **{BOUNDED_BY: "vocab_size"})]
+# One input given as token ids, and a list of them.
+TokenIds = Annotated[list[TokenId], _schema(minItems=1, **{TOKEN_IDS: True})]
+TokenIdLists = Annotated[list[TokenIds], inputs_bound(**{TOKEN_IDS: True})]
+# Matryoshka: the first N dimensions of the model's vectors.
+Dimensions = Annotated[Integer, _schema(minimum=1, **{BOUNDED_BY: "output_dim"})]
+PromptName = Annotated[StrictStr, _schema(**{BOUNDED_BY: "prompt_names"})]
+# A token count to truncate to: -1 (max_model_len) or 1 .. max_model_len.
+TruncateTokens = Annotated[
+    Integer,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"const": -1},
+                {"type": "integer", "minimum": 1, BOUNDED_BY: "max_model_len"},
+            ]
+        }
+    ),
+]
+PositiveInt = Annotated[Integer, _schema(minimum=1)]
+NonNegativeInt = Annotated[Integer, _schema(minimum=0)]
+# Checked by validation, for a field the server reads for some requests only. (The bound goes
+# before the float conversion, or pydantic states it as "ge", no JSON Schema keyword.)
+CheckedPositiveInt = Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)]
+
+
+def one_of_fields(*names: str) -> dict[str, Any]:
+    """A model's ``json_schema_extra``: exactly one of the fields ``names`` given, not null
+    (the others absent or null)."""
+    return {
+        "anyOf": [
+            {
+                "required": [name],
+                "properties": {
+                    other: ({"not": {"type": "null"}} if other == name else {"type": "null"})
+                    for other in names
+                },
+            }
+            for name in names
+        ]
+    }
+
+
+@dataclass(frozen=True)
+class ModelBounds:
+    """What the loaded model allows, as the schema states it."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    output_dim: int  # components of a dense vector (Matryoshka dimensions at most this)
+    max_model_len: int  # the most tokens truncate_prompt_tokens may keep
+    prompt_names: tuple[str, ...]  # the model's prompts (sentence-transformers' config)
+
+    @classmethod
+    def of(cls, engine: Engine) -> ModelBounds:
+        d = engine.deployment
+        return cls(
+            vocab_size=engine.inputs.tokenizer.vocab_size,
+            output_dim=d.output_dim,
+            max_model_len=d.max_model_len,
+            prompt_names=tuple(sorted(engine.inputs.prompts)),
+        )
+
+
+def bound_by_server(schema: dict, settings: ServerSettings, front: AsyncEngine) -> None:
+    """``bound_schema`` with this server's settings and, once loaded, its model."""
+    engine = front.owner.engine
+    bound_schema(schema, settings, ModelBounds.of(engine) if engine is not None else None)
+
+
+def bound_schema(schema: dict, settings: ServerSettings, model: ModelBounds | None) -> None:
+    """Fill in, in place, the bounds marked in ``schema`` (an OpenAPI document): without
+    ``--allow-token-ids`` no token-id forms of input; lists of inputs at most
+    ``--max-inputs-per-request``; with ``model``, its vocabulary, vector size, max_model_len
+    and prompt names. Idempotent: the markers stay, so that it may run again once the model
+    is loaded."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                node[key] = [b for b in node[key] if _allowed(b, settings, model)]
+        bound = node.get(BOUNDED_BY)
+        if bound == "inputs":
+            node["maxItems"] = settings.max_inputs_per_request
+        elif bound == "prompt_names" and model is not None:
+            node["enum"] = list(model.prompt_names)
+        elif bound == "vocab_size" and model is not None:
+            node["maximum"] = model.vocab_size - 1
+        elif bound in ("output_dim", "max_model_len") and model is not None:
+            node["maximum"] = getattr(model, bound)
+        stack.extend(node.values())
+
+
+def _allowed(branch: object, settings: ServerSettings, model: ModelBounds | None) -> bool:
+    """Whether a branch of an ``anyOf`` is a form this server takes."""
+    if not isinstance(branch, dict):
+        return True
+    if branch.get(TOKEN_IDS) and not settings.allow_token_ids:
+        return False
+    # A model without prompts takes no prompt_name: the field may only be null.
+    no_prompts = model is not None and not model.prompt_names
+    return not (no_prompts and branch.get(BOUNDED_BY) == "prompt_names")

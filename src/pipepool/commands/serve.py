@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.rendezvous import torchrun_env
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import ApiServers
-    from ..server.batch_runner import batch_runner
+    from ..server.batch_runner import BatchThread
     from ..server.front import AsyncEngine
     from ..server.logs import log_config
     from ..server.owner import EngineOwner
@@ -284,8 +284,9 @@ def run(args: argparse.Namespace) -> int:
         batches.start()
 
     server = build_server(settings, front, logs, on_started=started)
-    # Only this process runs batches; the other front-end processes serve their routes.
-    batches = batch_runner(server.config.app, settings, front, stopping=lambda: server.should_exit)
+    # Only this process runs batches (the other front-end processes serve their routes), in a
+    # thread of its own: its lines never queue in the loop that answers online requests.
+    batches = BatchThread(settings, owner, stopping=lambda: server.should_exit)
     if socket_dir is not None:
         try:
             sockets = [server.config.bind_socket()]  # exits naming the error if it cannot
@@ -312,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
             api_servers.wait(settings.shutdown_timeout_s + ANSWER_GRACE_S)
             assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
+        batches.join(ANSWER_GRACE_S)
         front.close()
         owner.close()
         signal.signal(signal.SIGTERM, previous)

@@ -6,8 +6,9 @@ validation, limits, error bodies and status codes as an HTTP client gets, inside
 ``background_work()`` so that the engine runs it only where online requests leave room.
 ``run_lines`` keeps a window of lines in flight (thousands of inputs: full steps) and hands
 finished lines to a writer in groups. ``BatchRunner`` runs the unfinished batches of a state
-directory one after another (``batch_store.py`` makes it exactly once across kills);
-``pipepool run-batch`` runs a file through the same dispatcher and window.
+directory one after another (``batch_store.py`` makes it exactly once across kills), in the
+server's main process on a thread and event loop of its own (``BatchThread``); ``pipepool
+run-batch`` runs a file through the same dispatcher and window.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -36,15 +38,19 @@ from ..jobs.batch_lines import (
     numbered_lines,
     read_lines,
 )
+from ..runtime.signal_mask import block_stop_signals
 from .batch_store import UNFINISHED, BatchOutput, BatchRecord, BatchStore
 from .front import AsyncEngine
 from .settings import ServerSettings
 
+if TYPE_CHECKING:
+    from .owner import EngineOwner
+
 __all__ = [
     "BatchRunner",
+    "BatchThread",
     "Dispatcher",
     "EngineFailedError",
-    "batch_runner",
     "run_lines",
 ]
 
@@ -148,8 +154,8 @@ async def run_lines(
 
 
 class BatchRunner:
-    """Runs the unfinished batches of a store, oldest first, one at a time, in the server's
-    event loop: validating (the whole file, as OpenAI does), in_progress (lines through the
+    """Runs the unfinished batches of a store, oldest first, one at a time, in the event loop
+    that runs ``run()``: validating (the whole file, as OpenAI does), in_progress (lines through the
     dispatcher), finalizing; a batch being cancelled, or past its ``expires_at``, stops
     sending lines, lets those in flight finish and ends with what it has. Resumes what a
     killed process left (``batch_store.py``: exactly once). One runner per state directory:
@@ -180,18 +186,12 @@ class BatchRunner:
         self.poll_s = poll_s
         self.clock = clock
         self._store: BatchStore | None = None
-        self._task: asyncio.Task[None] | None = None
         self._active: str | None = None  # the batch run_batch works on
 
     @property
     def store(self) -> BatchStore:
         assert self._store is not None, "opened by run()"
         return self._store
-
-    def start(self) -> None:
-        """Run in the background of the running event loop until it ends."""
-        self._task = asyncio.get_running_loop().create_task(self.run())
-        self._task.add_done_callback(_log_failure)
 
     async def run(self) -> None:
         """Once the state directory holds a store (a route made it: a server that is never
@@ -374,32 +374,63 @@ def _file_error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": None}
 
 
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        if isinstance(exc, EngineFailedError):
-            log.warning("batches stopped: %s", exc)
-        else:
-            log.error("the batch runner failed", exc_info=exc)
+def _log_failure_of(exc: BaseException) -> None:
+    if isinstance(exc, EngineFailedError):
+        log.warning("batches stopped: %s", exc)
+    else:
+        log.error("the batch runner failed", exc_info=exc)
 
 
-def batch_runner(
-    app: Any, settings: ServerSettings, front: AsyncEngine, *, stopping: Callable[[], bool]
-) -> BatchRunner:
-    """The runner of a server's main process: lines go to ``app``'s routes, batches come
-    from its state directory, within its limits; it leaves the online requests room in the
-    engine's queue (``--max-queued-requests``)."""
-    dispatcher = Dispatcher(
-        app, api_key=settings.api_key, engine_failed=lambda: front.owner.error is not None
-    )
-    return BatchRunner(
-        settings.batch_state_dir,
-        dispatcher,
-        max_requests=settings.max_batch_requests,
-        ready=lambda: front.owner.engine is not None,
-        stopping=stopping,
-        window_inputs=window_for(settings),
-    )
+class BatchThread:
+    """The batches of a server's main process, run in a thread of their own: its own event
+    loop, and its own app (``build_app``) over its own ``AsyncEngine`` on the server's engine.
+    Thousands of batch lines in flight, each a request through the app's routes, never queue
+    in the event loop that answers online requests; their engine calls are background work
+    (``api.priority``). Batches come from the server's state directory, within its limits.
+    ``stopping()``: the server is shutting down (the runner stops sending lines)."""
+
+    def __init__(
+        self, settings: ServerSettings, owner: EngineOwner, *, stopping: Callable[[], bool]
+    ) -> None:
+        from .app import build_app  # the app is built here, not imported by it
+
+        self.front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+        dispatcher = Dispatcher(
+            build_app(settings, self.front),
+            api_key=settings.api_key,
+            engine_failed=lambda: owner.error is not None,
+        )
+        self.runner = BatchRunner(
+            settings.batch_state_dir,
+            dispatcher,
+            max_requests=settings.max_batch_requests,
+            ready=lambda: owner.engine is not None,
+            stopping=stopping,
+            window_inputs=window_for(settings),
+        )
+        self._thread = threading.Thread(target=self._run, name="pipepool-batches", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait (``timeout`` seconds at most) for the runner to stop after ``stopping()``."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.front.close()
+
+    def _run(self) -> None:
+        block_stop_signals()  # SIGTERM and Ctrl-C are the server's
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # logged: a thread's exception would vanish
+            _log_failure_of(exc)
+
+    async def _serve(self) -> None:
+        try:
+            await self.runner.run()
+        finally:
+            await self.runner.dispatcher.aclose()
 
 
 def window_for(settings: ServerSettings) -> int:

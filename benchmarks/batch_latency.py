@@ -50,7 +50,8 @@ def batch_file(requests: int) -> bytes:
 def probe(client: httpx.Client) -> float:
     t = time.perf_counter()
     r = client.post("/v1/embeddings", json=PROBE)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise SystemExit(f"online request answered {r.status_code}: {r.text[:500]}")
     return time.perf_counter() - t
 
 

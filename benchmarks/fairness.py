@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 from collections import Counter
 
 import httpx
 import numpy as np
-from served import free_port
+from served import start_server
 
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
@@ -148,28 +147,13 @@ def main() -> int:
     p.add_argument("--heavy-seconds", type=float, default=30.0)
     p.add_argument("--server-arg", action="append", default=[], help="more serve flags")
     args = p.parse_args()
-    port = free_port()
-    cmd = [sys.executable, "-m", "pipepool", "serve", "--port", str(port)]
-    cmd += ["--log-level", "warning", "--no-access-log"]
+    flags = ["--log-level", "warning", "--no-access-log"]
     if args.model:
-        cmd += ["--model", args.model]
-    cmd += ["--max-inputs-per-request", str(args.max_inputs_per_request)]
-    cmd += ["--max-tokens-per-request", str(args.max_tokens_per_request)]
-    cmd += args.server_arg
-    server = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
+        flags += ["--model", args.model]
+    flags += ["--max-inputs-per-request", str(args.max_inputs_per_request)]
+    flags += ["--max-tokens-per-request", str(args.max_tokens_per_request)]
+    server, url = start_server(flags + args.server_arg)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            print("server not ready", file=sys.stderr)
-            return 1
         idle = asyncio.run(phase_idle(url, 30))
         # Words of a maximal request's texts: their tokens add up to 95% of the request limit.
         per_text = 0.95 * args.max_tokens_per_request / args.max_inputs_per_request

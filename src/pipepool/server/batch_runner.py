@@ -57,7 +57,7 @@ __all__ = [
 log = logging.getLogger("pipepool.server")
 
 # The window of lines in flight: inputs enough to fill the engine's steps, lines few enough
-# that the tokenising threads' queue, which online requests share, stays short.
+# that a cancel or a stop waits for little, and the batch's host work stays bounded.
 WINDOW_INPUTS = 4096
 WINDOW_LINES = 1024
 # Answers that say "not now" (queue full, model loading): the line is sent again after a

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from pipepool.server.app import build_app
 from pipepool.server.front import AsyncEngine
+from pipepool.server.models import ServedModels
 from pipepool.server.openapi import ModelBounds, bound_schema
 from pipepool.server.owner import EngineOwner
 from pipepool.server.protocol import EmbeddingRequest
@@ -33,7 +34,8 @@ def make_app(tmp_path):
 
     def make(**settings) -> FastAPI:
         fronts.append(AsyncEngine(EngineOwner(lambda: None), max_queued=16))
-        return build_app(ServerSettings(state_dir=str(tmp_path), **settings), fronts[-1])
+        models = ServedModels.one(fronts[-1], ("tiny",))
+        return build_app(ServerSettings(state_dir=str(tmp_path), **settings), models)
 
     yield make
     for front in fronts:

@@ -190,6 +190,7 @@ def test_an_embedding_model_answers_404_to_rerank_score_and_classify(bert_path):
 
     from pipepool.server.app import build_app
     from pipepool.server.front import AsyncEngine
+    from pipepool.server.models import ServedModels
     from pipepool.server.owner import EngineOwner
     from pipepool.server.settings import ServerSettings
 
@@ -198,7 +199,8 @@ def test_an_embedding_model_answers_404_to_rerank_score_and_classify(bert_path):
     owner.loaded.wait()
     front = AsyncEngine(owner, max_queued=64)
     try:
-        with TestClient(build_app(ServerSettings(model_names=("tiny-bert",)), front)) as client:
+        models = ServedModels.one(front, ("tiny-bert",))
+        with TestClient(build_app(ServerSettings(), models)) as client:
             for path, body in (
                 ("/rerank", {"query": "q", "documents": ["a", "b"]}),
                 ("/score", {"text_1": "q", "text_2": "a"}),

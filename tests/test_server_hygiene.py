@@ -49,6 +49,7 @@ def scorer(cross_encoder_path):
 
     from pipepool.server.app import build_app
     from pipepool.server.front import AsyncEngine
+    from pipepool.server.models import ServedModels
     from pipepool.server.owner import EngineOwner
     from pipepool.server.uvicorn_server import Server
 
@@ -56,12 +57,13 @@ def scorer(cross_encoder_path):
     owner.start(on_failure=lambda exc: None)
     owner.loaded.wait()
     front = AsyncEngine(owner, max_queued=64)
+    models = ServedModels.one(front, ("scorer",))
     port = _free_port()
     config = uvicorn.Config(
-        build_app(SCORER, front), port=port, log_config=None, access_log=False, lifespan="off"
+        build_app(SCORER, models), port=port, log_config=None, access_log=False, lifespan="off"
     )
     started = threading.Event()
-    server = Server(config, front, timeout_s=1.0, on_started=started.set)
+    server = Server(config, models, timeout_s=1.0, on_started=started.set)
     thread = threading.Thread(target=server.run, name="scorer-server")
     thread.start()
     try:
@@ -74,9 +76,7 @@ def scorer(cross_encoder_path):
         owner.close()
 
 
-SCORER = ServerSettings(
-    model_names=("scorer",), max_inputs_per_request=8, max_tokens_per_request=64
-)
+SCORER = ServerSettings(max_inputs_per_request=8, max_tokens_per_request=64)
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +383,7 @@ ANSWERS = {
     ("/v1/models", "get"): READ_ROUTE,
     ("/info", "get"): READ_ROUTE,
     ("/version", "get"): READ_ROUTE,
-    ("/health", "get"): {"200", "500", "503"},
+    ("/health", "get"): {"200", "404", "500", "503"},  # 404: ?model= names no model
     ("/metrics", "get"): {"200", "500"},
     ("/v1/files", "post"): {"200", "400", "401", "408", "413", "500"},
     ("/v1/files/{file_id}", "get"): {"200", "401", "404", "500"},

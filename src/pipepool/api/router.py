@@ -82,7 +82,10 @@ class Router:
     after the other in the mapping's order, with ``options`` (``EngineConfig`` fields) shared by
     all; a model given as a dict (``{"model": "path", "pipeline_parallel_size": 2}``) adds or
     overrides options for that model alone. Every spec and option is checked before the first
-    engine starts (``InvalidInputError`` naming the model). If an engine fails to start, those
+    engine starts (``InvalidInputError`` naming the model), and several models share the
+    host's memory by a plan made first (``loading.memory_plan``: on GPU each causal model's KV
+    cache is its share of what is left; ``MemoryPlanError``, with the numbers, where they do
+    not fit). If an engine fails to start, those
     already started are closed and its error is raised with a note naming the model.
     ``Router.from_engines`` takes engines already started.
 
@@ -97,6 +100,8 @@ class Router:
                 param="model",
             )
         configs = {name: _config(name, spec, options) for name, spec in _named(models).items()}
+        if len(configs) > 1:
+            configs = _planned(configs)
         self._adopt(_start_all(configs))
 
     @classmethod
@@ -263,6 +268,15 @@ def _config(name: str, spec: ModelSpec, shared: Mapping[str, Any]) -> EngineConf
         return EngineConfig.from_options(**{**shared, **spec, "model": os.fspath(path)})
     except InvalidInputError as exc:
         raise InvalidInputError(f"model {name!r}: {exc}", param=exc.param) from exc
+
+
+def _planned(configs: Mapping[str, EngineConfig]) -> dict[str, EngineConfig]:
+    """The configs as the memory plan of all of them sets them; the plan logged."""
+    from ..loading.memory_plan import plan_memory
+
+    plan = plan_memory(list(configs.items()))
+    log.info("%s", plan.describe())
+    return {m.name: m.config for m in plan.models}
 
 
 def _start_all(configs: Mapping[str, EngineConfig]) -> dict[str, Engine]:

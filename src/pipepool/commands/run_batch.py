@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     # The server's modules (its extras) and torch are imported now only: `--help` stays quick.
     from ..jobs.batch_lines import WrittenLines
     from ..server.batch_runner import EngineFailedError
-    from ..server.settings import ServerSettings, served_model_names
+    from ..server.models import served_model_names
+    from ..server.settings import ServerSettings
 
     source, output = args.input_file, args.output_file
     if not source.is_file():
@@ -73,11 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if written.count:
         print(f"resuming: {output} holds {written.count} lines already", file=sys.stderr)
     config = engine_config(args)
-    settings = ServerSettings(
-        model_names=served_model_names(args.model, args.served_model_name), access_log=False
-    )
+    settings = ServerSettings(access_log=False)
+    names = served_model_names(args.model, args.served_model_name)
     try:
-        answered, failed = _run(settings, config, source, output, written)
+        answered, failed = _run(settings, config, names, source, output, written)
     except KeyboardInterrupt:
         print(
             f"pipepool run-batch: interrupted; {output} keeps the lines answered so far: run "
@@ -100,16 +100,19 @@ def run(args: argparse.Namespace) -> int:
 def _run(
     settings: ServerSettings,
     config: EngineConfig,
+    names: tuple[str, ...],
     source: Path,
     output: Path,
     written: WrittenLines,
 ) -> tuple[int, int]:
-    """Load the engine, answer the lines ``written`` does not hold; (answered 2xx, failed)."""
+    """Load the engine, answer the lines ``written`` does not hold, with the model named by
+    any of ``names``; (answered 2xx, failed)."""
     from ..api.engine import Engine
     from ..jobs.batch_lines import LineChecker, read_lines
     from ..server.app import build_app
     from ..server.batch_runner import Dispatcher, run_lines, window_for
     from ..server.front import AsyncEngine
+    from ..server.models import ServedModels
     from ..server.owner import EngineOwner
 
     owner = EngineOwner(lambda: Engine.from_config(config))
@@ -119,7 +122,7 @@ def _run(
         owner.loaded.wait()
         if owner.error is not None:
             raise owner.error
-        app = build_app(settings, front)
+        app = build_app(settings, ServedModels.one(front, names))
         counts = [0, 0]
 
         async def answer_all() -> None:

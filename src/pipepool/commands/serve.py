@@ -4,13 +4,17 @@ Every flag can also come from ``PIPEPOOL_<FLAG>`` (e.g. ``PIPEPOOL_API_KEY``), p
 is, the command line winning. The model is checked first (its folder, config, tokenizer, the
 names and shapes of its weights; a hub id is fetched), so that a bad one fails, naming the
 problem, before the server listens. Then the server listens at once and loads the weights in
-the background (``/health`` says 503 until it is ready). On SIGTERM or Ctrl-C it stops
+the background (``/health`` says 503 until it is ready). Several models (``--model`` repeated,
+``--models-file``) are served side by side, each in processes of its own with its own queue,
+in a memory plan made before any loads (``loading/memory_plan.py``); requests go to the model
+they name (``server/models.py``). On SIGTERM or Ctrl-C it stops
 accepting connections, lets the requests in flight finish (up to ``--shutdown-timeout``, then
 answers what is left 503), then stops the pipeline stages. If the engine fails for good (a
 stage died more often than it may be restarted), the server stops too and exits non-zero, so
-that an orchestrator restarts it. Batches of the Batch API run in this process
-(``server/batch_runner.py``), below online requests; a server started again on the same
-``--state-dir`` resumes those a stop or a kill left unfinished.
+that an orchestrator restarts it (of several models, the others go on serving). Batches of
+the Batch API run in this process (``server/batch_runner.py``), below online requests; a
+server started again on the same ``--state-dir`` resumes those a stop or a kill left
+unfinished.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import sys
 import tempfile
 import threading
 
-from .common import add_engine_args, add_env_argument, engine_config
+from .common import add_engine_args, add_env_argument
+from .serve_models import ModelSpec, model_specs
 
 
 def add_parser(sub, help: str) -> None:
@@ -44,6 +49,23 @@ def add_parser(sub, help: str) -> None:
         "--api-key",
         help="require 'Authorization: Bearer KEY' on the API routes (/health, /metrics, /docs "
         "stay open)",
+    )
+    g.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="a model folder or hub id to serve, NAME the name clients send as 'model' "
+        "(default: the folder's or hub id's names); repeat for several models, each in its "
+        "own processes and with its own queue (default: the bundled all-MiniLM-L6-v2) "
+        "[env: PIPEPOOL_MODEL]",
+    )
+    add_env_argument(
+        g,
+        "--models-file",
+        metavar="FILE.toml",
+        help="models to serve with options of their own: one [models.NAME] table each "
+        "(model = PATH, aliases, tasks, max_queued_requests, engine options by name); the "
+        "engine flags given here apply to all of them",
     )
     add_env_argument(
         g,
@@ -97,8 +119,8 @@ def add_parser(sub, help: str) -> None:
         "--max-queued-requests",
         type=int,
         default=S.max_queued_requests,
-        help="inputs in progress over all clients; a request that would exceed it gets 429 "
-        "(default 16384)",
+        help="inputs in progress over all clients, per model; a request that would exceed its "
+        "model's gets 429 (default 16384)",
     )
     add_env_argument(
         g,
@@ -205,40 +227,39 @@ def add_parser(sub, help: str) -> None:
         default=True,
         help="log every request (default: on)",
     )
-    add_engine_args(p)
+    add_engine_args(p, skip=("model",))
 
 
 def run(args: argparse.Namespace) -> int:
     # The server extras are imported here only: the rest of pipepool must work without them
     # (cli.py turns their absence into one line naming the extra); torch only now, so that
     # `--help` is quick.
-    from ..api.engine import Engine
     from ..parallel.launch import deployment_for
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
-    from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import ApiServers
     from ..server.batch_runner import BatchThread
-    from ..server.front import AsyncEngine
     from ..server.logs import log_config
-    from ..server.owner import EngineOwner
-    from ..server.settings import ServerSettings, served_model_names
+    from ..server.settings import ServerSettings
     from ..server.uvicorn_server import ANSWER_GRACE_S, build_server
 
-    config = engine_config(args)  # checked now: a bad flag fails before anything starts
+    specs = model_specs(args)  # checked now: a bad flag fails before anything starts
     env_ranks = torchrun_env()
+    if len(specs) > 1:
+        _check_several(specs, args, under_torchrun=env_ranks is not None)
+    config = specs[0].config
     if args.api_server_count > 1:
         _check_api_servers(config, under_torchrun=env_ranks is not None)
     if env_ranks is not None and env_ranks.rank > 0:
         # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
         # are pipeline stages until rank 0 shuts the pipeline down.
         return run_torchrun_worker(deployment_for(config))
-    check_model(config)  # a bad model fails here, before any line says the server runs
+    for spec in specs:  # a bad model fails here, before any line says the server runs
+        check_model(spec.config)
     settings = ServerSettings(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        model_names=served_model_names(args.model, args.served_model_name),
         allow_token_ids=args.allow_token_ids,
         max_inputs_per_request=args.max_inputs_per_request,
         max_tokens_per_request=args.max_tokens_per_request,
@@ -259,41 +280,45 @@ def run(args: argparse.Namespace) -> int:
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
     )
+    _check_queues(specs, settings)
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
+    if len(specs) > 1:
+        specs = _planned(specs)
     url = f"http://{settings.host}:{settings.port}"
-    names = settings.model_names
-    log.info("loading %s; it will be served as %s", config.model or "the bundled model", names[0])
-    announce = _Announcer(
-        f"ready: model {names[0]} (also accepted: {', '.join(names[1:]) or 'no other name'}) "
-        f"at {url}/v1 (OpenAI base_url; TEI routes /embed, /info at {url})"
-    )
+    for spec in specs:
+        log.info(
+            "loading %s; it will be served as %s",
+            spec.config.model or "the bundled model",
+            spec.name,
+        )
+    announce = _Announcer(_ready_line(specs, url), [spec.name for spec in specs])
 
     # With more API server processes, the replicas listen for them in a directory only this
     # user can enter, and the port is bound now, so that they can share its socket.
     api_servers = sockets = socket_dir = None
     if settings.api_server_count > 1:
         socket_dir = tempfile.mkdtemp(prefix="pipepool-")
-        owner = EngineOwner(lambda: Engine.from_config(config, ReplicaPipeline(config, socket_dir)))
-    else:
-        owner = EngineOwner(lambda: Engine.from_config(config))
-    front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+    models = _served_models(specs, socket_dir)
 
     def started() -> None:  # on the server's event loop, once it listens
         announce.server_started()
         batches.start()
 
-    server = build_server(settings, front, logs, on_started=started)
+    server = build_server(settings, models, logs, on_started=started)
     # Only this process runs batches (the other front-end processes serve their routes), in a
     # thread of its own: its lines never queue in the loop that answers online requests.
-    batches = BatchThread(settings, owner, stopping=lambda: server.should_exit)
+    batches = BatchThread(settings, models, stopping=lambda: server.should_exit)
     if socket_dir is not None:
         try:
             sockets = [server.config.bind_socket()]  # exits naming the error if it cannot
         except BaseException:
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        api_servers = ApiServers(settings, config, socket_dir, sockets[0], announce.api_ready)
+        names = specs[0].names
+        api_servers = ApiServers(
+            settings, config, names, socket_dir, sockets[0], announce.api_ready
+        )
         server.on_shutdown = api_servers.begin_stop
         announce.wait_for_api_servers(settings.api_server_count - 1)
 
@@ -303,7 +328,12 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM once it has drained, with the handler it found installed;
     # this one lets run() go on to stop the stages and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    owner.start(on_failure=stop_serving, on_ready=announce.engine_ready)
+    for model in models:
+        owner = model.front.owner
+        owner.start(
+            on_failure=_on_failure(owner, stop_serving, alone=len(models) == 1),
+            on_ready=lambda _engine, name=model.name: announce.engine_ready(name),
+        )
     try:
         if api_servers is not None:
             api_servers.start()
@@ -314,15 +344,108 @@ def run(args: argparse.Namespace) -> int:
             assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
         batches.join(ANSWER_GRACE_S)
-        front.close()
-        owner.close()
+        for model in models:
+            model.front.close()
+        for model in models:
+            model.front.owner.close()
         signal.signal(signal.SIGTERM, previous)
-    if owner.error is not None:
-        raise owner.error
+    for model in models:
+        if model.front.owner.error is not None:
+            raise model.front.owner.error
     if not server.started:
         print("pipepool serve: the server did not start (see the log above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _served_models(specs: list[ModelSpec], socket_dir: str | None):
+    """Each model's engine owner and front end (its own queue). Several models run each in
+    processes of its own (replicas, at --dp 1 too): one dying restarts without the others."""
+    from ..api.engine import Engine
+    from ..replicas.pipeline import ReplicaPipeline
+    from ..server.front import AsyncEngine
+    from ..server.models import ModelNames, ServedModel, ServedModels
+    from ..server.owner import EngineOwner
+
+    out = []
+    for spec in specs:
+        config = spec.config
+        if socket_dir is not None or len(specs) > 1:
+            build = lambda c=config: Engine.from_config(c, ReplicaPipeline(c, socket_dir))  # noqa: E731
+        else:
+            build = lambda c=config: Engine.from_config(c)  # noqa: E731
+        front = AsyncEngine(EngineOwner(build), max_queued=spec.max_queued_requests)
+        out.append(ServedModel(ModelNames(spec.names, spec.tasks), front))
+    return ServedModels(out)
+
+
+def _on_failure(owner, stop_serving, *, alone: bool):
+    """What a model's engine failing means: a model that failed to load stops the server (it
+    exits non-zero, naming why); one that fails for good later stops it too when it is the
+    only model, while the others of a server of several go on (``/health`` says ``failed``
+    for it, and its requests are answered 503)."""
+
+    def failed(cause: BaseException) -> None:
+        if alone or owner.engine is None:
+            stop_serving(cause)
+
+    return failed
+
+
+def _planned(specs: list[ModelSpec]) -> list[ModelSpec]:
+    """The models with their memory plan's configs (``loading.memory_plan``), the plan logged;
+    refused, with its numbers, when they do not fit."""
+    from dataclasses import replace
+
+    from ..loading.memory_plan import plan_memory
+
+    plan = plan_memory([(spec.name, spec.config) for spec in specs])
+    log.info("%s", plan.describe())
+    return [replace(spec, config=m.config) for spec, m in zip(specs, plan.models, strict=True)]
+
+
+def _ready_line(specs: list[ModelSpec], url: str) -> str:
+    where = f"at {url}/v1 (OpenAI base_url; TEI routes /embed, /info at {url})"
+    if len(specs) == 1:
+        names = specs[0].names
+        also = ", ".join(names[1:]) or "no other name"
+        return f"ready: model {names[0]} (also accepted: {also}) {where}"
+    return f"ready: models {', '.join(spec.name for spec in specs)} {where}"
+
+
+def _check_several(specs: list[ModelSpec], args, *, under_torchrun: bool) -> None:
+    from ..errors import InvalidInputError
+
+    if under_torchrun:
+        raise InvalidInputError(
+            "several models run each in processes of its own on this host; under torchrun "
+            "serve one model", param="model",
+        )  # fmt: skip
+    if args.api_server_count > 1:
+        raise InvalidInputError(
+            "--api-server-count above 1 serves one model; with several, each model's "
+            "processes already tokenise apart from the others", param="api_server_count",
+        )  # fmt: skip
+    for spec in specs:
+        if spec.config.trace:
+            raise InvalidInputError(
+                "--trace follows one pipeline in the server's own process: serve one model "
+                "to trace it", param="trace",
+            )  # fmt: skip
+
+
+def _check_queues(specs: list[ModelSpec], settings) -> None:
+    from ..errors import InvalidInputError
+
+    for spec in specs:
+        n = spec.max_queued_requests
+        if not isinstance(n, int) or isinstance(n, bool) or n < settings.max_inputs_per_request:
+            raise InvalidInputError(
+                f"model {spec.name}: max_queued_requests={n!r} must be an integer of at least "
+                f"max_inputs_per_request={settings.max_inputs_per_request}: a full-size "
+                "request could never be queued",
+                param="max_queued_requests",
+            )
 
 
 log = logging.getLogger("pipepool.server")
@@ -357,14 +480,14 @@ def _check_api_servers(config, *, under_torchrun: bool) -> None:
 
 
 class _Announcer:
-    """Logs ``message`` once the port is bound, the engine is loaded and (with
+    """Logs ``message`` once the port is bound, every model is loaded and (with
     ``--api-server-count``) the other front-end processes serve, whichever comes last; never
     if one of them fails (a port in use must not be followed by a "ready" line)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, models: list[str]) -> None:
         self.message = message
         self._lock = threading.Lock()
-        self._waiting = {"port", "engine"}
+        self._waiting = {"port", *(f"model {name}" for name in models)}
 
     def wait_for_api_servers(self, count: int) -> None:
         with self._lock:
@@ -374,8 +497,8 @@ class _Announcer:
     def server_started(self) -> None:
         self._done("port")
 
-    def engine_ready(self, _engine) -> None:
-        self._done("engine")
+    def engine_ready(self, name: str) -> None:
+        self._done(f"model {name}")
 
     def api_ready(self) -> None:
         self._done("api servers")

@@ -15,7 +15,7 @@ from ..config import EngineConfig, split_layers
 from ..errors import InvalidInputError, ModelLoadError
 from ..layers import int8_linear, qk_rope
 from ..layers.attention import choose_kernel
-from ..models import Family, family_of
+from ..models import Family, StageModel, family_of
 from ..models.checkpoint_math import check_config, decide_causal
 from ..stage.kv_cache import KVCache
 from ..stage.runner import StageRunner, StageSpec, runner_class
@@ -37,7 +37,12 @@ _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on 
 _CUDA_STEP_TOKENS = 16384
 _CUDA_MAX_STEP_TOKENS = 65536
 _CPU_STEP_TOKENS = 2048
-_GPU_MEMORY_UTILIZATION = 0.90
+# The share of a GPU's free memory the engines plan to use, and what each process on it costs
+# besides its weights, activations and KV cache (its CUDA context, the allocator's slack).
+GPU_MEMORY_UTILIZATION = 0.90
+_GPU_OVERHEAD_BYTES = 1 << 30
+# What a process running a CPU pipeline holds besides its weights (torch, the tokenizer).
+_CPU_PROCESS_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -162,33 +167,16 @@ def plan_deployment(
     """Every decision, made once. ``local_placement``: torchrun, each rank on its host's
     ``cuda:LOCAL_RANK``; then ``gpu_free_bytes`` is the least free memory any rank reported
     (this process sees only its own GPU)."""
-    folder = read_model_folder(config.model)
-    family = family_of(folder.architecture)
-    hf = folder.hf_config
-    check_config(hf, family=family.name, decoder=family.decoder, architecture=folder.architecture)
-    causal = decide_causal(
-        hf, family=family.name, decoder=family.decoder, attention=config.attention
-    )
     device_kind = resolve_device_kind(config.device)
-    dtype = _dtype(config.dtype, hf, device_kind)
-    int8 = config.dtype == "int8"
-    if int8:
-        _check_int8(config, family, hf, causal, device_kind)
-    checkpoint = Checkpoint(folder.path, family)
-    classifier = read_classifier(
-        folder,
-        family=family.name,
-        decoder=family.decoder,
-        head_kind=family.head_kind,
-        reranker=config.reranker,
-        checkpoint_names=checkpoint.entries,
-        model_name=config.model,
+    parts = _read_model(config, device_kind)
+    folder, family, hf, causal = parts.folder, parts.family, parts.hf, parts.causal
+    dtype, checkpoint, classifier, whole = (
+        parts.dtype,
+        parts.checkpoint,
+        parts.classifier,
+        parts.whole,
     )
-    with torch.device("meta"):
-        whole = family.build(
-            hf, range(family.num_layers(hf)), True, True, 1, classifier, causal=causal
-        )
-    checkpoint.verify(whole.weight_specs())
+    int8 = config.dtype == "int8"
 
     max_len = _max_model_len(config, folder, whole.max_positions)
     st = folder.st
@@ -275,6 +263,100 @@ def plan_deployment(
         fused_qk_rope=fused,
         int8_linears=int8,
         placement="local" if local_placement else "all",
+    )
+
+
+@dataclass(frozen=True)
+class _ModelParts:
+    """A checkpoint as read and checked for a config, before any decision about running it:
+    its folder and family, the math it asks for, the dtype it runs in on ``device_kind``,
+    its weights' index and the whole model built on the meta device."""
+
+    folder: ModelFolder
+    family: Family
+    hf: dict
+    causal: bool
+    dtype: torch.dtype
+    checkpoint: Checkpoint
+    classifier: ClassifierHead | None
+    whole: StageModel
+
+
+def _read_model(config: EngineConfig, device_kind: str) -> _ModelParts:
+    folder = read_model_folder(config.model)
+    family = family_of(folder.architecture)
+    hf = folder.hf_config
+    check_config(hf, family=family.name, decoder=family.decoder, architecture=folder.architecture)
+    causal = decide_causal(
+        hf, family=family.name, decoder=family.decoder, attention=config.attention
+    )
+    dtype = _dtype(config.dtype, hf, device_kind)
+    if config.dtype == "int8":
+        _check_int8(config, family, hf, causal, device_kind)
+    checkpoint = Checkpoint(folder.path, family)
+    classifier = read_classifier(
+        folder,
+        family=family.name,
+        decoder=family.decoder,
+        head_kind=family.head_kind,
+        reranker=config.reranker,
+        checkpoint_names=checkpoint.entries,
+        model_name=config.model,
+    )
+    with torch.device("meta"):
+        whole = family.build(
+            hf, range(family.num_layers(hf)), True, True, 1, classifier, causal=causal
+        )
+    checkpoint.verify(whole.weight_specs())
+    return _ModelParts(folder, family, hf, causal, dtype, checkpoint, classifier, whole)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What one pipeline of a model needs on the device of its largest stage, in bytes, as the
+    engine budgets it: that stage's weights, a step's working set, what each process costs
+    besides (a CUDA context, allocator slack), and its KV cache, of ``kv_bytes_per_token``
+    a token (0: no KV cache, a bidirectional model). ``min_kv_tokens``: the least KV it can
+    run with (its longest prompt and a step's tokens, in whole blocks); ``kv_cache_tokens``:
+    what the config fixes, if it does."""
+
+    weights: int
+    activations: int
+    overhead: int
+    kv_bytes_per_token: int
+    min_kv_tokens: int
+    kv_cache_tokens: int | None
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the KV cache."""
+        return self.weights + self.activations + self.overhead
+
+
+def memory_needs(config: EngineConfig, device_kind: str) -> ModelMemory:
+    """``ModelMemory`` of a config's model on ``device_kind`` ("cuda" or "cpu"), from its
+    checkpoint's index: no weight is read and no device touched."""
+    parts = _read_model(config, device_kind)
+    whole, family = parts.whole, parts.family
+    layers = split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
+    cuda = device_kind == "cuda"
+    budget = step_tokens(config, cuda, flops_per_token(family, parts.checkpoint))
+    weights = _stage_weight_bytes(parts.checkpoint, family, layers, whole.num_layers, parts.dtype)
+    per_token = 0
+    least = 0
+    if parts.causal:
+        assert whole.kv_layout is not None, "a causal model keeps a KV cache"
+        largest = max(len(r) for r in layers)
+        per_token = KVCache.bytes_per_token(whole.kv_layout, largest, parts.dtype)
+        longest = _max_model_len(config, parts.folder, whole.max_positions) + budget
+        least = -(-longest // config.block_size) * config.block_size
+    return ModelMemory(
+        weights=int(weights),
+        activations=_activation_bytes(budget, whole, parts.dtype),
+        overhead=_GPU_OVERHEAD_BYTES if cuda else _CPU_PROCESS_BYTES,
+        kv_bytes_per_token=per_token,
+        min_kv_tokens=least,
+        kv_cache_tokens=config.kv_cache_tokens,
     )
 
 
@@ -439,30 +521,36 @@ def _gpu_kv_tokens(
 ) -> int:
     """What is left of the smallest GPU after the largest stage's weights and a working set
     for one step's activations (set by the token budget)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = (
-        sum(
-            _numel(e.shape)
-            for name, e in checkpoint.entries.items()
-            if not family.ignored.match(name)
-        )
-        * itemsize
-    )
-    stage_weights = weights * max(len(r) for r in layers) / whole.num_layers
-    hidden = whole.hidden_size
-    inter = getattr(whole.cfg, "intermediate_size", 4 * hidden)
-    activations = step_tokens * (8 * hidden + 4 * inter) * itemsize * 2
+    stage_weights = _stage_weight_bytes(checkpoint, family, layers, whole.num_layers, dtype)
+    activations = _activation_bytes(step_tokens, whole, dtype)
     if free_bytes is None:
         free_bytes = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
     # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
-    usable = free_bytes * _GPU_MEMORY_UTILIZATION * config.gpu_memory_share
-    budget = usable - stage_weights - activations - (1 << 30)
+    usable = free_bytes * GPU_MEMORY_UTILIZATION * config.gpu_memory_share
+    budget = usable - stage_weights - activations - _GPU_OVERHEAD_BYTES
     if budget < per_token * config.block_size:
         raise ModelLoadError(
             f"not enough GPU memory for the KV cache: {free_bytes / 2**30:.1f} GiB free, weights "
             f"{stage_weights / 2**30:.1f} GiB, step working set {activations / 2**30:.1f} GiB"
         )
     return int(budget // per_token)
+
+
+def _stage_weight_bytes(checkpoint, family, layers, num_layers: int, dtype) -> float:
+    """Bytes of the largest stage's weights: the model's, in proportion to its layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = sum(
+        _numel(e.shape) for name, e in checkpoint.entries.items() if not family.ignored.match(name)
+    )
+    return weights * itemsize * max(len(r) for r in layers) / num_layers
+
+
+def _activation_bytes(step_tokens: int, whole, dtype) -> int:
+    """A working set for one step's activations, set by the token budget."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    hidden = whole.hidden_size
+    inter = getattr(whole.cfg, "intermediate_size", 4 * hidden)
+    return step_tokens * (8 * hidden + 4 * inter) * itemsize * 2
 
 
 def _numel(shape: tuple[int, ...]) -> int:

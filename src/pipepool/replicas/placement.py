@@ -57,7 +57,7 @@ def plan_placement(config: EngineConfig) -> list[ReplicaPlacement]:
             ReplicaPlacement(r, ("cpu",) * pp, None, one.replace(cpu_threads=threads))
             for r, threads in enumerate(_cpu_shares(dp))
         ]
-    physical = _visible_gpus()
+    physical = visible_gpus()
     groups = -(-dp // share)  # GPU groups of PP devices
     if groups * pp > len(physical):
         raise InvalidInputError(
@@ -88,7 +88,7 @@ def _device_kind(device: str) -> str:
     return resolve_device_kind(device)
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     """This host's GPUs as CUDA_VISIBLE_DEVICES names them (the front end's own restriction
     is kept: replica devices are picked among those)."""
     import torch

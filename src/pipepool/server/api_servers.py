@@ -42,6 +42,7 @@ class ApiServerSpec:
 
     settings: ServerSettings  # api_server_index says which one it is
     config: EngineConfig
+    names: tuple[str, ...]  # what clients call the model (server.models.ModelNames)
     socket_dir: str  # where the replicas listen (replicas.pipeline.replica_socket)
 
 
@@ -53,11 +54,13 @@ class ApiServers:
         self,
         settings: ServerSettings,
         config: EngineConfig,
+        names: tuple[str, ...],
         socket_dir: str,
         sock: socket.socket,
         on_ready: Callable[[], None] = lambda: None,
     ) -> None:
         self._settings, self._config, self._socket_dir = settings, config, socket_dir
+        self._names = names
         self._sock = sock
         self._on_ready = on_ready
         self._indices = range(1, settings.api_server_count)
@@ -105,7 +108,10 @@ class ApiServers:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         spec = ApiServerSpec(
-            replace(self._settings, api_server_index=index), self._config, self._socket_dir
+            replace(self._settings, api_server_index=index),
+            self._config,
+            self._names,
+            self._socket_dir,
         )
         with self._lock:
             if self._stopping.is_set():

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..replicas.shared import SharedReplicas
     from .front import AsyncEngine
     from .logs import log_config
+    from .models import ServedModels
     from .owner import EngineOwner
     from .uvicorn_server import build_server
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         os.write(ready_fd, b"r")
         os.close(ready_fd)
 
-    server = build_server(settings, front, logs, on_started=serving)
+    server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
 
     def stop_serving(_exc: BaseException) -> None:
         server.should_exit = True

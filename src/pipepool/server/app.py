@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from .. import __version__
 from . import docs
 from .errors import install_handlers
-from .front import AsyncEngine
 from .metrics import HttpMetrics, MetricsMiddleware
+from .models import ServedModels
 from .openapi import bound_by_server
 from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
 from .routes.shared import ServerState
@@ -40,8 +40,9 @@ ROUTERS = (
 )
 
 
-def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
-    """The app of one front-end process: routes, error bodies, guards, metrics, access log."""
+def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
+    """The app of one front-end process serving ``models``: routes, error bodies, guards,
+    metrics, access log."""
     app = FastAPI(
         title="pipepool",
         version=__version__,
@@ -53,7 +54,7 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
         app.include_router(router)
     paths = {getattr(route, "path", "") for router in ROUTERS for route in router.routes}
     http = HttpMetrics(frozenset(paths - {""}))
-    state = ServerState(settings, front, http)
+    state = ServerState(settings, models, http)
     app.state.pipepool = state
     install_handlers(app, http.on_error)
     # Added last = runs first: metrics count what the guards turn away.
@@ -66,14 +67,14 @@ def build_app(settings: ServerSettings, front: AsyncEngine) -> FastAPI:
         on_error=http.on_error,
     )
     app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
-    _schema_as_answered(app, settings, front)
+    _schema_as_answered(app, settings, models)
     return app
 
 
-def _schema_as_answered(app: FastAPI, settings: ServerSettings, front: AsyncEngine) -> None:
+def _schema_as_answered(app: FastAPI, settings: ServerSettings, models: ServedModels) -> None:
     """The OpenAPI schema without FastAPI's 422 answers: a request that fails validation is
     answered 400 with an OpenAI error body (``errors.py``), which each route lists; with the
-    bounds of this server's settings and model (``openapi.py``)."""
+    bounds of this server's settings and models (``openapi.py``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -83,7 +84,7 @@ def _schema_as_answered(app: FastAPI, settings: ServerSettings, front: AsyncEngi
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        bound_by_server(schema, settings, front)
+        bound_by_server(schema, settings, models)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

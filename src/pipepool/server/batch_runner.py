@@ -44,7 +44,7 @@ from .front import AsyncEngine
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
-    from .owner import EngineOwner
+    from .models import ServedModels
 
 __all__ = [
     "BatchRunner",
@@ -383,28 +383,33 @@ def _log_failure_of(exc: BaseException) -> None:
 
 class BatchThread:
     """The batches of a server's main process, run in a thread of their own: its own event
-    loop, and its own app (``build_app``) over its own ``AsyncEngine`` on the server's engine.
+    loop, and its own app (``build_app``) over its own ``AsyncEngine`` on each of the server's
+    engines.
     Thousands of batch lines in flight, each a request through the app's routes, never queue
     in the event loop that answers online requests; their engine calls are background work
     (``api.priority``). Batches come from the server's state directory, within its limits.
     ``stopping()``: the server is shutting down (the runner stops sending lines)."""
 
     def __init__(
-        self, settings: ServerSettings, owner: EngineOwner, *, stopping: Callable[[], bool]
+        self, settings: ServerSettings, models: ServedModels, *, stopping: Callable[[], bool]
     ) -> None:
         from .app import build_app  # the app is built here, not imported by it
 
-        self.front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+        owners = [model.front.owner for model in models]
+        self.fronts = {
+            i: AsyncEngine(model.front.owner, max_queued=model.front.max_queued)
+            for i, model in enumerate(models)
+        }
         dispatcher = Dispatcher(
-            build_app(settings, self.front),
+            build_app(settings, models.with_fronts(self.fronts)),
             api_key=settings.api_key,
-            engine_failed=lambda: owner.error is not None,
+            engine_failed=lambda: any(owner.error is not None for owner in owners),
         )
         self.runner = BatchRunner(
             settings.batch_state_dir,
             dispatcher,
             max_requests=settings.max_batch_requests,
-            ready=lambda: owner.engine is not None,
+            ready=lambda: all(owner.engine is not None for owner in owners),
             stopping=stopping,
             window_inputs=window_for(settings),
         )
@@ -417,7 +422,8 @@ class BatchThread:
         """Wait (``timeout`` seconds at most) for the runner to stop after ``stopping()``."""
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.front.close()
+        for front in self.fronts.values():
+            front.close()
 
     def _run(self) -> None:
         block_stop_signals()  # SIGTERM and Ctrl-C are the server's

@@ -1,6 +1,9 @@
-"""``/metrics`` in the Prometheus text format: the engine's counters (``Engine.stats``), KV
-blocks, and what the HTTP layer sees (requests by route and status, latency, errors sent,
-aborts). Written by hand: a few dozen lines do not justify a dependency."""
+"""``/metrics`` in the Prometheus text format: each model's engine counters (``Engine.stats``),
+KV blocks and queue, and what the HTTP layer sees (requests by route and status, latency,
+errors sent, aborts). A server of several models labels each model's series ``model="NAME"``
+(the name its responses carry), and its HTTP requests by the model that answered; one of a
+single model keeps them unlabelled. Written by hand: a few dozen lines do not justify a
+dependency."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from ..api.engine import Engine
 from ..core.stats import STEP_BUCKETS
 from .errors import APIError
 from .front import AsyncEngine
+from .models import ServedModels
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # One line per request answered (not uvicorn.access: uvicorn silences that one when its own
@@ -53,23 +57,24 @@ class HttpMetrics:
     """What the server itself counts. Updated on the event loop thread only.
 
     Each of ``routes`` (the app's paths) gets its own label; any other path is "other", so a
-    scanner probing random paths cannot blow up the number of series."""
+    scanner probing random paths cannot blow up the number of series. A request is counted
+    under the model that answered it ("" where none did: /health, a 404)."""
 
     def __init__(self, routes: frozenset[str]) -> None:
         self.routes = routes
-        self.requests: Counter[tuple[str, int]] = Counter()  # (route, status)
+        self.requests: Counter[tuple[str, int, str]] = Counter()  # (route, status, model)
         self.errors: Counter[tuple[str, str]] = Counter()  # (error type, error code)
-        self.latency: dict[str, _Histogram] = {}
+        self.latency: dict[tuple[str, str], _Histogram] = {}  # by (route, model)
         self.in_flight = 0
         self.connections = ConnectionCounts()
 
     def on_error(self, err: APIError) -> None:
         self.errors[(err.type, err.code or "")] += 1
 
-    def on_response(self, path: str, status: int, seconds: float) -> None:
+    def on_response(self, path: str, status: int, seconds: float, model: str = "") -> None:
         route = path if path in self.routes else "other"
-        self.requests[(route, status)] += 1
-        self.latency.setdefault(route, _Histogram(HTTP_BUCKETS)).observe(seconds)
+        self.requests[(route, status, model)] += 1
+        self.latency.setdefault((route, model), _Histogram(HTTP_BUCKETS)).observe(seconds)
 
 
 class MetricsMiddleware:
@@ -106,7 +111,10 @@ class MetricsMiddleware:
         finally:
             seconds = time.perf_counter() - started
             self.metrics.in_flight -= 1
-            self.metrics.on_response(scope["path"], status, seconds)
+            # The model the route chose (``routes.shared.select_model``), in the request's state.
+            model = scope.get("state", {}).get("pipepool_model")
+            name = model.name if model is not None else ""
+            self.metrics.on_response(scope["path"], status, seconds, name)
             if self.access_log:
                 _log_access(scope, status, seconds)
 
@@ -126,8 +134,17 @@ def _log_access(scope, status: int, seconds: float) -> None:
     )  # fmt: skip
 
 
-def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
+def render(models: ServedModels, http: HttpMetrics) -> str:
     out = _Text()
+    several = len(models) > 1
+    for model in models:
+        _model_metrics(out.labelled(model=model.name) if several else out, model.front)
+    _http_metrics(out, http, by_model=several)
+    return out.text()
+
+
+def _model_metrics(out: _Text, front: AsyncEngine) -> None:
+    engine = front.owner.engine
     out.gauge(
         "pipepool_engine_ready", "1 when the engine is loaded and alive", engine_ready(engine)
     )
@@ -149,6 +166,9 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
         "engine requests aborted because their HTTP request went away",
         front.aborted_inputs,
     )
+
+
+def _http_metrics(out: _Text, http: HttpMetrics, *, by_model: bool) -> None:
     out.gauge("pipepool_http_requests_in_flight", "HTTP requests being handled", http.in_flight)
     out.gauge("pipepool_http_connections_open", "HTTP connections open", http.connections.open)
     out.counter(
@@ -172,8 +192,11 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
     out.family(
         "pipepool_http_requests_total",
         "counter",
-        "HTTP requests answered, by route and status",
-        [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http.requests.items())],
+        "HTTP requests answered, by route, status and (of several models) model",
+        [
+            ({"route": r, "status": str(s), **({"model": m} if by_model else {})}, n)
+            for (r, s, m), n in sorted(http.requests.items())
+        ],
     )
     out.family(
         "pipepool_http_errors_total",
@@ -182,16 +205,15 @@ def render(engine: Engine | None, front: AsyncEngine, http: HttpMetrics) -> str:
         [({"type": t, "code": c}, n) for (t, c), n in sorted(http.errors.items())],
     )
     out.header("pipepool_http_request_duration_seconds", "histogram", "HTTP request latency")
-    for route, hist in sorted(http.latency.items()):
+    for (route, model), hist in sorted(http.latency.items()):
         out.histogram_samples(
             "pipepool_http_request_duration_seconds",
             hist.bounds,
             hist.counts,
             hist.count,
             hist.sum,
-            {"route": route},
+            {"route": route, **({"model": model} if by_model else {})},
         )
-    return out.text()
 
 
 def engine_ready(engine: Engine | None) -> int:
@@ -274,17 +296,27 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
 
 
 class _Text:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+    """Metric families in the text format, each written once (HELP, TYPE, then its samples)
+    however many models add samples to it; ``labelled`` adds labels to every sample."""
+
+    def __init__(self, labels: dict | None = None, families: dict | None = None) -> None:
+        self.labels = labels or {}
+        self.families: dict[str, list[str]] = {} if families is None else families
+
+    def labelled(self, **labels: str) -> _Text:
+        """The same families, with ``labels`` on every sample added through the result."""
+        return _Text({**self.labels, **labels}, self.families)
 
     def header(self, name: str, kind: str, help: str) -> None:
-        self.lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+        self.families.setdefault(name, [f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
 
     def family(
         self, name: str, kind: str, help: str, samples: Iterable[tuple[dict, float]]
     ) -> None:
         self.header(name, kind, help)
-        self.lines += [f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples]
+        self.families[name] += [
+            f"{name}{_labels({**self.labels, **labels})} {_number(v)}" for labels, v in samples
+        ]
 
     def counter(self, name: str, help: str, value: float) -> None:
         self.family(name, "counter", help, [({}, value)])
@@ -293,14 +325,17 @@ class _Text:
         self.family(name, "gauge", help, [({}, value)])
 
     def histogram_samples(self, name, bounds, cumulative, count, total, labels: dict) -> None:
+        """Samples of the histogram ``name`` (its ``header`` first)."""
+        labels = {**self.labels, **labels}
+        lines = self.families[name]
         for bound, n in zip(bounds, cumulative, strict=True):
-            self.lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(bound)})} {n}")
-        self.lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
-        self.lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
-        self.lines.append(f"{name}_count{_labels(labels)} {count}")
+            lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(bound)})} {n}")
+        lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+        lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
+        lines.append(f"{name}_count{_labels(labels)} {count}")
 
     def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        return "\n".join(line for lines in self.families.values() for line in lines) + "\n"
 
 
 def _labels(labels: dict) -> str:

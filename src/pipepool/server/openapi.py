@@ -18,7 +18,7 @@ from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchem
 
 if TYPE_CHECKING:
     from ..api.engine import Engine
-    from .front import AsyncEngine
+    from .models import ServedModels
     from .settings import ServerSettings
 
 BOUNDED_BY = "x-bounded-by"  # names a ModelBounds field, or "inputs" (the settings' limit)
@@ -112,11 +112,24 @@ class ModelBounds:
             prompt_names=tuple(sorted(engine.inputs.prompts)),
         )
 
+    @classmethod
+    def widest(cls, bounds: list[ModelBounds]) -> ModelBounds:
+        """What any of several models allows."""
+        return cls(
+            vocab_size=max(b.vocab_size for b in bounds),
+            output_dim=max(b.output_dim for b in bounds),
+            max_model_len=max(b.max_model_len for b in bounds),
+            prompt_names=tuple(sorted({n for b in bounds for n in b.prompt_names})),
+        )
 
-def bound_by_server(schema: dict, settings: ServerSettings, front: AsyncEngine) -> None:
-    """``bound_schema`` with this server's settings and, once loaded, its model."""
-    engine = front.owner.engine
-    bound_schema(schema, settings, ModelBounds.of(engine) if engine is not None else None)
+
+def bound_by_server(schema: dict, settings: ServerSettings, models: ServedModels) -> None:
+    """``bound_schema`` with this server's settings and, once every model is loaded, the
+    widest of their bounds (a request the schema allows is one some model may take)."""
+    engines = [m.front.owner.engine for m in models]
+    bounds = [ModelBounds.of(e) for e in engines if e is not None]
+    widest = ModelBounds.widest(bounds) if bounds and len(bounds) == len(engines) else None
+    bound_schema(schema, settings, widest)
 
 
 def bound_schema(schema: dict, settings: ServerSettings, model: ModelBounds | None) -> None:

@@ -304,17 +304,20 @@ class DetokenizeResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One served model name in ``/v1/models`` (``max_model_len`` once it is loaded)."""
+    """One served model name in ``/v1/models`` (``max_model_len`` and ``tasks`` once its
+    model is loaded)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str  # the model this name is for: the name its responses carry
     max_model_len: int | None = None  # once the model is loaded
+    tasks: list[str] | None = None  # what it does (api.router.TASKS), once loaded
 
 
 class ModelList(BaseModel):
-    """OpenAI's ``/v1/models`` answer: every name the model answers to."""
+    """OpenAI's ``/v1/models`` answer: every name the server's models answer to."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
@@ -326,12 +329,20 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ModelHealth(BaseModel):
+    """One model's health in ``/health``."""
+
+    status: str
+    replicas: list[str] | None = None
+
+
 class HealthResponse(BaseModel):
     """``ok`` (200); ``loading``, ``degraded``, ``dead``, ``failed`` or ``closed`` (503)."""
 
     status: str
     api_server: int | None = None  # which front-end process answered (--api-server-count > 1)
-    replicas: list[str] | None = None  # each replica's state (--dp > 1)
+    replicas: list[str] | None = None  # each replica's state (--dp > 1), of a lone model
+    models: dict[str, ModelHealth] | None = None  # each model's own, by the name it answers
 
 
 def encode_array(

@@ -1,31 +1,23 @@
-"""What the server is told on the command line: where to listen, what to call the model,
-and the limits that protect it."""
+"""What the server is told on the command line: where to listen and the limits that protect
+it (what it calls its models: ``models.py``)."""
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from ..errors import InvalidInputError
 
-# What a client calls the bundled model when the server was started without --model.
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-# A folder in the Hugging Face cache: .../models--ORG--NAME/snapshots/REVISION
-_HF_CACHE_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
-
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Everything the HTTP server is told at start (address, names, limits, keys, logs)."""
+    """Everything the HTTP server is told at start (address, limits, keys, logs); the limits
+    on queued requests hold for each model it serves."""
 
     host: str = "127.0.0.1"  # loopback unless told otherwise: no accidental exposure
     port: int = 8000
     api_key: str | None = None  # None: no authentication
-    # The names clients may pass as "model"; the first is the one responses carry.
-    model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME, "all-MiniLM-L6-v2")
     # Token-id inputs are read as ids of this model's tokenizer; a client that sends ids of
     # another tokenizer (LangChain's OpenAIEmbeddings does by default) would get wrong vectors
     # with no error, so they are refused unless the operator says the clients' ids are right.
@@ -82,25 +74,6 @@ class ServerSettings:
         """Where the Batch API keeps its records and files."""
         return Path(self.state_dir).expanduser() if self.state_dir else default_state_dir()
 
-    @property
-    def model_name(self) -> str:
-        return self.model_names[0]
-
-    @cached_property  # one look at the disk per server, not per request
-    def shown_model_names(self) -> tuple[str, ...]:
-        """The names a response may show (/v1/models, /info, errors): every accepted name but
-        a path to a local folder, which would tell clients how the server's disk is laid out
-        (the path stays accepted: a vLLM server's default name is its path). The first name,
-        what responses carry, is always shown."""
-        return (self.model_name, *(n for n in self.model_names[1:] if not _is_folder_path(n)))
-
-    def response_name(self, requested: str | None) -> str:
-        """The model name a response carries for a request that named ``requested`` (already
-        checked to be served): that name, or the first one where it is not shown (a path)."""
-        if requested is None or requested not in self.shown_model_names:
-            return self.model_name
-        return requested
-
     def __post_init__(self) -> None:
         positive = ("max_inputs_per_request", "max_tokens_per_request", "max_chunked_tokens")
         limits = ("max_body_bytes", "max_queued_requests", "max_batch_requests")
@@ -118,8 +91,6 @@ class ServerSettings:
             raise InvalidInputError(f"port must be in 0..65535, got {self.port}", param="port")
         if self.shutdown_timeout_s <= 0:
             raise InvalidInputError("shutdown_timeout must be > 0", param="shutdown_timeout")
-        if not self.model_names or not all(self.model_names):
-            raise InvalidInputError("served model names must not be empty", param="model")
         if self.log_format not in ("text", "json"):
             raise InvalidInputError("log_format must be text or json", param="log_format")
         if self.timeout_keep_alive_s <= 0:
@@ -147,30 +118,3 @@ def default_state_dir() -> Path:
     ``~/.local/share/pipepool``)."""
     base = os.environ.get("XDG_DATA_HOME") or "~/.local/share"
     return Path(base).expanduser() / "pipepool"
-
-
-def served_model_names(model: str | None, extra: str | None = None) -> tuple[str, ...]:
-    """Every name a client may reasonably use for ``--model``: the names given with
-    ``--served-model-name`` (comma-separated; the first is the one responses carry), then the
-    hub id (``org/name``) and its short name (``name``, what OpenAI-style examples use), and a
-    local folder's name and the path as given."""
-    names = [n.strip() for n in (extra or "").split(",") if n.strip()]
-    if model is None:
-        names += [DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME.split("/")[1]]
-    else:
-        path = Path(model).expanduser()
-        cached = _HF_CACHE_FOLDER.search(path.as_posix())
-        if cached:
-            names += [f"{cached[1]}/{cached[2]}", cached[2]]
-        elif not path.is_dir() and model.count("/") == 1:  # a hub id
-            names += [model, model.split("/")[1]]
-        if path.is_dir():
-            names += [path.resolve().name, model]
-    return tuple(dict.fromkeys(names))  # no repeats, first mention first
-
-
-def _is_folder_path(name: str) -> bool:
-    """Whether a served name is a local folder given by its path (``/srv/models/x``, ``./x``,
-    ``~/x``), rather than a bare name or a hub id."""
-    path = Path(name).expanduser()
-    return path.name != name and path.is_dir()

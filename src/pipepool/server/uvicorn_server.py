@@ -16,7 +16,7 @@ import uvicorn
 
 from .app import ServerState, build_app
 from .connections import MAX_HEADER_BYTES, ConnectionGuard, guarded_protocol
-from .front import AsyncEngine
+from .models import ServedModels
 from .settings import ServerSettings
 
 # Time the routes get to send their 503s before uvicorn cancels what is left.
@@ -30,14 +30,14 @@ class Server(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        front: AsyncEngine,
+        models: ServedModels,
         timeout_s: float,
         on_started: Callable[[], None] = lambda: None,
     ) -> None:
         # uvicorn annotates int but only hands it to asyncio.wait_for, which takes seconds.
         config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S  # type: ignore[assignment]
         super().__init__(config)
-        self.front = front
+        self.models = models
         self.timeout_s = timeout_s
         self.on_started = on_started
         self.on_shutdown: Callable[[], None] = lambda: None  # when it stops accepting
@@ -49,20 +49,21 @@ class Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         self.on_shutdown()
-        self.front.abandon_after(self.timeout_s)
+        for model in self.models:
+            model.front.abandon_after(self.timeout_s)
         await super().shutdown(sockets)
 
 
 def build_server(
     settings: ServerSettings,
-    front: AsyncEngine,
+    models: ServedModels,
     logs: dict,
     on_started: Callable[[], None],
 ) -> Server:
     """The server of one front-end process (the main one, or one of ``--api-server-count``):
     the app, behind the connection guards (``connections.py``: each process counts its own
     connections); ``on_started`` once it accepts connections."""
-    app = build_app(settings, front)
+    app = build_app(settings, models)
     state: ServerState = app.state.pipepool
     guard = ConnectionGuard(
         max_per_client=settings.max_connections_per_client,
@@ -84,4 +85,4 @@ def build_server(
         lifespan="off",
         log_config=logs,
     )
-    return Server(config, front, timeout_s=settings.shutdown_timeout_s, on_started=on_started)
+    return Server(config, models, timeout_s=settings.shutdown_timeout_s, on_started=on_started)

@@ -16,7 +16,7 @@ from ...api.st_compat import task_prompt_name
 from ...errors import EngineDeadError, InvalidInputError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
-from .shared import ERRORS, check_model, run_model_outputs, state_of
+from .shared import ERRORS, run_model_outputs, select_model
 
 router = APIRouter(tags=["Cohere"])
 
@@ -24,10 +24,9 @@ router = APIRouter(tags=["Cohere"])
 @router.post("/v2/embed", response_model=cp.CohereEmbedResponse, responses=ERRORS)
 async def embed(body: cp.CohereEmbedRequest, request: Request) -> Response:
     """Each text's embedding in every type of ``embedding_types``, in text order."""
-    state = state_of(request)
-    check_model(state, body.model)
+    model = select_model(request, body.model, "embed")
     try:
-        engine = state.front.engine
+        engine = model.front.engine
     except EngineDeadError as exc:  # loading, or failed to start: 503
         raise from_engine(exc) from None
     prompt_name = _prompt_name(engine, body.input_type)
@@ -46,7 +45,7 @@ async def embed(body: cp.CohereEmbedRequest, request: Request) -> Response:
     vectors = np.stack(done.outputs)  # [n, dim]
     try:
         # Serializing thousands of numbers takes a while: keep it off the event loop.
-        text = await state.front.offload(
+        text = await model.front.offload(
             lambda: json.dumps(
                 cp.embed_response(
                     body.texts, vectors, body.embedding_types, done.num_tokens, body.ranges

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 
 from .. import protocol
 from . import retrieval, scoring
-from .shared import ERRORS, READ_ERRORS, check_model, run_model_outputs, state_of
+from .shared import ERRORS, READ_ERRORS, model_of, run_model_outputs, select_model, state_of
 
 # (model name, outputs, tokens per input, encoding format, embed dtype) -> response body
 Respond = Callable[[str, list[np.ndarray], list[int], str, protocol.EmbedDtype], dict]
@@ -24,10 +24,13 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
     vector, the sparse vector and the token vectors the model gives (``retrieval.py``)."""
     if body.outputs is not None:
-        check_model(state_of(request), body.model)
+        tasks = [retrieval.task_of(o) for o in body.outputs]
+        select_model(request, body.model, *tasks)
         outputs = retrieval.check_model_outputs(request, body.outputs)
         if outputs != ("dense",):
             return await retrieval.embeddings(body, request, outputs)
+    else:
+        select_model(request, body.model, "embed")
     return await _run_model(
         request,
         body,
@@ -42,10 +45,10 @@ async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
     """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input; on a token
     classifier (``*ForTokenClassification``), each token's label probabilities instead
     (vLLM's token_classify), one [num_tokens, num_labels] matrix per input."""
-    engine = state_of(request).front.owner.engine
+    model = select_model(request, body.model, "embed", "classify_tokens")
+    engine = model.front.owner.engine
     head = engine.deployment.classifier if engine is not None else None
     if head is not None and head.per_token:
-        check_model(state_of(request), body.model)
         return await scoring.token_classify(body, request)
     return await _run_model(
         request, body, protocol.pooling_response, pooling="all", normalize=body.normalize
@@ -55,8 +58,7 @@ async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
 async def _run_model(
     request: Request, body: protocol.InputsRequest, respond: Respond, **options
 ) -> Response:
-    state = state_of(request)
-    check_model(state, body.model)
+    model = model_of(request)
     done = await run_model_outputs(
         request,
         body.inputs(),
@@ -66,9 +68,9 @@ async def _run_model(
     )
     if isinstance(done, Response):
         return done
-    name, fmt = state.settings.response_name(body.model), body.encoding_format
+    name, fmt = model.names.response_name(body.model), body.encoding_format
     # Serializing thousands of floats takes a while: keep it off the event loop.
-    text = await state.front.offload(
+    text = await model.front.offload(
         lambda: json.dumps(
             respond(name, done.outputs, done.num_tokens, fmt, body.embed_dtype),
             separators=(",", ":"),
@@ -80,13 +82,25 @@ async def _run_model(
 
 @router.get("/v1/models", response_model=protocol.ModelList, responses=READ_ERRORS)
 async def models(request: Request) -> dict:
-    """The names this server answers to (a model folder's path is accepted but not listed)."""
+    """Every name this server answers to, a card per name (a model folder's path is accepted
+    but not listed); each card says which model it names (``root``: the name responses carry)
+    and, once that model has loaded, what it does (``tasks``) and its longest input."""
     state = state_of(request)
-    engine = state.front.owner.engine
     cards = []
-    for name in state.settings.shown_model_names:
-        card = {"id": name, "object": "model", "created": state.started, "owned_by": "pipepool"}
-        if engine is not None:
-            card["max_model_len"] = engine.deployment.max_model_len
-        cards.append(card)
+    for model in state.models:
+        engine = model.front.owner.engine
+        tasks = model.tasks()
+        for name in model.names.shown:
+            card = {
+                "id": name,
+                "object": "model",
+                "created": state.started,
+                "owned_by": "pipepool",
+                "root": model.name,
+            }
+            if engine is not None:
+                card["max_model_len"] = engine.deployment.max_model_len
+            if tasks is not None:
+                card["tasks"] = list(tasks)
+            cards.append(card)
     return {"object": "list", "data": cards}

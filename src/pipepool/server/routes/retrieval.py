@@ -22,7 +22,7 @@ from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import too_many_tokens
-from .shared import ERRORS, check_task, run_model_call, state_of
+from .shared import ERRORS, check_task, model_of, run_model_call, select_model, state_of
 
 router = APIRouter()
 
@@ -36,6 +36,7 @@ router = APIRouter()
 async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -> Response:
     """One sparse vector per input, as TEI answers: its non-zeros as ``{index, value}``,
     indices ascending (SPLADE models; BGE-M3's lexical weights)."""
+    select_model(request, None, "sparse")
     check_model_outputs(request, ["sparse"])
     done = await encode(
         request,
@@ -80,7 +81,7 @@ async def embeddings(
     )
     if isinstance(done, Response):
         return done
-    name = state_of(request).settings.response_name(body.model)
+    name = model_of(request).names.response_name(body.model)
     size = sum(len(s.indices) for s in done.sparse or ())
     size += sum(m.size for m in done.multi_vector or ())
     size += done.dense.size if done.dense is not None else 0
@@ -91,14 +92,21 @@ async def embeddings(
     )
 
 
+def task_of(output: str) -> str:
+    """The task (``api.router.TASKS``) of giving ``output``."""
+    return "embed" if output == "dense" else output
+
+
 def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ...]:
     """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none, 404 for one
-    the model does not give (``check_task``: each output is a task), 503 while it loads."""
+    the request's model does not give (``check_task``: each output is a task), 503 while it
+    loads."""
+    model = model_of(request)
     for output in dict.fromkeys(asked):
         if output in OUTPUTS:
-            check_task(state_of(request), "embed" if output == "dense" else output)
+            check_task(model, task_of(output))
     try:
-        return check_outputs(state_of(request).front.engine.deployment, asked)
+        return check_outputs(model.front.engine.deployment, asked)
     except PipepoolError as exc:  # InvalidInputError: 400; loading or failed: 503
         raise from_engine(exc) from None
 
@@ -131,7 +139,7 @@ async def encode(
 
 async def _json(request: Request, build, size: int) -> Response:
     # Serializing thousands of numbers takes a while: keep it off the event loop.
-    text = await state_of(request).front.offload(
+    text = await model_of(request).front.offload(
         lambda: json.dumps(build(), separators=(",", ":")), size=size
     )
     return Response(text, media_type="application/json")

@@ -25,8 +25,9 @@ from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
-    check_model,
     check_task,
+    model_of,
+    select_model,
     state_of,
     unless_client_leaves,
 )
@@ -73,7 +74,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     if body.tei:
         return _json(sp.tei_rerank_response(documents, scores, order, return_text=body.return_text))
     keep = body.return_documents if body.return_documents is not None else True
-    name = state_of(request).settings.response_name(body.model)
+    name = model_of(request).names.response_name(body.model)
     return _json(
         sp.rerank_response(name, documents, scores, order, done.num_tokens, return_documents=keep)
     )
@@ -108,7 +109,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
     if isinstance(done, Response):
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
-    name = state_of(request).settings.response_name(body.model)
+    name = model_of(request).names.response_name(body.model)
     return _json(sp.score_response(name, scores, done.num_tokens))
 
 
@@ -134,10 +135,11 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    head = state_of(request).front.engine.deployment.classifier
+    model = model_of(request)
+    head = model.front.engine.deployment.classifier
     assert head is not None, "submit_classify refuses a model without a classifier"
     labels = head.labels
-    name = state_of(request).settings.response_name(body.model)
+    name = model.names.response_name(body.model)
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
     return _json(sp.classify_response(name, probs, labels, done.num_tokens))
 
@@ -166,7 +168,7 @@ async def token_classify(body, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    name = state_of(request).settings.response_name(body.model)
+    name = model_of(request).names.response_name(body.model)
     outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
     return _json(
         pooling_response(name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype)
@@ -189,12 +191,12 @@ async def _run(
     (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx, and a 499 if the
     client leaves meanwhile."""
     state = state_of(request)
-    check_model(state, model)
-    check_task(state, task)
+    served = select_model(request, model, task)
+    check_task(served, task)
     check_input_count(state.settings, n, param)
     bounded = bounded_scoring(state.settings, n, truncate_prompt_tokens, submit, param)
     try:
-        return await unless_client_leaves(request, state.front.run(n, bounded, texts))
+        return await unless_client_leaves(request, served.front.run(n, bounded, texts))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 

@@ -1,6 +1,6 @@
-"""What every route shares: the server's state, the model-name and input checks, and the one
-path of a model call (limits, the engine queue, the engine's errors as 4xx/5xx, a 499 when the
-client leaves meanwhile)."""
+"""What every route shares: the server's state, the choice of model and the input checks, and
+the one path of a model call (limits, the engine queue, the engine's errors as 4xx/5xx, a 499
+when the client leaves meanwhile)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from ...api.engine import Engine
 from ...api.router import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
-from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, model_not_found
-from ..front import AsyncEngine, Encoded, QueueFullError
+from ..errors import RATE_LIMIT, SERVER, APIError, from_engine
+from ..front import Encoded, QueueFullError
 from ..limits import bounded_embedding, check_input_count
 from ..metrics import HttpMetrics
+from ..models import ServedModel, ServedModels
 from ..settings import ServerSettings
 
 T = TypeVar("T")
@@ -31,16 +32,17 @@ CLIENT_CLOSED = 499
 # What each error status means, for the OpenAPI schema.
 _MEANING = {
     400: "Invalid request: a bad field, a lone surrogate, too many inputs or tokens (the message "
-    "names the limit and its flag).",
+    "names the limit and its flag); no model named where several could answer.",
     401: "Missing or wrong API key (a server started with --api-key).",
-    404: "Unknown model name, or a task the served model cannot do (an embedding model's "
-    "/rerank, sparse outputs of a dense model): OpenAI's answer to a model used on an "
-    "endpoint it does not serve.",
+    404: "Unknown model name, or a task the model cannot do (an embedding model's /rerank, "
+    "sparse outputs of a dense model): OpenAI's answer to a model used on an endpoint it does "
+    "not serve.",
     408: "The request body did not arrive within --body-timeout.",
     413: "Request body larger than --max-body-bytes.",
-    429: "The server's queue is full (--max-queued-requests); retry after Retry-After seconds.",
+    429: "The model's queue is full (--max-queued-requests); retry after Retry-After seconds.",
     500: "Internal error (the server's log has the details).",
-    503: "The model is loading, the engine has failed, or the server is shutting down.",
+    503: "The model is loading or restarting, its engine has failed, or the server is shutting "
+    "down.",
 }
 
 
@@ -64,7 +66,7 @@ class ServerState:
     """What the routes share; one per app, at ``app.state.pipepool``."""
 
     settings: ServerSettings
-    front: AsyncEngine
+    models: ServedModels
     http: HttpMetrics
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -73,19 +75,33 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.pipepool
 
 
+def select_model(request: Request, name: str | None, *tasks: str) -> ServedModel:
+    """The model that answers this request (``ServedModels.select``: the one ``name`` names,
+    or with no name the only one doing one of ``tasks``), kept with the request for the rest
+    of its way (``model_of``) and for the metrics, which count requests by model."""
+    model = state_of(request).models.select(name, tasks)
+    request.state.pipepool_model = model
+    return model
+
+
+def model_of(request: Request) -> ServedModel:
+    """The model ``select_model`` chose for this request."""
+    return request.state.pipepool_model
+
+
 async def run_model_outputs(
     request: Request, inputs: list, *, param: str = "input", **options
 ) -> Encoded | Response:
     """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
     outputs; a bare Response (499) if the client left meanwhile. ``param``: the request field
     that holds the inputs, which the errors name. 404 for a model that does not embed."""
-    state = state_of(request)
-    check_task(state, "embed")
+    state, model = state_of(request), model_of(request)
+    check_task(model, "embed")
     check_inputs(state, inputs, param)
     check_input_count(state.settings, len(inputs), param)
     submit = bounded_embedding(state.settings, inputs, options, param)
     try:
-        return await unless_client_leaves(request, state.front.run(len(inputs), submit, inputs))
+        return await unless_client_leaves(request, model.front.run(len(inputs), submit, inputs))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 
@@ -97,19 +113,13 @@ async def run_model_call(
     (``AsyncEngine.run_call``: sparse and multi-vector outputs): the same input checks and
     count limit, the queue, the engine's errors as 4xx/5xx, and a 499 if the client left
     meanwhile. ``call`` holds the request to its other limits itself."""
-    state = state_of(request)
+    state, front = state_of(request), model_of(request).front
     check_inputs(state, inputs, param)
     check_input_count(state.settings, len(inputs), param)
     try:
-        return await unless_client_leaves(request, state.front.run_call(len(inputs), call, inputs))
+        return await unless_client_leaves(request, front.run_call(len(inputs), call, inputs))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-
-
-def check_model(state: ServerState, name: str | None) -> None:
-    """404 for a model name this server does not serve (naming those it shows)."""
-    if name is not None and name not in state.settings.model_names:
-        raise model_not_found(name, state.settings.shown_model_names)
 
 
 # Each task (``api.router.TASKS``) as a 404 names it: what it gives, and what model gives it.
@@ -125,20 +135,28 @@ _TASKS = {
 _TASKS["rerank"] = ("reranking", _TASKS["score"][1])
 
 
-def check_task(state: ServerState, task: str) -> None:
-    """404 where the served model cannot do ``task`` (one of ``api.router.TASKS``), as OpenAI
-    answers a model used on an endpoint it does not serve; 503 while the model loads."""
+def check_task(model: ServedModel, task: str) -> None:
+    """404 where ``model`` cannot do ``task`` (one of ``api.router.TASKS``), or is not offered
+    for it, as OpenAI answers a model used on an endpoint it does not serve; 503 while the
+    model loads."""
     try:
-        deployment = state.front.engine.deployment
+        deployment = model.front.engine.deployment
     except PipepoolError as exc:  # loading, or failed to start
         raise from_engine(exc) from None
-    tasks = model_tasks(deployment)
+    tasks = model.tasks() or ()
     if task not in tasks:
         what, needs = _TASKS[task]
+        does = ", ".join(tasks) or "nothing"
+        if task in model_tasks(deployment):
+            message = f"model {model.name} is not offered for {what} here; what it does: {does}"
+        else:
+            message = (
+                f"model {model.name} ({deployment.folder.architecture}) does not give {what}: "
+                f"that needs {needs}. What it does: {does}"
+            )
         raise APIError(
             404,
-            f"this model ({deployment.folder.architecture}) does not give {what}: that needs "
-            f"{needs}. What it does: {', '.join(tasks) or 'nothing'}",
+            message,
             param="model",
             code="unsupported_task",
         )
@@ -171,7 +189,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """Await the engine; if the client disconnects first, cancel (which aborts the engine
     requests and frees their KV blocks) and raise ClientGone. If the server stops waiting
     first (shutdown timeout), cancel and answer 503."""
-    abandoned = state_of(request).front.abandoned
+    abandoned = model_of(request).front.abandoned
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     giving_up = asyncio.ensure_future(abandoned.wait())

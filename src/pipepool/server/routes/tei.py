@@ -12,15 +12,16 @@ from fastapi import APIRouter, Request, Response
 
 from ... import __version__
 from .. import protocol
-from .shared import ERRORS, READ_ERRORS, run_model_outputs
+from .shared import ERRORS, READ_ERRORS, run_model_outputs, select_model
 
 router = APIRouter()
 
 
 @router.post("/embed", tags=["TEI"], response_model=list[list[float]], responses=ERRORS)
 async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
-    """One vector per input, as a JSON array of arrays."""
-    state = request.app.state.pipepool
+    """One vector per input, as a JSON array of arrays (TEI names no model: the server's only
+    embedding model answers)."""
+    model = select_model(request, None, "embed")
     done = await run_model_outputs(
         request,
         body.texts(),
@@ -33,7 +34,7 @@ async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    text = await state.front.offload(
+    text = await model.front.offload(
         lambda: json.dumps([v.tolist() for v in done.outputs], separators=(",", ":"))
     )
     return Response(text, media_type="application/json")
@@ -42,15 +43,17 @@ async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
 @router.get("/info", tags=["TEI"], responses=READ_ERRORS)
 async def info(request: Request) -> dict:
     """What the model and the server's limits are (TEI's fields, and ``limits``: every limit
-    on a request, by the flag that sets it)."""
+    on a request, by the flag that sets it). A server of several models describes the first
+    it was given (``/v1/models`` lists them all)."""
     state = request.app.state.pipepool
-    engine = state.front.owner.engine
+    model = state.models.first
+    engine = model.front.owner.engine
     out = {
-        "model_id": state.settings.model_name,
+        "model_id": model.name,
         "model_sha": None,
         "model_dtype": None,
         "model_type": {"embedding": {"pooling": None}},
-        "max_concurrent_requests": state.settings.max_queued_requests,
+        "max_concurrent_requests": model.front.max_queued,
         "max_input_length": None,
         "max_batch_tokens": None,
         "max_batch_requests": None,
@@ -58,13 +61,13 @@ async def info(request: Request) -> dict:
         "auto_truncate": None,
         "tokenization_workers": None,
         "version": __version__,
-        "served_model_names": list(state.settings.shown_model_names),
+        "served_model_names": list(model.names.shown),
         "limits": {
             "max_inputs_per_request": state.settings.max_inputs_per_request,
             "max_tokens_per_request": state.settings.max_tokens_per_request,
             "max_chunked_tokens": state.settings.max_chunked_tokens,
             "max_body_bytes": state.settings.max_body_bytes,
-            "max_queued_requests": state.settings.max_queued_requests,
+            "max_queued_requests": model.front.max_queued,
         },
     }
     if engine is not None:

@@ -19,7 +19,8 @@ from ...errors import PipepoolError
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
-from .shared import TOKENIZER_ERRORS, ServerState, check_model, state_of
+from ..models import ServedModel
+from .shared import TOKENIZER_ERRORS, ServerState, select_model, state_of
 
 T = TypeVar("T")
 
@@ -41,11 +42,11 @@ async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response
     ``inputs`` (one text or a list), TEI's answer: per text, its tokens as ``{id, text,
     special, start, stop}``."""
     state = state_of(request)
-    check_model(state, body.model)
-    engine = _engine(state)
+    model = select_model(request, body.model)
+    engine = _engine(model)
     if body.inputs is not None:
         texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-        return await _tei_tokenize(state, engine, texts)
+        return await _tei_tokenize(state, model, engine, texts)
     param = "prompt" if body.prompt is not None else "input"
     text = body.text
     check_text_lengths(state.settings, engine.deployment, [text], param, listed=False)
@@ -60,7 +61,7 @@ async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response
         )  # fmt: skip
         return ids
 
-    ids = await _offloaded(state, count, len(text))
+    ids = await _offloaded(model, count, len(text))
     max_len = engine.deployment.max_model_len
     return _json({"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len})
 
@@ -69,8 +70,8 @@ async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response
 async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Response:
     """The text of token ids of this model's tokenizer, special tokens included (vLLM)."""
     state = state_of(request)
-    check_model(state, body.model)
-    engine = _engine(state)
+    model = select_model(request, body.model)
+    engine = _engine(model)
     if len(body.tokens) > state.settings.max_tokens_per_request:
         raise too_many_tokens(state.settings, len(body.tokens), "tokens")
     tokenizer = engine.inputs.tokenizer
@@ -83,14 +84,16 @@ async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Resp
                 param="tokens",
                 code="invalid_value",
             )
-    prompt = await state.front.offload(
+    prompt = await model.front.offload(
         lambda: tokenizer.backend.decode(body.tokens, skip_special_tokens=False),
         size=len(body.tokens),
     )
     return _json({"prompt": prompt})
 
 
-async def _tei_tokenize(state: ServerState, engine: Engine, texts: list[str]) -> Response:
+async def _tei_tokenize(
+    state: ServerState, model: ServedModel, engine: Engine, texts: list[str]
+) -> Response:
     settings, deployment = state.settings, engine.deployment
     check_input_count(settings, len(texts), "inputs")
     check_text_lengths(settings, deployment, texts, "inputs")
@@ -108,21 +111,22 @@ async def _tei_tokenize(state: ServerState, engine: Engine, texts: list[str]) ->
             )  # fmt: skip
         return _dumps(tokenizer.describe(checked))
 
-    text = await _offloaded(state, describe, sum(map(len, texts)))
+    text = await _offloaded(model, describe, sum(map(len, texts)))
     return Response(text, media_type="application/json")
 
 
-def _engine(state: ServerState) -> Engine:
+def _engine(model: ServedModel) -> Engine:
     try:
-        return state.front.engine
+        return model.front.engine
     except PipepoolError as exc:
         raise from_engine(exc) from None
 
 
-async def _offloaded(state: ServerState, fn: Callable[[], T], size: int) -> T:
-    """``fn()`` on a worker thread (by ``size``, in characters), engine errors as 4xx/5xx."""
+async def _offloaded(model: ServedModel, fn: Callable[[], T], size: int) -> T:
+    """``fn()`` on a worker thread of ``model``'s (by ``size``, in characters), engine errors
+    as 4xx/5xx."""
     try:
-        return await state.front.offload(fn, size=size)
+        return await model.front.offload(fn, size=size)
     except PipepoolError as exc:
         raise from_engine(exc) from None
 

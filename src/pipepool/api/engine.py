@@ -29,7 +29,7 @@ from ..intake.long_inputs import CombinedSubmission, split_windows, window_param
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
 from .cross_encoder import CrossEncoderMethods
-from .priority import is_background
+from .priority import current_client, is_background
 from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
@@ -352,7 +352,12 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
     def _new_submission(self, params: PoolingParams, num_inputs: int) -> Submission:
         width = params.dimensions or self.inputs.output_width(params.pooling)
         return Submission(
-            params, num_inputs, width, on_cancel=self.pipeline.cancel, background=is_background()
+            params,
+            num_inputs,
+            width,
+            on_cancel=self.pipeline.cancel,
+            background=is_background(),
+            client=current_client(),
         )
 
 

@@ -19,7 +19,8 @@ class Submission(Future):
     ``num_done`` counts them and ``add_progress_callback`` hears about every step that
     finished some. ``cancel()`` aborts whatever has not finished: the engine frees it.
     ``num_tokens`` is each input's prompt length after truncation (usage reports).
-    ``background``: batch-job work, queued below online calls (``api.priority``).
+    ``background``: batch-job work, queued below online calls; ``client``: whose turns it
+    takes (``api.priority``).
     """
 
     def __init__(
@@ -30,10 +31,12 @@ class Submission(Future):
         on_cancel: Callable[[Submission], None],
         *,
         background: bool = False,
+        client: str | None = None,
     ) -> None:
         super().__init__()
         self.params = params
         self.background = background
+        self.client = client
         self.num_inputs = num_inputs
         self.num_done = 0
         self.num_tokens = np.zeros(num_inputs, dtype=np.int64)

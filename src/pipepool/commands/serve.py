@@ -34,6 +34,7 @@ from .serve_models import ModelSpec, model_specs
 
 def add_parser(sub, help: str) -> None:
     from ..server.settings import ServerSettings as S  # each default's one source
+    from ..server.turns import FAIR_SHARES
 
     p = sub.add_parser("serve", help=help, description=help)
     g = p.add_argument_group("server")
@@ -175,6 +176,15 @@ def add_parser(sub, help: str) -> None:
     )
     add_env_argument(
         g,
+        "--fair-share",
+        default=S.fair_share,
+        choices=FAIR_SHARES,
+        help="whose turns the scheduler takes: client (each client address one turn, however "
+        "many requests it sends) or request (each request its own: behind a proxy, where "
+        "every client has the proxy's address) (default client)",
+    )
+    add_env_argument(
+        g,
         "--api-server-count",
         type=int,
         default=1,
@@ -272,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections_per_client=args.max_connections_per_client,
+        fair_share=args.fair_share,
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=args.access_log,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..api.priority import turn_of
 from ..api.submission import Submission
 from ..config import EngineConfig
 from ..core.kv_blocks import BlockAllocator
@@ -260,6 +261,8 @@ class LocalPipeline:
             self._next_id += len(batch)
             if submission.batches:  # a later slice: it takes turns as part of its call
                 batch.call = submission.batches[0].call
+            elif submission.client is not None:  # its client's calls take one turn
+                batch.call = turn_of(submission.client)
             if rows is None:
                 submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
             else:

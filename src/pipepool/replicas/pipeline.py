@@ -255,7 +255,7 @@ class ReplicaPipeline:
         slot.outstanding += batch.num_tokens
         work = Work(
             batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids,
-            batch.key_lens, batch.background,
+            batch.key_lens, batch.background, submission.client,
         )  # fmt: skip
         slot.serving_proc().post(work)
 

@@ -30,7 +30,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from ..api.engine import Engine
-from ..api.priority import background_work
+from ..api.priority import background_work, client_turns
 from ..api.submission import Submission
 from ..parallel.worker import _die_with_parent
 from ..runtime.signal_mask import block_stop_signals
@@ -102,7 +102,10 @@ class ReplicaServer:
     def _work(self, work: Work) -> None:
         first_id = work.first_id
         try:
-            with background_work() if work.background else contextlib.nullcontext():
+            with (
+                background_work() if work.background else contextlib.nullcontext(),
+                client_turns(work.client),
+            ):
                 submission = self.engine.submit_tokens(
                     work.token_ids, work.lengths, work.params, work.type_ids, work.key_lens
                 )

@@ -23,6 +23,7 @@ from .openapi import bound_by_server
 from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
 from .routes.shared import ServerState
 from .settings import ServerSettings
+from .turns import ClientTurns
 
 __all__ = ["ServerState", "build_app"]
 
@@ -66,6 +67,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
         body_timeout_s=settings.body_timeout_s,
         on_error=http.on_error,
     )
+    if settings.fair_share == "client":
+        app.add_middleware(ClientTurns)
     app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
     _schema_as_answered(app, settings, models)
     return app

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidInputError
+from .turns import FAIR_SHARES
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ServerSettings:
     # 429 and closed at once. 0: no cap (behind a proxy every client has the proxy's address).
     # 512: twice the 256 concurrent connections the repository's own soak test opens.
     max_connections_per_client: int = 512
+    # Whose turns the scheduler takes (``turns.py``): "client", every client address one turn
+    # whatever its number of requests; "request", every request its own (behind a proxy).
+    fair_share: str = "client"
     log_level: str = "info"
     log_format: str = "text"  # text | json
     access_log: bool = True
@@ -91,6 +95,10 @@ class ServerSettings:
             raise InvalidInputError(f"port must be in 0..65535, got {self.port}", param="port")
         if self.shutdown_timeout_s <= 0:
             raise InvalidInputError("shutdown_timeout must be > 0", param="shutdown_timeout")
+        if self.fair_share not in FAIR_SHARES:
+            raise InvalidInputError(
+                f"fair_share must be one of {', '.join(FAIR_SHARES)}", param="fair_share"
+            )
         if self.log_format not in ("text", "json"):
             raise InvalidInputError("log_format must be text or json", param="log_format")
         if self.timeout_keep_alive_s <= 0:

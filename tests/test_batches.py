@@ -305,11 +305,29 @@ def test_delete_removes_a_file(client):
         client.files.retrieve(source.id)
 
 
+def test_files_are_listed_a_page_at_a_time_with_the_official_client(client):
+    made = [
+        client.files.create(file=(f"list-{i}.jsonl", b"{}\n"), purpose="batch") for i in range(3)
+    ]
+    ids = [f.id for f in made]
+    newest = client.files.list(limit=2, purpose="batch")  # one page: the SDK's own object
+    assert [f.id for f in newest.data] == ids[::-1][:2] and newest.has_more
+    after = client.files.list(limit=2, after=newest.data[-1].id, purpose="batch")
+    assert after.data[0].id == ids[0]
+    oldest_first = [f.id for f in client.files.list(order="asc", purpose="batch")]
+    assert oldest_first.index(ids[0]) < oldest_first.index(ids[1]) < oldest_first.index(ids[2])
+    every = {f.id for f in client.files.list()}  # auto-paging, batches' files too
+    assert set(ids) <= every
+    assert not [f for f in client.files.list(purpose="batch_output") if f.id in ids]
+    client.files.delete(ids[1])
+    assert ids[1] not in {f.id for f in client.files.list()}
+
+
 def test_openapi_documents_the_batch_objects(server):
     schema = httpx.get(server.url + "/openapi.json").json()
     for path in ("/v1/files", "/v1/files/{file_id}/content", "/v1/batches/{batch_id}/cancel"):
         assert path in schema["paths"]
-    assert {"Batch", "FileObject", "BatchList"} <= set(schema["components"]["schemas"])
+    assert {"Batch", "FileObject", "BatchList", "FileList"} <= set(schema["components"]["schemas"])
 
 
 # -- a server killed mid-batch ----------------------------------------------------------------

@@ -45,6 +45,16 @@ class FileObject(BaseModel):
         )
 
 
+class FileList(BaseModel):
+    """OpenAI's page of files; ``after`` the last id to read the next page."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"

@@ -165,6 +165,22 @@ class BatchStore:
         row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return FileRecord(**row) if row else None
 
+    def list_files(
+        self, purpose: str | None, after: str | None, limit: int, *, newest_first: bool
+    ) -> tuple[list[FileRecord], bool]:
+        """Up to ``limit`` files of ``purpose`` (None: any), in the order they were stored
+        (``newest_first``: the other way), following ``after`` (a file id; None: from the
+        start); and whether there are more."""
+        order, beyond = ("DESC", "<") if newest_first else ("ASC", ">")
+        rows = self._db.execute(
+            "SELECT id, bytes, created_at, filename, purpose FROM files "
+            "WHERE (? IS NULL OR purpose = ?) "
+            f"AND (? IS NULL OR rowid {beyond} (SELECT rowid FROM files WHERE id = ?)) "
+            f"ORDER BY rowid {order} LIMIT ?",
+            (purpose, purpose, after, after, limit + 1),
+        ).fetchall()
+        return [FileRecord(**r) for r in rows[:limit]], len(rows) > limit
+
     def delete_file(self, file_id: str) -> bool:
         """Remove a file, its record and body; False if there was none."""
         deleted = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount

@@ -1,6 +1,7 @@
-"""OpenAI's Files API, as far as batches need it: upload a batch input file, read a file's
-object and content (a batch's output and error files too), delete a file. Records and bodies
-are in the server's state directory (``batch_store.py``), shared by every front-end process.
+"""OpenAI's Files API, as far as batches need it: upload a batch input file, list the files,
+read a file's object and content (a batch's output and error files too), delete a file.
+Records and bodies are in the server's state directory (``batch_store.py``), shared by every
+front-end process.
 
 Uploads may be as large as ``--max-batch-file-bytes`` (OpenAI's 200 MB), above the body
 limit of every other route: ``UploadGuards`` holds each request to its own limit."""
@@ -14,11 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import python_multipart  # noqa: F401  # FastAPI parses forms with it: missing, cli names the extra
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 
 from .. import protocol
-from ..batch_protocol import FileDeleted, FileObject
+from ..batch_protocol import FileDeleted, FileList, FileObject
 from ..batch_store import BatchStore
 from ..errors import APIError
 from ..guards import GuardMiddleware
@@ -115,6 +116,37 @@ async def create_file(
     finally:
         part.unlink(missing_ok=True)
     return FileObject.of(record)
+
+
+@router.get(UPLOAD_PATH, response_model=FileList, responses=errors_doc(e400="A bad parameter."))
+async def list_files(
+    request: Request,
+    purpose: str | None = Query(
+        None,
+        description="Only files of this purpose.",
+        json_schema_extra={"enum": ["batch", "batch_output"]},
+    ),
+    after: str | None = Query(None, description="The last id of the previous page."),
+    limit: int = Query(10000, ge=1, le=10000, description="Files per page (1-10000)."),
+    order: str = Query(
+        "desc",
+        description="By creation: desc (newest first) or asc.",
+        json_schema_extra={"enum": ["asc", "desc"]},
+    ),
+) -> FileList:
+    """The stored files (uploads and batches' output and error files), a page at a time."""
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, not {order!r}", param="order",
+                       code="invalid_value")  # fmt: skip
+    store = store_of(request)
+    records, has_more = store.list_files(purpose, after, limit, newest_first=order == "desc")
+    data = [FileObject.of(r) for r in records]
+    return FileList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
 
 
 @router.get(

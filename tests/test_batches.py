@@ -173,6 +173,11 @@ def test_embeddings_batch_answers_as_online_and_bad_lines_go_to_the_error_file(s
     by_id = {o["custom_id"]: o["response"]["body"] for o in outputs}
     for g, expected in zip(good, online(server, [g["body"] for g in good]), strict=True):
         assert_same_vectors(by_id[g["custom_id"]], expected)
+    # usage: the prompt tokens of the answered lines (the failed ones read none)
+    read = sum(body["usage"]["prompt_tokens"] for body in by_id.values())
+    assert read > 0 and batch.usage is not None
+    assert (batch.usage.input_tokens, batch.usage.total_tokens) == (read, read)
+    assert batch.usage.output_tokens == 0
 
     errors = {(e["custom_id"], _code(e)): e for e in file_lines(client, batch.error_file_id)}
     assert set(errors) == {
@@ -490,3 +495,13 @@ def test_output_lines_splice_the_answer_and_checker_refuses_bad_lines():
     assert [getattr(c, "code", None) for c in codes] == [
         "duplicate_custom_id", "invalid_json_line", "invalid_method", "mismatched_url",
     ]  # fmt: skip
+
+
+def test_a_lines_prompt_tokens_are_read_from_its_answers_usage():
+    from pipepool.jobs.batch_lines import prompt_tokens
+
+    vectors = b'{"data":[{"embedding":[' + b"0.125," * 5000 + b"0.5]}],"
+    assert prompt_tokens(vectors + b'"usage":{"prompt_tokens":12,"total_tokens":12}}') == 12
+    cohere = b'{"embeddings":{},"meta":{"billed_units":{"input_tokens":7}}}'
+    assert prompt_tokens(cohere) == 7
+    assert prompt_tokens(b'{"error":{"message":"no usage here"}}') == 0

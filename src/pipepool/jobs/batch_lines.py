@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -94,6 +95,20 @@ class LineResult:
     line: int
     ok: bool
     text: bytes  # one JSON line, newline-terminated
+    tokens: int = 0  # prompt tokens its answer reports (``prompt_tokens``)
+
+
+# Where an answer's usage says how many prompt tokens it read: every route's answer ends with
+# it ("usage": {"prompt_tokens": N, ...}; Cohere's /v2/embed: "billed_units": {"input_tokens": N}).
+_TOKENS = re.compile(rb'"(?:prompt_tokens|input_tokens)":(\d+)')
+_USAGE_TAIL = 512
+
+
+def prompt_tokens(body: bytes) -> int:
+    """The prompt tokens an answer reports in its usage (0 where it reports none), read from
+    its last bytes: an answer of thousands of floats is not parsed for it."""
+    found = _TOKENS.search(body, max(0, len(body) - _USAGE_TAIL))
+    return int(found[1]) if found else 0
 
 
 def answer_line(custom_id: str, status_code: int, body: bytes, is_json: bool) -> bytes:

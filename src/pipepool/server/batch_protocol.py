@@ -111,6 +111,26 @@ class BatchErrors(BaseModel):
     data: list[BatchError]
 
 
+class BatchUsage(BaseModel):
+    """OpenAI's token usage of a batch: the prompt tokens its answered requests read (a
+    pooling model writes no tokens)."""
+
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int = 0
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+    @classmethod
+    def of(cls, tokens: int) -> BatchUsage:
+        return cls(
+            input_tokens=tokens,
+            input_tokens_details={"cached_tokens": 0},
+            output_tokens_details={"reasoning_tokens": 0},
+            total_tokens=tokens,
+        )
+
+
 class Batch(BaseModel):
     """A batch, OpenAI's object: its status, timestamps, counts and files."""
 
@@ -133,6 +153,7 @@ class Batch(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts
+    usage: BatchUsage
     metadata: dict[str, str] | None = None
 
     @classmethod
@@ -149,6 +170,7 @@ class Batch(BaseModel):
             expired_at=r.expired_at, cancelling_at=r.cancelling_at, cancelled_at=r.cancelled_at,
             request_counts=BatchRequestCounts(total=r.total, completed=r.completed,
                                               failed=r.failed),
+            usage=BatchUsage.of(r.input_tokens),
             metadata=None if r.metadata is None else json.loads(r.metadata),
         )  # fmt: skip
 

@@ -36,6 +36,7 @@ from ..jobs.batch_lines import (
     check_file,
     count_inputs,
     numbered_lines,
+    prompt_tokens,
     read_lines,
 )
 from ..runtime.signal_mask import block_stop_signals
@@ -101,7 +102,8 @@ class Dispatcher:
                 await asyncio.sleep(next(pauses, _RETRY_PAUSES_S[-1]))
         is_json = "json" in response.headers.get("content-type", "")
         text = answer_line(request.custom_id, response.status_code, response.content, is_json)
-        return LineResult(request.line, response.is_success, text)
+        tokens = prompt_tokens(response.content) if response.is_success and is_json else 0
+        return LineResult(request.line, response.is_success, text, tokens)
 
     async def aclose(self) -> None:
         await self._client.aclose()

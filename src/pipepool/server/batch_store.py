@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS batches (
     out_file TEXT NOT NULL,  -- the ids the output and error bodies are written under
     err_file TEXT NOT NULL,
     out_bytes INTEGER NOT NULL DEFAULT 0,  -- committed lengths of those bodies
-    err_bytes INTEGER NOT NULL DEFAULT 0
+    err_bytes INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0  -- prompt tokens of the answered lines (usage)
 );
 CREATE TABLE IF NOT EXISTS batch_lines_done (
     batch_id TEXT NOT NULL,
@@ -114,6 +115,7 @@ class BatchRecord:
     err_file: str
     out_bytes: int
     err_bytes: int
+    input_tokens: int  # prompt tokens the answered lines read (OpenAI's usage)
 
 
 class BatchStore:
@@ -132,6 +134,11 @@ class BatchStore:
         # (only a power loss could); FULL would fsync every flush of finished lines.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(batches)")}
+        if "input_tokens" not in columns:  # a state directory of an earlier version
+            self._db.execute(
+                "ALTER TABLE batches ADD COLUMN input_tokens INTEGER NOT NULL DEFAULT 0"
+            )
 
     @staticmethod
     def exists(state_dir: Path) -> bool:
@@ -267,17 +274,19 @@ class BatchStore:
         completed: int,
         failed: int,
         sizes: tuple[int, int],
+        tokens: int = 0,
     ) -> None:
         """Commit finished lines, written to the output and error bodies already: their line
-        numbers, how many went to each body, and the bodies' lengths now."""
+        numbers, how many went to each body, the bodies' lengths now, and the prompt tokens
+        the answered ones read."""
         with self._transaction():
             self._db.executemany(
                 "INSERT INTO batch_lines_done VALUES (?, ?)", ((batch_id, n) for n in lines)
             )
             self._db.execute(
                 "UPDATE batches SET completed = completed + ?, failed = failed + ?, "
-                "out_bytes = ?, err_bytes = ? WHERE id = ?",
-                (completed, failed, *sizes, batch_id),
+                "out_bytes = ?, err_bytes = ?, input_tokens = input_tokens + ? WHERE id = ?",
+                (completed, failed, *sizes, tokens, batch_id),
             )
 
     def cut_to_committed(self, batch_id: str) -> None:
@@ -360,6 +369,7 @@ class BatchOutput:
             completed=completed,
             failed=len(results) - completed,
             sizes=(self.sizes[0], self.sizes[1]),
+            tokens=sum(r.tokens for r in results),
         )
 
 

@@ -505,3 +505,51 @@ def test_a_lines_prompt_tokens_are_read_from_its_answers_usage():
     cohere = b'{"embeddings":{},"meta":{"billed_units":{"input_tokens":7}}}'
     assert prompt_tokens(cohere) == 7
     assert prompt_tokens(b'{"error":{"message":"no usage here"}}') == 0
+
+
+def test_files_expire_as_openai_says_and_a_batch_sets_its_outputs_expiry(client):
+    kept = {"anchor": "created_at", "seconds": 3600}
+    source = client.files.create(
+        file=("expiring.jsonl", jsonl(embedding_lines(3, "exp"))),
+        purpose="batch",
+        expires_after=kept,
+    )
+    assert source.expires_at == source.created_at + 3600
+    assert client.files.retrieve(source.id).expires_at == source.expires_at
+    created = client.batches.create(
+        input_file_id=source.id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    batch = wait_batch(client, created.id)
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    for bad in (
+        {"anchor": "created_at", "seconds": 60},
+        {"anchor": "last_active_at", "seconds": 3600},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=bad)
+
+
+def test_an_expired_file_is_gone_unless_a_running_batch_reads_it(tmp_path, monkeypatch):
+    from pipepool.server.batch_store import BatchStore
+
+    store = BatchStore(tmp_path)
+    ids = []
+    for name in ("read-by-a-batch", "alone", "kept"):
+        file_id, part = store.new_upload()
+        part.write_bytes(b"{}\n")
+        expiry = None if name == "kept" else 3600
+        ids.append(store.add_file(file_id, part, filename=name, purpose="batch",
+                                  expires_after_s=expiry).id)  # fmt: skip
+    store.create_batch(ids[0], "/v1/embeddings", "24h", None)  # validating: unfinished
+    later = time.time() + 3601
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert store.file(ids[0]) is None and store.file(ids[1]) is None
+    assert store.file(ids[2]) is not None
+    assert [r.id for r in store.list_files(None, None, 10, newest_first=False)[0]] == [ids[2]]
+    assert store.delete_expired() == 1  # not the running batch's input
+    assert not store.path(ids[1]).exists() and store.path(ids[0]).exists()
+    store.close()

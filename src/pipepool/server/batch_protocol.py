@@ -42,6 +42,7 @@ class FileObject(BaseModel):
             created_at=record.created_at,
             filename=record.filename,
             purpose=record.purpose,  # type: ignore[arg-type]  # the store writes only these
+            expires_at=record.expires_at,
         )
 
 
@@ -68,9 +69,19 @@ _Metadata = Annotated[
 ]
 
 
+# OpenAI's bounds on how long a file is kept: an hour to 30 days.
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiry of a file: ``seconds`` after its creation (the only anchor)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S, strict=True)
+
+
 class CreateBatchRequest(BaseModel):
-    """``POST /v1/batches``. Fields of OpenAI's that change nothing here (its
-    ``output_expires_after``) are accepted and ignored."""
+    """``POST /v1/batches``."""
 
     input_file_id: StrictStr = Field(description="A file uploaded with purpose 'batch'.")
     endpoint: Endpoint = Field(description="The route every line of the file calls.")
@@ -79,6 +90,11 @@ class CreateBatchRequest(BaseModel):
     )
     metadata: _Metadata | None = Field(
         None, description="Up to 16 pairs, keys up to 64 characters, values up to 512."
+    )
+    output_expires_after: ExpiresAfter | None = Field(
+        None,
+        description="The batch's output and error files are deleted this long after they are "
+        "made (default: kept until deleted).",
     )
 
     @field_validator("metadata")

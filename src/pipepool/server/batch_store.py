@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     filename TEXT NOT NULL,
-    purpose TEXT NOT NULL
+    purpose TEXT NOT NULL,
+    expires_at INTEGER  -- NULL: kept until deleted
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: lists and the runner's queue
@@ -64,7 +65,8 @@ CREATE TABLE IF NOT EXISTS batches (
     err_file TEXT NOT NULL,
     out_bytes INTEGER NOT NULL DEFAULT 0,  -- committed lengths of those bodies
     err_bytes INTEGER NOT NULL DEFAULT 0,
-    input_tokens INTEGER NOT NULL DEFAULT 0  -- prompt tokens of the answered lines (usage)
+    input_tokens INTEGER NOT NULL DEFAULT 0,  -- prompt tokens of the answered lines (usage)
+    output_expires_s INTEGER  -- its output and error files expire this long after they are made
 );
 CREATE TABLE IF NOT EXISTS batch_lines_done (
     batch_id TEXT NOT NULL,
@@ -83,6 +85,7 @@ class FileRecord:
     created_at: int
     filename: str
     purpose: str  # "batch" (uploaded) or "batch_output" (a batch's output or error file)
+    expires_at: int | None = None  # when it is deleted; None: kept until deleted
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class BatchRecord:
     out_bytes: int
     err_bytes: int
     input_tokens: int  # prompt tokens the answered lines read (OpenAI's usage)
+    output_expires_s: int | None  # output and error files expire this long after made
 
 
 class BatchStore:
@@ -134,11 +138,10 @@ class BatchStore:
         # (only a power loss could); FULL would fsync every flush of finished lines.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(batches)")}
-        if "input_tokens" not in columns:  # a state directory of an earlier version
-            self._db.execute(
-                "ALTER TABLE batches ADD COLUMN input_tokens INTEGER NOT NULL DEFAULT 0"
-            )
+        for table, column, kind in _ADDED_COLUMNS:  # a state directory of an earlier version
+            columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     @staticmethod
     def exists(state_dir: Path) -> bool:
@@ -160,17 +163,42 @@ class BatchStore:
         file_id = new_id("file-")
         return file_id, self.files_dir / f".{file_id}.part"
 
-    def add_file(self, file_id: str, part: Path, *, filename: str, purpose: str) -> FileRecord:
-        """Make the body written at ``part`` (``new_upload``) the file ``file_id``."""
+    def add_file(
+        self,
+        file_id: str,
+        part: Path,
+        *,
+        filename: str,
+        purpose: str,
+        expires_after_s: int | None = None,
+    ) -> FileRecord:
+        """Make the body written at ``part`` (``new_upload``) the file ``file_id``, kept for
+        ``expires_after_s`` seconds (None: until deleted)."""
         size = part.stat().st_size
         os.replace(part, self.path(file_id))
-        record = FileRecord(file_id, size, int(time.time()), filename, purpose)
-        self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
+        now = int(time.time())
+        expires = None if expires_after_s is None else now + expires_after_s
+        record = FileRecord(file_id, size, now, filename, purpose, expires)
+        self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _values(record))
         return record
 
     def file(self, file_id: str) -> FileRecord | None:
-        row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        """A file's record; None where there is none or it has expired."""
+        row = self._db.execute(
+            "SELECT * FROM files WHERE id = ? AND (expires_at IS NULL OR expires_at > ?)",
+            (file_id, int(time.time())),
+        ).fetchone()
         return FileRecord(**row) if row else None
+
+    def delete_expired(self) -> int:
+        """Delete the files whose time has come, but for the input of a batch still running
+        (it is read to its end); how many went."""
+        rows = self._db.execute(
+            "SELECT id FROM files WHERE expires_at <= ? AND id NOT IN (SELECT input_file_id "
+            f"FROM batches WHERE status IN ({', '.join('?' * len(UNFINISHED))}))",
+            (int(time.time()), *UNFINISHED),
+        ).fetchall()
+        return sum(self.delete_file(file_id) for (file_id,) in rows)
 
     def list_files(
         self, purpose: str | None, after: str | None, limit: int, *, newest_first: bool
@@ -180,11 +208,11 @@ class BatchStore:
         start); and whether there are more."""
         order, beyond = ("DESC", "<") if newest_first else ("ASC", ">")
         rows = self._db.execute(
-            "SELECT id, bytes, created_at, filename, purpose FROM files "
-            "WHERE (? IS NULL OR purpose = ?) "
+            "SELECT id, bytes, created_at, filename, purpose, expires_at FROM files "
+            "WHERE (? IS NULL OR purpose = ?) AND (expires_at IS NULL OR expires_at > ?) "
             f"AND (? IS NULL OR rowid {beyond} (SELECT rowid FROM files WHERE id = ?)) "
             f"ORDER BY rowid {order} LIMIT ?",
-            (purpose, purpose, after, after, limit + 1),
+            (purpose, purpose, int(time.time()), after, after, limit + 1),
         ).fetchall()
         return [FileRecord(**r) for r in rows[:limit]], len(rows) > limit
 
@@ -198,17 +226,23 @@ class BatchStore:
     # -- batches -------------------------------------------------------------------------------
 
     def create_batch(
-        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict | None,
+        output_expires_s: int | None = None,
     ) -> BatchRecord:
         now = int(time.time())
         self._db.execute(
             "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
-            "metadata, created_at, expires_at, out_file, err_file) "
-            "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
+            "metadata, created_at, expires_at, out_file, err_file, output_expires_s) "
+            "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?, ?)",
             (
                 batch_id := new_id("batch_"), endpoint, input_file_id, completion_window,
                 None if metadata is None else json.dumps(metadata), now,
                 now + COMPLETION_WINDOW_S[completion_window], new_id("file-"), new_id("file-"),
+                output_expires_s,
             ),
         )  # fmt: skip
         record = self.batch(batch_id)
@@ -314,11 +348,13 @@ class BatchStore:
             assert record is not None, batch_id
             bodies = _bodies(record)
             shown = {kind: file_id if size else None for kind, (file_id, size) in bodies.items()}
+            keep = record.output_expires_s
+            expires = None if keep is None else now + keep
             for kind, (file_id, size) in bodies.items():
                 if size:
                     self._db.execute(
-                        "INSERT OR IGNORE INTO files VALUES (?, ?, ?, ?, 'batch_output')",
-                        (file_id, size, now, f"{batch_id}_{kind}.jsonl"),
+                        "INSERT OR IGNORE INTO files VALUES (?, ?, ?, ?, 'batch_output', ?)",
+                        (file_id, size, now, f"{batch_id}_{kind}.jsonl", expires),
                     )
             self._db.execute(
                 f"UPDATE batches SET status = ?, {status}_at = ?, output_file_id = ?, "
@@ -401,4 +437,15 @@ def new_id(prefix: str) -> str:
 
 
 def _values(record: FileRecord) -> tuple:
-    return (record.id, record.bytes, record.created_at, record.filename, record.purpose)
+    return (
+        record.id, record.bytes, record.created_at, record.filename, record.purpose,
+        record.expires_at,
+    )  # fmt: skip
+
+
+# Columns added after the first release of the store: (table, column, type).
+_ADDED_COLUMNS = (
+    ("files", "expires_at", "INTEGER"),
+    ("batches", "input_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("batches", "output_expires_s", "INTEGER"),
+)

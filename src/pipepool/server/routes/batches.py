@@ -44,8 +44,13 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
             param="input_file_id",
             code="invalid_value",
         )
+    keep = body.output_expires_after
     record = store.create_batch(
-        body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        body.input_file_id,
+        body.endpoint,
+        body.completion_window,
+        body.metadata,
+        None if keep is None else keep.seconds,
     )
     return Batch.of(record)
 

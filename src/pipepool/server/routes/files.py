@@ -19,7 +19,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 
 from .. import protocol
-from ..batch_protocol import FileDeleted, FileList, FileObject
+from ..batch_protocol import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FileObject
 from ..batch_store import BatchStore
 from ..errors import APIError
 from ..guards import GuardMiddleware
@@ -76,8 +76,36 @@ async def create_file(
     request: Request,
     file: Annotated[UploadFile, File(description="The JSON Lines file.")],
     purpose: Annotated[str, Form(description="'batch'.", json_schema_extra={"enum": ["batch"]})],
+    expires_anchor: Annotated[
+        str | None,
+        Form(
+            alias="expires_after[anchor]",
+            description="'created_at': the file is deleted expires_after[seconds] after it.",
+            json_schema_extra={"enum": ["created_at"]},
+        ),
+    ] = None,
+    expires_seconds: Annotated[
+        int | None,
+        Form(
+            alias="expires_after[seconds]",
+            ge=MIN_EXPIRY_S,
+            le=MAX_EXPIRY_S,
+            description="Seconds the file is kept (an hour to 30 days; default: until deleted).",
+        ),
+    ] = None,
 ) -> FileObject:
-    """Upload a batch input file (JSON Lines, one request per line), ``purpose="batch"``."""
+    """Upload a batch input file (JSON Lines, one request per line), ``purpose="batch"``;
+    with OpenAI's ``expires_after``, deleted that long after its upload."""
+    if (expires_anchor is None) != (expires_seconds is None) or expires_anchor not in (
+        None,
+        "created_at",
+    ):
+        raise APIError(
+            400,
+            "expires_after takes anchor 'created_at' and seconds, both",
+            param="expires_after",
+            code="invalid_value",
+        )
     if purpose != "batch":
         raise APIError(
             400,
@@ -87,6 +115,7 @@ async def create_file(
             code="invalid_value",
         )
     store = store_of(request)
+    store.delete_expired()
     limit = request.app.state.pipepool.settings.max_batch_file_bytes
     file_id, part = store.new_upload()
 
@@ -112,7 +141,7 @@ async def create_file(
                 code="file_too_large",
             )
         record = store.add_file(file_id, part, filename=file.filename or "batch.jsonl",
-                                purpose="batch")  # fmt: skip
+                                purpose="batch", expires_after_s=expires_seconds)  # fmt: skip
     finally:
         part.unlink(missing_ok=True)
     return FileObject.of(record)
@@ -139,6 +168,7 @@ async def list_files(
         raise APIError(400, f"order must be asc or desc, not {order!r}", param="order",
                        code="invalid_value")  # fmt: skip
     store = store_of(request)
+    store.delete_expired()
     records, has_more = store.list_files(purpose, after, limit, newest_first=order == "desc")
     data = [FileObject.of(r) for r in records]
     return FileList(

@@ -105,11 +105,13 @@ class ReplicaPipeline:
         deployment = started[0].deployment
         assert deployment is not None, "a ready replica has sent its deployment"
         self.deployment: Deployment = deployment
+        # What the log calls this model (a server may hold several): its folder's name.
+        self._model = deployment.folder.path.name
         # A batch worth splitting fills at least one step of each replica it goes to.
         self._min_split = self.deployment.max_num_batched_tokens
         for slot, proc in zip(self._slots, started, strict=True):
             slot.state = State.OK
-            log.info("%s, pid %d", slot.placement.describe(), proc.pid)
+            log.info("%s: %s, pid %d", self._model, slot.placement.describe(), proc.pid)
         self._closed = False
 
     # -- what differs from one pipeline --------------------------------------------------------
@@ -383,7 +385,7 @@ class ReplicaPipeline:
         with self._lock:
             if self._lock.wait_for(lambda: self._stop, timeout=delay):
                 return
-        log.warning(self._restart_message, slot.index)
+        log.warning("%s: " + self._restart_message, self._model, slot.index)
         proc = None
         try:
             proc = self._start_replica(slot.placement, cancelled=lambda: self._stop)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from . import retrieval, scoring
 from .shared import ERRORS, READ_ERRORS, model_of, run_model_outputs, select_model, state_of
@@ -24,7 +25,7 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
     vector, the sparse vector and the token vectors the model gives (``retrieval.py``)."""
     if body.outputs is not None:
-        tasks = [retrieval.task_of(o) for o in body.outputs]
+        tasks = [retrieval.task_of(o) for o in body.outputs if o in OUTPUTS]
         select_model(request, body.model, *tasks)
         outputs = retrieval.check_model_outputs(request, body.outputs)
         if outputs != ("dense",):

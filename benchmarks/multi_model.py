@@ -321,6 +321,9 @@ async def main() -> None:
     parser.add_argument(
         "--only-flood", action="store_true", help="phases 2 (idle latency) and 4 only"
     )
+    parser.add_argument(
+        "--floods", type=int, default=2, help="1: the Retry-After flood only; 2: the 20 ms one too"
+    )
     parser.add_argument("--extra", default="", help="more flags for every server, space-separated")
     args = parser.parse_args()
     models = gpu_models() if args.gpu else cpu_models()
@@ -349,10 +352,11 @@ async def main() -> None:
     try:
         idle_p99 = {}
         for m in models:
+            rounds = 0 if args.only_flood else args.rounds
             rates = [
-                await throughput(url, m, requests, args.concurrency, {}) for _ in range(args.rounds)
+                await throughput(url, m, requests, args.concurrency, {}) for _ in range(rounds)
             ]
-            best = max(rates)
+            best = max(rates, default=float("nan"))
             lat = await idle_latency(url, m, 200)
             idle_p99[m.name] = p(lat, 99)
             print(
@@ -363,7 +367,7 @@ async def main() -> None:
             )
         if not args.only_flood:
             await mixed(url, models, args.mixed, reference)
-        for backoff in (None, 0.02):
+        for backoff in (None, 0.02)[: args.floods]:
             await flood(url, models, args.flood_seconds, idle_p99, backoff)
     finally:
         stop(proc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -220,10 +221,23 @@ def test_a_bad_spec_is_refused_before_any_engine_starts(folders, started, models
     assert started == []
 
 
-def test_a_failing_start_closes_the_engines_started_before_it(folders, started, tmp_path):
+def test_a_model_that_cannot_be_read_is_refused_before_any_engine_starts(
+    folders, started, tmp_path
+):
     broken = tmp_path / "not-a-model"
     broken.mkdir()
     with pytest.raises(ModelLoadError, match=r"has no config\.json") as e:
+        Router({"ce": folders["ce"], "broken": str(broken), "clf": folders["clf"]})
+    assert any("model 'broken'" in note for note in e.value.__notes__)
+    assert started == []  # the memory plan reads every model before the first starts
+
+
+def test_a_failing_start_closes_the_engines_started_before_it(folders, started, tmp_path):
+    # Readable for the memory plan (config and weights), but its tokenizer will not load.
+    broken = tmp_path / "bad-tokenizer"
+    shutil.copytree(folders["ce"], broken)
+    (broken / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"cannot load .*tokenizer\.json") as e:
         Router({"ce": folders["ce"], "broken": str(broken), "clf": folders["clf"]})
     assert any("model 'broken'" in note for note in e.value.__notes__)
     assert len(started) == 1  # ce; clf, after the failure, never started

@@ -111,8 +111,12 @@ def plan_memory(
     (kind,) = kinds
     placed = []
     for name, config in configs:
-        memory = memory_needs(config, kind)
-        stages = tuple(d for p in plan_placement(config) for d in p.devices)
+        try:
+            memory = memory_needs(config, kind)
+            stages = tuple(d for p in plan_placement(config) for d in p.devices)
+        except Exception as exc:
+            exc.add_note(f"model {name!r} ({config.model}): read for the memory plan")
+            raise
         placed.append((name, config, memory, stages))
     if capacity is None:
         capacity = _gpu_capacity() if kind == "cuda" else {"cpu": _host_available()}

@@ -32,15 +32,6 @@ def test_engines_lower_the_interval_until_the_last_one_closes(bert_path, default
     assert sys.getswitchinterval() == pytest.approx(default_interval)
 
 
-def test_replicas_lower_it_in_the_front_process_too(bert_path, default_interval):
-    # The replicas' engines run in processes of their own; this one routes work and reads
-    # results on threads beside the callers' (a server's event loop, the other models').
-    with pipepool.Engine(str(bert_path), data_parallel_size=2) as engine:
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        assert engine.embed(["still embeds"]).shape[0] == 1
-    assert sys.getswitchinterval() == pytest.approx(default_interval)
-
-
 def test_zero_leaves_the_interpreter_alone(bert_path, default_interval):
     with pipepool.Engine(str(bert_path), switch_interval_ms=0) as engine:
         assert sys.getswitchinterval() == pytest.approx(default_interval)

@@ -35,7 +35,6 @@ from ..driver.pipeline import Probe
 from ..errors import EngineDeadError, PipepoolError
 from ..intake.inputs import TokenSlice
 from ..loading.model_folder import read_model_folder
-from ..runtime import switch_interval
 from ..runtime.signal_mask import block_stop_signals
 from ..tracing.recorder import ProcessTrace
 from .handle import Listener, ReplicaHandle, ReplicaProcess, start_error
@@ -113,10 +112,6 @@ class ReplicaPipeline:
         for slot, proc in zip(self._slots, started, strict=True):
             slot.state = State.OK
             log.info("%s: %s, pid %d", self._model, slot.placement.describe(), proc.pid)
-        # As one pipeline's engine does (runtime/switch_interval.py): this process routes work
-        # and receives results on threads of its own, beside the callers' (a server's event
-        # loop); none of them should wait 5 ms for the GIL while another runs Python.
-        self._lowered_switch = switch_interval.lower(config.switch_interval_ms / 1000)
         self._closed = False
 
     # -- what differs from one pipeline --------------------------------------------------------
@@ -217,9 +212,6 @@ class ReplicaPipeline:
         for proc in procs:
             proc.wait_stopped()
         self._fail_pending(EngineDeadError("engine closed"))
-        if self._lowered_switch:
-            self._lowered_switch = False
-            switch_interval.restore()
 
     # -- intake --------------------------------------------------------------------------------
 

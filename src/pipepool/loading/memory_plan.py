@@ -60,6 +60,7 @@ class MemoryPlan:
     models: tuple[PlannedModel, ...]
 
     def used(self, device: str) -> int:
+        """Bytes the plan counts on ``device``, all models together."""
         return sum(m.bytes_on(device) for m in self.models)
 
     def describe(self) -> str:
@@ -81,12 +82,15 @@ class MemoryPlan:
                     f"{mem.activations / _GIB:>8.2f} {mem.overhead / _GIB:>8.2f} "
                     f"{kv_text:>22} {m.bytes_on(device) / _GIB:>8.2f}"
                 )
+        if self.device_kind == "cuda":
+            basis = f"free memory x {GPU_MEMORY_UTILIZATION}"
+        else:
+            basis = "MemAvailable"
         for device, cap in self.capacity.items():
             used = self.used(device)
             if used:
                 lines.append(
-                    f"  {device}: {used / _GIB:.2f} of {cap / _GIB:.2f} GiB planned "
-                    f"({'free memory x ' + str(GPU_MEMORY_UTILIZATION) if self.device_kind == 'cuda' else 'MemAvailable'})"  # noqa: E501
+                    f"  {device}: {used / _GIB:.2f} of {cap / _GIB:.2f} GiB planned ({basis})"
                 )
         return "\n".join(lines)
 

@@ -5,7 +5,7 @@ parse them and /openapi.json documents them."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, StrictStr, field_validator
 
@@ -44,6 +44,16 @@ class FileObject(BaseModel):
             purpose=record.purpose,  # type: ignore[arg-type]  # the store writes only these
             expires_at=record.expires_at,
         )
+
+
+def page(data: list, has_more: bool) -> dict[str, Any]:
+    """The fields of OpenAI's page of a list (``FileList``, ``BatchList``) holding ``data``."""
+    return {
+        "data": data,
+        "first_id": data[0].id if data else None,
+        "last_id": data[-1].id if data else None,
+        "has_more": has_more,
+    }
 
 
 class FileList(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 
-from ..batch_protocol import Batch, BatchList, CreateBatchRequest
+from ..batch_protocol import Batch, BatchList, CreateBatchRequest, page
 from ..batch_store import CANCELLABLE
 from ..errors import APIError
 from .files import BODY_TOO_LARGE, BODY_TOO_SLOW, errors_doc, not_found, store_of
@@ -80,13 +80,7 @@ async def list_batches(
 ) -> BatchList:
     """Batches, newest first, a page at a time."""
     records, has_more = store_of(request).list_batches(after, limit)
-    data = [Batch.of(r) for r in records]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return BatchList(**page([Batch.of(r) for r in records], has_more))
 
 
 @router.post(

@@ -19,7 +19,14 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 
 from .. import protocol
-from ..batch_protocol import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FileObject
+from ..batch_protocol import (
+    MAX_EXPIRY_S,
+    MIN_EXPIRY_S,
+    FileDeleted,
+    FileList,
+    FileObject,
+    page,
+)
 from ..batch_store import BatchStore
 from ..errors import APIError
 from ..guards import GuardMiddleware
@@ -170,13 +177,7 @@ async def list_files(
     store = store_of(request)
     store.delete_expired()
     records, has_more = store.list_files(purpose, after, limit, newest_first=order == "desc")
-    data = [FileObject.of(r) for r in records]
-    return FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return FileList(**page([FileObject.of(r) for r in records], has_more))
 
 
 @router.get(

@@ -1,6 +1,7 @@
 """The Triton variable-length attention kernel against the portable one (per-request SDPA in
 fp32): causal chunks after a cached prefix (bottom-right masks), sliding windows, bidirectional
-requests, grouped KV heads, soft-capped scores (Gemma2, against softcap_attend), every head size
+requests, grouped KV heads, soft-capped scores (Gemma2, against softcap_attend), symmetric
+windows on whole prompts (ModernBERT), a relative position bias (MPNet), every head size
 it is chosen for. On the CPU through Triton's
 interpreter (fp32), and on a GPU in bf16."""
 
@@ -65,7 +66,56 @@ def check(dtype, device, head_dims, tiles, tol):
                     assert got is out
                     err = (got.float() - want).abs().max().item()
                     assert err < tol, (dtype, d, causal, window, cap, hq, hkv, tile, programs, err)
+    check_bidirectional(dtype, device, head_dims, tiles, tol)
     print("ok")
+
+
+def check_bidirectional(dtype, device, head_dims, tiles, tol):
+    # Whole prompts with a symmetric window (ModernBERT's local layers, against the portable
+    # windowed attention) and with a relative position bias by distance (MPNet, T5: against
+    # SDPA with the bias as the mask), from the work list as encoders run it; prompts shorter
+    # and longer than the window, the bias's distance and the tiles.
+    from pipepool.layers.windowed_attention import _portable as windowed
+
+    lens = np.array([0, 3, 40, 170, 173])
+    for d in head_dims:
+        q, k, v = (torch.randn(int(lens[-1]), 2, d, device=device).to(dtype) for _ in "qkv")
+        cu = torch.tensor(lens, dtype=torch.int32, device=device)
+        meta = AttentionMetadata(
+            causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_q=int(np.diff(lens).max()),
+            max_k=int(np.diff(lens).max()), cu_q_host=lens, cu_k_host=lens,
+            total_k=int(lens[-1]),
+        )
+        qf, kf, vf = q.float(), k.float(), v.float()
+        max_distance = 20
+        bias = torch.randn(2, 2 * max_distance + 1, device=device)
+        want_biased = torch.empty_like(qf)
+        for a, b in zip(lens[:-1], lens[1:]):
+            pos = torch.arange(b - a, device=device)
+            rel = (pos[None, :] - pos[:, None]).clamp(-max_distance, max_distance) + max_distance
+            mask = bias[:, rel]  # [H, L, L]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qf[a:b].transpose(0, 1), kf[a:b].transpose(0, 1), vf[a:b].transpose(0, 1),
+                attn_mask=mask, scale=d**-0.5,
+            )
+            want_biased[a:b] = out.transpose(0, 1)
+        for tile in tiles:
+            work = work_list(lens, (tile or TILES[d])[0])
+            given = torch.from_numpy(work).to(device)
+            for half in (2, 7, 33):
+                want = windowed(qf, kf, vf, meta, d**-0.5, half)
+                got = varlen_attention(
+                    q, k, v, cu, cu, meta.max_q, causal=False, scale=d**-0.5, window=half,
+                    tile=tile, work=given, programs=int(work[0]),
+                )
+                err = (got.float() - want).abs().max().item()
+                assert err < tol, (dtype, d, "window", half, tile, err)
+            got = varlen_attention(
+                q, k, v, cu, cu, meta.max_q, causal=False, scale=d**-0.5, bias=bias,
+                tile=tile, work=given, programs=int(work[0]),
+            )
+            err = (got.float() - want_biased).abs().max().item()
+            assert err < tol, (dtype, d, "bias", tile, err)
 """
 
 

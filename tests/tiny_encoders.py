@@ -90,16 +90,18 @@ def make_electra(
     return path
 
 
-def make_mpnet(path: Path, architecture: str = "MPNetForMaskedLM", *, seed: int = 0) -> Path:
+def make_mpnet(
+    path: Path, architecture: str = "MPNetForMaskedLM", *, seed: int = 0, **shape
+) -> Path:
     """all-mpnet-base-v2's config (514 positions counted from 2, 32 relative-attention
-    buckets, LayerNorm eps 1e-5), shrunk. The relative position bias table is drawn with unit
-    variance (an initialiser range of 0.1 would leave it a small effect next to the scores),
-    so that a bias added wrongly shows."""
+    buckets, LayerNorm eps 1e-5), shrunk (``shape``: other sizes). The relative position bias
+    table is drawn with unit variance (an initialiser range of 0.1 would leave it a small
+    effect next to the scores), so that a bias added wrongly shows."""
     import transformers
 
     _copy_minilm_tokenizer(path)
     config = transformers.MPNetConfig(
-        **_SHAPE,
+        **{**_SHAPE, **shape},
         max_position_embeddings=514,
         relative_attention_num_buckets=32,
         layer_norm_eps=1e-5,

@@ -6,8 +6,10 @@ distance between key and query (exact for near tokens, logarithmic up to ``max_d
 constant beyond); T5 does not scale the q.k product, MPNet does. The bias depends only on that
 distance, so all requests of one length share one ``[heads, L, L]`` bias, and a group of them
 attends in one ``scaled_dot_product_attention`` call with the bias as its additive float mask.
-The flash kernels of :mod:`.attention` take no additive bias; this works on any device and
-dtype.
+aten's flash kernels take no additive bias; this works on any device and dtype. Where the
+deployment runs the Triton kernel (CUDA, half precision), :func:`biased_varlen_attention`
+attends the packed step in one launch instead, adding the bias by distance inside the kernel
+(no padding, no mask, nothing read on the host: it runs inside CUDA graphs).
 
 Groups: on the CPU, requests of equal length (the CPU's steps come sorted by length, so a
 group is a run of neighbours, read as views of the packed rows: nothing is gathered). On CUDA,
@@ -29,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import triton_attention
+from .attention import AttentionMetadata
 
 # Mask rows are laid out 16 elements apart: CUDA's memory-efficient kernel reads them so, and
 # copies any other mask into that layout on every call (every layer).
@@ -87,6 +92,11 @@ class RelativePositionBias(nn.Module):
         distances = torch.arange(-self.max_distance, self.max_distance + 1)
         host = relative_position_bucket(distances, self.num_buckets, self.max_distance)
         self.buckets = host.to(self.buckets.device)
+
+    def by_distance(self) -> torch.Tensor:
+        """[heads, 2 * max_distance + 1] float32: the bias of each ``key - query`` distance
+        from ``-max_distance`` to ``max_distance`` (the Triton kernel's table)."""
+        return F.embedding(self.buckets, self.weight).t().float().contiguous()
 
     def forward(self, length: int) -> torch.Tensor:
         pos = torch.arange(length, device=self.weight.device)
@@ -170,6 +180,27 @@ def biased_attention(
             outs.append(out.transpose(1, 2).reshape(g.size * g.length, heads * head_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if plan.scatter is None else out.index_select(0, plan.scatter)
+
+
+def biased_varlen_attention(
+    qkv: torch.Tensor,
+    meta: AttentionMetadata,
+    by_distance: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """:func:`biased_attention` of a step of whole prompts as one Triton launch (from the
+    step's work list where it has one): ``by_distance`` is the bias table's
+    :meth:`RelativePositionBias.by_distance`. qkv: [T, 3 * heads * head_dim] -> [T, heads *
+    head_dim]."""
+    assert not meta.causal and meta.key_rows is None, "whole bidirectional prompts only"
+    q, k, v = qkv.view(-1, 3, heads, head_dim).unbind(1)  # [T, H, D] views
+    out = triton_attention.varlen_attention(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=False, scale=scale,
+        bias=by_distance, work=meta.work, programs=meta.work_programs,
+    )  # fmt: skip
+    return out.view(-1, heads * head_dim)
 
 
 def _groups(keys: np.ndarray) -> list[np.ndarray]:

@@ -12,8 +12,10 @@ graph (stage/cuda_graphs.py captures an encoder's whole forward that way).
 Layout and masks are those of :func:`.attention.attend`: packed q ``[T, Hq, D]``, packed k/v
 ``[Tk, Hkv, D]`` (GQA: query head h reads KV head h // (Hq / Hkv)), per-request offsets
 ``cu_seqlens_q`` / ``cu_seqlens_k``; causal masks aligned bottom-right (a chunk is the last
-queries of its keys), an optional sliding window of ``window`` keys, itself included; scores
-optionally soft-capped (Gemma2's ``cap * tanh(s / cap)``, in float32 before the softmax).
+queries of its keys), an optional sliding window of ``window`` keys, itself included, or
+(bidirectional) ``window`` keys on either side; scores optionally soft-capped (Gemma2's
+``cap * tanh(s / cap)``, in float32 before the softmax) and optionally biased by the distance
+between key and query (T5's and MPNet's relative position bias, from a table by distance).
 """
 
 from __future__ import annotations
@@ -36,11 +38,22 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _biased(s, cols, positions, bias_row, max_distance, BIASED: tl.constexpr):
+        """The relative position bias (T5, MPNet) added to base-2 scores: ``bias_row`` points
+        at distance 0 of this head's table, which holds every ``key - query`` distance from
+        ``-max_distance`` to ``max_distance`` (longer ones share the end entries)."""
+        if BIASED:
+            rel = cols[None, :] - positions[:, None]
+            rel = tl.minimum(tl.maximum(rel, -max_distance), max_distance)
+            s = s + tl.load(bias_row + rel) * 1.4426950408889634  # log2(e)
+        return s
+
+    @triton.jit
     def _attend_block(
-        q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2, m_i, l_i,
-        acc, stride_kt, stride_vt, dims,
+        q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2, bias_row,
+        max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims,
         MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-        SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr, BIASED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """One block of keys: scores, online-softmax update, the weighted values added.
         Unmasked (``MASKED`` false) where every row sees every key of the block: no bounds
@@ -53,11 +66,17 @@ if triton is not None:
                 mask=inside[None, :], other=0.0,
             )  # fmt: skip
             s = _capped(tl.dot(q, k) * scale_log2, cap_log2, SOFTCAP)
+            s = _biased(s, cols, positions, bias_row, max_distance, BIASED)
             visible = inside[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= positions[:, None])
-            if WINDOWED:
-                visible = visible & (cols[None, :] > positions[:, None] - window)
+                if WINDOWED:
+                    visible = visible & (cols[None, :] > positions[:, None] - window)
+            elif WINDOWED:  # bidirectional: ``window`` keys on either side, as well as itself
+                near = (cols[None, :] >= positions[:, None] - window) & (
+                    cols[None, :] <= positions[:, None] + window
+                )
+                visible = visible & near
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row may see no key of this block (a window), or none at all (a chunk longer
@@ -70,6 +89,7 @@ if triton is not None:
         else:
             k = tl.load(k_base + cols[None, :] * stride_kt + dims[:, None])
             s = _capped(tl.dot(q, k) * scale_log2, cap_log2, SOFTCAP)
+            s = _biased(s, cols, positions, bias_row, max_distance, BIASED)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :])
         p = tl.exp2(s - m_new[:, None])
@@ -80,11 +100,12 @@ if triton is not None:
 
     @triton.jit
     def _attend_rows(
-        q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
-        cap_log2,
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bias_ptr, seq, block, head, scale_log2,
+        window, cap_log2, max_distance,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        stride_bh,
         GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-        SOFTCAP: tl.constexpr, D: tl.constexpr,
+        SOFTCAP: tl.constexpr, BIASED: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[block * BLOCK_M, +BLOCK_M)`` of request ``seq``'s queries, one head."""
@@ -102,9 +123,11 @@ if triton is not None:
         kv_head = head // GROUP
         k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
         v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
-        # Bidirectional rows see every key; causal ones the keys up to their own position
-        # (bottom-right: query i of a chunk of len_q sits at key position len_k - len_q + i).
-        positions = rows + (len_k - len_q)
+        bias_row = bias_ptr + head * stride_bh + max_distance
+        # Causal rows see the keys up to their own position (bottom-right: query i of a chunk
+        # of len_q sits at key position len_k - len_q + i); bidirectional rows are whole
+        # prompts, query i at position i (their keys may be only the first len_k rows).
+        positions = rows + (len_k - len_q) if CAUSAL else rows
         # Keys [lo, full) go unmasked, [full, hi) masked. Bidirectional rows see every key, so
         # only the last block is masked (10% faster on MiniLM's W1 steps); causal blocks are
         # all masked: splitting their loop measured slower (BENCHMARKS.md, issue 10).
@@ -113,12 +136,17 @@ if triton is not None:
         full = 0
         if CAUSAL:
             hi = tl.minimum(len_k, block * BLOCK_M + (len_k - len_q) + BLOCK_M)
+            if WINDOWED:
+                lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
+                lo = (lo // BLOCK_N) * BLOCK_N
+                full = lo
+        elif WINDOWED:  # the keys within ``window`` of some row of the block, all masked
+            lo = tl.maximum(0, block * BLOCK_M - window)
+            lo = (lo // BLOCK_N) * BLOCK_N
+            hi = tl.minimum(len_k, block * BLOCK_M + BLOCK_M + window)
+            full = lo
         else:
             full = (len_k // BLOCK_N) * BLOCK_N
-        if WINDOWED:
-            lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
-            lo = (lo // BLOCK_N) * BLOCK_N
-            full = lo
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -127,29 +155,29 @@ if triton is not None:
             while start < full:
                 m_i, l_i, acc = _attend_block(
                     q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    m_i, l_i, acc, stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED,
-                    SOFTCAP, BLOCK_N,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, False,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
                 )  # fmt: skip
                 start += BLOCK_N
             while start < hi:
                 m_i, l_i, acc = _attend_block(
                     q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
-                    SOFTCAP, BLOCK_N,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
                 )  # fmt: skip
                 start += BLOCK_N
         else:
             for start in range(lo, full, BLOCK_N):
                 m_i, l_i, acc = _attend_block(
                     q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    m_i, l_i, acc, stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED,
-                    SOFTCAP, BLOCK_N,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, False,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
                 )  # fmt: skip
             for start in range(full, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_block(
                     q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
-                    SOFTCAP, BLOCK_N,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
                 )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
         tl.store(
@@ -170,6 +198,8 @@ if triton is not None:
         scale_log2,  # softmax scale times log2(e): the kernel exponentiates in base 2
         window,  # keys a query may see, itself included; 0: unlimited
         cap_log2,  # SOFTCAP: the cap times log2(e)
+        bias_ptr,  # BIASED: [heads, 2 * max_distance + 1] float32, the bias by key - query
+        max_distance,
         stride_qt,
         stride_qh,
         stride_kt,
@@ -178,10 +208,12 @@ if triton is not None:
         stride_vh,
         stride_ot,
         stride_oh,
+        stride_bh,
         GROUP: tl.constexpr,  # query heads per KV head
         CAUSAL: tl.constexpr,
         WINDOWED: tl.constexpr,
         SOFTCAP: tl.constexpr,  # scores soft-capped (Gemma2)
+        BIASED: tl.constexpr,  # a relative position bias added to the scores (T5, MPNet)
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -202,10 +234,10 @@ if triton is not None:
             if block * BLOCK_M >= tl.load(cu_q_ptr + seq + 1) - tl.load(cu_q_ptr + seq):
                 return
         _attend_rows(
-            q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, seq, block, head, scale_log2, window,
-            cap_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_ot, stride_oh, GROUP, CAUSAL, WINDOWED, SOFTCAP, D, BLOCK_M, BLOCK_N,
-            LOOP_AS_WHILE,
+            q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bias_ptr, seq, block, head,
+            scale_log2, window, cap_log2, max_distance, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bh, GROUP, CAUSAL,
+            WINDOWED, SOFTCAP, BIASED, D, BLOCK_M, BLOCK_N, LOOP_AS_WHILE,
         )  # fmt: skip
 
 
@@ -260,14 +292,19 @@ def varlen_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
     work: torch.Tensor | None = None,
     programs: int = 0,
 ) -> torch.Tensor:
     """Attention of every request's queries over its keys -> [T, Hq, D], written to ``out``
-    where given (any layout with contiguous heads). ``softcap``: scores become
+    where given (any layout with contiguous heads). ``window``: causal, the keys a query sees,
+    itself included; bidirectional (whole prompts), the keys on either side of it (key j of
+    query i where |i - j| <= window: ModernBERT's local layers). ``softcap``: scores become
     ``softcap * tanh(score / softcap)`` before masking and softmax (Gemma2), None for none.
+    ``bias``: [Hq, 2 * M + 1] float32, added to the scaled scores of key j and query i at
+    ``bias[:, clamp(j - i, -M, M) + M]`` (T5's and MPNet's relative position bias).
 
     Two launches. Without ``work``, a grid of (query blocks of the longest request, requests,
     heads) whose surplus programs exit. With ``work`` (``work_list`` of this step, for the
@@ -289,13 +326,16 @@ def varlen_attention(
         grid = (programs, heads)
     else:
         grid = (triton.cdiv(max(max_q, 1), block_m), requests, heads)
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.shape[0] == heads and bias.stride(1) == 1
     _varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, work if work is not None else cu_seqlens_q,
         scale * math.log2(math.e), window or 0, (softcap or 1.0) * math.log2(math.e),
+        bias if bias is not None else q, (bias.shape[1] - 1) // 2 if bias is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
         GROUP=heads // k.shape[1], CAUSAL=causal, WINDOWED=window is not None,
-        SOFTCAP=softcap is not None, D=dim,
+        SOFTCAP=softcap is not None, BIASED=bias is not None, D=dim,
         BLOCK_M=block_m, BLOCK_N=block_n, WORK_LIST=work is not None,
         LOOP_AS_WHILE=INTERPRETING, num_warps=warps, num_stages=stages,
     )  # fmt: skip

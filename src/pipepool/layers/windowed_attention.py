@@ -7,9 +7,12 @@ mask transformers builds (``create_bidirectional_sliding_window_mask`` with
 causal attention (keys behind the query), hence this layer of its own.
 
 On CUDA in fp16/bf16, where the deployment runs a fast attention kernel, the step attends in one
-call of aten's variable-length flash kernel, whose window (left, right) = (half_window,
-half_window) is this mask (checked against the portable path once per device and dtype; 70x
-faster than it on a 16k-token step of 15 requests on an H200). Everywhere else, the portable
+launch: of the Triton kernel (:mod:`.triton_attention`, bidirectional with ``window =
+half_window``), where the deployment chose it, from the step's work list, so that the layer
+also runs inside a whole-step CUDA graph; else of aten's variable-length flash kernel, whose
+window (left, right) = (half_window, half_window) is this mask (each checked against the
+portable path once per device and dtype; flash was 70x faster than it on a 16k-token step of
+15 requests on an H200). Everywhere else, the portable
 path: runs of consecutive equal-length prompts (``grouped_attention.plan_runs``) attend in one
 ``scaled_dot_product_attention`` call each, on any device and dtype:
 
@@ -27,9 +30,9 @@ gets zeros, as torch's attention gives a row whose boolean mask is all false. Su
 the portable path: the flash kernel aligns a window to the last key, not to the query's own
 position.
 
-Both read the step's offsets and longest prompt from the host, so the layer cannot be
-captured in a CUDA graph: under capture it raises, and the graph runner (``stage/
-cuda_graphs.py``) then runs the stage eagerly.
+Flash and the portable path read the step's offsets and longest prompt from the host, so
+they cannot be captured in a CUDA graph: under capture they raise, and the graph runner
+(``stage/cuda_graphs.py``) then runs the stage eagerly.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import triton_attention
 from .attention import AttentionMetadata, flash_supported
 from .grouped_attention import Run, plan_runs
 
@@ -61,8 +65,14 @@ def windowed_attention(
     """q/k/v: [T, H, D] (row-strided views allowed) of whole prompts, no KV cache -> [T, H, D]
     contiguous; keys are q's rows (``meta.key_rows`` only says which of them are keys).
     ``kernel``: the deployment's attention kernel; any but "portable" lets a CUDA step in half
-    precision without key lengths take the flash kernel."""
+    precision without key lengths take the Triton kernel ("triton") or flash (the others)."""
     assert not meta.causal and meta.prefix_slots is None, "whole bidirectional prompts only"
+    if (
+        kernel == "triton"
+        and meta.key_rows is None
+        and _triton_agrees(q.device, q.dtype, q.shape[-1])
+    ):
+        return _triton(q, k, v, meta, scale, half_window)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "symmetric sliding-window attention reads each step's prompt offsets on the host "
@@ -154,24 +164,44 @@ def _flash(q, k, v, meta: AttentionMetadata, scale: float, w: int) -> torch.Tens
     return out[0]
 
 
+def _triton(q, k, v, meta: AttentionMetadata, scale: float, w: int) -> torch.Tensor:
+    return triton_attention.varlen_attention(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=False, scale=scale,
+        window=w, work=meta.work, programs=meta.work_programs,
+    )  # fmt: skip
+
+
 @functools.cache
 def _flash_agrees(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the flash kernel runs here and gives the portable path's result on a small
-    batch that takes each of the portable path's ways (no mask, band, blocks)."""
-    if not flash_supported(device, dtype):
+    return _agrees(_flash, "flash", device, dtype, 64)
+
+
+@functools.cache
+def _triton_agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    if not triton_attention.supported(device, dtype, head_dim):
+        return False
+    return _agrees(_triton, "triton", device, dtype, head_dim)
+
+
+def _agrees(attend, name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``attend`` runs here and gives the portable path's result on a small batch
+    that takes each of the portable path's ways (no mask, band, blocks)."""
+    if name == "flash" and not flash_supported(device, dtype):
         return False
     cu = np.array([0, 5, 45, 175, 180])
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(180, 2, 64, device=device, dtype=dtype, generator=gen) for _ in "qkv")
+    q, k, v = (
+        torch.randn(180, 2, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"
+    )
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     meta = AttentionMetadata(False, cu_t, cu_t, 130, 130, cu, cu, total_k=180)
     try:
-        got = _flash(q, k, v, meta, 0.125, 8).float()
+        got = attend(q, k, v, meta, 0.125, 8).float()
     except Exception as exc:  # a torch without the op's window arguments, a missing kernel
-        warnings.warn(f"flash kernel unusable for windowed attention: {exc}", stacklevel=2)
+        warnings.warn(f"{name} kernel unusable for windowed attention: {exc}", stacklevel=2)
         return False
     want = _portable(q.float(), k.float(), v.float(), meta, 0.125, 8)
     if torch.allclose(got, want, rtol=2e-2, atol=2e-2):
         return True
-    warnings.warn("flash kernel disagrees with windowed attention; using portable", stacklevel=2)
+    warnings.warn(f"{name} kernel disagrees with windowed attention; not used", stacklevel=2)
     return False

@@ -253,7 +253,9 @@ def plan_deployment(
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
         graph_max_tokens=(
-            _graph_max_tokens(budget, per_token) if _cuda_graphs(config, cuda, whole) else 0
+            _graph_max_tokens(budget, per_token)
+            if _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
+            else 0
         ),
         overlap_steps=_auto(config.overlap_steps, cuda),
         length_sorted=not cuda and not causal,
@@ -370,15 +372,15 @@ def step_tokens(config: EngineConfig, cuda: bool, flops_per_token: float) -> int
                _CUDA_MAX_STEP_TOKENS)  # fmt: skip
 
 
-def _cuda_graphs(config: EngineConfig, cuda: bool, whole) -> bool:
+def _cuda_graphs(config: EngineConfig, cuda: bool, graph_safe: bool) -> bool:
     """CUDA graphs where asked for (or on CUDA by default) and the model can be captured."""
-    if config.cuda_graphs and not whole.graph_safe:
+    if config.cuda_graphs and not graph_safe:
         raise InvalidInputError(
             f"{config.model}: this model's attention reads each step's offsets on the host and "
             "cannot be captured as CUDA graphs; leave cuda_graphs to the engine or set it off",
             param="cuda_graphs",
         )
-    return _auto(config.cuda_graphs, cuda) and whole.graph_safe
+    return _auto(config.cuda_graphs, cuda) and graph_safe
 
 
 def _auto(wanted: bool | None, default: bool) -> bool:

@@ -106,6 +106,12 @@ class StageModel(nn.Module):
         """Pack the layers' projections as int8 and run them so from the next forward on."""
         raise NotImplementedError(f"{type(self).__name__} has no int8 path")
 
+    def graph_safe_with(self, kernel: str) -> bool:
+        """Whether the forward can be captured as CUDA graphs when its attention runs
+        ``kernel`` (the deployment's choice): ``graph_safe``, or more where a family's own
+        attention runs inside the Triton kernel."""
+        return self.graph_safe
+
     def attention_block_rows(self) -> int | None:
         """The Triton attention kernel's BLOCK_M where this model runs it from a work list (an
         encoder: its steps carry the list, which lets a CUDA graph hold its whole forward),

@@ -14,7 +14,9 @@ differs only where its config and checkpoint say:
   fixed padding_idx 1, plus one), no token types, and a relative position bias added to every
   layer's attention scores: ``encoder.relative_attention_bias`` ([buckets, heads]) looked up by
   the bucket of each key-minus-query distance (layers/relative_attention.py, as T5's). Every
-  stage holds the table.
+  stage holds the table. Where the deployment runs the Triton attention kernel, the kernel
+  adds the bias itself (one launch a layer, and CUDA graphs of the whole step); elsewhere the
+  step attends in groups of padded prompts with the bias as a mask.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..layers.relative_attention import BiasedAttentionPlan, RelativePositionBias, biased_attention
+from ..layers.attention import AttentionMetadata
+from ..layers.relative_attention import (
+    BiasedAttentionPlan,
+    RelativePositionBias,
+    biased_attention,
+    biased_varlen_attention,
+)
 from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
@@ -146,38 +154,49 @@ def embed(
     return F.linear(x, project, project_bias) if project is not None else x
 
 
+# A step's relative position bias, as its layers read it: padded groups with their masks, or
+# (the Triton kernel) the bias by distance, [heads, 2 * max_distance + 1].
+StepBias = BiasedAttentionPlan | torch.Tensor
+
+
 class BiasedEncoderLayer(EncoderLayer):
     """``EncoderLayer`` whose attention adds a bias to the scores (MPNet's relative position
-    bias): the same modules, with the step's ``BiasedAttentionPlan`` after the usual arguments."""
+    bias): the same modules, with the step's ``StepBias`` after the usual arguments."""
 
-    # ``plan`` is always passed: its default only keeps EncoderLayer's signature.
+    # ``bias`` is always passed: its default only keeps EncoderLayer's signature.
     def forward(
         self,
         x: torch.Tensor,
         inputs: StepInputs,
         post,
         kernel: str,
-        plan: BiasedAttentionPlan | None = None,
+        bias: StepBias | None = None,
     ) -> torch.Tensor:
-        return post(self.cfg, x, self._attend(x, plan), self.ffn_weights())
+        return post(self.cfg, x, self._attend(x, inputs.attn, bias), self.ffn_weights())
 
     def forward_fused(
-        self, x: torch.Tensor, inputs: StepInputs, plan: BiasedAttentionPlan | None = None
+        self, x: torch.Tensor, inputs: StepInputs, bias: StepBias | None = None
     ) -> torch.Tensor:
-        a = self._attend(x, plan)
+        a = self._attend(x, inputs.attn, bias)
         return bert.post_attention_fused(self.cfg, x, a, self.packed_ffn_weights())
 
-    def _attend(self, x: torch.Tensor, plan: BiasedAttentionPlan | None) -> torch.Tensor:
-        assert plan is not None, "a biased layer needs the step's BiasedAttentionPlan"
+    def _attend(
+        self, x: torch.Tensor, meta: AttentionMetadata, bias: StepBias | None
+    ) -> torch.Tensor:
+        assert bias is not None, "a biased layer needs the step's bias"
         h, d = self.num_heads, self.head_dim
-        a = biased_attention(self.qkv_proj(x), plan, h, d, scale=self.scale)
+        if isinstance(bias, BiasedAttentionPlan):
+            a = biased_attention(self.qkv_proj(x), bias, h, d, scale=self.scale)
+        else:
+            a = biased_varlen_attention(self.qkv_proj(x), meta, bias, h, d, scale=self.scale)
         return a.view(-1, h, d)  # [T, H, D]
 
 
 class RelativeEncoderStage(EncoderStage):
     """A stage of DistilBERT, ELECTRA or MPNet, with ``EncoderStage``'s contract (and its CPU
     tiling and fused paths): token ids in on the first stage, hidden states out; MPNet's
-    attention runs T5's biased attention (never the Triton/flash kernels, nor in CUDA graphs).
+    attention adds its relative position bias in the Triton kernel where the deployment runs
+    it (CUDA graphs too), else in T5's padded groups (never flash, nor CUDA graphs).
     """
 
     def __init__(
@@ -226,8 +245,8 @@ class RelativeEncoderStage(EncoderStage):
         if self.relative.relative_buckets:
             self.relative_attention_bias.reset_buffers()
 
-    def attention_block_rows(self) -> int | None:
-        return None if self.relative.relative_buckets else super().attention_block_rows()
+    def graph_safe_with(self, kernel: str) -> bool:
+        return self.graph_safe or kernel == "triton"
 
     def _forward_rows(self, x: torch.Tensor, inputs: StepInputs, fused: bool = False):
         block = self.cfg
@@ -243,11 +262,14 @@ class RelativeEncoderStage(EncoderStage):
                 project.weight if project is not None else None,
                 project.bias if project is not None else None,
             )  # fmt: skip
-        bias: tuple[BiasedAttentionPlan, ...] = ()  # the biased layers' extra argument, if any
+        bias: tuple[StepBias, ...] = ()  # the biased layers' extra argument, if any
         if self.relative.relative_buckets:  # one per step (or CPU tile), shared by the layers
-            exact = x.device.type == "cpu"  # CPU steps come sorted by length: no padding
             table = self.relative_attention_bias
-            bias = (BiasedAttentionPlan.build(inputs.attn.cu_q_host, table, exact=exact),)
+            if self.attn_kernel == "triton":
+                bias = (table.by_distance(),)
+            else:
+                exact = x.device.type == "cpu"  # CPU steps come sorted by length: no padding
+                bias = (BiasedAttentionPlan.build(inputs.attn.cu_q_host, table, exact=exact),)
         # BiasedEncoderLayers where the stage has the bias; plain EncoderLayers (no bias) where not.
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
             if self.int8:

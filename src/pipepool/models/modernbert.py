@@ -196,7 +196,10 @@ class ModernBertStage(StageModel):
 
     causal = False
     kv_layout = None
-    graph_safe = False  # its local layers attend outside attend()
+    graph_safe = False  # its local layers attend outside attend(): only Triton's are captured
+
+    def graph_safe_with(self, kernel: str) -> bool:
+        return kernel == "triton"
 
     def __init__(
         self,

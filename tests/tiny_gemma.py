@@ -102,10 +102,11 @@ def make_gemma3(
     num_layers: int = 2,
     seed: int = 0,
     num_labels: int | None = None,
+    **shape,
 ) -> Path:
     """Gemma3 text: causal as Gemma3ForCausalLM (with gemma-3-4b's linear RoPE scaling on the
     global layers), or bidirectional as EmbeddingGemma's Gemma3TextModel; ``num_labels``: a
-    Gemma3TextForSequenceClassification with that many labels."""
+    Gemma3TextForSequenceClassification with that many labels; ``shape``: other sizes."""
     import transformers
 
     rope = {
@@ -119,7 +120,7 @@ def make_gemma3(
         layer_types=LAYER_TYPES[:num_layers],
         rope_parameters=rope,
         use_bidirectional_attention=bidirectional,
-        **_TINY,
+        **{**_TINY, **shape},
         **_tokenizer(path),
         **_labels(num_labels),
     )

@@ -99,6 +99,34 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _attend_span(
+        q, k_base, v_base, lo, hi, len_k, positions, window, scale_log2, cap_log2, bias_row,
+        max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims,
+        MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr, BIASED: tl.constexpr, BLOCK_N: tl.constexpr,
+        LOOP_AS_WHILE: tl.constexpr,
+    ):  # fmt: skip
+        """The blocks of keys from ``lo`` to ``hi`` (a multiple of BLOCK_N apart, or the end
+        of the keys), all masked or all unmasked."""
+        if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over loaded bounds
+            start = lo
+            while start < hi:
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, MASKED,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_block(
+                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
+                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, MASKED,
+                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
+                )  # fmt: skip
+        return m_i, l_i, acc
+
+    @triton.jit
     def _attend_rows(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bias_ptr, seq, block, head, scale_log2,
         window, cap_log2, max_distance,
@@ -128,57 +156,49 @@ if triton is not None:
         # of len_q sits at key position len_k - len_q + i); bidirectional rows are whole
         # prompts, query i at position i (their keys may be only the first len_k rows).
         positions = rows + (len_k - len_q) if CAUSAL else rows
-        # Keys [lo, full) go unmasked, [full, hi) masked. Bidirectional rows see every key, so
-        # only the last block is masked (10% faster on MiniLM's W1 steps); causal blocks are
-        # all masked: splitting their loop measured slower (BENCHMARKS.md, issue 10).
+        # Keys [lo, a) go masked, [a, b) unmasked, [b, hi) masked. Bidirectional rows see
+        # every key, so only the last block is masked (10% faster on MiniLM's W1 steps);
+        # causal blocks are all masked: splitting their loop measured slower (BENCHMARKS.md,
+        # issue 10); a bidirectional window leaves unmasked the blocks every row of the
+        # block sees whole.
         lo = 0
         hi = len_k
-        full = 0
+        a = 0
+        b = 0
         if CAUSAL:
             hi = tl.minimum(len_k, block * BLOCK_M + (len_k - len_q) + BLOCK_M)
             if WINDOWED:
                 lo = tl.maximum(0, block * BLOCK_M + (len_k - len_q) - window + 1)
                 lo = (lo // BLOCK_N) * BLOCK_N
-                full = lo
-        elif WINDOWED:  # the keys within ``window`` of some row of the block, all masked
-            lo = tl.maximum(0, block * BLOCK_M - window)
-            lo = (lo // BLOCK_N) * BLOCK_N
-            hi = tl.minimum(len_k, block * BLOCK_M + BLOCK_M + window)
-            full = lo
+            a = lo
+            b = lo
+        elif WINDOWED:
+            first = block * BLOCK_M
+            last = tl.minimum(first + BLOCK_M, len_q) - 1
+            lo = (tl.maximum(0, first - window) // BLOCK_N) * BLOCK_N
+            hi = tl.minimum(len_k, first + BLOCK_M + window)
+            a = lo + tl.cdiv(tl.maximum(last - window - lo, 0), BLOCK_N) * BLOCK_N
+            b = a + (tl.maximum(tl.minimum(first + window + 1, len_k) - a, 0) // BLOCK_N) * BLOCK_N
         else:
-            full = (len_k // BLOCK_N) * BLOCK_N
+            b = (len_k // BLOCK_N) * BLOCK_N
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over loaded bounds
-            start = lo
-            while start < full:
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, False,
-                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
-                )  # fmt: skip
-                start += BLOCK_N
-            while start < hi:
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True,
-                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in range(lo, full, BLOCK_N):
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, False,
-                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
-                )  # fmt: skip
-            for start in range(full, hi, BLOCK_N):
-                m_i, l_i, acc = _attend_block(
-                    q, k_base, v_base, start, len_k, positions, window, scale_log2, cap_log2,
-                    bias_row, max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True,
-                    CAUSAL, WINDOWED, SOFTCAP, BIASED, BLOCK_N,
-                )  # fmt: skip
+        m_i, l_i, acc = _attend_span(
+            q, k_base, v_base, lo, a, len_k, positions, window, scale_log2, cap_log2, bias_row,
+            max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
+            SOFTCAP, BIASED, BLOCK_N, LOOP_AS_WHILE,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_span(
+            q, k_base, v_base, a, b, len_k, positions, window, scale_log2, cap_log2, bias_row,
+            max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, False, CAUSAL, WINDOWED,
+            SOFTCAP, BIASED, BLOCK_N, LOOP_AS_WHILE,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_span(
+            q, k_base, v_base, b, hi, len_k, positions, window, scale_log2, cap_log2, bias_row,
+            max_distance, m_i, l_i, acc, stride_kt, stride_vt, dims, True, CAUSAL, WINDOWED,
+            SOFTCAP, BIASED, BLOCK_N, LOOP_AS_WHILE,
+        )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key: zeros
         tl.store(
             o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],

@@ -313,7 +313,7 @@ class GemmaLayer(nn.Module):
         q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.head_dim)
         if self.own_attention and cfg.softcap is None:
             # A bidirectional sliding window (EmbeddingGemma): ModernBERT's windowed attention,
-            # flash on CUDA. Keys at a distance below the window are visible.
+            # Triton or flash on CUDA. Keys at a distance below the window are visible.
             assert self.window is not None, "own attention without soft-capping is windowed"
             attn_out = windowed_attention(
                 q, k, v, inputs.attn, scale=cfg.scale, half_window=self.window - 1,
@@ -391,9 +391,15 @@ class GemmaStage(StageModel):
             if head is not None:
                 self.score_head = build_score_head(head, cfg.hidden_size, cfg.vocab_size)
 
+    def graph_safe_with(self, kernel: str) -> bool:
+        # Bidirectional windows run in the Triton kernel from the step's work list.
+        return self.graph_safe or (kernel == "triton" and self.cfg.softcap is None)
+
     def attention_block_rows(self) -> int | None:
         # A whole-step CUDA graph would freeze the host loop of softcap_attend into it.
-        if any(layer.own_attention for layer in self.layers.values()):
+        if self.cfg.softcap is not None and any(
+            layer.own_attention for layer in self.layers.values()
+        ):
             return None
         return super().attention_block_rows()
 

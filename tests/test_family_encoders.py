@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 from tiny_encoders import make_distilbert, make_electra, make_mpnet, make_st_mpnet
-from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
+from tiny_models import (
+    MIN_COSINE,
+    SENTENCES,
+    assert_triton_graphs_bf16,
+    cosine,
+    long_prompts,
+)
 
 import pipepool
 from pipepool.errors import ModelLoadError
@@ -264,29 +270,10 @@ def test_gpu_embedder_matches_reference(embedders, reference, family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_mpnet_adds_its_bias_in_the_triton_kernel_inside_cuda_graphs(tmp_path, reference):
-    """32-dim heads, bf16: the deployment runs MPNet's attention in the Triton kernel (the
-    bias added there) and captures whole-step CUDA graphs; at a budget that packs many prompts
-    a step and at one that splits them, it errs no more than transformers' own bf16."""
-    import transformers
-
+    """32-dim heads, bf16: MPNet's attention runs in the Triton kernel (the bias added there),
+    inside whole-step CUDA graphs, no less accurate than transformers' bf16."""
     path = make_mpnet(tmp_path / "mpnet32", num_attention_heads=2)
-    ref, prompts = reference(path), long_prompts() + SENTENCES
-    theirs = transformers.AutoModel.from_pretrained(str(path), dtype=torch.bfloat16)
-    theirs = theirs.cuda().eval()
-    for budget in (64, 4096):
-        with pipepool.Engine(
-            str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget
-        ) as engine:
-            assert engine.deployment.attn_kernel == "triton"
-            assert engine.deployment.graph_max_tokens > 0
-            outs = engine.pool(prompts, pooling="mean", normalize=False)
-        for text, out in zip(prompts, outs, strict=True):
-            ids = ref.token_ids(text)
-            want = ref.pooled(ids, "mean")
-            with torch.no_grad():
-                h = theirs(input_ids=torch.tensor([ids]).cuda()).last_hidden_state[0]
-            bar = 1.5 * (1 - cosine(h.mean(0).float().cpu().numpy(), want)) + 1e-5
-            assert 1 - cosine(out, want) <= bar, (budget, len(ids))
+    assert_triton_graphs_bf16(path, reference(path), long_prompts() + SENTENCES)
 
 
 def _engine_cuda(path: Path, dtype: str) -> pipepool.Engine:

@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import MIN_COSINE, Reference, cosine, long_prompts
+from tiny_models import (
+    MIN_COSINE,
+    Reference,
+    assert_triton_graphs_bf16,
+    cosine,
+    long_prompts,
+)
 from tiny_modernbert import (
     TINY_MODERNBERT,
     make_modernbert,
@@ -224,27 +230,8 @@ def test_windowed_attention_matches_the_masked_reference(half_window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_local_layers_run_in_the_triton_kernel_inside_cuda_graphs(tmp_path, reference):
-    """32-dim heads, bf16: the deployment runs both kinds of layer in the Triton kernel (the
-    local ones with its symmetric window) and captures whole-step CUDA graphs; at a budget
-    that packs many prompts a step and at one that splits them, it errs no more than
-    transformers' own bf16 (DESIGN.md §3)."""
-    import transformers
-
+    """32-dim heads, bf16: both kinds of layer run in the Triton kernel (the local ones with
+    its symmetric window), inside whole-step CUDA graphs, no less accurate than transformers'
+    bf16."""
     path = make_modernbert(tmp_path / "modernbert32", num_attention_heads=2)
-    ref, prompts = reference(path), long_prompts()
-    theirs = transformers.AutoModel.from_pretrained(str(path), dtype=torch.bfloat16)
-    theirs = theirs.cuda().eval()
-    for budget in (64, 4096):
-        with pipepool.Engine(
-            str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget
-        ) as engine:
-            assert engine.deployment.attn_kernel == "triton"
-            assert engine.deployment.graph_max_tokens > 0
-            outs = engine.pool(prompts, pooling="mean", normalize=False)
-        for text, out in zip(prompts, outs, strict=True):
-            ids = ref.token_ids(text)
-            want = ref.pooled(ids, "mean")
-            with torch.no_grad():
-                h = theirs(input_ids=torch.tensor([ids]).cuda()).last_hidden_state[0]
-            bar = 1.5 * (1 - cosine(h.mean(0).float().cpu().numpy(), want)) + 1e-5
-            assert 1 - cosine(out, want) <= bar, (budget, len(ids))
+    assert_triton_graphs_bf16(path, reference(path), long_prompts())

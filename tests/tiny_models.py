@@ -461,3 +461,31 @@ class Qwen3RerankerReference:
             probs.append(float(torch.log_softmax(pair, dim=0)[1].exp()))
             logits.append(float(last[self.yes] - last[self.no]))
         return np.array(probs), np.array(logits)
+
+
+def assert_triton_graphs_bf16(path: Path, ref, prompts: list[str], **hf_options) -> None:
+    """On CUDA in bf16, the deployment of ``path`` runs its attention in the Triton kernel and
+    captures CUDA graphs; at a budget that packs many prompts a step and at one that splits
+    them, its mean vectors err no more than transformers' own bf16 does (DESIGN.md §3: 1 - cos
+    against the fp32 reference ``ref`` within 1.5x transformers' + 1e-5). ``hf_options``: for
+    transformers' ``from_pretrained`` (its attention implementation, say)."""
+    import transformers
+
+    import pipepool
+
+    theirs = transformers.AutoModel.from_pretrained(str(path), dtype=torch.bfloat16, **hf_options)
+    theirs = theirs.cuda().eval()
+    for budget in (64, 4096):
+        with pipepool.Engine(
+            str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget
+        ) as engine:
+            assert engine.deployment.attn_kernel == "triton"
+            assert engine.deployment.graph_max_tokens > 0
+            outs = engine.pool(prompts, pooling="mean", normalize=False)
+        for text, out in zip(prompts, outs, strict=True):
+            ids = ref.token_ids(text)
+            want = ref.pooled(ids, "mean")
+            with torch.no_grad():
+                h = theirs(input_ids=torch.tensor([ids], device="cuda")).last_hidden_state[0]
+            bar = 1.5 * (1 - cosine(h.mean(0).float().cpu().numpy(), want)) + 1e-5
+            assert 1 - cosine(out, want) <= bar, (budget, len(ids))

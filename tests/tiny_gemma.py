@@ -75,10 +75,16 @@ def _labels(num_labels: int | None) -> dict:
 
 
 def make_gemma2(
-    path: Path, *, num_layers: int = 2, seed: int = 0, num_labels: int | None = None
+    path: Path,
+    *,
+    num_layers: int = 2,
+    seed: int = 0,
+    num_labels: int | None = None,
+    **shape,
 ) -> Path:
     """Gemma2 (soft-capped attention, alternating sliding layers); ``num_labels``: a
-    Gemma2ForSequenceClassification with that many labels, else a Gemma2Model."""
+    Gemma2ForSequenceClassification with that many labels, else a Gemma2Model; ``shape``:
+    other sizes."""
     import transformers
 
     config = transformers.Gemma2Config(
@@ -86,7 +92,7 @@ def make_gemma2(
         layer_types=LAYER_TYPES[:num_layers],
         attn_logit_softcapping=SOFTCAP,
         final_logit_softcapping=30.0,
-        **_TINY,
+        **{**_TINY, **shape},
         **_tokenizer(path),
         **_labels(num_labels),
     )

@@ -50,6 +50,7 @@ class GraphSplit(Protocol):
         scale: float,
         window: int | None,
         kernel: str,
+        softcap: float | None,
     ) -> torch.Tensor: ...
 
 
@@ -116,11 +117,13 @@ def attend(
     included (sliding-window attention), None for unlimited. ``out``: where to put the result
     (the triton kernel writes there directly, the others copy), or None for a new tensor.
     ``softcap``: scores soft-capped (Gemma2), which only the triton kernel computes (the others
-    are :func:`.softcap_attention.softcap_attend`'s); never inside a CUDA graph."""
-    if softcap is not None and (kernel != "triton" or meta.graph_split is not None):
-        raise ValueError("soft-capped attention here needs the triton kernel, outside graphs")
+    are :func:`.softcap_attention.softcap_attend`'s)."""
+    if softcap is not None and kernel != "triton":
+        raise ValueError("soft-capped attention here needs the triton kernel")
     if meta.graph_split is not None:
-        return meta.graph_split(q, k, v, kv_cache, scale=scale, window=window, kernel=kernel)
+        return meta.graph_split(
+            q, k, v, kv_cache, scale=scale, window=window, kernel=kernel, softcap=softcap
+        )
     k, v = with_cached_keys(k, v, meta, kv_cache)
     if kernel == "triton":
         return triton_attention.varlen_attention(

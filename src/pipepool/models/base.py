@@ -138,6 +138,10 @@ class StageModel(nn.Module):
     def use_layer_body(self, body: object) -> None:
         """Run ``body`` (another copy's ``layer_body()``) from the next forward on."""
 
+    def has_fused_qk_rope(self) -> bool:
+        """Whether this family has a fused q/k-norm + RoPE kernel path."""
+        return False
+
     def use_fused_qk_rope(self) -> bool:
         """Use a fused q/k-norm + RoPE kernel where there is one; returns whether in use."""
         return False

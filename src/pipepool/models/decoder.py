@@ -335,6 +335,9 @@ class DecoderStage(StageModel):
         assert isinstance(body, LayerOps), "another copy's layer_body()"
         self.ops = body
 
+    def has_fused_qk_rope(self) -> bool:
+        return True
+
     def use_fused_qk_rope(self) -> bool:
         """Switch to the Triton q/k-norm + RoPE kernel where it applies and agrees with the
         eager ops on a random batch; returns whether it is now in use."""
@@ -355,11 +358,7 @@ class DecoderStage(StageModel):
                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
             )  # fmt: skip
-        agree = all(
-            torch.allclose(a.float(), b.float(), rtol=2**-6, atol=1e-3)
-            and (a != b).float().mean().item() < 0.01
-            for a, b in ((q, qf), (k, kf))
-        )
+        agree = qk_rope.agrees(q, qf) and qk_rope.agrees(k, kf)
         if agree:
             self.ops = self.ops._replace(fused_qk_rope=True)
         return agree

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..layers import qk_rope
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
+from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.softcap_attention import softcap_attend
 from ..layers.windowed_attention import windowed_attention
@@ -216,12 +218,16 @@ class MlpWeights(NamedTuple):
     post_feedforward_norm: torch.Tensor
 
 
+def project_qkv(cfg: GemmaConfig, x: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """input norm -> fused q|k|v projection. x: [T, hidden] -> [T, (Hq + 2 Hkv) * D]."""
+    return F.linear(gemma_rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+
+
 def qkv_projection(
     cfg: GemmaConfig, x: torch.Tensor, w: AttnWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input norm -> fused q|k|v -> (Gemma3) q/k norms. x: [T, hidden] -> [T, H, D] each."""
-    qkv = F.linear(gemma_rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
-    q, k, v = split_heads(cfg, qkv)
+    q, k, v = split_heads(cfg, project_qkv(cfg, x, w))
     if w.q_norm is not None and w.k_norm is not None:  # both or neither (Gemma3)
         q = gemma_rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = gemma_rms_norm(k, w.k_norm, cfg.rms_norm_eps)
@@ -253,6 +259,9 @@ class GemmaOps(NamedTuple):
     post: Callable[[GemmaConfig, torch.Tensor, torch.Tensor, MlpWeights], torch.Tensor] = (
         post_attention
     )
+    # The fused q/k-norm + RoPE kernel path starts from here.
+    project: Callable[[GemmaConfig, torch.Tensor, AttnWeights], torch.Tensor] = project_qkv
+    fused_qk_rope: bool = False  # (Gemma3) q/k norms + RoPE in one Triton kernel (CUDA)
 
 
 class GemmaNorm(nn.Module):
@@ -302,15 +311,26 @@ class GemmaLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: GemmaOps, kernel: str):
-        cfg = self.cfg
-        qk = cfg.qk_norm
-        w = AttnWeights(
+    def attn_weights(self) -> AttnWeights:
+        qk = self.cfg.qk_norm
+        return AttnWeights(
             self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
         )  # fmt: skip
-        q, k, v = ops.qkv(cfg, x, w)
-        q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.head_dim)
+
+    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: GemmaOps, kernel: str):
+        cfg, w = self.cfg, self.attn_weights()
+        if ops.fused_qk_rope:
+            qkv = ops.project(cfg, x, w)
+            q, k = fused_qk_norm_rope(
+                qkv, inputs.positions, cos_sin, w.q_norm, w.k_norm, num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                unit_offset=True,
+            )  # fmt: skip
+            v = split_heads(cfg, qkv)[2]
+        else:
+            q, k, v = ops.qkv(cfg, x, w)
+            q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.head_dim)
         if self.own_attention and cfg.softcap is None:
             # A bidirectional sliding window (EmbeddingGemma): ModernBERT's windowed attention,
             # Triton or flash on CUDA. Keys at a distance below the window are visible.
@@ -392,25 +412,53 @@ class GemmaStage(StageModel):
                 self.score_head = build_score_head(head, cfg.hidden_size, cfg.vocab_size)
 
     def graph_safe_with(self, kernel: str) -> bool:
-        # Bidirectional windows run in the Triton kernel from the step's work list.
-        return self.graph_safe or (kernel == "triton" and self.cfg.softcap is None)
-
-    def attention_block_rows(self) -> int | None:
-        # A whole-step CUDA graph would freeze the host loop of softcap_attend into it.
-        if self.cfg.softcap is not None and any(
-            layer.own_attention for layer in self.layers.values()
-        ):
-            return None
-        return super().attention_block_rows()
+        # Triton computes soft-capped attention through attend() (the pieces of a causal
+        # stage's graphs run it between them) and bidirectional windows from the step's work
+        # list (whole-step graphs).
+        return self.graph_safe or kernel == "triton"
 
     def reset_buffers(self) -> None:
         for rotary in cast("Iterable[RotaryEmbedding]", self.rotary.values()):
             rotary.reset_table()
 
     def set_compiled(self, on: bool) -> None:
-        self.ops = GemmaOps()
+        fused = self.ops.fused_qk_rope
+        self.ops = GemmaOps(fused_qk_rope=fused)
         if on:
-            self.ops = GemmaOps(*(compile_layer_fn(fn, round_like_eager=True) for fn in GemmaOps()))
+            qkv, rope, post, project = (
+                compile_layer_fn(fn, round_like_eager=True) for fn in GemmaOps()[:-1]
+            )
+            self.ops = GemmaOps(qkv, rope, post, project, fused_qk_rope=fused)
+
+    def has_fused_qk_rope(self) -> bool:
+        return True
+
+    def use_fused_qk_rope(self) -> bool:
+        """Switch to the Triton q/k-norm + RoPE kernel where it agrees with the eager ops on a
+        random batch (each RoPE table of the stage's layer types); returns whether in use."""
+        cfg = self.cfg
+        layer = cast(GemmaLayer, next(iter(self.layers.values())))
+        device, dtype = layer.qkv_proj.weight.device, layer.qkv_proj.weight.dtype
+        if not qk_rope.available(device, dtype):
+            return False
+        w = layer.attn_weights()
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(97, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+        agree = True
+        for rotary in cast("Iterable[RotaryEmbedding]", self.rotary.values()):
+            positions = torch.randint(0, rotary.max_positions, (97,), device=device, generator=gen)
+            with torch.inference_mode():
+                q, k, _ = qkv_projection(cfg, x, w)
+                q, k = apply_rotary(positions, q, k, rotary.cos_sin, cfg.head_dim)
+                fused = fused_qk_norm_rope(
+                    project_qkv(cfg, x, w), positions, rotary.cos_sin, w.q_norm, w.k_norm,
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, unit_offset=True,
+                )  # fmt: skip
+            agree = agree and all(map(qk_rope.agrees, (q, k), fused))
+        if agree:
+            self.ops = self.ops._replace(fused_qk_rope=True)
+        return agree
 
     def layer_body(self) -> object:
         return self.ops

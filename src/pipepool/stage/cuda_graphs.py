@@ -58,12 +58,13 @@ class _Attention:
     scale: float
     window: int | None
     kernel: str
+    softcap: float | None
     out: torch.Tensor  # [B, Hq, D] read by the piece after
 
     def run(self, meta: AttentionMetadata, n: int) -> None:
         attend(
-            self.q[:n], self.k[:n], self.v[:n], meta, self.kv_cache,
-            scale=self.scale, window=self.window, kernel=self.kernel, out=self.out[:n],
+            self.q[:n], self.k[:n], self.v[:n], meta, self.kv_cache, scale=self.scale,
+            window=self.window, kernel=self.kernel, softcap=self.softcap, out=self.out[:n],
         )  # fmt: skip
 
 
@@ -241,9 +242,9 @@ class _Splitter:
         self._graph.capture_end()
         self.captured.pieces.append(self._graph)
 
-    def __call__(self, q, k, v, kv_cache, *, scale, window, kernel) -> torch.Tensor:
+    def __call__(self, q, k, v, kv_cache, *, scale, window, kernel, softcap) -> torch.Tensor:
         self.end()
-        call = _Attention(q, k, v, kv_cache, scale, window, kernel, torch.empty_like(q))
+        call = _Attention(q, k, v, kv_cache, scale, window, kernel, softcap, torch.empty_like(q))
         call.run(self.meta, q.shape[0])
         self.captured.attention.append(call)
         self.begin()

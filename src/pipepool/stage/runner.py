@@ -433,7 +433,7 @@ def load_stage_model(
     # RoPE kernel still checks itself against torch's ops on this stage's weights: a kernel
     # that disagrees here is not used (numerically the same op, only slower).
     model.attn_kernel = spec.attn_kernel
-    if spec.fused_qk_rope and not model.use_fused_qk_rope():
+    if spec.fused_qk_rope and model.has_fused_qk_rope() and not model.use_fused_qk_rope():
         warnings.warn(
             f"stage {spec.index}: fused q/k-norm + RoPE kernel disagrees with torch ops on "
             f"{spec.device}; this stage uses torch ops",

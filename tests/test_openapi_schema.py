@@ -3,9 +3,11 @@ server checks itself are stated in the schema (non-empty texts and lists, token 
 truncate_prompt_tokens -1 or positive, exactly one of a request's alternative fields); those
 of its settings and of its model are filled in (no token-id inputs without
 --allow-token-ids, list lengths, the vocabulary, the vector size, the prompt names);
-integers are JSON Schema's (2.0 is one); a 405 names every method of the path; a file deleted
-before its content is read is a 404. The whole schema against a real server:
-``benchmarks/schema_conformance.py`` (schemathesis)."""
+integers are JSON Schema's (2.0 is one); a multipart form's fields are never null, and an
+upload's expiry fields come together; a file listing takes only the purposes it states; a 405
+names every method of the path; a file deleted before its content is read is a 404. The whole
+schema against a real server: ``benchmarks/schema_conformance.py`` (schemathesis, with the
+rules JSON Schema cannot state told to it in ``benchmarks/schema_hooks.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pipepool.server.app import build_app
+from pipepool.server.batch_protocol import CreateBatchRequest, ExpiresAfter
 from pipepool.server.front import AsyncEngine
 from pipepool.server.models import ServedModels
 from pipepool.server.openapi import ModelBounds, bound_schema
@@ -107,6 +110,40 @@ def test_integers_are_json_schema_integers():
     for not_an_integer in (True, "2", 2.5):
         with pytest.raises(ValueError):
             EmbeddingRequest(input="a", dimensions=not_an_integer)
+    expiry = {"anchor": "created_at", "seconds": 7200.0}
+    assert CreateBatchRequest(
+        input_file_id="f", endpoint="/v1/embeddings", completion_window="24h",
+        output_expires_after=expiry,
+    ).output_expires_after.seconds == 7200  # fmt: skip
+    for not_an_integer in (True, "7200", 7200.5):
+        with pytest.raises(ValueError):
+            ExpiresAfter(anchor="created_at", seconds=not_an_integer)
+
+
+def test_upload_form_fields_are_never_null_and_its_expiry_comes_whole(app):
+    schema = generic(app)
+    body = schema["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    fields = schemas(schema)[body["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert fields["expires_after[anchor]"]["type"] == "string"
+    assert fields["expires_after[seconds]"]["type"] == "integer"
+    assert not any("anyOf" in field for field in fields.values())
+    assert body["schema"]["dependentRequired"] == {
+        "expires_after[anchor]": ["expires_after[seconds]"],
+        "expires_after[seconds]": ["expires_after[anchor]"],
+    }
+    with TestClient(app) as client:
+        upload = {"files": {"file": ("a.jsonl", b"{}\n")}}
+        for one in ({"expires_after[anchor]": "created_at"}, {"expires_after[seconds]": "3600"}):
+            r = client.post("/v1/files", data={"purpose": "batch", **one}, **upload)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "expires_after"
+
+
+def test_a_file_listing_takes_the_purposes_it_states(app):
+    with TestClient(app) as client:
+        for purpose in ("batch", "batch_output"):
+            assert client.get("/v1/files", params={"purpose": purpose}).status_code == 200
+        r = client.get("/v1/files", params={"purpose": "null"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
 
 
 def test_a_405_names_every_method_of_the_path(app):

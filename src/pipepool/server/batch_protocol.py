@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, StrictStr, field_validator
 
 from ..jobs.batch_lines import ENDPOINTS
 from .batch_store import BatchRecord, FileRecord
+from .openapi import Integer
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
@@ -87,7 +88,7 @@ class ExpiresAfter(BaseModel):
     """OpenAI's expiry of a file: ``seconds`` after its creation (the only anchor)."""
 
     anchor: Literal["created_at"]
-    seconds: int = Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S, strict=True)
+    seconds: Integer = Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)
 
 
 class CreateBatchRequest(BaseModel):

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import python_multipart  # noqa: F401  # FastAPI parses forms with it: missing, cli names the extra
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import WithJsonSchema
 
 from .. import protocol
 from ..batch_protocol import (
@@ -70,6 +71,13 @@ def not_found(kind: str, name: str, param: str) -> APIError:
     return APIError(404, f"No such {kind} object: {name}", param=param, code="not_found")
 
 
+# OpenAI's expires_after: its anchor and seconds come together or not at all.
+_EXPIRY_PAIR = {
+    "expires_after[anchor]": ["expires_after[seconds]"],
+    "expires_after[seconds]": ["expires_after[anchor]"],
+}
+
+
 @router.post(
     UPLOAD_PATH,
     response_model=FileObject,
@@ -78,18 +86,25 @@ def not_found(kind: str, name: str, param: str) -> APIError:
         e408=BODY_TOO_SLOW,
         e413="The file is larger than --max-batch-file-bytes.",
     ),
+    openapi_extra={
+        "requestBody": {
+            "content": {"multipart/form-data": {"schema": {"dependentRequired": _EXPIRY_PAIR}}}
+        }
+    },
 )
 async def create_file(
     request: Request,
     file: Annotated[UploadFile, File(description="The JSON Lines file.")],
     purpose: Annotated[str, Form(description="'batch'.", json_schema_extra={"enum": ["batch"]})],
+    # A form field is there or not (never null): the schemas say so, so that no client sends
+    # the text "null" for one.
     expires_anchor: Annotated[
         str | None,
         Form(
             alias="expires_after[anchor]",
             description="'created_at': the file is deleted expires_after[seconds] after it.",
-            json_schema_extra={"enum": ["created_at"]},
         ),
+        WithJsonSchema({"type": "string", "enum": ["created_at"]}),
     ] = None,
     expires_seconds: Annotated[
         int | None,
@@ -99,6 +114,7 @@ async def create_file(
             le=MAX_EXPIRY_S,
             description="Seconds the file is kept (an hour to 30 days; default: until deleted).",
         ),
+        WithJsonSchema({"type": "integer", "minimum": MIN_EXPIRY_S, "maximum": MAX_EXPIRY_S}),
     ] = None,
 ) -> FileObject:
     """Upload a batch input file (JSON Lines, one request per line), ``purpose="batch"``;
@@ -171,6 +187,9 @@ async def list_files(
     ),
 ) -> FileList:
     """The stored files (uploads and batches' output and error files), a page at a time."""
+    if purpose not in (None, "batch", "batch_output"):
+        raise APIError(400, f"purpose must be batch or batch_output, not {purpose!r}",
+                       param="purpose", code="invalid_value")  # fmt: skip
     if order not in ("asc", "desc"):
         raise APIError(400, f"order must be asc or desc, not {order!r}", param="order",
                        code="invalid_value")  # fmt: skip

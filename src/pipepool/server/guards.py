@@ -21,7 +21,10 @@ from .errors import AUTHENTICATION, APIError
 # A UTF-16 surrogate (U+D800-U+DFFF) as JSON's escape (a pair makes one character, a lone one a
 # string that UTF-8 cannot encode: no tokenizer takes it, no answer quoting it can be sent), or
 # as the bytes UTF-8 would give it, which Python's JSON parser lets through ("surrogatepass").
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# Two patterns, each behind a substring test: one alternation scanned a 106 KB body byte by byte
+# (1.1 ms, holding the GIL) where these take 0.12 ms.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 # The slowest a request body may arrive on average, after its first --body-timeout seconds:
 # 128 kbit/s, a poor mobile link. A 32 MiB body (--max-body-bytes' default) may take 34 min.
@@ -142,7 +145,8 @@ def lone_surrogate(body: bytes) -> APIError | None:
     """The 400 for a JSON body with a lone surrogate in any string (``"\\ud800"``), naming
     where (``input 1``, ``documents 2.text``, ``text_1``); None for any other body (a body that
     is not JSON is the route's to refuse). Bodies with no surrogate in them are not parsed."""
-    if not _SURROGATE.search(body):
+    escaped = b"\\u" in body and _ESCAPED_SURROGATE.search(body) is not None
+    if not escaped and not (b"\xed" in body and _RAW_SURROGATE.search(body) is not None):
         return None
     try:
         value = json.loads(body)

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 
+from ..runtime.collector import freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
 
@@ -521,3 +522,4 @@ class _Announcer:
             self._waiting.discard(what)
             if not self._waiting:
                 log.info(self.message)
+                freeze_startup_objects()  # what exists now lives as long as the server

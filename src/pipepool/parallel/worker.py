@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..loading.deployment import Deployment
+from ..runtime.collector import freeze_startup_objects
 from ..runtime.memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
 from ..stage.runner import StageSpec
@@ -117,6 +118,7 @@ def run_stage(
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
         results = ResultSender(groups, hold_back=deployment.overlap_steps)
         trace = runner.trace  # None unless tracing
+        freeze_startup_objects()
         while True:  # until the driver's stop (``_exit_when_stopped``) ends the process
             waiting = now() if trace is not None else 0
             plan = recv_object(groups.control, 0, (TAG_PLAN_LEN, TAG_PLAN))

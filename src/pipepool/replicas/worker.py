@@ -33,6 +33,7 @@ from ..api.engine import Engine
 from ..api.priority import background_work, client_turns
 from ..api.submission import Submission
 from ..parallel.worker import _die_with_parent
+from ..runtime.collector import freeze_startup_objects
 from ..runtime.signal_mask import block_stop_signals
 from .messages import (
     Abort,
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             send(conn, [StartFailed(_picklable(exc))])
         os._exit(1)
     send(conn, [Ready(engine.deployment, os.getpid())])
+    freeze_startup_objects()
     if start.listen_path is not None:
         accept_front_ends(engine, start.listen_path)
     code = ReplicaServer(engine, conn).run()

@@ -14,11 +14,12 @@ from typing import Any
 import schemathesis
 from schemathesis import GenerationMode
 
-# The bundled MiniLM's max_seq_length: the server's length for a text, special tokens included.
+# The embedder's (the bundled MiniLM's) max_seq_length: the server's length for a text, special
+# tokens included.
 MODEL_TOKENS = 256
 # Special tokens around one text ([CLS] ... [SEP]).
 SPECIAL_TOKENS = 2
-# The bundled MiniLM's vector size.
+# The embedder's vector size.
 MODEL_DIMENSIONS = 384
 
 

@@ -12,6 +12,7 @@ rules JSON Schema cannot state told to it in ``benchmarks/schema_hooks.py``)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 from fastapi import FastAPI
@@ -103,6 +104,30 @@ def test_the_model_and_the_settings_bound_the_schema(app):
     assert schemas(schema)["TEIEmbedRequest"]["properties"]["prompt_name"]["anyOf"] == [
         {"type": "null"}
     ]  # fmt: skip
+
+
+def test_pair_options_are_offered_only_where_the_model_takes_them(app):
+    for takes in (frozenset(), frozenset({"weights"}), frozenset({"instruction"})):
+        schema = generic(app)
+        bound_schema(schema, ServerSettings(), replace(MODEL, pair_options=takes))
+        for request in ("RerankRequest", "ScoreRequest"):
+            fields = schemas(schema)[request]["properties"]
+            weights, instruction = fields["weights"]["anyOf"], fields["instruction"]["anyOf"]
+            if "weights" in takes:
+                assert weights[0]["minItems"] == weights[0]["maxItems"] == 3
+            else:
+                assert weights == [{"type": "null"}]
+            if "instruction" in takes:
+                assert instruction[0]["type"] == "string"
+            else:
+                assert instruction == [{"type": "null"}]
+
+
+def test_the_rerank_answer_is_cohere_s_object_or_tei_s_array(app):
+    answer = generic(app)["paths"]["/rerank"]["post"]["responses"]["200"]["content"]
+    forms = answer["application/json"]["schema"]["anyOf"]
+    assert forms[0]["$ref"].endswith("/RerankResponse")
+    assert forms[1]["type"] == "array" and forms[1]["items"]["$ref"].endswith("/TEIRank")
 
 
 def test_integers_are_json_schema_integers():

@@ -59,6 +59,17 @@ def scores_pairs_itself(deployment: Deployment) -> bool:
     return isinstance(deployment.retrieval, (ColbertHead, M3Head))
 
 
+def pair_options(deployment: Deployment) -> frozenset[str]:
+    """The options of a pair-scoring request that apply to this model; every other model
+    refuses them: ``weights`` where pairs are scored as BGE-M3's mix of its dense, sparse and
+    ColBERT scores (BGE-M3 without a classifier), ``instruction`` where the pair is read
+    through Qwen3-Reranker's prompt."""
+    head = deployment.classifier
+    if head is None:
+        return frozenset({"weights"} if isinstance(deployment.retrieval, M3Head) else ())
+    return frozenset({"instruction"} if head.template == "qwen3" else ())
+
+
 def score_retrieval_pairs(
     engine: RetrievalMethods,
     queries: Sequence[str],

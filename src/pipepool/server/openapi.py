@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchema
 
+from ..api.retrieval_scoring import pair_options
+
 if TYPE_CHECKING:
     from ..api.engine import Engine
     from .models import ServedModels
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 BOUNDED_BY = "x-bounded-by"  # names a ModelBounds field, or "inputs" (the settings' limit)
 TOKEN_IDS = "x-token-ids"  # a form of input taken only with --allow-token-ids
+PAIR_OPTION = "x-pair-option"  # a pair-scoring option of some models only (its name)
 
 
 def _schema(**extra: Any) -> Any:
@@ -101,6 +104,9 @@ class ModelBounds:
     output_dim: int  # components of a dense vector (Matryoshka dimensions at most this)
     max_model_len: int  # the most tokens truncate_prompt_tokens may keep
     prompt_names: tuple[str, ...]  # the model's prompts (sentence-transformers' config)
+    # Request options for some models only (``retrieval_scoring.pair_options``): the schema
+    # offers a field marked PAIR_OPTION where its name is one of these.
+    pair_options: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, engine: Engine) -> ModelBounds:
@@ -110,6 +116,7 @@ class ModelBounds:
             output_dim=d.output_dim,
             max_model_len=d.max_model_len,
             prompt_names=tuple(sorted(engine.inputs.prompts)),
+            pair_options=pair_options(d),
         )
 
     @classmethod
@@ -120,6 +127,7 @@ class ModelBounds:
             output_dim=max(b.output_dim for b in bounds),
             max_model_len=max(b.max_model_len for b in bounds),
             prompt_names=tuple(sorted({n for b in bounds for n in b.prompt_names})),
+            pair_options=frozenset().union(*(b.pair_options for b in bounds)),
         )
 
 
@@ -167,6 +175,11 @@ def _allowed(branch: object, settings: ServerSettings, model: ModelBounds | None
         return True
     if branch.get(TOKEN_IDS) and not settings.allow_token_ids:
         return False
-    # A model without prompts takes no prompt_name: the field may only be null.
-    no_prompts = model is not None and not model.prompt_names
-    return not (no_prompts and branch.get(BOUNDED_BY) == "prompt_names")
+    # A model without prompts takes no prompt_name, and a pair option only where it applies
+    # (BGE-M3's weights, Qwen3-Reranker's instruction): such a field may only be null.
+    if model is None:
+        return True
+    if not model.prompt_names and branch.get(BOUNDED_BY) == "prompt_names":
+        return False
+    option = branch.get(PAIR_OPTION)
+    return option is None or option in model.pair_options

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from .openapi import (
+    PAIR_OPTION,
     AnyTexts,
     NonNegativeInt,
     PositiveInt,
@@ -44,15 +45,19 @@ _TRUNCATE = Field(
     description="Keep this many tokens of each prompt (-1: max_model_len) instead of the "
     "server's policy for inputs over max_model_len.",
 )
+_Finite = Annotated[StrictFloat | StrictInt, AllowInfNan(False)]
+# Offered where the model takes them (``openapi.bound_schema``): BGE-M3 without a classifier;
+# Qwen3-Reranker.
+_Weights = Annotated[
+    list[_Finite], Field(min_length=3, max_length=3, json_schema_extra={PAIR_OPTION: "weights"})
+]
+_Instruction = Annotated[StrictStr, Field(json_schema_extra={PAIR_OPTION: "instruction"})]
 _WEIGHTS = Field(
     None,
-    min_length=3,
-    max_length=3,
     description="pipepool's, BGE-M3 models only: [w_dense, w_sparse, w_colbert], the score is "
     "FlagEmbedding's colbert+sparse+dense mix (w_dense * dense + w_sparse * sparse + w_colbert "
     "* colbert) / (w_dense + w_sparse + w_colbert). Default [0.4, 0.2, 0.4].",
 )
-_Finite = Annotated[StrictFloat | StrictInt, AllowInfNan(False)]
 
 
 class RerankDocument(BaseModel):
@@ -87,12 +92,12 @@ class RerankRequest(_Strict):
     max_tokens_per_doc: PositiveInt | None = Field(
         None, description="Cut each document to its first N tokens first (Cohere v2)."
     )
-    instruction: StrictStr | None = Field(
+    instruction: _Instruction | None = Field(
         None, description="Qwen3-Reranker's task instruction (default: its web-search one)."
     )
     use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
-    weights: list[_Finite] | None = _WEIGHTS
+    weights: _Weights | None = _WEIGHTS
 
     @model_validator(mode="after")
     def _one_list(self) -> RerankRequest:
@@ -124,10 +129,10 @@ class ScoreRequest(_Strict):
         description="One text, scored against every text_2, or as many texts as text_2."
     )
     text_2: StrictStr | AnyTexts
-    instruction: StrictStr | None = None
+    instruction: _Instruction | None = None
     use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
-    weights: list[_Finite] | None = _WEIGHTS
+    weights: _Weights | None = _WEIGHTS
 
 
 class ClassifyRequest(_Strict):
@@ -163,6 +168,19 @@ class RerankResponse(BaseModel):
     results: list[RerankResult]  # most relevant first
     usage: Usage
     meta: dict
+
+
+class TEIRank(BaseModel):
+    """One entry of TEI's rerank answer (a request with ``texts``): a bare array of these,
+    most relevant first."""
+
+    index: int
+    score: float
+    text: str | None = Field(None, description="With return_text.")
+
+
+# What the rerank routes answer: Cohere's / Jina's object, or TEI's array for TEI's request.
+RerankAnswer = RerankResponse | list[TEIRank]
 
 
 class ScoreData(BaseModel):

@@ -35,9 +35,9 @@ from .shared import (
 router = APIRouter(tags=["rerank, score, classify"])
 
 
-@router.post("/rerank", response_model=sp.RerankResponse, responses=ERRORS)
-@router.post("/v1/rerank", response_model=sp.RerankResponse, responses=ERRORS)
-@router.post("/v2/rerank", response_model=sp.RerankResponse, responses=ERRORS)
+@router.post("/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
+@router.post("/v1/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
+@router.post("/v2/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
 async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     """Documents by relevance to the query, most relevant first (Cohere v2 / Jina; with
     ``texts`` instead of ``documents``, TEI's request and answer)."""

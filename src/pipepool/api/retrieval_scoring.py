@@ -70,6 +70,23 @@ def pair_options(deployment: Deployment) -> frozenset[str]:
     return frozenset({"instruction"} if head.template == "qwen3" else ())
 
 
+_PAIR_OPTION_USES = {
+    "weights": "weights mix BGE-M3's dense, sparse and ColBERT scores",
+    "instruction": "instruction is Qwen3-Reranker's task instruction",
+}
+
+
+def refuse_other_pair_options(deployment: Deployment, **given: object) -> None:
+    """Raise, naming the first, for a pair option given (not None) that this model does not
+    take (``pair_options``)."""
+    takes = pair_options(deployment)
+    for name, value in given.items():
+        if value is not None and name not in takes:
+            raise InvalidInputError(
+                f"{_PAIR_OPTION_USES[name]}; this model scores pairs without it", param=name
+            )
+
+
 def score_retrieval_pairs(
     engine: RetrievalMethods,
     queries: Sequence[str],
@@ -77,7 +94,6 @@ def score_retrieval_pairs(
     *,
     weights: Sequence[float] | None = None,
     use_activation: bool = True,
-    instruction: str | None = None,
     truncate_prompt_tokens: int | None = None,
     max_tokens_per_doc: int | None = None,
     long_inputs: str | None = None,
@@ -85,14 +101,10 @@ def score_retrieval_pairs(
     """One score per pair ``(queries[i], documents[i])`` of a ColBERT model (MaxSim) or of
     BGE-M3 (the "colbert+sparse+dense" mix, ``weights`` [dense, sparse, colbert], default
     ``M3_WEIGHTS``); blocks until the forwards are done. Neither score has an activation:
-    ``use_activation`` is checked and changes nothing; ``instruction`` (Qwen3-Reranker's) is
-    refused."""
+    ``use_activation`` is checked and changes nothing. The caller has refused the options this
+    model does not take (``refuse_other_pair_options``)."""
     if not isinstance(use_activation, bool):
         raise InvalidInputError("use_activation must be true or false", param="use_activation")
-    if instruction is not None:
-        raise InvalidInputError(
-            "instruction is Qwen3-Reranker's; this model scores without one", param="instruction"
-        )
     head = engine.deployment.retrieval
     if isinstance(head, M3Head):
         limit = truncate_prompt_tokens
@@ -107,12 +119,6 @@ def score_retrieval_pairs(
             long_inputs=long_inputs,
         )
         return PairScores(by_mode["colbert+sparse+dense"].astype(np.float32), num_tokens)
-    if weights is not None:
-        raise InvalidInputError(
-            "weights mix BGE-M3's dense, sparse and ColBERT scores; this model "
-            f"gives {', '.join(engine.deployment.outputs)} outputs only",
-            param="weights",
-        )
     assert isinstance(head, ColbertHead), "scores_pairs_itself lets ColBERT and BGE-M3 in"
     q, q_of = _encode_unique(
         engine, queries, ("multi_vector",), is_query=True,

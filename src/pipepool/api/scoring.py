@@ -27,6 +27,7 @@ from .retrieval_scoring import (
     M3_WEIGHTS,
     finished_submission,
     m3_scores,
+    refuse_other_pair_options,
     score_retrieval_pairs,
     scores_pairs_itself,
     split_pairs,
@@ -182,24 +183,19 @@ class ScoringMethods:
         """Enqueue pairs ``(queries[i], documents[i])``; the future's result is ``[n, 1]``.
         A ColBERT or BGE-M3 model's pairs are scored before this returns (its future is done:
         ``retrieval_scoring``)."""
+        refuse_other_pair_options(self.deployment, weights=weights, instruction=instruction)
         if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
             scores = score_retrieval_pairs(
                 self._retrieval_engine,
                 queries,
                 documents,
                 use_activation=use_activation,
-                instruction=instruction,
                 max_tokens_per_doc=max_tokens_per_doc,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 long_inputs=long_inputs,
                 weights=weights,
             )
             return finished_submission(scores)
-        if weights is not None:
-            raise InvalidInputError(
-                "weights mix BGE-M3's dense, sparse and ColBERT scores; this model is not BGE-M3",
-                param="weights",
-            )
         need_classifier(self.deployment, "scoring pairs", one_label=True)
         limit = self._limit(truncate_prompt_tokens, long_inputs)
         part = self._pair_encoder.encode(

@@ -80,12 +80,8 @@ class PairEncoder:
     ) -> TokenSlice:
         """Pair i is (queries[i], documents[i]). ``limit``: longest prompt kept (longer pairs
         are truncated); None: none is truncated, and one over max_model_len is refused."""
-        if instruction is not None and self.template != "qwen3":
-            raise InvalidInputError(
-                "instruction applies to Qwen3-Reranker models only; this model reads plain "
-                "query-document pairs",
-                param="instruction",
-            )
+        # Refused by the caller elsewhere (retrieval_scoring.refuse_other_pair_options).
+        assert instruction is None or self.template == "qwen3", "an instruction is Qwen3's"
         # Valid Unicode, and no text far longer than any prompt could hold, before tokenising.
         longest = self.deployment.max_model_len
         check = self.inputs.checked_texts  # (an empty text is half of a valid pair)

@@ -1,5 +1,6 @@
 """The CPU-only paths: length-sorted request tiles (encoders), row tiles (decoder MLPs), and
-oneDNN's fused linear ops, each against the plain computation."""
+oneDNN's packed and fused linear ops (fp32, and bf16 where the CPU has it), each against the
+plain computation or transformers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 from pipepool.layers import cpu_linear, cpu_tiles
+from pipepool.models import bert, decoder
 
 
 def test_plan_tiles_sorts_longest_first_and_covers_every_row():
@@ -61,7 +63,7 @@ def test_encoder_in_many_tiles_matches_transformers(bert_path, reference, monkey
     # lengths. Per-token pooling ("all") would catch a row landing in the wrong place.
     monkeypatch.setattr(cpu_tiles, "CPU_TILE_TOKENS", 40)
     if not fused:
-        monkeypatch.setattr(cpu_linear, "supported", lambda: False)
+        monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
     ref = reference(bert_path)
     prompts = long_prompts()
     prompts = prompts + prompts[::-1] + prompts[:3]
@@ -73,11 +75,64 @@ def test_encoder_in_many_tiles_matches_transformers(bert_path, reference, monkey
                 assert cosine(out, expected).min() >= MIN_COSINE
 
 
-def test_decoder_mlp_row_tiles_match_transformers(qwen3_path, reference, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False])
+def test_decoder_mlp_row_tiles_match_transformers(qwen3_path, reference, monkeypatch, packed):
     monkeypatch.setattr(cpu_tiles, "CPU_MLP_TILE_ROWS", 16)
+    if not packed:
+        monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
+    elif not cpu_linear.packs(torch.float32):
+        pytest.skip("oneDNN packed linear ops not available")
+    calls = _count_calls(monkeypatch, decoder.DecoderLayer, "forward_packed")
     ref = reference(qwen3_path)
     prompts = long_prompts()
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=256) as engine:
         outs = engine.pool(prompts, pooling="all", normalize=False)
+    assert (calls[0] > 0) == packed  # the path meant ran
     for text, out in zip(prompts, outs, strict=True):
         assert cosine(out, ref.pooled(ref.token_ids(text), "all")).min() >= MIN_COSINE
+
+
+@pytest.mark.skipif(not cpu_linear.packs(torch.bfloat16), reason="no native bf16 oneDNN here")
+@pytest.mark.parametrize("family", ["bert", "qwen3"])
+def test_bf16_packed_errs_no_more_than_transformers_bf16(
+    family, bert_path, qwen3_path, reference, monkeypatch
+):
+    """bf16 on a CPU that computes it natively: the packed oneDNN GEMMs run, and each
+    request's mean vector errs against the fp32 reference no more than transformers' own bf16
+    does on the CPU (DESIGN.md §3: 1 - cos within 1.5x transformers' + 1e-5), with prompts
+    chunked on the decoder (budget 64)."""
+    import transformers
+
+    path = bert_path if family == "bert" else qwen3_path
+    if family == "bert":
+        calls = _count_calls(monkeypatch, bert.EncoderLayer, "forward_fused")
+    else:
+        calls = _count_calls(monkeypatch, decoder.DecoderLayer, "forward_packed")
+    ref = reference(path)
+    theirs = transformers.AutoModel.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    prompts = long_prompts()
+    with pipepool.Engine(
+        str(path), device="cpu", dtype="bfloat16", max_num_batched_tokens=64
+    ) as engine:
+        outs = engine.pool(prompts, pooling="mean", normalize=False)
+    assert calls[0] > 0
+    for text, out in zip(prompts, outs, strict=True):
+        ids = ref.token_ids(text)
+        want = ref.pooled(ids, "mean")
+        with torch.no_grad():
+            h = theirs(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        bar = 1.5 * (1 - cosine(h.float().mean(0).numpy(), want)) + 1e-5
+        assert 1 - cosine(out, want) <= bar, len(ids)
+
+
+def _count_calls(monkeypatch, cls, name: str) -> list[int]:
+    """Count the calls of ``cls.name`` (the engine's stage runs in this process at PP=1)."""
+    calls = [0]
+    original = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls

@@ -33,9 +33,23 @@ def fusable(activation: str) -> bool:
     return activation in _POST_OPS
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether linear layers in ``dtype`` go through these ops here: fp32, and bf16 where the
+    CPU computes it natively (AVX-512 BF16 or AMX), the ops present and checked."""
+    if dtype == torch.bfloat16 and not _native_bf16():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and supported(dtype)
+
+
+def _native_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
+
+
 @functools.cache
-def supported() -> bool:
-    """Whether the fused ops exist here and match the eager ones on a random fp32 batch."""
+def supported(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the fused ops exist here and match the eager ones on a random batch in
+    ``dtype`` (bf16: within its rounding, against the eager ops in fp32 on the same inputs)."""
     try:
         ops = torch.ops.mkldnn
         if not torch.backends.mkldnn.is_available():
@@ -43,14 +57,26 @@ def supported() -> bool:
         gen = torch.Generator().manual_seed(0)
         x, res = torch.randn(37, 64, generator=gen), torch.randn(37, 48, generator=gen)
         w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+        x, res, w, b = (t.to(dtype).float() for t in (x, res, w, b))  # the inputs both see
         with torch.inference_mode():
-            packed = ops._reorder_linear_weight(w, None)
+            packed = ops._reorder_linear_weight(w.to(dtype), None)
+            xd, rd, bd = x.to(dtype), res.to(dtype), b.to(dtype)
             checks = [
-                (linear(x, packed, b, "gelu"), F.gelu(F.linear(x, w, b))),
-                (linear(x, packed, b, "gelu_new"), F.gelu(F.linear(x, w, b), approximate="tanh")),
-                (linear_add(x, res, packed, b), F.linear(x, w, b) + res),
+                (linear(xd, packed, bd, "gelu"), F.gelu(F.linear(x, w, b))),
+                (linear(xd, packed, bd, "gelu_new"), F.gelu(F.linear(x, w, b), approximate="tanh")),
+                (linear_add(xd, rd, packed, bd), F.linear(x, w, b) + res),
             ]
-        return all(torch.allclose(a, e, rtol=1e-5, atol=1e-5) for a, e in checks)
+        fp32 = dtype == torch.float32
+        return all(
+            a.dtype == dtype
+            and torch.allclose(
+                a.float(),
+                e,
+                rtol=1e-5 if fp32 else 2**-7,
+                atol=1e-5 if fp32 else 2**-7 * float(e.abs().max()),
+            )
+            for a, e in checks
+        )
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -59,6 +85,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered once into oneDNN's layout (an opaque mkldnn tensor, an
     extra copy of the weight kept alongside the module's own)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+class PackedWeights:
+    """oneDNN copies (:func:`pack`) of a module's weights, packed on first use and again
+    whenever one of them was written since (its storage or version counter moved)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._packed: tuple[torch.Tensor, ...] = ()
+
+    def of(self, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = tuple((t.data_ptr(), _version(t)) for t in sources)
+        if key != self._key:
+            self._packed = tuple(pack(t) for t in sources)
+            self._key = key
+        return self._packed
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (made under inference_mode) has no counter
+        return -1
 
 
 def linear(

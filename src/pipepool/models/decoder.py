@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..layers import qk_rope
+from ..layers import cpu_linear, qk_rope
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
@@ -148,10 +148,13 @@ def project_qkv(cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights) -> torch.Te
 
 
 def qkv_projection(
-    cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights
+    cfg: DecoderConfig,
+    x: torch.Tensor,
+    w: AttnWeights,
+    project: Callable[[DecoderConfig, torch.Tensor, AttnWeights], torch.Tensor] = project_qkv,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm -> fused q|k|v projection -> (Qwen3) q/k norm. x: [T, hidden]."""
-    q, k, v = split_heads(cfg, project_qkv(cfg, x, w))
+    q, k, v = split_heads(cfg, project(cfg, x, w))
     if w.q_norm is not None and w.k_norm is not None:  # both or neither (Qwen3)
         q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     return q, k, v
@@ -192,6 +195,22 @@ def post_attention(
     return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
+def project_qkv_packed(cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights) -> torch.Tensor:
+    """project_qkv on the CPU with ``w.qkv`` a oneDNN-packed weight (layers/cpu_linear.py)."""
+    return cpu_linear.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+
+
+def post_attention_packed(
+    cfg: DecoderConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
+) -> torch.Tensor:
+    """post_attention on the CPU with oneDNN-packed weights, both residual adds in the GEMMs'
+    epilogues (layers/cpu_linear.py)."""
+    x = cpu_linear.linear_add(attn_out.flatten(1), x, w.o, w.o_bias)
+    h = rms_norm(x, w.norm, cfg.rms_norm_eps)
+    gate, up = cpu_linear.linear(h, w.gate_up, w.gate_up_bias).chunk(2, -1)
+    return cpu_linear.linear_add(F.silu(gate) * up, x, w.down, w.down_bias)
+
+
 class LayerOps(NamedTuple):
     """The pieces around attention: plain functions, or torch.compile'd graphs shared by every
     layer (weights are arguments, so layers do not recompile). RoPE is a graph of its own:
@@ -230,6 +249,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
+        self._packed = cpu_linear.PackedWeights()  # see packed_weights
 
     def attn_weights(self) -> AttnWeights:
         qk = self.cfg.qk_norm
@@ -252,7 +272,20 @@ class DecoderLayer(nn.Module):
             self.down_proj.bias,
         )
 
+    def packed_weights(self) -> tuple[AttnWeights, MlpWeights]:
+        """attn_weights() and mlp_weights() with oneDNN copies of the four projections."""
+        qkv, o, gate_up, down = self._packed.of(
+            self.qkv_proj.weight, self.o_proj.weight, self.gate_up_proj.weight,
+            self.down_proj.weight,
+        )  # fmt: skip
+        return (
+            self.attn_weights()._replace(qkv=qkv),
+            self.mlp_weights()._replace(o=o, gate_up=gate_up, down=down),
+        )
+
     def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str):
+        if packed_on_cpu(x, ops):
+            return self.forward_packed(x, inputs, kv_cache, cos_sin, ops)
         cfg, w = self.cfg, self.attn_weights()
         if ops.fused_qk_rope:
             qkv = ops.project(cfg, x, w)
@@ -272,6 +305,25 @@ class DecoderLayer(nn.Module):
         if x.device.type == "cpu" and ops.post is post_attention:  # eager: keep it in cache
             return in_row_tiles(lambda xs, a: post_attention(cfg, xs, a, mlp), x, attn_out)
         return ops.post(cfg, x, attn_out, mlp)
+
+    def forward_packed(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps):
+        """CPU, eager: forward with every projection a oneDNN GEMM on packed weights
+        (``packed_on_cpu``)."""
+        cfg = self.cfg
+        w, mlp = self.packed_weights()
+        q, k, v = qkv_projection(cfg, x, w, project=project_qkv_packed)
+        q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.rotary_dim)
+        attn_out = attend(q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window)
+        return in_row_tiles(lambda xs, a: post_attention_packed(cfg, xs, a, mlp), x, attn_out)
+
+
+def packed_on_cpu(x: torch.Tensor, ops: LayerOps) -> bool:
+    """Whether a layer runs its projections through oneDNN's packed GEMMs: on the CPU, eager (a
+    torch.compile'd body keeps its own kernels), in a dtype oneDNN runs here
+    (``cpu_linear.packs``). Measured on 2 AMD EPYC (Zen 4) cores, torch 2.13, fp32, Qwen3-0.6B's
+    shapes at 512 rows: 184-206 GFLOP/s packed against 120-138 for ``F.linear`` (MKL); the
+    Qwen3-0.6B shape embedded 1.37x as many short queries a second."""
+    return x.device.type == "cpu" and ops.post is post_attention and cpu_linear.packs(x.dtype)
 
 
 class DecoderStage(StageModel):

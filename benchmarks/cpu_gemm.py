@@ -1,8 +1,12 @@
-"""GFLOP/s of the CPU's linear layers, three ways, on the shapes of all-MiniLM-L6-v2 and
-Qwen3-0.6B: ``F.linear`` (MKL's addmm), ``torch.mm`` on the transposed weight, and oneDNN's
-``_linear_pointwise`` on a weight packed once (what ``layers/cpu_linear.py`` runs).
+"""GFLOP/s of an encoder's linear layers on the CPU, each way the engine or a peer runs them.
 
-    python benchmarks/cpu_gemm.py [--threads 2] [--dtype float32|bfloat16]
+    python benchmarks/cpu_gemm.py [--model minilm|qwen3-0.6b] [--rows 2048,4096]
+
+For the shapes of all-MiniLM-L6-v2 (hidden 384, intermediate 1536) or Qwen3-0.6B (hidden
+1024, 16 + 2 x 8 heads of 128, intermediate 3072), fp32: ``F.linear`` (what
+sentence-transformers runs), oneDNN's packed linear alone and with its fused GELU or residual
+add (``layers/cpu_linear.py``, what the engine runs for every projection), ``F.linear`` +
+``F.gelu``, and ``addmm`` on a pre-transposed weight (MKL).
 """
 
 from __future__ import annotations
@@ -13,56 +17,52 @@ import time
 import torch
 import torch.nn.functional as F
 
-# (rows, in, out): MiniLM's q|k|v, FFN in and out at a 2048-token step; Qwen3-0.6B's q|k|v,
-# gate|up and down at 512 rows (its tiles), and gate|up at 2048.
-SHAPES = [
-    (2048, 384, 1152),
-    (2048, 384, 1536),
-    (2048, 1536, 384),
-    (512, 1024, 4096),
-    (512, 1024, 6144),
-    (512, 3072, 1024),
-    (2048, 1024, 6144),
-]
+from pipepool.layers import cpu_linear
+
+# (in, out) of each projection: q|k|v, attention output, FFN in (gate|up), FFN out (down)
+SHAPES = {
+    "minilm": ((384, 1152), (384, 384), (384, 1536), (1536, 384)),
+    "qwen3-0.6b": ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)),
+}
 
 
 def seconds(fn, repeats: int = 20) -> float:
-    fn()
-    fn()
+    for _ in range(3):
+        fn()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - start) / repeats
 
 
-def _times(rows: int, n_in: int, n_out: int, dtype: torch.dtype) -> list[float]:
-    """Seconds a call: F.linear, torch.mm, oneDNN packed."""
-    x = torch.randn(rows, n_in, dtype=dtype)
-    w, b = torch.randn(n_out, n_in, dtype=dtype), torch.randn(n_out, dtype=dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return [
-        seconds(lambda: F.linear(x, w, b)),
-        seconds(lambda: torch.mm(x, w.t())),
-        seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], None)),
-    ]
+def rates(m: int, k: int, n: int) -> str:
+    """GFLOP/s of an [m, k] x [k, n] linear layer, each way."""
+    x, w, b = torch.randn(m, k), torch.randn(n, k) / 20, torch.randn(n)
+    residual, packed, w_t = torch.randn(m, n), cpu_linear.pack(w), w.t().contiguous()
+    ways = {
+        "F.linear": lambda: F.linear(x, w, b),
+        "oneDNN": lambda: cpu_linear.linear(x, packed, b),
+        "oneDNN+gelu": lambda: cpu_linear.linear(x, packed, b, "gelu"),
+        "linear,gelu": lambda: F.gelu(F.linear(x, w, b)),
+        "oneDNN+add": lambda: cpu_linear.linear_add(x, residual, packed, b),
+        "addmm": lambda: torch.addmm(b, x, w_t),
+    }
+    gflop = 2 * m * k * n / 1e9
+    return " | ".join(f"{name} {gflop / seconds(fn):.0f}" for name, fn in ways.items())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="minilm")
+    parser.add_argument("--rows", default="2048,4096", help="rows of a GEMM (a CPU tile: 2048)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    print(f"{args.threads} threads, {args.dtype}, GFLOP/s")
-    print(f"{'rows x in -> out':>22} {'F.linear':>9} {'mm':>9} {'oneDNN packed':>14}")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s")
     with torch.inference_mode():
-        for rows, n_in, n_out in SHAPES:
-            rates = [2 * rows * n_in * n_out / t / 1e9 for t in _times(rows, n_in, n_out, dtype)]
-            shape = f"{rows} x {n_in} -> {n_out}"
-            print(f"{shape:>22} {rates[0]:9.1f} {rates[1]:9.1f} {rates[2]:14.1f}")
-    return 0
+        for m in (int(r) for r in args.rows.split(",")):
+            for k, n in SHAPES[args.model]:
+                print(f"{m}x{k} @ {k}x{n}: {rates(m, k, n)}")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -33,6 +33,7 @@ def fusable(activation: str) -> bool:
     return activation in _POST_OPS
 
 
+@functools.cache
 def packs(dtype: torch.dtype) -> bool:
     """Whether linear layers in ``dtype`` go through these ops here: fp32, and bf16 where the
     CPU computes it natively (AVX-512 BF16 or AMX), the ops present and checked."""

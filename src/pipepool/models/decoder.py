@@ -321,8 +321,9 @@ def packed_on_cpu(x: torch.Tensor, ops: LayerOps) -> bool:
     """Whether a layer runs its projections through oneDNN's packed GEMMs: on the CPU, eager (a
     torch.compile'd body keeps its own kernels), in a dtype oneDNN runs here
     (``cpu_linear.packs``). Measured on 2 AMD EPYC (Zen 4) cores, torch 2.13, fp32, Qwen3-0.6B's
-    shapes at 512 rows: 184-206 GFLOP/s packed against 120-138 for ``F.linear`` (MKL); the
-    Qwen3-0.6B shape embedded 1.37x as many short queries a second."""
+    shapes at 512 rows: 197-215 GFLOP/s packed against 145-170 for ``F.linear``
+    (``benchmarks/cpu_gemm.py --model qwen3-0.6b``); the Qwen3-0.6B shape embedded 1.37x as
+    many short queries a second."""
     return x.device.type == "cpu" and ops.post is post_attention and cpu_linear.packs(x.dtype)
 
 

@@ -235,7 +235,7 @@ async def flood(
     )
     lights.start()
     await asyncio.gather(*(heavy(k) for k in range(FLOOD_CLIENTS)))
-    other_status, other_lat = results.get(timeout=120)
+    other_status, other_lat, other_parts = results.get(timeout=120)
     lights.join()
     how = "Retry-After" if backoff is None else f"{backoff} s"
     print(f"4. flood on {target.name} (refused clients wait {how}): its answers {dict(flooded)}")
@@ -247,6 +247,30 @@ async def flood(
             f"p99 {p(lat, 99):.1f} ms = {ratio:.2f}x idle p99 ({idle_p99[m.name]:.1f} ms)",
             flush=True,
         )
+        print(f"     {where_the_time_went(lat, other_parts[m.name])}", flush=True)
+
+
+def server_timing(response: httpx.Response) -> dict[str, float]:
+    """The answer's Server-Timing phases, in ms (``pipepool.server.timing``)."""
+    entries = (e.split(";dur=") for e in response.headers.get("server-timing", "").split(", "))
+    return {e[0]: float(e[1]) for e in entries if len(e) == 2}
+
+
+def where_the_time_went(latencies: list[float], parts: list[dict[str, float]]) -> str:
+    """Each phase's p50, and its mean over the slowest 1% of requests (``latencies`` in s,
+    ``parts`` in ms): ``outside`` is the client's latency less the app's (the request's bytes
+    waiting for the front end's event loop, HTTP parsing, the client's own loop)."""
+    rows = [
+        {**d, "outside": lat * 1000 - d.get("app", 0.0), "client": lat * 1000}
+        for lat, d in zip(latencies, parts, strict=True)
+    ]
+    if not rows:
+        return "no answers"
+    slow = sorted(rows, key=lambda r: r["client"])[-max(1, len(rows) // 100) :]
+    names = ("client", "outside", "app", "lane", "tokenize", "engine")
+    p50s = " ".join(f"{n} {np.median([r.get(n, 0.0) for r in rows]):.1f}" for n in names)
+    tails = " ".join(f"{n} {np.mean([r.get(n, 0.0) for r in slow]):.1f}" for n in names)
+    return f"ms, p50: {p50s}; the slowest 1% ({len(slow)}), mean: {tails}"
 
 
 def _light_process(url: str, models: list[Model], seconds: float, results) -> None:
@@ -254,6 +278,7 @@ def _light_process(url: str, models: list[Model], seconds: float, results) -> No
     (statuses, latencies) by model on ``results``."""
     statuses = {m.name: Counter() for m in models}
     latencies: dict[str, list[float]] = {m.name: [] for m in models}
+    parts: dict[str, list[dict[str, float]]] = {m.name: [] for m in models}
     ending = time.monotonic() + seconds
 
     async def light(model: Model) -> None:
@@ -266,6 +291,7 @@ def _light_process(url: str, models: list[Model], seconds: float, results) -> No
                 statuses[model.name][r.status_code] += 1
                 if r.status_code == 200:
                     latencies[model.name].append(time.perf_counter() - t)
+                    parts[model.name].append(server_timing(r))
                 i += 1
                 await asyncio.sleep(0.02)
 
@@ -273,7 +299,7 @@ def _light_process(url: str, models: list[Model], seconds: float, results) -> No
         await asyncio.gather(*(light(m) for m in models))
 
     asyncio.run(all_of_them())
-    results.put((statuses, latencies))
+    results.put((statuses, latencies, parts))
 
 
 def cpu_models() -> list[Model]:

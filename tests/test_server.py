@@ -341,6 +341,26 @@ def test_metrics_expose_engine_and_http_counters(server):
     assert m['pipepool_step_time_seconds_bucket{le="+Inf"}'] >= 1
 
 
+def _server_timing(response: httpx.Response) -> dict[str, float]:
+    entries = (entry.split(";dur=") for entry in response.headers["server-timing"].split(", "))
+    return {name: float(ms) for name, ms in entries}
+
+
+def test_server_timing_tells_where_a_request_spent_its_time(server):
+    started = time.perf_counter()
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["time me " * 50, "and me"]})
+    client_ms = (time.perf_counter() - started) * 1000
+    assert r.status_code == 200
+    spent = _server_timing(r)
+    assert set(spent) == {"app", "lane", "tokenize", "engine"}
+    assert spent["app"] > 0 and spent["tokenize"] > 0 and spent["engine"] > 0, spent
+    assert 0 <= spent["lane"] <= spent["tokenize"]
+    assert spent["tokenize"] + spent["engine"] <= spent["app"] <= client_ms
+    # An answer without the engine says only how long the app took.
+    assert set(_server_timing(httpx.get(server.url + "/health"))) == {"app"}
+    assert set(_server_timing(httpx.post(server.url + "/v1/embeddings", json={}))) == {"app"}
+
+
 # -- many clients ---------------------------------------------------------------------------
 
 

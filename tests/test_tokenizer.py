@@ -76,3 +76,42 @@ def test_truncation_keeps_bert_special_tokens_like_transformers(minilm_path):
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
 def test_decoder_truncation_keeps_special_tokens_like_transformers(decoder_paths, family):
     _assert_truncation_matches(decoder_paths[family], (3, 16, 32))
+
+
+class _Calls:
+    """The Rust tokenizer underneath, recording which of its methods each call took."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.calls: list[str] = []
+
+    def encode(self, *args, **kwargs):
+        self.calls.append("encode")
+        return self.backend.encode(*args, **kwargs)
+
+    def encode_batch(self, *args, **kwargs):
+        self.calls.append("encode_batch")
+        return self.backend.encode_batch(*args, **kwargs)
+
+
+def test_a_few_texts_stay_on_the_calling_thread_with_the_batch_calls_ids(minilm_path):
+    from pipepool.intake.tokenizer import ON_THIS_THREAD
+
+    tokenizer = Tokenizer(minilm_path / "tokenizer.json")
+    backend = tokenizer.backend
+    recorder = _Calls(backend)
+    tokenizer._tok = recorder
+    for texts, expected_call in [
+        (EXTRA[:ON_THIS_THREAD], "encode"),  # one by one: never the process-wide pool
+        (PROMPTS, "encode_batch"),
+    ]:
+        recorder.calls.clear()
+        ids = [a.tolist() for a in tokenizer.encode_batch(texts)]
+        assert ids == [e.ids for e in backend.encode_batch(texts)]
+        flat, lengths = tokenizer.encode_flat(texts)
+        assert flat.tolist() == [i for row in ids for i in row] and lengths.sum() == len(flat)
+        pairs = tokenizer.encode_pairs(texts, texts[::-1])
+        expected = backend.encode_batch(list(zip(texts, texts[::-1], strict=True)))
+        assert pairs[0].tolist() == [i for e in expected for i in e.ids]
+        assert pairs[1].tolist() == [i for e in expected for i in e.type_ids]
+        assert set(recorder.calls) == {expected_call}

@@ -11,6 +11,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
 
+# Up to this many texts (or pairs) are tokenised one by one on the calling thread. The Rust
+# tokenizer's batch call runs on one thread pool for the whole process, whose workers take an
+# outside call only once they have finished the parts of those before it: a one-text request
+# would wait there behind every large request of every model in the process (BENCHMARKS.md,
+# issue 35: the flood's tail).
+ON_THIS_THREAD = 8
+
 
 class Tokenizer:
     """Batch tokenization; never truncates or pads (the scheduler decides what a prompt may be)."""
@@ -40,7 +47,7 @@ class Tokenizer:
         or its start (``keep="last"``); the special tokens the post-processor added stay, so a
         truncated BERT input still starts with [CLS] and ends with [SEP].
         """
-        encodings = self._tok.encode_batch(texts, add_special_tokens=True)
+        encodings = self._encode(texts)
         out = []
         for enc in encodings:
             ids = np.asarray(enc.ids, dtype=np.int64)
@@ -56,7 +63,7 @@ class Tokenizer:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``encode_batch`` back to back: (token ids [total] int64, lengths [n] int64), with no
         array per text (the Rust tokenizer works on all texts at once, without the GIL)."""
-        encodings = self._tok.encode_batch(texts, add_special_tokens=True)
+        encodings = self._encode(texts)
         lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(texts))
         if max_tokens is not None and len(lengths) and lengths.max() > max_tokens:
             ids = [
@@ -84,7 +91,7 @@ class Tokenizer:
         by default (longest_first, what sentence-transformers' CrossEncoder uses): the longer
         text loses tokens from its end until both fit, the special tokens stay."""
         pairs = list(zip(firsts, seconds, strict=True))
-        encodings = self._tok.encode_batch(pairs, add_special_tokens=True)
+        encodings = self._encode(pairs)
         if max_tokens is not None:
             for i, enc in enumerate(encodings):
                 if len(enc) > max_tokens:
@@ -106,6 +113,18 @@ class Tokenizer:
         b.truncate(n2)
         return self._tok.post_process(a, b, add_special_tokens=True)
 
+    def _encode(self, items: list, *, add_special_tokens: bool = True) -> list:
+        """The tokenizer's encodings of texts or (first, second) pairs: a few on this thread,
+        more through the Rust tokenizer's batch call (``ON_THIS_THREAD``)."""
+        if len(items) > ON_THIS_THREAD:
+            return self._tok.encode_batch(items, add_special_tokens=add_special_tokens)
+        return [
+            self._tok.encode(item[0], item[1], add_special_tokens=add_special_tokens)
+            if isinstance(item, tuple)
+            else self._tok.encode(item, add_special_tokens=add_special_tokens)
+            for item in items
+        ]
+
     def encode_plain(self, text: str) -> np.ndarray:
         """Token ids of a text without the post-processor's special tokens (prompt parts)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -113,7 +132,7 @@ class Tokenizer:
     def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
         """Each text cut after its first ``max_tokens`` tokens (special tokens not counted), at
         the character where that token ends: Cohere's ``max_tokens_per_doc``."""
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        encodings = self._encode(texts, add_special_tokens=False)
         return [
             text if len(enc) <= max_tokens else text[: enc.offsets[max_tokens - 1][1]]
             for text, enc in zip(texts, encodings, strict=True)
@@ -123,7 +142,7 @@ class Tokenizer:
         """Per text, its tokens as TEI's /tokenize lists them: id, text, whether special, and
         the character span in the text (None for special tokens)."""
         out = []
-        for text, enc in zip(texts, self._tok.encode_batch(texts), strict=True):
+        for text, enc in zip(texts, self._encode(texts), strict=True):
             tokens = []
             for tid, special, (start, stop) in zip(
                 enc.ids, enc.special_tokens_mask, enc.offsets, strict=True

@@ -19,6 +19,7 @@ from . import docs
 from .errors import install_handlers
 from .metrics import HttpMetrics, MetricsMiddleware
 from .models import ServedModels
+from .online_gate import OnlineRequests
 from .openapi import bound_by_server
 from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
 from .routes.shared import ServerState
@@ -70,6 +71,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     if settings.fair_share == "client":
         app.add_middleware(ClientTurns)
     app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
+    # Outermost: a batch's host work waits from the moment an online request arrives.
+    app.add_middleware(OnlineRequests)
     _schema_as_answered(app, settings, models)
     return app
 

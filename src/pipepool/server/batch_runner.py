@@ -7,7 +7,8 @@ validation, limits, error bodies and status codes as an HTTP client gets, inside
 ``run_lines`` keeps a window of lines in flight (thousands of inputs: full steps) and hands
 finished lines to a writer in groups. ``BatchRunner`` runs the unfinished batches of a state
 directory one after another (``batch_store.py`` makes it exactly once across kills), in the
-server's main process on a thread and event loop of its own (``BatchThread``); ``pipepool
+server's main process on a thread and event loop of its own (``BatchThread``), which yields
+the process's host time to online requests (``online_gate.py``); ``pipepool
 run-batch`` runs a file through the same dispatcher and window.
 """
 
@@ -42,6 +43,7 @@ from ..jobs.batch_lines import (
 from ..runtime.signal_mask import block_stop_signals
 from .batch_store import UNFINISHED, BatchOutput, BatchRecord, BatchStore
 from .front import AsyncEngine
+from .online_gate import gated_task_factory
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -389,8 +391,10 @@ class BatchThread:
     engines.
     Thousands of batch lines in flight, each a request through the app's routes, never queue
     in the event loop that answers online requests; their engine calls are background work
-    (``api.priority``). Batches come from the server's state directory, within its limits.
-    ``stopping()``: the server is shutting down (the runner stops sending lines)."""
+    (``api.priority``), and their host work waits while an online request is in flight
+    (``online_gate``: every task step of this thread's loop, every call of its lane). Batches
+    come from the server's state directory, within its limits. ``stopping()``: the server is
+    shutting down (the runner stops sending lines)."""
 
     def __init__(
         self, settings: ServerSettings, models: ServedModels, *, stopping: Callable[[], bool]
@@ -429,8 +433,16 @@ class BatchThread:
 
     def _run(self) -> None:
         block_stop_signals()  # SIGTERM and Ctrl-C are the server's
+
+        def gated_loop() -> asyncio.AbstractEventLoop:
+            # Every step of every task here waits while an online request is in flight.
+            loop = asyncio.new_event_loop()
+            loop.set_task_factory(gated_task_factory())
+            return loop
+
         try:
-            asyncio.run(self._serve())
+            with asyncio.Runner(loop_factory=gated_loop) as runner:
+                runner.run(self._serve())
         except BaseException as exc:  # logged: a thread's exception would vanish
             _log_failure_of(exc)
 

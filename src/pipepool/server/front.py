@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from ..api.priority import is_background
 from ..api.submission import Submission
 from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
+from . import timing
+from .online_gate import BackgroundPool
 from .owner import EngineOwner
 
 T = TypeVar("T")
@@ -75,8 +78,9 @@ class AsyncEngine:
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-large"
         )
         # Background work (batch jobs, ``api.priority``) has a lane of its own: thousands of
-        # batch lines queued for tokenising or serialising never hold up an online request.
-        self._background = ThreadPoolExecutor(
+        # batch lines queued for tokenising or serialising never hold up an online request,
+        # and its threads wait while one is in flight (``online_gate``).
+        self._background = BackgroundPool(
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-background"
         )
         self.pending = 0  # engine requests admitted here and not yet answered
@@ -112,7 +116,15 @@ class AsyncEngine:
             # In this task's context, so that what marks the call (``api.priority``'s
             # background work) reaches Engine.submit on the tokenising thread.
             context = contextvars.copy_context()
-            submitting = loop.run_in_executor(self._lane(texts), context.run, submit, engine)
+            queued = time.perf_counter()
+
+            def submit_on_lane(engine: Engine) -> AnySubmission:
+                timing.add("lane", time.perf_counter() - queued)
+                return submit(engine)
+
+            submitting = loop.run_in_executor(
+                self._lane(texts), context.run, submit_on_lane, engine
+            )
             try:
                 submission = await asyncio.shield(submitting)
             except asyncio.CancelledError:
@@ -120,8 +132,10 @@ class AsyncEngine:
                 # them as soon as they are.
                 submitting.add_done_callback(self._abort_when_submitted)
                 raise
+            timing.add("tokenize", time.perf_counter() - queued)
             try:
-                outputs = await asyncio.wrap_future(submission)
+                with timing.phase("engine"):
+                    outputs = await asyncio.wrap_future(submission)
             except BaseException:
                 self._abort(submission)
                 raise
@@ -141,14 +155,14 @@ class AsyncEngine:
         context = contextvars.copy_context()  # as in ``run``: the call's priority goes along
         running = loop.run_in_executor(self._lane(texts), context.run, call, engine)
         running.add_done_callback(lambda done: self._release(n, done))
-        return await asyncio.shield(running)
+        with timing.phase("engine"):  # its tokenising too: one call on the lane's thread
+            return await asyncio.shield(running)
 
     async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
         """Run CPU work (e.g. serializing a large response, ``size`` values) off the event
         loop."""
-        if is_background():
-            pool = self._background
-        else:
+        pool: ThreadPoolExecutor = self._background
+        if not is_background():
             pool = self._large if size > LARGE_REQUEST else self._small
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 

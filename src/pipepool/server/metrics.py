@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from ..api.engine import Engine
 from ..core.stats import STEP_BUCKETS
+from . import timing
 from .errors import APIError
 from .front import AsyncEngine
 from .models import ServedModels
@@ -80,7 +81,7 @@ class HttpMetrics:
 class MetricsMiddleware:
     """Counts every HTTP request by route and status (also those the guards turned away) and,
     with ``access_log``, logs it once answered, with its latency (uvicorn's own access log
-    has none)."""
+    has none); tells the client where its time went (``timing.py``: ``Server-Timing``)."""
 
     def __init__(self, app, metrics: HttpMetrics, *, access_log: bool) -> None:
         self.app = app
@@ -95,16 +96,20 @@ class MetricsMiddleware:
         # without answering, the client left before its request was read (nginx's 499).
         status = 499
         started = time.perf_counter()
+        parts: list[tuple[str, float]] = []
 
         async def send_with_status(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                spent = timing.header(parts, time.perf_counter() - started)
+                message = {**message, "headers": [*message.get("headers", ()), spent]}
             await send(message)
 
         self.metrics.in_flight += 1
         try:
-            await self.app(scope, receive, send_with_status)
+            with timing.timed_request() as parts:
+                await self.app(scope, receive, send_with_status)
         except BaseException:
             status = 500
             raise

@@ -1,0 +1,134 @@
+"""Host time goes to online requests first: background work waits while one is in flight.
+
+A batch's lines are answered in the server's own process (``batch_runner.py``), on a thread
+and event loop of their own, and their Python (parsing, routing, serialising each line's
+answer) shares the process's interpreter lock with the online requests. The engine already
+keeps batch work out of the steps that carry online requests (``api.priority``); this does the
+same for host time: while an online request is in flight in this process, the batch's event
+loop runs none of its tasks, and its tokenising and serialising lane takes no new work.
+
+A background thread waits at most ``max_wait_s`` at a time, so under online traffic that never
+pauses a batch still moves, slowly; between online requests it runs at full speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..api.priority import is_background
+
+__all__ = ["GATE", "BackgroundPool", "OnlineGate", "OnlineRequests", "gated_task_factory"]
+
+T = TypeVar("T")
+
+
+class OnlineGate:
+    """Counts the online requests in flight in this process; ``wait_for_quiet`` holds a
+    background thread (its interpreter lock released) until there are none, ``max_wait_s`` at
+    most. Thread-safe."""
+
+    def __init__(self, max_wait_s: float = 0.1) -> None:
+        self.max_wait_s = max_wait_s
+        self._quiet = threading.Condition()
+        self._online = 0
+
+    @property
+    def online(self) -> int:
+        return self._online
+
+    @contextlib.contextmanager
+    def online_request(self) -> Iterator[None]:
+        """An online request is in flight inside."""
+        with self._quiet:
+            self._online += 1
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self._online -= 1
+                if not self._online:
+                    self._quiet.notify_all()
+
+    def wait_for_quiet(self) -> None:
+        """Return once no online request is in flight, or after ``max_wait_s``."""
+        if not self._online:  # the common case, without the lock
+            return
+        with self._quiet:
+            self._quiet.wait_for(lambda: not self._online, self.max_wait_s)
+
+
+GATE = OnlineGate()  # the process's: its online requests, its background work
+
+
+class OnlineRequests:
+    """ASGI middleware: every HTTP request that is not background work (a batch line,
+    ``api.priority``) counts as online in ``gate`` while the app answers it."""
+
+    def __init__(self, app, gate: OnlineGate = GATE) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or is_background():
+            await self.app(scope, receive, send)
+            return
+        with self.gate.online_request():
+            await self.app(scope, receive, send)
+
+
+class _Gated(Coroutine):
+    """A task's coroutine that waits for ``gate`` before each step it takes."""
+
+    __slots__ = ("_coro", "_gate")
+
+    def __init__(self, coro: Coroutine, gate: OnlineGate) -> None:
+        self._coro = coro
+        self._gate = gate
+
+    def send(self, value: Any) -> Any:
+        self._gate.wait_for_quiet()
+        return self._coro.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        self._gate.wait_for_quiet()
+        return self._coro.throw(*args)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._coro.__await__()
+
+    def __getattr__(self, name: str) -> Any:
+        # cr_frame, cr_running, cr_code...: what asyncio and anyio read of a task's coroutine.
+        return getattr(self._coro, name)
+
+
+def gated_task_factory(gate: OnlineGate = GATE) -> Callable[..., asyncio.Task]:
+    """A task factory (``loop.set_task_factory``) for a background event loop: each step of
+    each of its tasks waits for ``gate``."""
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Task:
+        return asyncio.Task(_Gated(coro, gate), loop=loop, **kwargs)
+
+    return factory
+
+
+class BackgroundPool(ThreadPoolExecutor):
+    """A thread pool for background work: each call waits for ``gate`` before it runs."""
+
+    def __init__(self, max_workers: int, *, thread_name_prefix: str, gate: OnlineGate = GATE):
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self.gate = gate
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return super().submit(self._after_quiet, fn, *args, **kwargs)
+
+    def _after_quiet(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self.gate.wait_for_quiet()
+        return fn(*args, **kwargs)

@@ -256,18 +256,28 @@ def server_timing(response: httpx.Response) -> dict[str, float]:
     return {e[0]: float(e[1]) for e in entries if len(e) == 2}
 
 
+THREADED = ("tokenize", "engine", "offload")  # Server-Timing phases off the event loop
+
+
 def where_the_time_went(latencies: list[float], parts: list[dict[str, float]]) -> str:
     """Each phase's p50, and its mean over the slowest 1% of requests (``latencies`` in s,
     ``parts`` in ms): ``outside`` is the client's latency less the app's (the request's bytes
-    waiting for the front end's event loop, HTTP parsing, the client's own loop)."""
+    waiting for the front end's event loop, HTTP parsing, the client's own loop); ``loop`` the
+    app's less its phases on threads and in the engine (the body read, checked and parsed, the
+    answer built)."""
     rows = [
-        {**d, "outside": lat * 1000 - d.get("app", 0.0), "client": lat * 1000}
+        {
+            **d,
+            "outside": lat * 1000 - d.get("app", 0.0),
+            "loop": d.get("app", 0.0) - sum(d.get(n, 0.0) for n in THREADED),
+            "client": lat * 1000,
+        }
         for lat, d in zip(latencies, parts, strict=True)
     ]
     if not rows:
         return "no answers"
     slow = sorted(rows, key=lambda r: r["client"])[-max(1, len(rows) // 100) :]
-    names = ("client", "outside", "app", "lane", "tokenize", "engine")
+    names = ("client", "outside", "app", "loop", "lane", "tokenize", "engine", "offload")
     p50s = " ".join(f"{n} {np.median([r.get(n, 0.0) for r in rows]):.1f}" for n in names)
     tails = " ".join(f"{n} {np.mean([r.get(n, 0.0) for r in slow]):.1f}" for n in names)
     return f"ms, p50: {p50s}; the slowest 1% ({len(slow)}), mean: {tails}"

@@ -164,7 +164,8 @@ class AsyncEngine:
         pool: ThreadPoolExecutor = self._background
         if not is_background():
             pool = self._large if size > LARGE_REQUEST else self._small
-        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+        with timing.phase("offload"):
+            return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def abandon_after(self, seconds: float) -> None:
         """Shutdown began: requests still in flight in ``seconds`` get 503 (see ``abandoned``)."""

@@ -27,8 +27,9 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
-from ..runtime.collector import freeze_startup_objects
+from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
 
@@ -251,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from ..server.api_servers import ApiServers
     from ..server.batch_runner import BatchThread
     from ..server.logs import log_config
+    from ..server.online_gate import GATE
     from ..server.settings import ServerSettings
     from ..server.uvicorn_server import ANSWER_GRACE_S, build_server
 
@@ -304,7 +306,12 @@ def run(args: argparse.Namespace) -> int:
             spec.config.model or "the bundled model",
             spec.name,
         )
-    announce = _Announcer(_ready_line(specs, url), [spec.name for spec in specs])
+    # Once every model serves, this process's full collections wait for a moment without an
+    # online request in flight (``QuietCollections``).
+    collections = QuietCollections(quiet=lambda: GATE.online == 0)
+    announce = _Announcer(
+        _ready_line(specs, url), [spec.name for spec in specs], on_ready=collections.start
+    )
 
     # With more API server processes, the replicas listen for them in a directory only this
     # user can enter, and the port is bound now, so that they can share its socket.
@@ -356,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
         batches.join(ANSWER_GRACE_S)
+        collections.stop()
         for model in models:
             model.front.close()
         for model in models:
@@ -494,10 +502,12 @@ def _check_api_servers(config, *, under_torchrun: bool) -> None:
 class _Announcer:
     """Logs ``message`` once the port is bound, every model is loaded and (with
     ``--api-server-count``) the other front-end processes serve, whichever comes last; never
-    if one of them fails (a port in use must not be followed by a "ready" line)."""
+    if one of them fails (a port in use must not be followed by a "ready" line). Then freezes
+    what start-up made and calls ``on_ready``."""
 
-    def __init__(self, message: str, models: list[str]) -> None:
+    def __init__(self, message: str, models: list[str], on_ready: Callable[[], None]) -> None:
         self.message = message
+        self.on_ready = on_ready
         self._lock = threading.Lock()
         self._waiting = {"port", *(f"model {name}" for name in models)}
 
@@ -523,3 +533,4 @@ class _Announcer:
             if not self._waiting:
                 log.info(self.message)
                 freeze_startup_objects()  # what exists now lives as long as the server
+                self.on_ready()

@@ -34,9 +34,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..api.engine import Engine
     from ..replicas.shared import SharedReplicas
+    from ..runtime.collector import QuietCollections, freeze_startup_objects
     from .front import AsyncEngine
     from .logs import log_config
     from .models import ServedModels
+    from .online_gate import GATE
     from .owner import EngineOwner
     from .uvicorn_server import build_server
 
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     def serving() -> None:
         os.write(ready_fd, b"r")
         os.close(ready_fd)
+        # As the main front end does (``commands/serve.py``): start-up objects frozen, full
+        # collections when no request is in flight.
+        freeze_startup_objects()
+        QuietCollections(quiet=lambda: GATE.online == 0).start()
 
     server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
 

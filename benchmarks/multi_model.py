@@ -285,7 +285,7 @@ def where_the_time_went(latencies: list[float], parts: list[dict[str, float]]) -
 
 def _light_process(url: str, models: list[Model], seconds: float, results) -> None:
     """One-input requests to each of ``models``, one at a time each, for ``seconds``; puts
-    (statuses, latencies) by model on ``results``."""
+    (statuses, latencies, Server-Timing phases) by model on ``results``."""
     statuses = {m.name: Counter() for m in models}
     latencies: dict[str, list[float]] = {m.name: [] for m in models}
     parts: dict[str, list[dict[str, float]]] = {m.name: [] for m in models}

@@ -334,11 +334,15 @@ def test_metrics_expose_engine_and_http_counters(server):
         "pipepool_kv_blocks_total",
         "pipepool_server_pending_inputs",
         'pipepool_http_requests_total{route="/v1/embeddings",status="200"}',
+        'python_gc_collections_total{generation="0"}',
+        'python_gc_collections_total{generation="2"}',
+        'python_gc_objects_collected_total{generation="1"}',
     ):
         assert name in m, name
     assert m["pipepool_engine_ready"] == 1
     assert m["pipepool_requests_finished_total"] >= 1
     assert m['pipepool_step_time_seconds_bucket{le="+Inf"}'] >= 1
+    assert m['python_gc_collections_total{generation="0"}'] >= 1
 
 
 def _server_timing(response: httpx.Response) -> dict[str, float]:

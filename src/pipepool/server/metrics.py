@@ -7,6 +7,7 @@ dependency."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import Counter
@@ -193,6 +194,21 @@ def _http_metrics(out: _Text, http: HttpMetrics, *, by_model: bool) -> None:
         "CPU time of the front-end process that answered (near 1 s a second: it is the limit; "
         "see --api-server-count)",
         time.process_time(),
+    )
+    # prometheus_client's names: a full collection (generation 2) pauses every request of the
+    # process (``runtime.collector.QuietCollections``).
+    stats = gc.get_stats()
+    out.family(
+        "python_gc_collections_total",
+        "counter",
+        "collections of the front-end process's cycle collector, by generation",
+        [({"generation": str(g)}, s["collections"]) for g, s in enumerate(stats)],
+    )
+    out.family(
+        "python_gc_objects_collected_total",
+        "counter",
+        "objects the front-end process's cycle collector freed, by generation",
+        [({"generation": str(g)}, s["collected"]) for g, s in enumerate(stats)],
     )
     out.family(
         "pipepool_http_requests_total",

@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # Once every model serves, this process's full collections wait for a moment without an
     # online request in flight (``QuietCollections``).
-    collections = QuietCollections(quiet=lambda: GATE.online == 0)
+    collections = QuietCollections(quiet=GATE.quiet)
     announce = _Announcer(
         _ready_line(specs, url), [spec.name for spec in specs], on_ready=collections.start
     )

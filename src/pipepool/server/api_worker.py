@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         # As the main front end does (``commands/serve.py``): start-up objects frozen, full
         # collections when no request is in flight.
         freeze_startup_objects()
-        QuietCollections(quiet=lambda: GATE.online == 0).start()
+        QuietCollections(quiet=GATE.quiet).start()
 
     server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
 

@@ -109,7 +109,7 @@ class MetricsMiddleware:
 
         self.metrics.in_flight += 1
         try:
-            with timing.timed_request() as parts:
+            with timing.timed_request(parts):
                 await self.app(scope, receive, send_with_status)
         except BaseException:
             status = 500

@@ -41,6 +41,10 @@ class OnlineGate:
     def online(self) -> int:
         return self._online
 
+    def quiet(self) -> bool:
+        """Whether no online request is in flight now."""
+        return not self._online
+
     @contextlib.contextmanager
     def online_request(self) -> Iterator[None]:
         """An online request is in flight inside."""
@@ -56,10 +60,10 @@ class OnlineGate:
 
     def wait_for_quiet(self) -> None:
         """Return once no online request is in flight, or after ``max_wait_s``."""
-        if not self._online:  # the common case, without the lock
+        if self.quiet():  # the common case, without the lock
             return
         with self._quiet:
-            self._quiet.wait_for(lambda: not self._online, self.max_wait_s)
+            self._quiet.wait_for(self.quiet, self.max_wait_s)
 
 
 GATE = OnlineGate()  # the process's: its online requests, its background work

@@ -6,8 +6,8 @@ read, to the answer's first byte); an answer from the engine also ``tokenize;dur
 inputs waiting for a tokenising thread, then tokenised and enqueued), ``lane;dur=…`` (the
 first part of ``tokenize``: the wait for the thread) and ``engine;dur=…`` (from
 enqueued to its outputs: the queue and the steps; for sparse and multi-vector outputs, one call
-on the tokenising thread, its tokenising too); where the answer was serialised on a thread
-(a large one), ``offload;dur=…``. The rest of ``app`` is the event loop's: reading, checking and
+on the tokenising thread, its tokenising too); where the answer was serialised on a thread,
+``offload;dur=…``. The rest of ``app`` is the event loop's: reading, checking and
 parsing the body, and building the answer. Time a request spends before the app is
 called (the connection's bytes waiting for the event loop, HTTP parsing) is the client's
 latency less ``app``.
@@ -26,12 +26,11 @@ _PARTS: ContextVar[list[tuple[str, float]] | None] = ContextVar("pipepool_timing
 
 
 @contextlib.contextmanager
-def timed_request() -> Iterator[list[tuple[str, float]]]:
-    """The request answered inside is timed: its phases (``phase``) land in the list given."""
-    parts: list[tuple[str, float]] = []
+def timed_request(parts: list[tuple[str, float]]) -> Iterator[None]:
+    """The request answered inside is timed: its phases (``phase``, ``add``) land in ``parts``."""
     token = _PARTS.set(parts)
     try:
-        yield parts
+        yield
     finally:
         _PARTS.reset(token)
 

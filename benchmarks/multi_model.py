@@ -233,12 +233,19 @@ async def flood(
     lights = multiprocessing.get_context("spawn").Process(
         target=_light_process, args=(url, others, seconds, results)
     )
+    before = await front_end_collections(url)
     lights.start()
     await asyncio.gather(*(heavy(k) for k in range(FLOOD_CLIENTS)))
     other_status, other_lat, other_parts = results.get(timeout=120)
     lights.join()
+    after = await front_end_collections(url)
     how = "Retry-After" if backoff is None else f"{backoff} s"
     print(f"4. flood on {target.name} (refused clients wait {how}): its answers {dict(flooded)}")
+    print(
+        "   front end's collections during the flood, by generation: "
+        + ", ".join(f"{g}: {after[g] - before.get(g, 0):.0f}" for g in sorted(after)),
+        flush=True,
+    )
     for m in others:
         lat = other_lat[m.name]
         ratio = p(lat, 99) / idle_p99[m.name]
@@ -248,6 +255,18 @@ async def flood(
             flush=True,
         )
         print(f"     {where_the_time_went(lat, other_parts[m.name])}", flush=True)
+
+
+async def front_end_collections(url: str) -> dict[str, float]:
+    """The front end's ``python_gc_collections_total`` by generation, from its /metrics."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        text = (await client.get("/metrics")).text
+    prefix = 'python_gc_collections_total{generation="'
+    return {
+        line[len(prefix)]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
 
 
 def server_timing(response: httpx.Response) -> dict[str, float]:

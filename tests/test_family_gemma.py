@@ -266,9 +266,13 @@ def test_gpu_bidirectional_windows_run_in_the_triton_kernel_inside_cuda_graphs(t
 @gpu
 def test_gpu_soft_capped_attention_runs_in_the_triton_kernel_between_cuda_graph_pieces(tmp_path):
     """Gemma2's shape with 32-dim heads, bf16: its soft-capped attention runs in the Triton
-    kernel between the pieces of the causal stage's CUDA graphs (chunked at budget 64), no less
-    accurate than transformers' bf16 (eager attention, the one that soft-caps)."""
+    kernel between the pieces of the causal stage's CUDA graphs (chunked at budget 64), its
+    RoPE and GeGLU in theirs, no less accurate than transformers' bf16 (eager attention, the
+    one that soft-caps)."""
     path = make_gemma2(tmp_path / "gemma2-32", head_dim=32)
     assert_triton_graphs_bf16(
         path, gemma_reference(path), long_prompts(), attn_implementation="eager"
     )
+    with pipepool.Engine(str(path), device="cuda", dtype="bfloat16") as engine:
+        ops = engine.pipeline.runners[0].model.ops  # what the runs above used
+        assert ops.fused_qk_rope and ops.fused_geglu

@@ -69,6 +69,22 @@ class BackgroundLoop:
             await asyncio.sleep(0)
 
 
+def test_quiet_for_counts_from_the_end_of_the_last_online_request():
+    now = [100.0]
+    gate = OnlineGate(clock=lambda: now[0])
+    now[0] += 2
+    assert gate.quiet_for(1.0)
+    with gate.online_request():
+        assert not gate.quiet() and not gate.quiet_for(0.0)
+        now[0] += 5  # however long it is in flight
+        assert not gate.quiet_for(1.0)
+    assert gate.quiet() and gate.quiet_for(0.0) and not gate.quiet_for(1.0)
+    now[0] += 0.5
+    assert not gate.quiet_for(1.0)
+    now[0] += 0.5
+    assert gate.quiet_for(1.0)
+
+
 def test_a_background_loop_takes_no_step_while_an_online_request_is_in_flight():
     gate = WatchedGate(max_wait_s=TIMEOUT_S)
     background = BackgroundLoop(gate)

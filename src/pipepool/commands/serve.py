@@ -20,6 +20,7 @@ unfinished.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import logging.config
 import shutil
@@ -29,7 +30,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
-from ..runtime.collector import QuietCollections, freeze_startup_objects
+from ..runtime.collector import SETTLED_S, QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
 
@@ -308,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # Once every model serves, this process's full collections wait for a moment without an
     # online request in flight (``QuietCollections``).
-    collections = QuietCollections(quiet=GATE.quiet)
+    collections = QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S))
     announce = _Announcer(
         _ready_line(specs, url), [spec.name for spec in specs], on_ready=collections.start
     )

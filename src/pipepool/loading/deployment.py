@@ -82,10 +82,11 @@ class Deployment:
     # calls: +6% texts/s on 2,000 texts (BENCHMARKS.md). On CUDA the
     # varlen kernels do not care, and decoders chunk prompts across steps: input order.
     length_sorted: bool
-    # Attention kernel (portable | flash | varlen) and the fused q/k-norm + RoPE kernel, chosen
-    # by self-checks on the planning process's device: every stage runs the same kernels.
+    # Attention kernel (portable | flash | varlen) and the fused Triton kernels of the layer
+    # bodies (q/k-norm + RoPE; Gemma's GeGLU), chosen by self-checks on the planning process's
+    # device: every stage runs the same kernels.
     attn_kernel: str = "portable"
-    fused_qk_rope: bool = False
+    fused_kernels: bool = False
     # EngineConfig.dtype "int8": the encoder's linear layers run as dynamic int8 GEMMs on the
     # CPU (layers/int8_linear.py); ``dtype`` is float32, what every other tensor keeps.
     int8_linears: bool = False
@@ -132,7 +133,7 @@ class Deployment:
             classifier=self.classifier,
             retrieval=self.retrieval,
             attn_kernel=self.attn_kernel,
-            fused_qk_rope=self.fused_qk_rope,
+            fused_kernels=self.fused_kernels,
             causal=self.causal,
             int8_linears=self.int8_linears,
         )
@@ -262,7 +263,7 @@ def plan_deployment(
         classifier=classifier,
         retrieval=retrieval,
         attn_kernel=attn_kernel,
-        fused_qk_rope=fused,
+        fused_kernels=fused,
         int8_linears=int8,
         placement="local" if local_placement else "all",
     )

@@ -138,12 +138,14 @@ class StageModel(nn.Module):
     def use_layer_body(self, body: object) -> None:
         """Run ``body`` (another copy's ``layer_body()``) from the next forward on."""
 
-    def has_fused_qk_rope(self) -> bool:
-        """Whether this family has a fused q/k-norm + RoPE kernel path."""
+    def has_fused_kernels(self) -> bool:
+        """Whether this family has fused Triton kernels in its layer body (q/k-norm + RoPE,
+        Gemma's GeGLU)."""
         return False
 
-    def use_fused_qk_rope(self) -> bool:
-        """Use a fused q/k-norm + RoPE kernel where there is one; returns whether in use."""
+    def use_fused_kernels(self) -> bool:
+        """Use this family's fused kernels where each agrees with the eager ops on this stage's
+        weights; returns whether any is in use."""
         return False
 
 

@@ -388,10 +388,10 @@ class DecoderStage(StageModel):
         assert isinstance(body, LayerOps), "another copy's layer_body()"
         self.ops = body
 
-    def has_fused_qk_rope(self) -> bool:
+    def has_fused_kernels(self) -> bool:
         return True
 
-    def use_fused_qk_rope(self) -> bool:
+    def use_fused_kernels(self) -> bool:
         """Switch to the Triton q/k-norm + RoPE kernel where it applies and agrees with the
         eager ops on a random batch; returns whether it is now in use."""
         cfg = self.cfg

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..layers import qk_rope
+from ..layers import gated_gelu, qk_rope
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.qk_rope import fused_qk_norm_rope
@@ -234,15 +234,35 @@ def qkv_projection(
     return q, k, v
 
 
+def attention_residual_and_gate_up(
+    cfg: GemmaConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x += norm(o_proj(attn)); (x, gate|up of norm(x)). x: [T, hidden]."""
+    eps = cfg.rms_norm_eps
+    x = x + gemma_rms_norm(F.linear(attn_out.flatten(1), w.o, w.o_bias), w.post_attention_norm, eps)
+    return x, F.linear(gemma_rms_norm(x, w.pre_feedforward_norm, eps), w.gate_up)
+
+
+def mlp_residual(
+    cfg: GemmaConfig, x: torch.Tensor, activated: torch.Tensor, w: MlpWeights
+) -> torch.Tensor:
+    """x += norm(down(act(gate) * up)), from ``activated`` = act(gate) * up."""
+    return x + gemma_rms_norm(
+        F.linear(activated, w.down), w.post_feedforward_norm, cfg.rms_norm_eps
+    )
+
+
 def post_attention(
     cfg: GemmaConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
 ) -> torch.Tensor:
     """x += norm(o_proj(attn)); x += norm(GeGLU(norm(x))). x: [T, hidden]."""
-    eps = cfg.rms_norm_eps
-    x = x + gemma_rms_norm(F.linear(attn_out.flatten(1), w.o, w.o_bias), w.post_attention_norm, eps)
-    gate, up = F.linear(gemma_rms_norm(x, w.pre_feedforward_norm, eps), w.gate_up).chunk(2, -1)
-    mlp = F.linear(get_activation(cfg.activation)(gate) * up, w.down)
-    return x + gemma_rms_norm(mlp, w.post_feedforward_norm, eps)
+    x, gate_up = attention_residual_and_gate_up(cfg, x, attn_out, w)
+    gate, up = gate_up.chunk(2, -1)
+    return mlp_residual(cfg, x, get_activation(cfg.activation)(gate) * up, w)
+
+
+# The activations whose GeGLU the Triton kernel computes (``layers/gated_gelu.py``).
+_TANH_GELUS = frozenset({"gelu_pytorch_tanh", "gelu_new"})
 
 
 class GemmaOps(NamedTuple):
@@ -261,7 +281,24 @@ class GemmaOps(NamedTuple):
     )
     # The fused q/k-norm + RoPE kernel path starts from here.
     project: Callable[[GemmaConfig, torch.Tensor, AttnWeights], torch.Tensor] = project_qkv
+    # The fused GeGLU kernel's path: the parts of ``post`` before and after it.
+    mlp_in: Callable[
+        [GemmaConfig, torch.Tensor, torch.Tensor, MlpWeights], tuple[torch.Tensor, torch.Tensor]
+    ] = attention_residual_and_gate_up
+    mlp_out: Callable[[GemmaConfig, torch.Tensor, torch.Tensor, MlpWeights], torch.Tensor] = (
+        mlp_residual
+    )
     fused_qk_rope: bool = False  # (Gemma3) q/k norms + RoPE in one Triton kernel (CUDA)
+    fused_geglu: bool = False  # gelu_tanh(gate) * up in one Triton kernel (CUDA)
+
+    def compiled(self) -> GemmaOps:
+        """These ops with every function the eager one torch.compile'd."""
+        eager = GemmaOps()
+        fns = {f: compile_layer_fn(getattr(eager, f), round_like_eager=True) for f in _FUNCTIONS}
+        return self._replace(**fns)
+
+
+_FUNCTIONS = ("qkv", "rope", "post", "project", "mlp_in", "mlp_out")
 
 
 class GemmaNorm(nn.Module):
@@ -354,12 +391,18 @@ class GemmaLayer(nn.Module):
                 q, k, v, inputs.attn, kv_cache, scale=cfg.scale, window=self.window,
                 kernel=kernel,
             )  # fmt: skip
-        mlp = MlpWeights(
+        mlp = self.mlp_weights()
+        if ops.fused_geglu:
+            x, gate_up = ops.mlp_in(cfg, x, attn_out, mlp)
+            return ops.mlp_out(cfg, x, gated_gelu.gelu_tanh_and_mul(gate_up), mlp)
+        return ops.post(cfg, x, attn_out, mlp)
+
+    def mlp_weights(self) -> MlpWeights:
+        return MlpWeights(
             self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
             self.pre_feedforward_layernorm.weight, self.gate_up_proj.weight,
             self.down_proj.weight, self.post_feedforward_layernorm.weight,
         )  # fmt: skip
-        return ops.post(cfg, x, attn_out, mlp)
 
 
 class GemmaStage(StageModel):
@@ -422,28 +465,43 @@ class GemmaStage(StageModel):
             rotary.reset_table()
 
     def set_compiled(self, on: bool) -> None:
-        fused = self.ops.fused_qk_rope
-        self.ops = GemmaOps(fused_qk_rope=fused)
-        if on:
-            qkv, rope, post, project = (
-                compile_layer_fn(fn, round_like_eager=True) for fn in GemmaOps()[:-1]
-            )
-            self.ops = GemmaOps(qkv, rope, post, project, fused_qk_rope=fused)
+        eager = GemmaOps(fused_qk_rope=self.ops.fused_qk_rope, fused_geglu=self.ops.fused_geglu)
+        self.ops = eager.compiled() if on else eager
 
-    def has_fused_qk_rope(self) -> bool:
+    def has_fused_kernels(self) -> bool:
         return True
 
-    def use_fused_qk_rope(self) -> bool:
-        """Switch to the Triton q/k-norm + RoPE kernel where it agrees with the eager ops on a
-        random batch (each RoPE table of the stage's layer types); returns whether in use."""
+    def use_fused_kernels(self) -> bool:
+        """Switch to the Triton q/k-norm + RoPE kernel and the GeGLU one, each where it agrees
+        with the eager ops on a random batch through this stage's weights (each RoPE table of
+        its layer types); returns whether all of them are in use."""
         cfg = self.cfg
         layer = cast(GemmaLayer, next(iter(self.layers.values())))
         device, dtype = layer.qkv_proj.weight.device, layer.qkv_proj.weight.dtype
         if not qk_rope.available(device, dtype):
             return False
-        w = layer.attn_weights()
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(97, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+        return self._use_fused_qk_rope(layer, x, gen) & self._use_fused_geglu(layer, x)
+
+    def _use_fused_geglu(self, layer: GemmaLayer, x: torch.Tensor) -> bool:
+        if self.cfg.activation not in _TANH_GELUS or not gated_gelu.available(x.device, x.dtype):
+            return True  # nothing to replace here
+        with torch.inference_mode():
+            w = layer.mlp_weights()
+            gate_up = F.linear(
+                gemma_rms_norm(x, w.pre_feedforward_norm, self.cfg.rms_norm_eps), w.gate_up
+            )
+            agree = gated_gelu.agrees(
+                gated_gelu.reference(gate_up), gated_gelu.gelu_tanh_and_mul(gate_up)
+            )
+        if agree:
+            self.ops = self.ops._replace(fused_geglu=True)
+        return agree
+
+    def _use_fused_qk_rope(self, layer: GemmaLayer, x: torch.Tensor, gen: torch.Generator) -> bool:
+        cfg, w = self.cfg, layer.attn_weights()
+        device = x.device
         agree = True
         for rotary in cast("Iterable[RotaryEmbedding]", self.rotary.values()):
             positions = torch.randint(0, rotary.max_positions, (97,), device=device, generator=gen)

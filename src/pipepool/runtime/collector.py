@@ -12,9 +12,9 @@ made (a freeze of that process made the next full collection take microseconds).
 processes that are ours once they are ready to serve: the server's front end, a replica, a
 pipeline stage. Never by the library: a user's process keeps its collector as it had it.
 
-``QuietCollections`` then moves the full collections of the server's front end to moments
-without a request in flight (a flood keeps many objects in flight, and CPython's own schedule
-walks them all every few seconds).
+``QuietCollections`` then moves the full collections of the server's front end to quiet
+moments: no online request for ``SETTLED_S`` (a flood keeps many objects in flight, and
+CPython's own schedule walks them all every few seconds).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ _NEVER = 1 << 30
 # The longest a paced process goes without a full collection while it is never quiet: the most
 # its cyclic garbage that outlived two young collections waits to be freed.
 FULL_COLLECTION_EVERY_S = 60.0
+# How long a serving process must have had no online request in flight before it counts as
+# quiet: a gap between requests of steady traffic is no quiet moment, since a collection there
+# holds up the next request for its whole length.
+SETTLED_S = 1.0
 
 
 class QuietCollections:
@@ -48,8 +52,9 @@ class QuietCollections:
     end of an H200 server, start-up objects frozen: 5 in a run with a 15 s flood, 54 ms on
     average, up to 99 ms; BENCHMARKS.md, issue 35). From ``start()``, automatic
     collections are young ones only (generations 0 and 1, where most cyclic garbage dies), and a
-    thread of this class runs the full one: when ``quiet()`` says no request is in flight, or
-    after ``every_s`` without one. ``stop()`` gives the thresholds back."""
+    thread of this class runs the full one: when ``quiet()`` says the process is quiet (the
+    server: no online request for ``SETTLED_S``), or after ``every_s`` without a quiet moment.
+    ``stop()`` gives the thresholds back."""
 
     def __init__(
         self,
@@ -61,7 +66,7 @@ class QuietCollections:
         self.quiet = quiet
         self.every_s = every_s
         self.poll_s = poll_s
-        self.full_collections = 0  # run by this object
+        self.full_collections = 0  # started by this object
         self._stopped = threading.Event()
         self._thresholds: tuple[int, int, int] | None = None
         self._thread = threading.Thread(
@@ -88,6 +93,6 @@ class QuietCollections:
                 continue  # no young collection since the last full one: nothing new to walk
             now = time.monotonic()
             if self.quiet() or now - last >= self.every_s:
+                self.full_collections += 1  # counted first: what it frees may be awaited
                 gc.collect()
-                self.full_collections += 1
                 last = now

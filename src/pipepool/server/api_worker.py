@@ -10,6 +10,7 @@ then hangs up on the replicas (the main process stops them).
 
 from __future__ import annotations
 
+import functools
 import logging.config
 import os
 import pickle
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..api.engine import Engine
     from ..replicas.shared import SharedReplicas
-    from ..runtime.collector import QuietCollections, freeze_startup_objects
+    from ..runtime.collector import SETTLED_S, QuietCollections, freeze_startup_objects
     from .front import AsyncEngine
     from .logs import log_config
     from .models import ServedModels
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         # As the main front end does (``commands/serve.py``): start-up objects frozen, full
         # collections when no request is in flight.
         freeze_startup_objects()
-        QuietCollections(quiet=GATE.quiet).start()
+        QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S)).start()
 
     server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
 

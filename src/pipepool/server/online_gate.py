@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Coroutine, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -32,10 +33,14 @@ class OnlineGate:
     background thread (its interpreter lock released) until there are none, ``max_wait_s`` at
     most. Thread-safe."""
 
-    def __init__(self, max_wait_s: float = 0.1) -> None:
+    def __init__(
+        self, max_wait_s: float = 0.1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_wait_s = max_wait_s
+        self._clock = clock
         self._quiet = threading.Condition()
         self._online = 0
+        self._last_ended = clock()  # when the count last fell to 0
 
     @property
     def online(self) -> int:
@@ -44,6 +49,10 @@ class OnlineGate:
     def quiet(self) -> bool:
         """Whether no online request is in flight now."""
         return not self._online
+
+    def quiet_for(self, seconds: float) -> bool:
+        """Whether no online request has been in flight for ``seconds``."""
+        return not self._online and self._clock() - self._last_ended >= seconds
 
     @contextlib.contextmanager
     def online_request(self) -> Iterator[None]:
@@ -56,6 +65,7 @@ class OnlineGate:
             with self._quiet:
                 self._online -= 1
                 if not self._online:
+                    self._last_ended = self._clock()
                     self._quiet.notify_all()
 
     def wait_for_quiet(self) -> None:

@@ -70,7 +70,7 @@ class StageSpec:
     classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
     retrieval: RetrievalHead | None = None  # sparse / multi-vector heads, run by the last stage
     attn_kernel: str = "portable"  # chosen once, in the deployment
-    fused_qk_rope: bool = False  # the deployment's choice; the stage verifies it on its device
+    fused_kernels: bool = False  # the deployment's choice; the stage verifies them on its device
     causal: bool = False  # the checkpoint's attention, decided once (models/checkpoint_math.py)
     # Linear layers as dynamic int8 GEMMs (EngineConfig.dtype "int8"; CPU encoders), quantized
     # once at load; ``dtype`` (float32) is then everything else's.
@@ -429,13 +429,13 @@ def load_stage_model(
     model.eval()
     if spec.int8_linears:
         model.quantize_int8()
-    # Kernels are the deployment's choice (made once for every stage). The fused q/k-norm +
-    # RoPE kernel still checks itself against torch's ops on this stage's weights: a kernel
-    # that disagrees here is not used (numerically the same op, only slower).
+    # Kernels are the deployment's choice (made once for every stage). The fused kernels still
+    # check themselves against torch's ops on this stage's weights: a kernel that disagrees
+    # here is not used (numerically the same op, only slower).
     model.attn_kernel = spec.attn_kernel
-    if spec.fused_qk_rope and model.has_fused_qk_rope() and not model.use_fused_qk_rope():
+    if spec.fused_kernels and model.has_fused_kernels() and not model.use_fused_kernels():
         warnings.warn(
-            f"stage {spec.index}: fused q/k-norm + RoPE kernel disagrees with torch ops on "
+            f"stage {spec.index}: the fused kernels disagree with torch ops on "
             f"{spec.device}; this stage uses torch ops",
             stacklevel=2,
         )

@@ -307,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
             spec.config.model or "the bundled model",
             spec.name,
         )
-    # Once every model serves, this process's full collections wait for a moment without an
-    # online request in flight (``QuietCollections``).
+    # Once every model serves, this process's full collections wait for a second without an
+    # online request in flight (``QuietCollections``, ``SETTLED_S``).
     collections = QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S))
     announce = _Announcer(
         _ready_line(specs, url), [spec.name for spec in specs], on_ready=collections.start

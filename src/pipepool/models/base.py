@@ -145,7 +145,7 @@ class StageModel(nn.Module):
 
     def use_fused_kernels(self) -> bool:
         """Use this family's fused kernels where each agrees with the eager ops on this stage's
-        weights; returns whether any is in use."""
+        weights; returns whether all of them are in use (else the stage warns)."""
         return False
 
 

@@ -4,7 +4,7 @@ A full collection walks every object the collector tracks. A serving process hol
 of them from torch, transformers and the server's modules before it takes a request: one full
 collection there took 0.82 s on the loaded 2-core machine, and a flood of large requests makes
 the collector run full collections now and then, each holding the GIL, so every request of the
-process waits (issue 35: the other models' p99 at 10-24x idle while one model was flooded).
+process waits.
 
 ``freeze_startup_objects`` moves every object alive at that moment to the permanent generation
 (``gc.freeze``), which collections skip: afterwards a full collection walks only what serving
@@ -48,9 +48,9 @@ class QuietCollections:
 
     CPython runs a full collection once enough objects have outlived two young collections:
     under a flood of large requests, every few seconds, each walking every object in flight and
-    holding the GIL throughout, which pauses every request of the process at once (the front
-    end of an H200 server, start-up objects frozen: 5 in a run with a 15 s flood, 54 ms on
-    average, up to 99 ms; BENCHMARKS.md, issue 35). From ``start()``, automatic
+    holding the GIL throughout, which pauses every request of the process at once. With this
+    class the front end of an H200 server ran no full collection during a 15 s flood
+    (BENCHMARKS.md, issue 35). From ``start()``, automatic
     collections are young ones only (generations 0 and 1, where most cyclic garbage dies), and a
     thread of this class runs the full one: when ``quiet()`` says the process is quiet (the
     server: no online request for ``SETTLED_S``), or after ``every_s`` without a quiet moment.

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         os.write(ready_fd, b"r")
         os.close(ready_fd)
         # As the main front end does (``commands/serve.py``): start-up objects frozen, full
-        # collections when no request is in flight.
+        # collections after a second without a request in flight.
         freeze_startup_objects()
         QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S)).start()
 

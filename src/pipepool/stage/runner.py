@@ -435,8 +435,8 @@ def load_stage_model(
     model.attn_kernel = spec.attn_kernel
     if spec.fused_kernels and model.has_fused_kernels() and not model.use_fused_kernels():
         warnings.warn(
-            f"stage {spec.index}: the fused kernels disagree with torch ops on "
-            f"{spec.device}; this stage uses torch ops",
+            f"stage {spec.index}: a fused kernel disagrees with torch ops on {spec.device}; "
+            "this stage computes that part with torch ops",
             stacklevel=2,
         )
     if compile_now:

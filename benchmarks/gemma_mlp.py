@@ -26,6 +26,7 @@ import torch
 from pipepool.layers import gated_gelu
 from pipepool.models.base import compile_layer_fn
 from pipepool.models.gemma import (
+    GemmaConfig,
     MlpWeights,
     attention_residual_and_gate_up,
     mlp_residual,
@@ -50,14 +51,6 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-class Cfg:
-    """The fields of ``GemmaConfig`` that the MLP functions read."""
-
-    def __init__(self, hf: dict) -> None:
-        self.rms_norm_eps = hf.get("rms_norm_eps", 1e-6)
-        self.activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(HERE / "configs" / "gemma-2-2b.json"))
@@ -65,9 +58,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     hf = json.loads(Path(args.config).read_text())
-    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-    q_dim = hf["num_attention_heads"] * hf.get("head_dim", hidden // hf["num_attention_heads"])
-    cfg, dev, dt = Cfg(hf), torch.device("cuda"), torch.bfloat16
+    cfg = GemmaConfig.from_hf(hf, "gemma2")
+    hidden, inter, q_dim = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from pipepool.api.priority import background_work
 from pipepool.server.online_gate import (
+    SETTLED_S,
     BackgroundPool,
     OnlineGate,
     OnlineRequests,
@@ -82,7 +83,7 @@ def test_quiet_for_counts_from_the_end_of_the_last_online_request():
     now[0] += 0.5
     assert not gate.quiet_for(1.0)
     now[0] += 0.5
-    assert gate.quiet_for(1.0)
+    assert gate.quiet_for(1.0) and gate.settled() == gate.quiet_for(SETTLED_S)
 
 
 def test_a_background_loop_takes_no_step_while_an_online_request_is_in_flight():

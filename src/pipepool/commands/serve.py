@@ -20,7 +20,6 @@ unfinished.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import logging.config
 import shutil
@@ -30,7 +29,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
-from ..runtime.collector import SETTLED_S, QuietCollections, freeze_startup_objects
+from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
 
@@ -308,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
             spec.name,
         )
     # Once every model serves, this process's full collections wait for a second without an
-    # online request in flight (``QuietCollections``, ``SETTLED_S``).
-    collections = QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S))
+    # online request in flight (``QuietCollections``, ``OnlineGate.settled``).
+    collections = QuietCollections(quiet=GATE.settled)
     announce = _Announcer(
         _ready_line(specs, url), [spec.name for spec in specs], on_ready=collections.start
     )

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from ..errors import ModelLoadError
 
+# The names checkpoints give GELU's tanh approximation (Gemma's GeGLU kernel computes these).
+TANH_GELUS = frozenset({"gelu_new", "gelu_pytorch_tanh"})
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x,
     "tanh": torch.tanh,
@@ -16,8 +19,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "silu": F.silu,
     "gelu": F.gelu,  # exact erf form, as HF's "gelu"
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    **dict.fromkeys(sorted(TANH_GELUS), lambda x: F.gelu(x, approximate="tanh")),
 }
 
 

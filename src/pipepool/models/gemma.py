@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..layers import gated_gelu, qk_rope
-from ..layers.activation import get_activation
+from ..layers.activation import TANH_GELUS, get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
@@ -261,10 +261,6 @@ def post_attention(
     return mlp_residual(cfg, x, get_activation(cfg.activation)(gate) * up, w)
 
 
-# The activations whose GeGLU the Triton kernel computes (``layers/gated_gelu.py``).
-_TANH_GELUS = frozenset({"gelu_pytorch_tanh", "gelu_new"})
-
-
 class GemmaOps(NamedTuple):
     """The pieces around attention: plain functions, or torch.compile'd graphs shared by every
     layer (weights are arguments, so layers do not recompile)."""
@@ -485,7 +481,7 @@ class GemmaStage(StageModel):
         return self._use_fused_qk_rope(layer, x, gen) & self._use_fused_geglu(layer, x)
 
     def _use_fused_geglu(self, layer: GemmaLayer, x: torch.Tensor) -> bool:
-        if self.cfg.activation not in _TANH_GELUS or not gated_gelu.available(x.device, x.dtype):
+        if self.cfg.activation not in TANH_GELUS or not gated_gelu.available(x.device, x.dtype):
             return True  # nothing to replace here
         with torch.inference_mode():
             w = layer.mlp_weights()

@@ -13,8 +13,9 @@ processes that are ours once they are ready to serve: the server's front end, a 
 pipeline stage. Never by the library: a user's process keeps its collector as it had it.
 
 ``QuietCollections`` then moves the full collections of the server's front end to quiet
-moments: no online request for ``SETTLED_S`` (a flood keeps many objects in flight, and
-CPython's own schedule walks them all every few seconds).
+moments (``server.online_gate.OnlineGate.settled``: a second without an online request), since
+a flood keeps many objects in flight and CPython's own schedule walks them all every few
+seconds.
 """
 
 from __future__ import annotations
@@ -36,10 +37,6 @@ _NEVER = 1 << 30
 # The longest a paced process goes without a full collection while it is never quiet: the most
 # its cyclic garbage that outlived two young collections waits to be freed.
 FULL_COLLECTION_EVERY_S = 60.0
-# How long a serving process must have had no online request in flight before it counts as
-# quiet: a gap between requests of steady traffic is no quiet moment, since a collection there
-# holds up the next request for its whole length.
-SETTLED_S = 1.0
 
 
 class QuietCollections:
@@ -53,7 +50,7 @@ class QuietCollections:
     (BENCHMARKS.md, issue 35). From ``start()``, automatic
     collections are young ones only (generations 0 and 1, where most cyclic garbage dies), and a
     thread of this class runs the full one: when ``quiet()`` says the process is quiet (the
-    server: no online request for ``SETTLED_S``), or after ``every_s`` without a quiet moment.
+    server: ``OnlineGate.settled``), or after ``every_s`` without a quiet moment.
     ``stop()`` gives the thresholds back."""
 
     def __init__(

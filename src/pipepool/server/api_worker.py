@@ -10,7 +10,6 @@ then hangs up on the replicas (the main process stops them).
 
 from __future__ import annotations
 
-import functools
 import logging.config
 import os
 import pickle
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..api.engine import Engine
     from ..replicas.shared import SharedReplicas
-    from ..runtime.collector import SETTLED_S, QuietCollections, freeze_startup_objects
+    from ..runtime.collector import QuietCollections, freeze_startup_objects
     from .front import AsyncEngine
     from .logs import log_config
     from .models import ServedModels
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         # As the main front end does (``commands/serve.py``): start-up objects frozen, full
         # collections after a second without a request in flight.
         freeze_startup_objects()
-        QuietCollections(quiet=functools.partial(GATE.quiet_for, SETTLED_S)).start()
+        QuietCollections(quiet=GATE.settled).start()
 
     server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
 

@@ -27,6 +27,12 @@ __all__ = ["GATE", "BackgroundPool", "OnlineGate", "OnlineRequests", "gated_task
 
 T = TypeVar("T")
 
+# How long a serving process must have had no online request in flight before it counts as
+# settled: a gap between requests of steady traffic is no quiet moment for work that pauses the
+# process (a full collection, ``runtime.collector.QuietCollections``), since that work would
+# hold up the next request for its whole length.
+SETTLED_S = 1.0
+
 
 class OnlineGate:
     """Counts the online requests in flight in this process; ``wait_for_quiet`` holds a
@@ -53,6 +59,10 @@ class OnlineGate:
     def quiet_for(self, seconds: float) -> bool:
         """Whether no online request has been in flight for ``seconds``."""
         return not self._online and self._clock() - self._last_ended >= seconds
+
+    def settled(self) -> bool:
+        """Whether no online request has been in flight for ``SETTLED_S``."""
+        return self.quiet_for(SETTLED_S)
 
     @contextlib.contextmanager
     def online_request(self) -> Iterator[None]:

@@ -16,10 +16,10 @@ Real ``pipepool serve`` processes on loopback, phases printed as they end:
    counted, and every answer to an input also sent in phase 1 checked against that answer
    (cos >= 0.99999, scores within 1e-5);
 4. flood: 96 clients send 256-input requests to the last model, again as soon as answered or,
-   when refused, after the 429's Retry-After (as the official clients do), then again after
-   20 ms; meanwhile another process sends the other models one-input requests one at a time:
-   the flooded model's 429s, the others' statuses and p99 latency against their idle p99
-   (target: 429s for the flooded model only, the others' p99 within 2x).
+   when refused, after the 429's Retry-After-Ms or Retry-After (as the official clients do),
+   then again after 20 ms; meanwhile another process sends the other models one-input requests
+   one at a time: the flooded model's 429s, the others' statuses and p99 latency against their
+   idle p99 (target: 429s for the flooded model only, the others' p99 within 2x).
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ async def flood(
 ) -> None:
     """Phase 4: the heavy clients here; the light ones in a process of their own, so that
     their latencies are the server's, not this process's event loop's. ``backoff``: seconds
-    a refused heavy client waits (None: the answer's Retry-After, as the official clients)."""
+    a refused heavy client waits (None: the answer's Retry-After-Ms or Retry-After, as the
+    official clients read them)."""
     import multiprocessing
 
     target, others = models[-1], models[:-1]
@@ -226,7 +227,7 @@ async def flood(
                 r = await client.post(path, json=body)
                 flooded[r.status_code] += 1
                 if r.status_code == 429:
-                    wait = float(r.headers.get("retry-after", 1)) if backoff is None else backoff
+                    wait = retry_after(r.headers) if backoff is None else backoff
                     await asyncio.sleep(wait)
 
     results = multiprocessing.get_context("spawn").Queue()
@@ -255,6 +256,14 @@ async def flood(
             flush=True,
         )
         print(f"     {where_the_time_went(lat, other_parts[m.name])}", flush=True)
+
+
+def retry_after(headers: httpx.Headers) -> float:
+    """Seconds a refused client waits: ``retry-after-ms``, else ``retry-after``, as the
+    official OpenAI client reads them."""
+    if "retry-after-ms" in headers:
+        return float(headers["retry-after-ms"]) / 1000
+    return float(headers.get("retry-after", 1))
 
 
 async def front_end_collections(url: str) -> dict[str, float]:

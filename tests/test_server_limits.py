@@ -18,6 +18,7 @@ from test_server import ServerProcess, _alive, assert_close, assert_kv_blocks_al
 from tiny_models import SENTENCES, long_prompts
 
 import pipepool
+from pipepool.server.errors import RETRY_AFTER_MS
 
 KEY = "s3cret-key"
 MODEL = "tiny"
@@ -158,6 +159,9 @@ def test_queue_full_is_429(server):
     r = post(server, json={"input": SENTENCES[:3]})
     err = assert_error(r, 429, "rate_limit_error", "queue_full")
     assert r.headers["retry-after"] == "1"
+    # Spread around the second, so that clients refused together do not retry together.
+    low, high = RETRY_AFTER_MS
+    assert low <= int(r.headers["retry-after-ms"]) <= high
     assert str(MAX_QUEUED) in err["message"]
     assert post(server, json={"input": SENTENCES[:2]}).status_code == 200  # 4 + 2 fit
     t.join()

@@ -335,6 +335,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
                 log.warning("could not write the trace: %r", exc)
         self._trace_written = True
         self.pipeline.close()
+        self.inputs.tokenizer.close()
 
     def __enter__(self) -> Engine:
         return self

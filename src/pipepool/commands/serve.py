@@ -380,17 +380,31 @@ def run(args: argparse.Namespace) -> int:
 
 def _served_models(specs: list[ModelSpec], socket_dir: str | None):
     """Each model's engine owner and front end (its own queue). Several models run each in
-    processes of its own (replicas, at --dp 1 too): one dying restarts without the others."""
+    processes of its own (replicas, at --dp 1 too): one dying restarts without the others; each
+    has a tokenizer helper process for its large batches."""
     from ..api.engine import Engine
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.front import AsyncEngine
     from ..server.models import ModelNames, ServedModel, ServedModels
     from ..server.owner import EngineOwner
 
+    def apart(config) -> Engine:
+        # Beside other models, its large batches are tokenised in a process of its own too:
+        # they would hold up the others' requests in this one (``intake.tokenizer_process``).
+        engine = Engine.from_config(config, ReplicaPipeline(config, socket_dir))
+        try:
+            engine.inputs.tokenizer.start_helper()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
     out = []
     for spec in specs:
         config = spec.config
-        if socket_dir is not None or len(specs) > 1:
+        if len(specs) > 1:
+            build = lambda c=config: apart(c)  # noqa: E731
+        elif socket_dir is not None:
             build = lambda c=config: Engine.from_config(c, ReplicaPipeline(c, socket_dir))  # noqa: E731
         else:
             build = lambda c=config: Engine.from_config(c)  # noqa: E731
@@ -443,8 +457,9 @@ def _check_several(specs: list[ModelSpec], args, *, under_torchrun: bool) -> Non
         )  # fmt: skip
     if args.api_server_count > 1:
         raise InvalidInputError(
-            "--api-server-count above 1 serves one model; with several, each model's "
-            "processes already tokenise apart from the others", param="api_server_count",
+            "--api-server-count above 1 serves one model: its other front ends connect to that "
+            "model's replicas. Several models are served by one front-end process",
+            param="api_server_count",
         )  # fmt: skip
     for spec in specs:
         if spec.config.trace:

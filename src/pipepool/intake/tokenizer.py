@@ -4,12 +4,16 @@ included: BERT's [CLS]/[SEP], the EOS that decoder embedding models append)."""
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
+from .tokenizer_process import OFFLOAD_CHARS, HelperLost, TokenizerProcess
+
+log = logging.getLogger("pipepool.intake")
 
 # Up to this many texts (or pairs) are tokenised one by one on the calling thread. The Rust
 # tokenizer's batch call runs on one thread pool for the whole process, whose workers take an
@@ -23,6 +27,8 @@ class Tokenizer:
     """Batch tokenization; never truncates or pads (the scheduler decides what a prompt may be)."""
 
     def __init__(self, tokenizer_file: Path) -> None:
+        self._file = tokenizer_file
+        self._helper: TokenizerProcess | None = None
         try:
             self._tok = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:
@@ -32,6 +38,19 @@ class Tokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def start_helper(self) -> None:
+        """From now on, batches of ``OFFLOAD_CHARS`` characters or more are tokenised in a
+        helper process (``tokenizer_process``): a server of several models keeps one model's
+        large batches from holding up the others' requests in its one process."""
+        if self._helper is None:
+            self._helper = TokenizerProcess(self._file)
+
+    def close(self) -> None:
+        """Stop the helper process, if one was started."""
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.close()
 
     @property
     def backend(self):
@@ -63,6 +82,10 @@ class Tokenizer:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``encode_batch`` back to back: (token ids [total] int64, lengths [n] int64), with no
         array per text (the Rust tokenizer works on all texts at once, without the GIL)."""
+        if self._offloads(texts):
+            done = self._in_helper("encode_flat", texts, max_tokens=max_tokens, keep=keep)
+            if done is not None:
+                return done
         encodings = self._encode(texts)
         lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(texts))
         if max_tokens is not None and len(lengths) and lengths.max() > max_tokens:
@@ -90,6 +113,10 @@ class Tokenizer:
         back. A pair over ``max_tokens`` is truncated as Hugging Face tokenizers truncate pairs
         by default (longest_first, what sentence-transformers' CrossEncoder uses): the longer
         text loses tokens from its end until both fit, the special tokens stay."""
+        if self._offloads(firsts, seconds):
+            done = self._in_helper("encode_pairs", firsts, seconds, max_tokens=max_tokens)
+            if done is not None:
+                return done
         pairs = list(zip(firsts, seconds, strict=True))
         encodings = self._encode(pairs)
         if max_tokens is not None:
@@ -102,6 +129,31 @@ class Tokenizer:
         ids = np.fromiter(chain(e.ids for e in encodings), dtype=np.int64, count=total)
         types = np.fromiter(chain(e.type_ids for e in encodings), dtype=np.int64, count=total)
         return ids, types, lengths
+
+    def _offloads(self, *texts: list[str]) -> bool:
+        """Whether these texts go to the helper process: one is running, and they are many
+        characters (ids of token lists are never sent)."""
+        if self._helper is None:
+            return False
+        size = 0
+        for part in texts:
+            for text in part:
+                if not isinstance(text, str):
+                    return False
+                size += len(text)
+        return size >= OFFLOAD_CHARS
+
+    def _in_helper(self, method: str, *args, **kwargs):
+        """The helper's answer; None when it could not give one (it exited: the caller
+        tokenises the batch itself, and the next batch starts a new helper)."""
+        helper = self._helper
+        if helper is None:
+            return None
+        try:
+            return helper.run(method, *args, **kwargs)
+        except HelperLost as exc:
+            log.warning("%s; tokenising this batch in the server's process", exc)
+            return None
 
     def _truncated_pair(self, first: str, second: str, max_tokens: int):
         a = self._tok.encode(first, add_special_tokens=False)

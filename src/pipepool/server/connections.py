@@ -31,7 +31,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import RATE_LIMIT, APIError
+from .errors import RATE_LIMIT, APIError, retry_later_headers
 from .metrics import ConnectionCounts
 
 # What one request's target and headers may take: 4x nginx's default header buffer (8 KiB),
@@ -204,7 +204,7 @@ def _too_many_connections(limit: int) -> bytes:
             "(--max-connections-per-client); reuse them (keep-alive) or close some",
             type=RATE_LIMIT,
             code="too_many_connections",
-            headers={"Retry-After": "1"},
+            headers=retry_later_headers(),
         )
     )
 

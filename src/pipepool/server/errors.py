@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,18 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER = "server_error"
+
+# How long a refused client is told to wait, in milliseconds: about a second, spread evenly over
+# this range so that clients refused together do not come back together. A herd of retries is a
+# burst of bodies to read and parse on the front end's one event loop, which every model's
+# requests wait behind.
+RETRY_AFTER_MS = (500, 1500)
+
+
+def retry_later_headers() -> dict[str, str]:
+    """The headers of a 429: ``Retry-After`` in whole seconds (RFC 9110), and the spread
+    ``Retry-After-Ms`` that the official OpenAI clients read before it."""
+    return {"Retry-After": "1", "Retry-After-Ms": str(random.randint(*RETRY_AFTER_MS))}
 
 
 class APIError(Exception):

@@ -6,8 +6,6 @@ limits, errors, metrics and API key as ``/v1/embeddings`` (Cohere's rerank is in
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
@@ -16,7 +14,7 @@ from ...api.st_compat import task_prompt_name
 from ...errors import EngineDeadError, InvalidInputError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
-from .shared import ERRORS, run_model_outputs, select_model
+from .shared import ERRORS, json_answer, run_model_outputs, select_model
 
 router = APIRouter(tags=["Cohere"])
 
@@ -44,19 +42,15 @@ async def embed(body: cp.CohereEmbedRequest, request: Request) -> Response:
         _refuse_over(done.num_tokens, body.max_tokens)
     vectors = np.stack(done.outputs)  # [n, dim]
     try:
-        # Serializing thousands of numbers takes a while: keep it off the event loop.
-        text = await model.front.offload(
-            lambda: json.dumps(
-                cp.embed_response(
-                    body.texts, vectors, body.embedding_types, done.num_tokens, body.ranges
-                ),
-                separators=(",", ":"),
+        return await json_answer(
+            request,
+            lambda: cp.embed_response(
+                body.texts, vectors, body.embedding_types, done.num_tokens, body.ranges
             ),
-            size=vectors.size * len(body.embedding_types),
+            vectors.size * len(body.embedding_types),
         )
     except InvalidInputError as exc:  # ranges that do not fit the vectors
         raise from_engine(exc) from None
-    return Response(text, media_type="application/json")
 
 
 def _prompt_name(engine: Engine, input_type: str) -> str | None:

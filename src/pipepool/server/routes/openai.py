@@ -3,7 +3,6 @@ are in ``tokens.py``)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import numpy as np
@@ -12,7 +11,15 @@ from fastapi import APIRouter, Request, Response
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from . import retrieval, scoring
-from .shared import ERRORS, READ_ERRORS, model_of, run_model_outputs, select_model, state_of
+from .shared import (
+    ERRORS,
+    READ_ERRORS,
+    json_answer,
+    model_of,
+    run_model_outputs,
+    select_model,
+    state_of,
+)
 
 # (model name, outputs, tokens per input, encoding format, embed dtype) -> response body
 Respond = Callable[[str, list[np.ndarray], list[int], str, protocol.EmbedDtype], dict]
@@ -70,15 +77,11 @@ async def _run_model(
     if isinstance(done, Response):
         return done
     name, fmt = model.names.response_name(body.model), body.encoding_format
-    # Serializing thousands of floats takes a while: keep it off the event loop.
-    text = await model.front.offload(
-        lambda: json.dumps(
-            respond(name, done.outputs, done.num_tokens, fmt, body.embed_dtype),
-            separators=(",", ":"),
-        ),
-        size=sum(out.size for out in done.outputs),
+    return await json_answer(
+        request,
+        lambda: respond(name, done.outputs, done.num_tokens, fmt, body.embed_dtype),
+        sum(out.size for out in done.outputs),
     )
-    return Response(text, media_type="application/json")
 
 
 @router.get("/v1/models", response_model=protocol.ModelList, responses=READ_ERRORS)

@@ -10,7 +10,6 @@ work done for nothing."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from fastapi import APIRouter, Request, Response
@@ -22,7 +21,15 @@ from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import too_many_tokens
-from .shared import ERRORS, check_task, model_of, run_model_call, select_model, state_of
+from .shared import (
+    ERRORS,
+    check_task,
+    json_answer,
+    model_of,
+    run_model_call,
+    select_model,
+    state_of,
+)
 
 router = APIRouter()
 
@@ -52,7 +59,7 @@ async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -
     sparse = done.sparse
     assert sparse is not None, "asked for sparse outputs"
     size = sum(len(s.indices) for s in sparse)
-    return await _json(request, lambda: protocol.tei_sparse_response(sparse), size)
+    return await json_answer(request, lambda: protocol.tei_sparse_response(sparse), size)
 
 
 async def embeddings(
@@ -85,7 +92,7 @@ async def embeddings(
     size = sum(len(s.indices) for s in done.sparse or ())
     size += sum(m.size for m in done.multi_vector or ())
     size += done.dense.size if done.dense is not None else 0
-    return await _json(
+    return await json_answer(
         request,
         lambda: protocol.outputs_response(name, done, body.encoding_format, body.embed_dtype),
         size,
@@ -135,11 +142,3 @@ async def encode(
         return out
 
     return await run_model_call(request, inputs, call)
-
-
-async def _json(request: Request, build, size: int) -> Response:
-    # Serializing thousands of numbers takes a while: keep it off the event loop.
-    text = await model_of(request).front.offload(
-        lambda: json.dumps(build(), separators=(",", ":")), size=size
-    )
-    return Response(text, media_type="application/json")

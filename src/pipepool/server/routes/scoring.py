@@ -7,7 +7,6 @@ A ColBERT model reranks and scores by MaxSim, BGE-M3 by its weighted mix (``weig
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -26,6 +25,7 @@ from .shared import (
     ERRORS,
     ClientGone,
     check_task,
+    json_answer,
     model_of,
     select_model,
     state_of,
@@ -71,12 +71,21 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
     order = ranking(scores, body.top_n)
+    quoted = body.return_text if body.tei else body.return_documents is not False
+    size = n + (sum(map(len, documents)) if quoted else 0)
     if body.tei:
-        return _json(sp.tei_rerank_response(documents, scores, order, return_text=body.return_text))
-    keep = body.return_documents if body.return_documents is not None else True
+        return await json_answer(
+            request,
+            lambda: sp.tei_rerank_response(documents, scores, order, return_text=quoted),
+            size,
+        )
     name = model_of(request).names.response_name(body.model)
-    return _json(
-        sp.rerank_response(name, documents, scores, order, done.num_tokens, return_documents=keep)
+    return await json_answer(
+        request,
+        lambda: sp.rerank_response(
+            name, documents, scores, order, done.num_tokens, return_documents=quoted
+        ),
+        size,
     )
 
 
@@ -110,7 +119,9 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
     name = model_of(request).names.response_name(body.model)
-    return _json(sp.score_response(name, scores, done.num_tokens))
+    return await json_answer(
+        request, lambda: sp.score_response(name, scores, done.num_tokens), len(scores)
+    )
 
 
 @router.post("/classify", response_model=sp.ClassifyResponse, responses=ERRORS)
@@ -141,7 +152,9 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     labels = head.labels
     name = model.names.response_name(body.model)
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
-    return _json(sp.classify_response(name, probs, labels, done.num_tokens))
+    return await json_answer(
+        request, lambda: sp.classify_response(name, probs, labels, done.num_tokens), probs.size
+    )
 
 
 async def token_classify(body, request: Request) -> Response:
@@ -170,8 +183,12 @@ async def token_classify(body, request: Request) -> Response:
         return done
     name = model_of(request).names.response_name(body.model)
     outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
-    return _json(
-        pooling_response(name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype)
+    return await json_answer(
+        request,
+        lambda: pooling_response(
+            name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype
+        ),
+        sum(out.size for out in outputs),
     )
 
 
@@ -199,7 +216,3 @@ async def _run(
         return await unless_client_leaves(request, served.front.run(n, bounded, texts))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-
-
-def _json(body) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")

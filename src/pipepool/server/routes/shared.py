@@ -5,6 +5,7 @@ when the client leaves meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from ...api.engine import Engine
 from ...api.router import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
-from ..errors import RATE_LIMIT, SERVER, APIError, from_engine
+from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
 from ..front import Encoded, QueueFullError
 from ..limits import bounded_embedding, check_input_count
 from ..metrics import HttpMetrics
@@ -135,6 +136,17 @@ _TASKS = {
 _TASKS["rerank"] = ("reranking", _TASKS["score"][1])
 
 
+async def json_answer(request: Request, build: Callable[[], Any], size: int = 0) -> Response:
+    """The JSON answer ``build()`` returns, built and serialised on a tokenising lane
+    (``AsyncEngine.offload``; ``size``: its numbers and characters, which pick the lane):
+    thousands of numbers, or the documents a reranking quotes back, take milliseconds to
+    encode, which every other request, of every model, would wait for on the event loop."""
+    text = await model_of(request).front.offload(
+        lambda: json.dumps(build(), separators=(",", ":")), size=size
+    )
+    return Response(text, media_type="application/json")
+
+
 def check_task(model: ServedModel, task: str) -> None:
     """404 where ``model`` cannot do ``task`` (one of ``api.router.TASKS``), or is not offered
     for it, as OpenAI answers a model used on an endpoint it does not serve; 503 while the
@@ -222,7 +234,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     del task, watcher, giving_up
     if isinstance(error, QueueFullError):
         raise APIError(
-            429, str(error), type=RATE_LIMIT, code="queue_full", headers={"Retry-After": "1"}
+            429, str(error), type=RATE_LIMIT, code="queue_full", headers=retry_later_headers()
         )
     if isinstance(error, PipepoolError):
         raise from_engine(error)

@@ -6,13 +6,11 @@ body."""
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request, Response
 
 from ... import __version__
 from .. import protocol
-from .shared import ERRORS, READ_ERRORS, run_model_outputs, select_model
+from .shared import ERRORS, READ_ERRORS, json_answer, run_model_outputs, select_model
 
 router = APIRouter()
 
@@ -21,7 +19,7 @@ router = APIRouter()
 async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     """One vector per input, as a JSON array of arrays (TEI names no model: the server's only
     embedding model answers)."""
-    model = select_model(request, None, "embed")
+    select_model(request, None, "embed")
     done = await run_model_outputs(
         request,
         body.texts(),
@@ -34,10 +32,9 @@ async def embed(body: protocol.TEIEmbedRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    text = await model.front.offload(
-        lambda: json.dumps([v.tolist() for v in done.outputs], separators=(",", ":"))
+    return await json_answer(
+        request, lambda: [v.tolist() for v in done.outputs], sum(v.size for v in done.outputs)
     )
-    return Response(text, media_type="application/json")
 
 
 @router.get("/info", tags=["TEI"], responses=READ_ERRORS)

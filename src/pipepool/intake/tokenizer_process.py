@@ -1,0 +1,114 @@
+"""A model's tokenizer in a process of its own, for its large batches.
+
+A server of several models tokenises every model's requests in its one front-end process. A
+large batch keeps a thread there busy in Python with the interpreter's lock held: the token
+ids gathered from the Rust encodings into one array, the encodings freed. Every other model's
+requests need that lock at each step of their way (the event loop, their own tokenising, the
+replica sockets), so under a flood of large requests on one model the others' slowest requests
+waited for it (BENCHMARKS.md, issue 35). A helper process holding the same tokenizer file does
+that work instead; only the texts and the finished arrays cross the pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pipepool.intake")
+
+# Characters of a batch from which it goes to the helper process: about 4k tokens, whose ids
+# take a fraction of a millisecond to gather here, about what sending them there costs.
+OFFLOAD_CHARS = 1 << 14
+
+
+class TokenizerProcess:
+    """``Tokenizer`` methods (``encode_flat``, ``encode_pairs``) run in a helper process that
+    loads ``tokenizer_file`` itself. Calls from several threads take turns (one helper per
+    tokenizer: a flood of one model's large batches queues here, not in front of the other
+    models). A helper that died is started again by the next call; a call it could not answer
+    raises ``HelperLost``, and the caller tokenises that batch itself. The helper exits when
+    ``close`` is called or the process that started it dies (its pipe closes)."""
+
+    def __init__(self, tokenizer_file: Path) -> None:
+        self._file = str(tokenizer_file)
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._closed = False
+        with self._lock:
+            self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``Tokenizer.<method>(*args, **kwargs)`` in the helper; its exceptions re-raised."""
+        with self._lock:
+            if self._closed:
+                raise HelperLost("the tokenizer helper is closed")
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            assert self._conn is not None
+            try:
+                self._conn.send((method, args, kwargs))
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as exc:  # it died mid-call
+                self._stop()
+                raise HelperLost(f"the tokenizer helper exited: {exc!r}") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._stop()
+
+    def _start(self) -> None:
+        self._stop()
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        process = multiprocessing.get_context("spawn").Process(
+            target=_serve, args=(self._file, theirs), name="pipepool-tokenizer", daemon=True
+        )
+        process.start()
+        theirs.close()  # the helper holds the only other end: it sees EOF when we are gone
+        self._conn, self._process = ours, process
+
+    def _stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the helper's recv ends, and it exits
+        if self._process is not None:
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._conn = self._process = None
+
+
+class HelperLost(Exception):
+    """The helper process could not answer a call (it exited, or was closed)."""
+
+
+def _serve(tokenizer_file: str, conn: Connection) -> None:
+    """The helper's loop: one call at a time until the pipe closes."""
+    from .tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(Path(tokenizer_file))
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = (True, getattr(tokenizer, method)(*args, **kwargs))
+        except Exception as exc:  # the caller's to raise
+            reply = (False, exc)
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return

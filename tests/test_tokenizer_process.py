@@ -1,0 +1,81 @@
+"""The tokenizer helper process (``intake/tokenizer_process.py``): a large batch tokenised there
+gives the very arrays the server's own process gives, errors come back as they were raised, a
+helper that died is replaced, and a closed one leaves the tokenizer working on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from tiny_models import SENTENCES, minilm_path
+
+from pipepool.intake.tokenizer import Tokenizer
+from pipepool.intake.tokenizer_process import OFFLOAD_CHARS
+
+# Texts of ~80-240 characters, enough of them to pass OFFLOAD_CHARS.
+TEXTS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k % 3 + 1)) for k in range(300)]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    path = minilm_path() / "tokenizer.json"
+    local, offloading = Tokenizer(path), Tokenizer(path)
+    offloading.start_helper()
+    yield local, offloading
+    offloading.close()
+
+
+def _equal(a: tuple, b: tuple) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_large_batch_goes_to_the_helper_and_gives_the_same_arrays(tokenizers):
+    local, offloading = tokenizers
+    assert sum(map(len, TEXTS)) >= OFFLOAD_CHARS
+    calls = []
+    run = offloading._helper.run
+    offloading._helper.run = lambda *a, **k: calls.append(a[0]) or run(*a, **k)
+    try:
+        for options in ({}, {"max_tokens": 12}, {"max_tokens": 12, "keep": "last"}):
+            _equal(offloading.encode_flat(TEXTS, **options), local.encode_flat(TEXTS, **options))
+        queries, documents = TEXTS[::-1], TEXTS
+        for limit in (None, 20):
+            _equal(
+                offloading.encode_pairs(queries, documents, max_tokens=limit),
+                local.encode_pairs(queries, documents, max_tokens=limit),
+            )
+        small = TEXTS[:3]  # under OFFLOAD_CHARS: tokenised here
+        _equal(offloading.encode_flat(small), local.encode_flat(small))
+    finally:
+        del offloading._helper.run
+    assert calls == ["encode_flat"] * 3 + ["encode_pairs"] * 2
+
+
+def test_an_error_in_the_helper_is_raised_to_the_caller(tokenizers):
+    _, offloading = tokenizers
+    with pytest.raises(ValueError, match="zip"):  # strict zip: pairs of unequal lists
+        offloading.encode_pairs(TEXTS, TEXTS[:-1])
+
+
+def test_a_helper_that_died_is_replaced(tokenizers):
+    local, offloading = tokenizers
+    first = offloading._helper.pid
+    os.kill(first, signal.SIGKILL)
+    offloading._helper._process.join(timeout=10)
+    _equal(offloading.encode_flat(TEXTS), local.encode_flat(TEXTS))
+    assert offloading._helper.pid not in (None, first)
+
+
+def test_a_closed_helper_exits_and_the_tokenizer_works_alone():
+    path = minilm_path() / "tokenizer.json"
+    tokenizer = Tokenizer(path)
+    tokenizer.start_helper()
+    process = tokenizer._helper._process
+    tokenizer.close()
+    assert not process.is_alive()
+    _equal(tokenizer.encode_flat(TEXTS), Tokenizer(path).encode_flat(TEXTS))

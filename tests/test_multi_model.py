@@ -22,6 +22,7 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 import pipepool
 from pipepool.config import EngineConfig
 from pipepool.errors import InvalidInputError
+from pipepool.intake.tokenizer_process import OFFLOAD_CHARS
 from pipepool.loading.deployment import ModelMemory
 from pipepool.loading.memory_plan import MemoryPlanError, plan_memory, share_memory
 
@@ -119,6 +120,36 @@ def test_each_route_answers_as_its_model_alone(server, engines):
     want = engines["classifier"].classify(TEXTS).probs
     for row, probs in zip(out["data"], want, strict=True):
         assert np.allclose(row["probs"], probs, atol=1e-5)
+
+
+def test_large_batches_go_to_each_models_tokenizer_process_and_answer_as_alone(server, engines):
+    children = _children(server.proc.pid)
+    helpers = [c for c in children if b"pipepool.intake.tokenizer_process" in c]
+    assert len(helpers) == 3  # one per model
+    big = [long_prompts()[i] for i in (3, 7, 2)] * 8
+    assert sum(map(len, big)) >= OFFLOAD_CHARS  # tokenised in the helper (test_tokenizer_process)
+    out = _post(server, "/v1/embeddings", {"model": "embedder", "input": big}).json()
+    for row, want in zip(out["data"], engines["embedder"].embed(big), strict=True):
+        assert cosine(np.array(row["embedding"]), want) >= MIN_COSINE
+    out = _post(server, "/rerank", {"model": "reranker", "query": TEXTS[0], "documents": big})
+    want = engines["reranker"].score([TEXTS[0]] * len(big), big)
+    for r in out.json()["results"]:
+        assert abs(r["relevance_score"] - float(want[r["index"]])) <= 1e-5
+
+
+def _children(pid: int) -> list[bytes]:
+    """The command lines of a process's children."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if parent == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out.append(f.read())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def test_a_request_without_model_goes_to_the_only_model_that_can_answer(server, engines):

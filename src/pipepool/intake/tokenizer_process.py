@@ -11,14 +11,13 @@ that work instead; only the texts and the finished arrays cross the pipe.
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
+import socket
+import subprocess
+import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger("pipepool.intake")
 
 # Characters of a batch from which it goes to the helper process: about 4k tokens, whose ids
 # take a fraction of a millisecond to gather here, about what sending them there costs.
@@ -37,7 +36,7 @@ class TokenizerProcess:
         self._file = str(tokenizer_file)
         self._lock = threading.Lock()
         self._conn: Connection | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: subprocess.Popen | None = None
         self._closed = False
         with self._lock:
             self._start()
@@ -51,7 +50,7 @@ class TokenizerProcess:
         with self._lock:
             if self._closed:
                 raise HelperLost("the tokenizer helper is closed")
-            if self._process is None or not self._process.is_alive():
+            if self._process is None or self._process.poll() is not None:
                 self._start()
             assert self._conn is not None
             try:
@@ -70,23 +69,29 @@ class TokenizerProcess:
             self._stop()
 
     def _start(self) -> None:
+        # A fresh interpreter running this module (not multiprocessing's spawn, which would
+        # import the caller's main script again), joined by a socket pair.
         self._stop()
-        ours, theirs = multiprocessing.get_context("spawn").Pipe()
-        process = multiprocessing.get_context("spawn").Process(
-            target=_serve, args=(self._file, theirs), name="pipepool-tokenizer", daemon=True
-        )
-        process.start()
-        theirs.close()  # the helper holds the only other end: it sees EOF when we are gone
-        self._conn, self._process = ours, process
+        ours, theirs = socket.socketpair()
+        with theirs:
+            fd = theirs.fileno()
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", __name__, self._file, str(fd)],
+                pass_fds=(fd,),
+                stdin=subprocess.DEVNULL,
+            )
+        # The helper holds the only other end: it reads EOF once we are gone.
+        self._conn = Connection(ours.detach())
 
     def _stop(self) -> None:
         if self._conn is not None:
             self._conn.close()  # the helper's recv ends, and it exits
         if self._process is not None:
-            self._process.join(timeout=5)
-            if self._process.is_alive():
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 self._process.kill()
-                self._process.join()
+                self._process.wait()
         self._conn = self._process = None
 
 
@@ -112,3 +117,7 @@ def _serve(tokenizer_file: str, conn: Connection) -> None:
             conn.send(reply)
         except (EOFError, OSError):
             return
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], Connection(int(sys.argv[2])))

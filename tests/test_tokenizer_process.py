@@ -1,6 +1,7 @@
 """The tokenizer helper process (``intake/tokenizer_process.py``): a large batch tokenised there
 gives the very arrays the server's own process gives, errors come back as they were raised, a
-helper that died is replaced, and a closed one leaves the tokenizer working on its own."""
+helper that died or hung is replaced (the batch tokenised in the caller's process meanwhile),
+and a closed one leaves the tokenizer working on its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from tiny_models import SENTENCES, minilm_path
 
 from pipepool.intake.tokenizer import Tokenizer
-from pipepool.intake.tokenizer_process import OFFLOAD_CHARS
+from pipepool.intake.tokenizer_process import ANSWER_TIMEOUT_S, OFFLOAD_CHARS
 
 # Texts of ~80-240 characters, enough of them to pass OFFLOAD_CHARS.
 TEXTS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k % 3 + 1)) for k in range(300)]
@@ -79,3 +80,18 @@ def test_a_closed_helper_exits_and_the_tokenizer_works_alone():
     tokenizer.close()
     assert process.poll() is not None  # exited
     _equal(tokenizer.encode_flat(TEXTS), Tokenizer(path).encode_flat(TEXTS))
+
+
+def test_a_hung_helper_is_killed_and_the_batch_tokenised_here(tokenizers):
+    local, offloading = tokenizers
+    helper = offloading._helper
+    stopped = helper.pid
+    os.kill(stopped, signal.SIGSTOP)  # alive, never answering
+    helper.answer_timeout_s = 0.5
+    try:
+        _equal(offloading.encode_flat(TEXTS), local.encode_flat(TEXTS))
+    finally:
+        helper.answer_timeout_s = ANSWER_TIMEOUT_S
+    assert helper.pid is None  # killed; the next batch starts another
+    _equal(offloading.encode_flat(TEXTS), local.encode_flat(TEXTS))
+    assert helper.pid not in (None, stopped)

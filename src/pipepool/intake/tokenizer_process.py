@@ -22,6 +22,9 @@ from typing import Any
 # Characters of a batch from which it goes to the helper process: about 4k tokens, whose ids
 # take a fraction of a millisecond to gather here, about what sending them there costs.
 OFFLOAD_CHARS = 1 << 14
+# A helper that has not answered a call in this long is taken for hung, and killed: the largest
+# request a server takes (--max-tokens-per-request's 300k tokens) tokenises in about a second.
+ANSWER_TIMEOUT_S = 60.0
 
 
 class TokenizerProcess:
@@ -29,8 +32,9 @@ class TokenizerProcess:
     loads ``tokenizer_file`` itself. Calls from several threads take turns (one helper per
     tokenizer: a flood of one model's large batches queues here, not in front of the other
     models). A helper that died is started again by the next call; a call it could not answer
-    raises ``HelperLost``, and the caller tokenises that batch itself. The helper exits when
-    ``close`` is called or the process that started it dies (its pipe closes)."""
+    (it exited, or gave no answer within ``answer_timeout_s`` and was killed) raises
+    ``HelperLost``, and the caller tokenises that batch itself. The helper exits when ``close``
+    is called or the process that started it dies (its socket closes)."""
 
     def __init__(self, tokenizer_file: Path) -> None:
         self._file = str(tokenizer_file)
@@ -38,6 +42,7 @@ class TokenizerProcess:
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._closed = False
+        self.answer_timeout_s = ANSWER_TIMEOUT_S
         with self._lock:
             self._start()
 
@@ -55,10 +60,18 @@ class TokenizerProcess:
             assert self._conn is not None
             try:
                 self._conn.send((method, args, kwargs))
-                ok, value = self._conn.recv()
+                answered = self._conn.poll(self.answer_timeout_s)
+                if answered:
+                    ok, value = self._conn.recv()
             except (EOFError, OSError) as exc:  # it died mid-call
                 self._stop()
                 raise HelperLost(f"the tokenizer helper exited: {exc!r}") from None
+            if not answered:
+                self._stop(kill=True)
+                raise HelperLost(
+                    f"the tokenizer helper gave no answer in {self.answer_timeout_s:g} s and "
+                    "was stopped"
+                )
         if not ok:
             raise value
         return value
@@ -83,10 +96,12 @@ class TokenizerProcess:
         # The helper holds the only other end: it reads EOF once we are gone.
         self._conn = Connection(ours.detach())
 
-    def _stop(self) -> None:
+    def _stop(self, *, kill: bool = False) -> None:
         if self._conn is not None:
             self._conn.close()  # the helper's recv ends, and it exits
         if self._process is not None:
+            if kill:
+                self._process.kill()
             try:
                 self._process.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -22,7 +22,7 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 import pipepool
 from pipepool.config import EngineConfig
 from pipepool.errors import InvalidInputError
-from pipepool.intake.tokenizer_process import OFFLOAD_CHARS
+from pipepool.intake.tokenizer import OFFLOAD_CHARS
 from pipepool.loading.deployment import ModelMemory
 from pipepool.loading.memory_plan import MemoryPlanError, plan_memory, share_memory
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tiny_models import SENTENCES, minilm_path
 
-from pipepool.intake.tokenizer import Tokenizer
-from pipepool.intake.tokenizer_process import ANSWER_TIMEOUT_S, OFFLOAD_CHARS
+from pipepool.intake.tokenizer import OFFLOAD_CHARS, Tokenizer
+from pipepool.intake.tokenizer_process import ANSWER_TIMEOUT_S, TokenizerProcess
 
 # Texts of ~80-240 characters, enough of them to pass OFFLOAD_CHARS.
 TEXTS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k % 3 + 1)) for k in range(300)]
@@ -23,7 +23,7 @@ TEXTS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k % 3 + 1)) for k
 def tokenizers():
     path = minilm_path() / "tokenizer.json"
     local, offloading = Tokenizer(path), Tokenizer(path)
-    offloading.start_helper()
+    offloading.use_helper(TokenizerProcess(path))
     yield local, offloading
     offloading.close()
 
@@ -75,7 +75,7 @@ def test_a_helper_that_died_is_replaced(tokenizers):
 def test_a_closed_helper_exits_and_the_tokenizer_works_alone():
     path = minilm_path() / "tokenizer.json"
     tokenizer = Tokenizer(path)
-    tokenizer.start_helper()
+    tokenizer.use_helper(TokenizerProcess(path))
     process = tokenizer._helper._process
     tokenizer.close()
     assert process.poll() is not None  # exited

@@ -383,6 +383,7 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None):
     processes of its own (replicas, at --dp 1 too): one dying restarts without the others; each
     has a tokenizer helper process for its large batches."""
     from ..api.engine import Engine
+    from ..intake.tokenizer_process import TokenizerProcess
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.front import AsyncEngine
     from ..server.models import ModelNames, ServedModel, ServedModels
@@ -392,8 +393,9 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None):
         # Beside other models, its large batches are tokenised in a process of its own too:
         # they would hold up the others' requests in this one (``intake.tokenizer_process``).
         engine = Engine.from_config(config, ReplicaPipeline(config, socket_dir))
+        tokenizer = engine.inputs.tokenizer
         try:
-            engine.inputs.tokenizer.start_helper()
+            tokenizer.use_helper(TokenizerProcess(tokenizer.file))
         except BaseException:
             engine.close()
             raise

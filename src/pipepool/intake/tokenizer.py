@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 import logging
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
-from .tokenizer_process import OFFLOAD_CHARS, HelperLost, TokenizerProcess
 
 log = logging.getLogger("pipepool.intake")
 
@@ -21,14 +21,32 @@ log = logging.getLogger("pipepool.intake")
 # would wait there behind every large request of every model in the process (BENCHMARKS.md,
 # issue 35: the flood's tail).
 ON_THIS_THREAD = 8
+# Characters of a batch from which it goes to the tokenizer's helper, where it has one
+# (``use_helper``): about 4k tokens, whose ids take a fraction of a millisecond to gather
+# here, about what sending them to another process costs.
+OFFLOAD_CHARS = 1 << 14
+
+
+class BatchHelper(Protocol):
+    """Runs ``Tokenizer`` methods on large batches elsewhere (``tokenizer_process``)."""
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``Tokenizer.<method>(*args, **kwargs)``'s result; ``HelperLost`` if it has none."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class HelperLost(Exception):
+    """A helper could not answer a call (its process exited, hung, or was closed)."""
 
 
 class Tokenizer:
     """Batch tokenization; never truncates or pads (the scheduler decides what a prompt may be)."""
 
     def __init__(self, tokenizer_file: Path) -> None:
-        self._file = tokenizer_file
-        self._helper: TokenizerProcess | None = None
+        self.file = tokenizer_file
+        self._helper: BatchHelper | None = None
         try:
             self._tok = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:
@@ -39,15 +57,16 @@ class Tokenizer:
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def start_helper(self) -> None:
-        """From now on, batches of ``OFFLOAD_CHARS`` characters or more are tokenised in a
-        helper process (``tokenizer_process``): a server of several models keeps one model's
-        large batches from holding up the others' requests in its one process."""
-        if self._helper is None:
-            self._helper = TokenizerProcess(self._file)
+    def use_helper(self, helper: BatchHelper) -> None:
+        """From now on, batches of ``OFFLOAD_CHARS`` characters or more go to ``helper`` (a
+        ``tokenizer_process.TokenizerProcess``: a server of several models keeps one model's
+        large batches from holding up the others' requests in its one process); a batch it
+        cannot answer is tokenised here. ``close`` closes it."""
+        self.close()
+        self._helper = helper
 
     def close(self) -> None:
-        """Stop the helper process, if one was started."""
+        """Close the helper, if one is in use."""
         helper, self._helper = self._helper, None
         if helper is not None:
             helper.close()

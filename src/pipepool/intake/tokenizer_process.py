@@ -19,16 +19,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-# Characters of a batch from which it goes to the helper process: about 4k tokens, whose ids
-# take a fraction of a millisecond to gather here, about what sending them there costs.
-OFFLOAD_CHARS = 1 << 14
+from .tokenizer import HelperLost, Tokenizer
+
 # A helper that has not answered a call in this long is taken for hung, and killed: the largest
 # request a server takes (--max-tokens-per-request's 300k tokens) tokenises in about a second.
 ANSWER_TIMEOUT_S = 60.0
 
 
 class TokenizerProcess:
-    """``Tokenizer`` methods (``encode_flat``, ``encode_pairs``) run in a helper process that
+    """A ``tokenizer.BatchHelper``: ``Tokenizer`` methods (``encode_flat``, ``encode_pairs``) run
+    in a helper process that
     loads ``tokenizer_file`` itself. Calls from several threads take turns (one helper per
     tokenizer: a flood of one model's large batches queues here, not in front of the other
     models). A helper that died is started again by the next call; a call it could not answer
@@ -110,14 +110,8 @@ class TokenizerProcess:
         self._conn = self._process = None
 
 
-class HelperLost(Exception):
-    """The helper process could not answer a call (it exited, or was closed)."""
-
-
 def _serve(tokenizer_file: str, conn: Connection) -> None:
-    """The helper's loop: one call at a time until the pipe closes."""
-    from .tokenizer import Tokenizer
-
+    """The helper's loop: one call at a time until the socket closes."""
     tokenizer = Tokenizer(Path(tokenizer_file))
     while True:
         try:

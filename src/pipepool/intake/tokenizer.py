@@ -150,8 +150,8 @@ class Tokenizer:
         return ids, types, lengths
 
     def _offloads(self, *texts: list[str]) -> bool:
-        """Whether these texts go to the helper process: one is running, and they are many
-        characters (ids of token lists are never sent)."""
+        """Whether these texts go to the helper: there is one, and they are many characters
+        (token-id lists are never sent)."""
         if self._helper is None:
             return False
         size = 0
@@ -163,8 +163,8 @@ class Tokenizer:
         return size >= OFFLOAD_CHARS
 
     def _in_helper(self, method: str, *args, **kwargs):
-        """The helper's answer; None when it could not give one (it exited: the caller
-        tokenises the batch itself, and the next batch starts a new helper)."""
+        """The helper's answer; None when it could not give one (it exited or hung: the caller
+        tokenises the batch itself, and the next batch starts a new helper process)."""
         helper = self._helper
         if helper is None:
             return None

@@ -6,7 +6,7 @@ ids gathered from the Rust encodings into one array, the encodings freed. Every 
 requests need that lock at each step of their way (the event loop, their own tokenising, the
 replica sockets), so under a flood of large requests on one model the others' slowest requests
 waited for it (BENCHMARKS.md, issue 35). A helper process holding the same tokenizer file does
-that work instead; only the texts and the finished arrays cross the pipe.
+that work instead; only the texts and the finished arrays cross the socket between them.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ ANSWER_TIMEOUT_S = 60.0
 
 class TokenizerProcess:
     """A ``tokenizer.BatchHelper``: ``Tokenizer`` methods (``encode_flat``, ``encode_pairs``) run
-    in a helper process that
-    loads ``tokenizer_file`` itself. Calls from several threads take turns (one helper per
-    tokenizer: a flood of one model's large batches queues here, not in front of the other
-    models). A helper that died is started again by the next call; a call it could not answer
-    (it exited, or gave no answer within ``answer_timeout_s`` and was killed) raises
-    ``HelperLost``, and the caller tokenises that batch itself. The helper exits when ``close``
-    is called or the process that started it dies (its socket closes)."""
+    in a helper process that loads ``tokenizer_file`` itself. Calls from several threads take
+    turns (one helper per tokenizer: a flood of one model's large batches queues here, not in
+    front of the other models). A helper that died is started again by the next call; a call
+    it could not answer (it exited, or gave no answer within ``answer_timeout_s`` and was
+    killed) raises ``HelperLost``, and the caller tokenises that batch itself. The helper exits
+    when ``close`` is called or the process that started it dies (its socket closes)."""
 
     def __init__(self, tokenizer_file: Path) -> None:
         self._file = str(tokenizer_file)

@@ -150,17 +150,8 @@ class Tokenizer:
         return ids, types, lengths
 
     def _offloads(self, *texts: list[str]) -> bool:
-        """Whether these texts go to the helper: there is one, and they are many characters
-        (token-id lists are never sent)."""
-        if self._helper is None:
-            return False
-        size = 0
-        for part in texts:
-            for text in part:
-                if not isinstance(text, str):
-                    return False
-                size += len(text)
-        return size >= OFFLOAD_CHARS
+        """Whether these texts go to the helper: there is one, and they are many characters."""
+        return self._helper is not None and sum(map(len, itertools.chain(*texts))) >= OFFLOAD_CHARS
 
     def _in_helper(self, method: str, *args, **kwargs):
         """The helper's answer; None when it could not give one (it exited or hung: the caller

@@ -388,6 +388,9 @@ async def main() -> None:
     parser.add_argument(
         "--floods", type=int, default=2, help="1: the Retry-After flood only; 2: the 20 ms one too"
     )
+    parser.add_argument(
+        "--flood-rounds", type=int, default=1, help="each flood this many times, one server"
+    )
     parser.add_argument("--extra", default="", help="more flags for every server, space-separated")
     args = parser.parse_args()
     models = gpu_models() if args.gpu else cpu_models()
@@ -432,7 +435,8 @@ async def main() -> None:
         if not args.only_flood:
             await mixed(url, models, args.mixed, reference)
         for backoff in (None, 0.02)[: args.floods]:
-            await flood(url, models, args.flood_seconds, idle_p99, backoff)
+            for _ in range(args.flood_rounds):
+                await flood(url, models, args.flood_seconds, idle_p99, backoff)
     finally:
         stop(proc)
 

@@ -444,11 +444,15 @@ def test_client_disconnect_aborts_its_requests(servers, pp, engine):
 
 def test_one_word_is_answered_promptly_while_10mb_bodies_are_handled(server, engine):
     """Texts are checked against a character bound before they are tokenised, and large
-    requests tokenise in a lane of their own: two 10 MB bodies (refused), and one truncated
-    (tokenised up to the bound), do not hold up a one-word request."""
+    requests tokenise in a lane of their own: two 10 MB bodies (refused), and one of five
+    2 MB texts (each cut to the bound, tokenised and truncated), do not hold up a one-word
+    request. The truncated texts take 5 x 4096 / BUDGET steps, and a small call waits for at
+    most one chunked prompt's steps (the scheduler's turns), so the word is answered first
+    however the machine's load delays its arrival."""
     huge = "word " * 2_000_000
     refuse = {"input": huge, "long_inputs": "error"}
-    big = [refuse, refuse, {"input": huge}]  # the last one truncated (the default)
+    truncated = {"input": ["word " * 400_000] * 5}  # truncated: the default
+    big = [refuse, refuse, truncated]
     answers: dict = {}
 
     order = []  # which answers arrived, in order
@@ -475,7 +479,7 @@ def test_one_word_is_answered_promptly_while_10mb_bodies_are_handled(server, eng
         err = answers[i].json()["error"]
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
     assert answers[2].status_code == 200, answers[2].text
-    assert answers[2].json()["usage"]["prompt_tokens"] == 4096
+    assert answers[2].json()["usage"]["prompt_tokens"] == 5 * 4096
 
 
 def test_engine_and_cli_import_without_the_server_extras():

@@ -219,7 +219,7 @@ async def flood(
 
     target, others = models[-1], models[:-1]
     flooded: Counter = Counter()
-    ending = time.monotonic() + seconds
+    ending = 0.0  # set once the quiet phase is over
 
     async def heavy(k: int) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -246,6 +246,7 @@ async def flood(
     quiet_p99 = {name: p(lat, 99) for name, lat in quiet_lat.items()}
     before = await front_end_collections(url)
     lights, results = start_lights()
+    ending = time.monotonic() + seconds
     await asyncio.gather(*(heavy(k) for k in range(FLOOD_CLIENTS)))
     other_status, other_lat, other_parts = results.get(timeout=120)
     lights.join()

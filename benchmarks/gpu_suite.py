@@ -35,6 +35,12 @@ MODELS = {
         ["--max-model-len", "2048", "--pooling", "mean"],
     ),
     "gemma2": ("gemma-2-2b.json", "Gemma2Model", ["--max-model-len", "8192"]),
+    # a one-label sequence classifier (bge-reranker-v2-gemma's kind): bench runs its raw scores
+    "gemma2-reranker": (
+        "gemma-2-2b-reranker.json",
+        "Gemma2ForSequenceClassification",
+        ["--max-model-len", "8192"],
+    ),
     "minilm": (
         "all-minilm-l6-v2.json",
         "BertModel",
@@ -90,7 +96,7 @@ def build_checkpoint(key: str) -> Path:
         return dest
     t0 = time.time()
     raw = json.loads((HERE / "configs" / config_file).read_text())
-    config = getattr(transformers, model_class.replace("Model", "Config"))(**raw)
+    config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

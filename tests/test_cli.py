@@ -307,6 +307,27 @@ def test_bench_requests_limits_every_workload_and_progress_goes_to_stderr(
         assert any(re.search(rf"timed pass 1: [\d.]+ s \([\d,]+ {unit}/s\)", p) for p in phases)
 
 
+def test_bench_runs_a_sequence_classifier_against_transformers_on_the_same_requests(
+    tmp_path, capsys
+):
+    """A reranker's W1: its raw scores against AutoModelForSequenceClassification's logits,
+    prompts chunked (budget 64 under W1's longest requests), fp32. Without soft-capping:
+    the peer's SDPA attention does not apply it."""
+    from tiny_gemma import make_gemma2
+
+    model = make_gemma2(tmp_path / "gemma2-reranker", num_labels=1, softcap=None)
+    rows_file = tmp_path / "rows.json"
+    args = ["--model", str(model), "--workload", "W1", "--requests", "6", "--passes", "1"]
+    args += ["--warm-up-passes", "1", "--peer-batch-sizes", "4", "--json", str(rows_file)]
+    assert main(["bench", *args, "--max-num-batched-tokens", "64"]) == 0
+    capsys.readouterr()
+    (row,) = json.loads(rows_file.read_text())
+    assert row["requests"] == 6 and row["tokens"] > 3 * 64
+    assert row["engine_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
+    assert "min_cosine_engine_vs_peer" not in row
+    assert row["max_score_diff_engine_vs_peer"] <= 1e-4, row
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -80,17 +80,18 @@ def make_gemma2(
     num_layers: int = 2,
     seed: int = 0,
     num_labels: int | None = None,
+    softcap: float | None = SOFTCAP,
     **shape,
 ) -> Path:
-    """Gemma2 (soft-capped attention, alternating sliding layers); ``num_labels``: a
-    Gemma2ForSequenceClassification with that many labels, else a Gemma2Model; ``shape``:
-    other sizes."""
+    """Gemma2 (soft-capped attention unless ``softcap`` is None, alternating sliding layers);
+    ``num_labels``: a Gemma2ForSequenceClassification with that many labels, else a
+    Gemma2Model; ``shape``: other sizes."""
     import transformers
 
     config = transformers.Gemma2Config(
         num_hidden_layers=num_layers,
         layer_types=LAYER_TYPES[:num_layers],
-        attn_logit_softcapping=SOFTCAP,
+        attn_logit_softcapping=softcap,
         final_logit_softcapping=30.0,
         **{**_TINY, **shape},
         **_tokenizer(path),

@@ -19,18 +19,20 @@ import torch
 from ..api.engine import Engine
 from ..driver.local import LocalPipeline
 from ..errors import InvalidInputError
-from ..loading.deployment import flops_per_token, plan_deployment
+from ..loading.deployment import Deployment, flops_per_token, plan_deployment
 from ..loading.weights import Checkpoint
 from ..models import family_of
 from ..stage.runner import StageRunner
 from . import cpu_peers
 from .common import add_engine_args, engine_config
 from .workloads import (
+    RAW_SCORES,
     TEXT_WORKLOADS,
     WORKLOADS,
     GpuBusy,
     OnPass,
     Peer,
+    engine_outputs,
     flops,
     free_device_memory,
     gpu_busy,
@@ -244,11 +246,11 @@ def bench_one(config, workload_name: str, args) -> dict:
     lengths = [len(t) for t in workload.token_ids]
     size = workload.num_tokens
     say(f"{len(lengths):,} requests, {size:,} tokens")
-    pooling = d.pooling
+    pooling = _pooling(d)
     # Warm-up passes until the pass time settles (``warm_up``), then the median of 3 passes.
     say(f"warm-up: up to {args.warm_up_passes} passes, until one takes as long as the last")
     warm_up(
-        partial(engine.pool, workload.token_ids, pooling=pooling),
+        partial(engine_outputs, engine, workload.token_ids, pooling),
         args.warm_up_passes,
         on_pass=_on_pass(say, "warm-up pass", size, "tokens"),
     )
@@ -269,7 +271,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
         say(f"GPU busy: {args.gpu_busy} profiled passes")
         busy_gpu = gpu_busy(partial(run_engine, engine, workload, pooling), args.gpu_busy)
-    ours_vectors = np.stack(engine.pool(workload.token_ids[:256], pooling=pooling, normalize=True))
+    ours_vectors = engine_outputs(engine, workload.token_ids[:256], pooling)
     if args.profile and config.data_parallel_size == 1:
         say("profile: the first 1,024 requests under torch.profiler")
         profile(engine, workload, pooling)
@@ -332,7 +334,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     if not args.no_peer:
         sizes = args.peer_batch_sizes
         say(f"peer: transformers at batch sizes {_join(sizes)}, one pass each")
-        peer = Peer(str(d.folder.path), d.dtype, d.devices[0])
+        peer = Peer(str(d.folder.path), d.dtype, d.devices[0], pooling)
         theirs = run_peer(
             peer, workload, pooling, sizes, on_size=_on_pass(say, "peer batch size", size, "tokens")
         )
@@ -346,7 +348,7 @@ def bench_one(config, workload_name: str, args) -> dict:
             peer_tflops=round(total_flops / theirs.seconds / 1e12, 1),
             peer_peak_memory_gib=round(theirs.peak_memory_gib, 2),
             ratio=round(ours.tokens_per_s / theirs.tokens_per_s, 2),
-            min_cosine_engine_vs_peer=round(float((ours_vectors * peer_vectors).sum(-1).min()), 5),
+            **_agreement(ours_vectors, peer_vectors, pooling),
         )
         if texts is not None:
             say("peer e2e: one pass of the requests as texts")
@@ -361,6 +363,27 @@ def bench_one(config, workload_name: str, args) -> dict:
         del peer
         free_device_memory()
     return row
+
+
+def _pooling(d: Deployment) -> str:
+    """What a run of the model gives: its pooled vectors, or a sequence classifier's raw
+    scores; a token classifier is refused (its outputs are per token)."""
+    if d.classifier is None:
+        return d.pooling
+    if d.classifier.per_token:
+        raise InvalidInputError(
+            "bench measures embedding models and sequence classifiers; "
+            f"{d.folder.architecture} classifies tokens"
+        )
+    return RAW_SCORES
+
+
+def _agreement(ours: np.ndarray, peer: np.ndarray, pooling: str) -> dict:
+    """The engine against the peer on the same requests: the smallest cosine of normalised
+    vectors, or the largest difference of raw scores."""
+    if pooling == RAW_SCORES:
+        return {"max_score_diff_engine_vs_peer": round(float(np.abs(ours - peer).max()), 6)}
+    return {"min_cosine_engine_vs_peer": round(float((ours * peer).sum(-1).min()), 5)}
 
 
 def _busy_fields(busy: GpuBusy | None, timed_s: float) -> dict:
@@ -455,7 +478,7 @@ def profile(engine: Engine, workload, pooling: str) -> None:
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     with torch_profile(activities=activities) as prof:
-        engine.pool(workload.token_ids[:1024], pooling=pooling)
+        engine_outputs(engine, workload.token_ids[:1024], pooling)
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
@@ -503,6 +526,7 @@ _COLUMNS = [
     ("engine_peak_memory_gib", "GiB", 7),
     ("peer_peak_memory_gib", "peer GiB", 9),
     ("min_cosine_engine_vs_peer", "cos", 8),
+    ("max_score_diff_engine_vs_peer", "diff", 9),
 ]
 
 

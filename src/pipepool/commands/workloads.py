@@ -43,6 +43,11 @@ TEXT_WORKLOADS = {  # texts, min / max words
 }
 
 
+# The "pooling" of a sequence classifier's run: its head's raw logits per request (no
+# activation), where an embedding model's run pools and normalises.
+RAW_SCORES = "raw scores"
+
+
 @dataclass
 class Workload:
     """A named benchmark workload: the token ids of every request, in submission order."""
@@ -174,11 +179,20 @@ def median_run(
     return results[len(results) // 2]
 
 
+def engine_outputs(engine: Engine, inputs: list, pooling: str, **options) -> np.ndarray:
+    """The engine's ``[n, dim]`` outputs for token-id or text inputs: normalised pooled vectors,
+    or a sequence classifier's raw scores (``pooling`` ``RAW_SCORES``); ``options`` as for
+    ``Engine.submit``."""
+    if pooling == RAW_SCORES:
+        return engine.submit_classify(inputs, use_activation=False, **options).result()
+    return engine.submit(inputs, pooling=pooling, normalize=True, **options).result()
+
+
 def run_engine(engine: Engine, workload: Workload, pooling: str) -> RunResult:
     """Time one pass of the workload through an already warm engine."""
     _reset_peak()
     start = time.perf_counter()
-    engine.submit(workload.token_ids, pooling=pooling, normalize=True).result()
+    engine_outputs(engine, workload.token_ids, pooling)
     seconds = time.perf_counter() - start
     return RunResult(seconds, workload.num_tokens / seconds, _peak_gib())
 
@@ -188,7 +202,7 @@ def run_engine_text(engine: Engine, texts: list[str], pooling: str) -> RunResult
     random ids do not re-tokenize to the same count; both sides cut at the model's limit)."""
     before = engine.stats.prompt_tokens_finished
     start = time.perf_counter()
-    vectors = engine.submit(texts, pooling=pooling, truncate_prompt_tokens=-1).result()
+    vectors = engine_outputs(engine, texts, pooling, truncate_prompt_tokens=-1)
     seconds = time.perf_counter() - start
     tokens = engine.stats.prompt_tokens_finished - before
     return RunResult(seconds, tokens / seconds, _peak_gib(), {"tokens": tokens, "vectors": vectors})
@@ -293,18 +307,19 @@ def busy_us(events: list) -> float:
 
 class Peer:
     """transformers AutoModel with SDPA on padded, length-sorted batches (descending, like
-    sentence-transformers), pooling on the device, one host copy at the end."""
+    sentence-transformers), pooling on the device, one host copy at the end. With pooling
+    ``RAW_SCORES`` the model is its ``AutoModelForSequenceClassification`` and gives its
+    logits (it pools as its class does)."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, device: str) -> None:
-        from transformers import AutoModel, AutoTokenizer
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: str, pooling: str) -> None:
+        from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = torch.device(device)
+        auto = AutoModelForSequenceClassification if pooling == RAW_SCORES else AutoModel
         try:
-            self.model = AutoModel.from_pretrained(
-                model_dir, dtype=dtype, attn_implementation="sdpa"
-            )
+            self.model = auto.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
         except ValueError:  # no SDPA path in transformers (MPNet): its own attention
-            self.model = AutoModel.from_pretrained(model_dir, dtype=dtype)
+            self.model = auto.from_pretrained(model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -312,10 +327,13 @@ class Peer:
     def encode_ids(self, token_ids: list[np.ndarray], pooling: str, batch_size: int) -> np.ndarray:
         order = np.argsort([-len(t) for t in token_ids], kind="stable")
         outputs = []
+        # The pad id the tokenizer pads with: a sequence classifier finds each row's last
+        # token by it.
+        pad = self.model.config.pad_token_id or 0
         for start in range(0, len(order), batch_size):
             batch = [token_ids[i] for i in order[start : start + batch_size]]
             width = max(len(t) for t in batch)
-            ids = np.zeros((len(batch), width), dtype=np.int64)
+            ids = np.full((len(batch), width), pad, dtype=np.int64)
             mask = np.zeros((len(batch), width), dtype=np.int64)
             for row, t in enumerate(batch):
                 ids[row, : len(t)] = t
@@ -349,6 +367,8 @@ class Peer:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
         ids = ids.to(self.device, non_blocking=True)
         mask = mask.to(self.device, non_blocking=True)
+        if pooling == RAW_SCORES:
+            return self.model(input_ids=ids, attention_mask=mask).logits.float()
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         if pooling == "last":
             last = mask.sum(1) - 1

@@ -288,3 +288,58 @@ def test_sigterm_stops_every_replica_and_stage(server):
     assert len(family) == 4
     assert server.stop() == 0, server.log()
     assert not [p for p in family if _alive(p)], "processes left behind"
+
+
+class _FinishedBeforeReturn:
+    """A real engine whose ``submit_tokens`` returns only once the call is done: what its loop
+    thread can do while the replica's reader thread, which submitted, waits for the GIL."""
+
+    def __init__(self, engine: pipepool.Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def submit_tokens(self, *args, **kwargs):
+        submission = self._engine.submit_tokens(*args, **kwargs)
+        submission.result(timeout=60)
+        return submission
+
+
+def test_a_replica_forwards_rows_its_engine_finished_before_submit_returned(bert_path):
+    import socket as socketlib
+    from multiprocessing.connection import Connection
+
+    from pipepool.core.request import PoolingParams
+    from pipepool.replicas.messages import Report, Stop, Work, receive, send
+    from pipepool.replicas.worker import ReplicaServer
+
+    with pipepool.Engine(str(bert_path)) as engine:
+        ids = engine.tokenize(SENTENCES[:3])
+        token_ids, lengths = np.concatenate(ids), np.array([len(t) for t in ids])
+        params = PoolingParams("mean", normalize=True)
+        expected = engine.submit_tokens(token_ids, lengths, params).result()
+        ours, theirs = socketlib.socketpair()
+        front, back = Connection(ours.detach()), Connection(theirs.detach())
+        replica = ReplicaServer(_FinishedBeforeReturn(engine), back, owner=False)
+        serving = threading.Thread(target=replica.run, daemon=True)
+        serving.start()
+        send(front, [Work(100, token_ids, lengths, params)])
+        rows, values = [], []
+        deadline = time.monotonic() + 30  # reports come every 0.5 s, with results or not
+        while len(rows) < len(lengths):
+            assert time.monotonic() < deadline, f"rows {rows} of {len(lengths)} came back"
+            if not front.poll(1):
+                continue
+            for report in receive(front):
+                if isinstance(report, Report):
+                    for result in report.results:
+                        assert result.first_id == 100
+                        rows += result.rows.tolist()
+                        values += list(result.values)
+        send(front, [Stop()])
+        serving.join(10)
+        front.close()
+    assert sorted(rows) == [0, 1, 2]
+    got = np.array(values)[np.argsort(rows)]
+    assert cosine(got, expected).min() >= MIN_COSINE

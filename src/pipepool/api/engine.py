@@ -224,9 +224,12 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         params: PoolingParams,
         type_ids: np.ndarray | None = None,
         key_lens: np.ndarray | None = None,
+        *,
+        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
     ) -> Submission:
         """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
-        type ids of pair inputs if any.
+        type ids of pair inputs if any; ``on_result``: the submission's (``Submission``), there
+        before the first step can finish a row.
 
         ``key_lens`` (one per prompt; bidirectional models whose attention honours them, see
         ``InputPreparer.key_lengths``, which checks them here): prompt i's attention keys are
@@ -236,7 +239,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         0: every token is a key. Raises InvalidInputError naming a bad one."""
         if key_lens is not None:
             key_lens = self.inputs.key_lengths(key_lens, lengths)
-        submission = self._new_submission(params, len(lengths))
+        submission = self._new_submission(params, len(lengths), on_result)
         part = TokenSlice(0, token_ids, lengths, type_ids, key_lens)
         self.pipeline.enqueue(submission, part)
         return submission
@@ -350,7 +353,12 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         except Exception:
             pass
 
-    def _new_submission(self, params: PoolingParams, num_inputs: int) -> Submission:
+    def _new_submission(
+        self,
+        params: PoolingParams,
+        num_inputs: int,
+        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
+    ) -> Submission:
         width = params.dimensions or self.inputs.output_width(params.pooling)
         return Submission(
             params,
@@ -359,6 +367,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
             on_cancel=self.pipeline.cancel,
             background=is_background(),
             client=current_client(),
+            on_result=on_result,
         )
 
 

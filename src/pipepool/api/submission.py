@@ -17,7 +17,11 @@ class Submission(Future):
 
     Steps write finished rows straight into the result (no per-request objects);
     ``num_done`` counts them and ``add_progress_callback`` hears about every step that
-    finished some. ``cancel()`` aborts whatever has not finished: the engine frees it.
+    finished some. ``on_result(rows, values)`` hears each step's finished rows and their
+    outputs (an array of vectors, or a list of token arrays) before they count as done, on the
+    engine's loop thread: a replica forwards them to the front end this way. It is given at
+    construction, so no step can finish rows before it is there. ``cancel()`` aborts whatever
+    has not finished: the engine frees it.
     ``num_tokens`` is each input's prompt length after truncation (usage reports).
     ``background``: batch-job work, queued below online calls; ``client``: whose turns it
     takes (``api.priority``).
@@ -32,6 +36,7 @@ class Submission(Future):
         *,
         background: bool = False,
         client: str | None = None,
+        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
     ) -> None:
         super().__init__()
         self.params = params
@@ -48,7 +53,7 @@ class Submission(Future):
         )
         self._on_cancel = on_cancel
         self._progress: list[Callable[[int], None]] = []
-        self._results: list[Callable[[np.ndarray, np.ndarray | list], None]] = []
+        self._on_result = on_result
         self._lock = threading.Lock()
         if num_inputs == 0:  # nothing to wait for
             self.set_result(self._outputs)
@@ -57,12 +62,6 @@ class Submission(Future):
         """``fn(n)`` after each step that finished ``n`` more of this call's inputs (called on
         the engine's loop thread: keep it short)."""
         self._progress.append(fn)
-
-    def add_result_callback(self, fn: Callable[[np.ndarray, np.ndarray | list], None]) -> None:
-        """``fn(rows, values)`` with each step's finished rows and their outputs (an array of
-        vectors, or a list of token arrays), before they count as done (on the engine's loop
-        thread: a replica forwards them to the front end this way)."""
-        self._results.append(fn)
 
     def cancel(self) -> bool:
         with self._lock:
@@ -89,10 +88,8 @@ class Submission(Future):
         else:
             written = rows
         outputs[written] = values
-        if self._results:  # ours, not ``vectors``: that may be the step's pinned buffer
-            values = outputs[written]
-            for fn in self._results:
-                fn(rows, values)
+        if self._on_result is not None:  # ours, not ``vectors``: that may be a pinned buffer
+            self._on_result(rows, outputs[written])
         self._count(n)
 
     def put_tokens(self, rows: np.ndarray, values: list[np.ndarray]) -> None:
@@ -101,8 +98,8 @@ class Submission(Future):
             values = [value[:, :width] for value in values]
         for row, value in zip(rows.tolist(), values, strict=True):
             self._outputs[row] = value
-        for fn in self._results:
-            fn(rows, values)
+        if self._on_result is not None:
+            self._on_result(rows, values)
         self._count(len(rows))
 
     def fail(self, exc: BaseException) -> None:

@@ -102,24 +102,25 @@ class ReplicaServer:
 
     def _work(self, work: Work) -> None:
         first_id = work.first_id
-        try:
-            with (
-                background_work() if work.background else contextlib.nullcontext(),
-                client_turns(work.client),
-            ):
-                submission = self.engine.submit_tokens(
-                    work.token_ids, work.lengths, work.params, work.type_ids, work.key_lens
-                )
-        except Exception:
-            return  # the engine is dead: the next snapshot says so, the front end re-runs it
-        self._submissions[first_id] = submission
 
         def forward(rows, values) -> None:
             with self._wake:
                 self._outbox.append(Result(first_id, rows, values))
                 self._wake.notify()
 
-        submission.add_result_callback(forward)
+        try:
+            with (
+                background_work() if work.background else contextlib.nullcontext(),
+                client_turns(work.client),
+            ):
+                # ``forward`` goes in with the work: a step may finish it before this returns.
+                submission = self.engine.submit_tokens(
+                    work.token_ids, work.lengths, work.params, work.type_ids, work.key_lens,
+                    on_result=forward,
+                )  # fmt: skip
+        except Exception:
+            return  # the engine is dead: the next snapshot says so, the front end re-runs it
+        self._submissions[first_id] = submission
         submission.add_done_callback(lambda _f: self._submissions.pop(first_id, None))
 
     def _abort(self, first_ids: tuple[int, ...]) -> None:

@@ -298,9 +298,11 @@ def test_result_callbacks_get_the_calls_own_rows_not_the_steps_buffer():
     from pipepool.api.submission import Submission
     from pipepool.core.request import PoolingParams
 
-    submission = Submission(PoolingParams("mean"), 4, 3, on_cancel=lambda s: None)
     seen = []
-    submission.add_result_callback(lambda rows, values: seen.append((rows, values)))
+    submission = Submission(
+        PoolingParams("mean"), 4, 3, on_cancel=lambda s: None,
+        on_result=lambda rows, values: seen.append((rows, values)),
+    )  # fmt: skip
     step = np.arange(8, dtype=np.float32).reshape(2, 4)  # zero-padded past the 3 dimensions
     submission.put_vectors(np.array([1, 2]), step)
     submission.put_vectors(np.array([3, 0]), step + 10)  # rows out of order: a fancy index

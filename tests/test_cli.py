@@ -322,7 +322,7 @@ def test_bench_runs_a_sequence_classifier_against_transformers_on_the_same_reque
     assert main(["bench", *args, "--max-num-batched-tokens", "64"]) == 0
     capsys.readouterr()
     (row,) = json.loads(rows_file.read_text())
-    assert row["requests"] == 6 and row["tokens"] > 3 * 64
+    assert row["requests"] == 6 and row["tokens"] > 6 * 64  # so one prompt, at least, chunks
     assert row["engine_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
     assert "min_cosine_engine_vs_peer" not in row
     assert row["max_score_diff_engine_vs_peer"] <= 1e-4, row

@@ -219,9 +219,8 @@ async def flood(
 
     target, others = models[-1], models[:-1]
     flooded: Counter = Counter()
-    ending = 0.0  # set once the quiet phase is over
 
-    async def heavy(k: int) -> None:
+    async def heavy(k: int, ending: float) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             while time.monotonic() < ending:
                 path, body = target.body(k, inputs=FLOOD_INPUTS)
@@ -247,7 +246,7 @@ async def flood(
     before = await front_end_collections(url)
     lights, results = start_lights()
     ending = time.monotonic() + seconds
-    await asyncio.gather(*(heavy(k) for k in range(FLOOD_CLIENTS)))
+    await asyncio.gather(*(heavy(k, ending) for k in range(FLOOD_CLIENTS)))
     other_status, other_lat, other_parts = results.get(timeout=120)
     lights.join()
     after = await front_end_collections(url)

@@ -33,7 +33,7 @@ from .priority import current_client, is_background
 from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
-from .submission import Submission
+from .submission import ResultCallback, Submission
 
 if TYPE_CHECKING:
     from ..tracing import TraceSummary
@@ -225,7 +225,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         type_ids: np.ndarray | None = None,
         key_lens: np.ndarray | None = None,
         *,
-        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
+        on_result: ResultCallback | None = None,
     ) -> Submission:
         """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
         type ids of pair inputs if any; ``on_result``: the submission's (``Submission``), there
@@ -357,7 +357,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         self,
         params: PoolingParams,
         num_inputs: int,
-        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
+        on_result: ResultCallback | None = None,
     ) -> Submission:
         width = params.dimensions or self.inputs.output_width(params.pooling)
         return Submission(

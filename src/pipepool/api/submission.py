@@ -10,6 +10,9 @@ import numpy as np
 
 from ..core.request import PoolingParams
 
+# ``Submission``'s ``on_result(rows, values)``: a step's finished rows and their outputs.
+ResultCallback = Callable[[np.ndarray, np.ndarray | list], None]
+
 
 class Submission(Future):
     """Results of one call, in input order: an ``[n, D]`` float32 array for one vector per
@@ -36,7 +39,7 @@ class Submission(Future):
         *,
         background: bool = False,
         client: str | None = None,
-        on_result: Callable[[np.ndarray, np.ndarray | list], None] | None = None,
+        on_result: ResultCallback | None = None,
     ) -> None:
         super().__init__()
         self.params = params

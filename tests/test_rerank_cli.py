@@ -8,6 +8,7 @@ import json
 
 import faults
 import numpy as np
+import pytest
 from tiny_models import SENTENCES
 
 import pipepool
@@ -70,3 +71,44 @@ def test_same_order_allows_swaps_only_within_the_tolerance():
     expected = np.array([0.5, 0.2, 0.20001, -1.0])
     assert same_order(np.array([0.4, 0.20002, 0.2, -2.0]), expected, 1e-4)  # near-tie swapped
     assert not same_order(np.array([0.1, 0.2, 0.3, -2.0]), expected, 1e-4)
+
+
+def test_parity_of_a_soft_capped_reranker_against_transformers_full_attention(tmp_path, capsys):
+    """Gemma2's attention logits are soft-capped; the reference computes that (transformers'
+    eager attention: its default sdpa drops the cap), so the float32 bar holds, chunked, PP 2."""
+    from tiny_gemma import make_gemma2
+
+    model = make_gemma2(tmp_path / "gemma2-reranker", num_labels=1)
+    out = tmp_path / "parity.json"
+    args = ["parity", "--model", str(model), "--pp", "1,2", "--max-num-batched-tokens", "16"]
+    assert main([*args, "--max-model-len", "128", "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["max_score_diff"] == 1e-4 and report["rule"] is None
+    assert report["reference"].startswith("transformers 5.17.0 AutoModelForSequenceClassification")
+    assert all(r["chunked"] > 0 and r["max_abs_diff"] <= 1e-4 for r in report["rows"])
+
+
+def test_bf16_reranker_is_judged_by_transformers_own_bf16_error(qwen3_reranker_path, tmp_path):
+    """DESIGN.md §3 carried to raw logits: a bf16 engine against a float32 reference may be
+    off by 1.5x transformers' own largest bf16 error on the same pairs + 1e-5."""
+    from pipepool.parity.score_sweep import allowed_score_error
+
+    out = tmp_path / "parity.json"
+    args = ["parity", "--model", str(qwen3_reranker_path), "--pp", "1"]
+    args += ["--max-num-batched-tokens", "16", "--max-model-len", "256", "--dtype", "bfloat16"]
+    assert main([*args, "--reference-dtype", "float32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    peer_error = float(report["rule"].split("(")[1].split(")")[0])
+    assert report["rule"].startswith("|raw logit - reference| <= 1.5 x transformers bfloat16's")
+    assert report["max_score_diff"] == pytest.approx(allowed_score_error(peer_error), rel=1e-3)
+    assert peer_error > 1e-4  # bf16 rounding: the float32 bar would be the wrong test
+    (row,) = report["rows"]
+    assert row["passed"] and row["chunked"] > 0 and row["max_abs_diff"] <= report["max_score_diff"]
+    assert allowed_score_error(0.0) == 1e-5
+
+
+def test_parity_says_when_no_document_fits_beside_the_rerankers_prompt(qwen3_reranker_path, capsys):
+    args = ["parity", "--model", str(qwen3_reranker_path), "--max-model-len", "64"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no built-in document fits with the query in max_model_len 64" in err, err

@@ -82,6 +82,16 @@ def pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
     raise ParityError(f"unknown pooling {pooling!r}")
 
 
+def exact_attention(deployment: Deployment) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that make transformers compute the checkpoint's
+    whole attention math: Gemma2 soft-caps attention logits (50 unless its config says), which
+    transformers' default (sdpa) attention ignores and its eager attention applies."""
+    hf = deployment.folder.hf_config
+    if hf.get("model_type") == "gemma2" or hf.get("attn_logit_softcapping") is not None:
+        return {"attn_implementation": "eager"}
+    return {}
+
+
 def _require(module: str, why: str):
     try:
         return importlib.import_module(module)
@@ -99,12 +109,8 @@ def _transformers_reference(
     import torch
 
     path = str(deployment.folder.path)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = exact_attention(deployment)
     hf = deployment.folder.hf_config
-    if hf.get("model_type") == "gemma2" or hf.get("attn_logit_softcapping") is not None:
-        # Gemma2 soft-caps attention logits (50 unless its config says): transformers' default
-        # (sdpa) attention ignores that; its eager attention applies it.
-        kwargs["attn_implementation"] = "eager"
     if deployment.config.attention != "auto":
         # The user named the attention (a checkpoint with remote code, or an override): the
         # reference is transformers' built-in family with that attention.

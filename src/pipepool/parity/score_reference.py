@@ -23,7 +23,14 @@ from ..config import EngineConfig
 from ..errors import PipepoolError
 from ..intake.inputs import TokenSlice
 from ..loading.deployment import Deployment
-from .reference import ParityError, ReferenceOutputs, _dtype_name, _release, _require
+from .reference import (
+    ParityError,
+    ReferenceOutputs,
+    _dtype_name,
+    _release,
+    _require,
+    exact_attention,
+)
 
 
 def score_reference(
@@ -82,7 +89,10 @@ def _transformers(deployment: Deployment, tokens: TokenSlice, device, dtype) -> 
     assert head is not None, "scores come from a classifier"
     path = str(deployment.folder.path)
     auto = "AutoModelForCausalLM" if head.kind == "yes_no" else "AutoModelForSequenceClassification"
-    model = getattr(transformers, auto).from_pretrained(path, dtype=dtype).to(device).eval()
+    model = getattr(transformers, auto).from_pretrained(
+        path, dtype=dtype, **exact_attention(deployment)
+    )
+    model = model.to(device).eval()
     bounds = np.cumsum(tokens.lengths)[:-1]
     ids = np.split(tokens.token_ids, bounds)
     types = np.split(tokens.type_ids, bounds) if tokens.type_ids is not None else None

@@ -58,6 +58,15 @@ class Sweep:
     # Classifiers: largest |engine - reference| per raw logit (None: by dtype, score_sweep.py).
     max_score_diff: float | None = None
 
+    def uses_16bit_rule(self, deployment: Deployment) -> bool:
+        """DESIGN.md §3: a 16-bit engine against a float32 transformers reference is judged by
+        transformers' own 16-bit error (where no fixed threshold was asked for)."""
+        return (
+            self.reference == "transformers"
+            and self.reference_dtype == "float32"
+            and deployment.dtype != torch.float32
+        )
+
     def __post_init__(self) -> None:
         if not self.pps or not self.budgets or not self.poolings:
             raise InvalidInputError("parity needs at least one PP degree, budget and pooling")
@@ -110,7 +119,7 @@ def run_parity(
     if threshold is None:
         threshold = default_min_cosine(deployment.dtype)
     allowed = None  # per pooling and prompt: DESIGN.md §3's bar, where it applies
-    if _floor_rule_applies(sweep, deployment):
+    if sweep.min_cosine is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
         log(f"reference: transformers in {engine_dtype} too, for DESIGN.md §3's bar")
         peer = compute_reference(
@@ -147,17 +156,6 @@ def run_parity(
 def _precision(deployment: Deployment) -> str:
     dtype = str(deployment.dtype).removeprefix("torch.")
     return f"int8 linear layers (dynamic), {dtype} otherwise" if deployment.int8_linears else dtype
-
-
-def _floor_rule_applies(sweep: Sweep, deployment: Deployment) -> bool:
-    """DESIGN.md §3: a 16-bit engine against a float32 transformers reference is judged by
-    transformers' own 16-bit error, unless a fixed ``--min-cosine`` was asked for."""
-    return (
-        sweep.reference == "transformers"
-        and sweep.min_cosine is None
-        and sweep.reference_dtype == "float32"
-        and deployment.dtype != torch.float32
-    )
 
 
 def _run_config(

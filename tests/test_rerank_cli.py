@@ -88,7 +88,9 @@ def test_parity_of_a_soft_capped_reranker_against_transformers_full_attention(tm
     assert all(r["chunked"] > 0 and r["max_abs_diff"] <= 1e-4 for r in report["rows"])
 
 
-def test_bf16_reranker_is_judged_by_transformers_own_bf16_error(qwen3_reranker_path, tmp_path):
+def test_bf16_reranker_is_judged_by_transformers_own_bf16_error(
+    qwen3_reranker_path, tmp_path, capsys
+):
     """DESIGN.md §3 carried to raw logits: a bf16 engine against a float32 reference may be
     off by 1.5x transformers' own largest bf16 error on the same pairs + 1e-5."""
     from pipepool.parity.score_sweep import allowed_score_error
@@ -98,6 +100,7 @@ def test_bf16_reranker_is_judged_by_transformers_own_bf16_error(qwen3_reranker_p
     args += ["--max-num-batched-tokens", "16", "--max-model-len", "256", "--dtype", "bfloat16"]
     assert main([*args, "--reference-dtype", "float32", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert f"pass:      {report['rule']} for every pair" in capsys.readouterr().out
     peer_error = float(report["rule"].split("(")[1].split(")")[0])
     assert report["rule"].startswith("|raw logit - reference| <= 1.5 x transformers bfloat16's")
     assert report["max_score_diff"] == pytest.approx(allowed_score_error(peer_error), rel=1e-3)

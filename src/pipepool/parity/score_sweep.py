@@ -99,7 +99,7 @@ class ScoreReport:
             f"reference: {self.reference}\n"
             f"pairs:     {len(lengths)}, {what} ({min(lengths)}..{max(lengths)} tokens: "
             f"{', '.join(map(str, lengths))})\n"
-            f"pass:      |raw logit - reference| <= {self.rule or self.max_score_diff} for "
+            f"pass:      {self.rule or f'|raw logit - reference| <= {self.max_score_diff}'} for "
             "every pair, ranking as the reference's"
         )
 

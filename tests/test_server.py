@@ -351,8 +351,11 @@ def _server_timing(response: httpx.Response) -> dict[str, float]:
 
 
 def test_server_timing_tells_where_a_request_spent_its_time(server):
+    """A request with over INLINE_SIZE characters to tokenise (and numbers to serialise) goes
+    to a lane's thread for both; a smaller one is tokenised and answered on the event loop."""
     started = time.perf_counter()
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["time me " * 50, "and me"]})
+    inputs = ["time me " * 150, *["and me"] * 16]  # 1,296 characters; 17 x 64 numbers back
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": inputs})
     client_ms = (time.perf_counter() - started) * 1000
     assert r.status_code == 200
     spent = _server_timing(r)
@@ -360,6 +363,11 @@ def test_server_timing_tells_where_a_request_spent_its_time(server):
     assert spent["app"] > 0 and spent["tokenize"] > 0 and spent["engine"] > 0, spent
     assert 0 <= spent["lane"] <= spent["tokenize"]
     assert spent["tokenize"] + spent["engine"] + spent["offload"] <= spent["app"] <= client_ms
+    small = httpx.post(server.url + "/v1/embeddings", json={"input": ["time me " * 50, "and me"]})
+    assert small.status_code == 200
+    spent = _server_timing(small)
+    assert set(spent) == {"app", "tokenize", "engine"}, spent
+    assert spent["tokenize"] + spent["engine"] <= spent["app"]
     # An answer without the engine says only how long the app took.
     assert set(_server_timing(httpx.get(server.url + "/health"))) == {"app"}
     assert set(_server_timing(httpx.post(server.url + "/v1/embeddings", json={}))) == {"app"}

@@ -57,6 +57,12 @@ class Encoded:
 # tokenise in a few milliseconds; a request up to the character bound of a long-context model
 # may take seconds.
 LARGE_REQUEST = 1 << 16
+# At most this many characters (or token ids) to tokenise, or numbers and characters to
+# serialise, and the event loop does it itself: it holds the interpreter's lock already, where
+# a lane's thread would wait for it twice (to start, and to hand the result back) while the
+# threads of other requests, and other models, hold it in turns — the wait is the slowest
+# small requests' time under a flood (BENCHMARKS.md, issue 35); the work is tens of µs.
+INLINE_SIZE = 1024
 # A request of at most this many inputs (TEI's default client batch) may use the last
 # 1/SMALL_REQUEST_RESERVE of the queue, which larger ones may not while others are queued.
 SMALL_REQUEST_INPUTS = 32
@@ -117,21 +123,23 @@ class AsyncEngine:
             # background work) reaches Engine.submit on the tokenising thread.
             context = contextvars.copy_context()
             queued = time.perf_counter()
+            lane = self._lane(texts)
+            if lane is None:  # little to tokenise: here, on the loop (a single slice never waits)
+                submission = submit(engine)
+            else:
 
-            def submit_on_lane(engine: Engine) -> AnySubmission:
-                timing.add("lane", time.perf_counter() - queued)
-                return submit(engine)
+                def submit_on_lane(engine: Engine) -> AnySubmission:
+                    timing.add("lane", time.perf_counter() - queued)
+                    return submit(engine)
 
-            submitting = loop.run_in_executor(
-                self._lane(texts), context.run, submit_on_lane, engine
-            )
-            try:
-                submission = await asyncio.shield(submitting)
-            except asyncio.CancelledError:
-                # Cancelled mid-tokenization: the requests may still be enqueued; abort
-                # them as soon as they are.
-                submitting.add_done_callback(self._abort_when_submitted)
-                raise
+                submitting = loop.run_in_executor(lane, context.run, submit_on_lane, engine)
+                try:
+                    submission = await asyncio.shield(submitting)
+                except asyncio.CancelledError:
+                    # Cancelled mid-tokenization: the requests may still be enqueued; abort
+                    # them as soon as they are.
+                    submitting.add_done_callback(self._abort_when_submitted)
+                    raise
             timing.add("tokenize", time.perf_counter() - queued)
             try:
                 with timing.phase("engine"):
@@ -153,16 +161,19 @@ class AsyncEngine:
         self._admit(n)
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()  # as in ``run``: the call's priority goes along
-        running = loop.run_in_executor(self._lane(texts), context.run, call, engine)
+        lane = self._lane(texts) or self._small  # the call waits for its results: never here
+        running = loop.run_in_executor(lane, context.run, call, engine)
         running.add_done_callback(lambda done: self._release(n, done))
         with timing.phase("engine"):  # its tokenising too: one call on the lane's thread
             return await asyncio.shield(running)
 
     async def offload(self, fn: Callable[[], T], *, size: int = 0) -> T:
         """Run CPU work (e.g. serializing a large response, ``size`` values) off the event
-        loop."""
+        loop; up to ``INLINE_SIZE`` values, on it."""
         pool: ThreadPoolExecutor = self._background
         if not is_background():
+            if size <= INLINE_SIZE:
+                return fn()
             pool = self._large if size > LARGE_REQUEST else self._small
         with timing.phase("offload"):
             return await asyncio.get_running_loop().run_in_executor(pool, fn)
@@ -196,9 +207,9 @@ class AsyncEngine:
         if not done.cancelled():
             done.exception()  # read: a caller that left never will (no "never retrieved")
 
-    def _lane(self, inputs: Sequence) -> ThreadPoolExecutor:
+    def _lane(self, inputs: Sequence) -> ThreadPoolExecutor | None:
         """The pool for a request: background work's, or by how much there is to tokenise (or
-        to check)."""
+        to check); None: so little that the event loop does it (``INLINE_SIZE``)."""
         if is_background():
             return self._background
         size = 0
@@ -206,7 +217,7 @@ class AsyncEngine:
             size += len(x) if isinstance(x, (str, Sequence)) else 1
             if size > LARGE_REQUEST:
                 return self._large
-        return self._small
+        return self._small if size > INLINE_SIZE else None
 
     def _abort(self, submission: AnySubmission) -> None:
         unanswered = submission.num_inputs - submission.num_done

@@ -19,9 +19,10 @@ from pipepool.parity import MIN_COSINE_INT8, Sweep, run_parity
 
 pytestmark = pytest.mark.skipif(not int8_linear.supported(), reason="no int8 kernel here")
 
-# all-MiniLM-L6-v2 on 59 real texts, int8 against float32 (2 Sapphire Rapids cores, torch
-# 2.13): min 0.9855, mean 0.9933. The bars leave a margin below what was measured.
-MINILM_MIN_COSINE, MINILM_MEAN_COSINE = 0.98, 0.99
+# all-MiniLM-L6-v2 on 59 real texts, int8 against float32 (2 AMD EPYC cores, torch 2.13),
+# each token's activations on its own scale: min 0.9918, mean 0.9972 (one scale per tile
+# measured 0.9855 / 0.9933). The bars leave a margin below what was measured.
+MINILM_MIN_COSINE, MINILM_MEAN_COSINE = 0.99, 0.995
 TEXTS = SENTENCES[:50] + long_prompts()
 
 
@@ -39,6 +40,22 @@ def test_int8_linear_agrees_with_fp32_within_int8_rounding():
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert cosine(got.numpy(), want.numpy()).min() > 0.999  # 8-bit rounding of both operands
     assert (got - want).abs().max() < 0.03 * want.abs().max()
+
+
+def test_a_rows_int8_result_does_not_depend_on_the_rows_beside_it():
+    """Each row is quantized on its own range: alone, among others, or beside rows 50x
+    larger (which set a shared tile scale before), its output is the same, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(300, 96, generator=gen), torch.randn(64, 96, generator=gen)
+    weight = int8_linear.pack(w, torch.randn(64, generator=gen))
+    loud = torch.cat([x, 50 * torch.randn(20, 96, generator=gen)])
+    with torch.inference_mode():
+        together = int8_linear.linear(x, weight)
+        alone = torch.cat([int8_linear.linear(x[i : i + 1], weight) for i in range(0, 300, 7)])
+        beside_loud = int8_linear.linear(loud, weight)[:300]
+    assert torch.equal(alone, together[::7])
+    assert torch.equal(beside_loud, together)
+    assert not torch.equal(together, F.linear(x, w, weight.bias))  # int8 really ran
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +77,7 @@ def test_minilm_int8_stays_close_to_fp32_on_real_texts(minilm_vectors, kind):
 
 
 def test_minilm_int8_pp2_equals_pp1(minilm_vectors):
-    # Each stage sees the same tiles as PP=1 does, so the same activation scales.
+    # Each token's activations are quantized on their own scale, on whichever stage.
     assert cosine(minilm_vectors["int8 pp2"], minilm_vectors["int8"]).min() >= 0.99999
 
 

@@ -3,21 +3,24 @@
 Each weight is quantized once, at load, to int8 per output channel (symmetric: scale =
 max |w| / 127, zero point 0) and packed for FBGEMM. At run time
 ``torch.ops.quantized.linear_dynamic`` quantizes the activations to uint8 with one scale and
-zero point per call (the whole [tokens, in] tile), multiplies in int8 with int32
-accumulation (VNNI's ``vpdpbusd``), and returns fp32 with the bias added in fp32. Activation
-functions, residual adds and LayerNorms stay fp32 around it.
+zero point per call, multiplies in int8 with int32 accumulation (VNNI's ``vpdpbusd``), and
+returns fp32. Activation functions, residual adds and LayerNorms stay fp32 around it.
+
+Each row (token) is quantized on its own range: it is divided by its largest magnitude before
+the call, and one more row holding +1 and -1 joins the tile, so the call's scale and zero
+point always span exactly [-1, 1]; the output rows are multiplied back and the bias added in
+fp32. With one scale per tile, a token's result depended on the largest activation of every
+request sharing its step (the worst text's cosine fell from 0.973 to 0.955 when two replicas
+batched passages differently, BENCHMARKS.md issue 36); now a row's result is the same,
+bit for bit, whatever else is in the tile.
 
 Kernel choice, measured on MiniLM shapes (2048 rows; 384 -> 1152, 384, 1536 and 1536 -> 384;
 2 busy Sapphire Rapids cores with AVX512-VNNI and no AMX, torch 2.13): FBGEMM's dynamic
 linear and oneDNN's ``onednn::qlinear_pointwise`` (with its fused epilogues, activations
 quantized by a separate op) were within the machine's noise of each other, 44-48 ms against
-~65 ms for the oneDNN fp32 linears of the same four shapes; per-row activation scales
-(``torch._int_mm`` plus an fp32 epilogue) cost 2-6x more in the epilogue than the GEMM saved.
-FBGEMM's op quantizes its input itself (one call per linear), so it is the one used here.
-
-One scale per tile makes a request's result depend, within int8 rounding, on the activation
-range of the requests that share its tile: int8 is a lossy opt-in judged by a cosine floor
-(``pipepool parity``), not by DESIGN.md §3's batch invariance.
+~65 ms for the oneDNN fp32 linears of the same four shapes; per-row activation scales through
+``torch._int_mm`` plus an fp32 epilogue cost 2-6x more in the epilogue than the GEMM saved,
+hence the rows scaled around FBGEMM's op instead.
 
 ``reduce_range=False``: with VNNI the uint8 x int8 products accumulate in int32 directly; CPUs
 without it pair them in saturating int16 sums, which :func:`supported` detects (a batch built
@@ -30,6 +33,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,8 @@ import torch.nn.functional as F
 # magnitude: measured 1.1% (random batch) and 0.1% (saturating batch) with VNNI; clipped int16
 # sums without it are off by far more.
 _CHECK_RTOL = 0.03
+# Below this largest magnitude a row is taken as zero (its scale, so as not to divide by 0).
+_TINY = 1e-30
 
 
 @functools.cache
@@ -58,27 +64,45 @@ def _quantized_engine(name: str) -> Iterator[None]:
         torch.backends.quantized.engine = before
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.ScriptObject:
-    """``weight`` [out, in] as per-channel symmetric int8, packed with ``bias`` (kept fp32) for
-    :func:`linear`. An extra copy, a quarter of the fp32 weight's size."""
+class Int8Weight(NamedTuple):
+    """A linear layer's weight packed for FBGEMM as per-channel symmetric int8 (no bias), and
+    its bias in fp32 (None: none)."""
+
+    packed: torch.ScriptObject
+    bias: torch.Tensor | None
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Weight:
+    """``weight`` [out, in] as per-channel symmetric int8, packed for :func:`linear`, and
+    ``bias`` kept fp32. An extra copy, a quarter of the fp32 weight's size."""
     name = engine()
     assert name is not None, "check supported() first"
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12)  # [out]
     q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
     zero = torch.zeros(w.shape[0], dtype=torch.long)
-    b = bias.detach().float() if bias is not None else None
+    b = bias.detach().float().contiguous() if bias is not None else None
     with warnings.catch_warnings(), _quantized_engine(name):
         # The quantized-tensor constructors warn that they are deprecated; the packed weight
         # is their only use, and supported() fails (the engine refuses int8) once they go.
         warnings.simplefilter("ignore", UserWarning)
         qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-        return torch.ops.quantized.linear_prepack(qweight, b)
+        return Int8Weight(torch.ops.quantized.linear_prepack(qweight, None), b)
 
 
-def linear(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    """x @ W.T + bias for fp32 ``x`` [T, in] -> fp32 [T, out], int8 inside."""
-    return torch.ops.quantized.linear_dynamic(x, packed, False)
+def linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x @ W.T + bias for fp32 ``x`` [T, in] -> fp32 [T, out], int8 inside, each row quantized
+    on its own scale (module docstring)."""
+    rows = x.shape[0]
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY)  # [T, 1]
+    tile = x.new_empty(rows + 1, x.shape[1])
+    torch.div(x, scale, out=tile[:rows])
+    tile[rows] = 0.0
+    tile[rows, 0], tile[rows, 1] = 1.0, -1.0  # (module docstring)
+    y = torch.ops.quantized.linear_dynamic(tile, weight.packed, False)[:rows]
+    if weight.bias is None:
+        return y.mul_(scale)
+    return torch.addcmul(weight.bias, y, scale)
 
 
 @functools.cache

@@ -109,12 +109,12 @@ def post_attention_fused(
 
 
 class Int8Linears(NamedTuple):
-    """A BERT layer's four projections packed as int8 (layers/int8_linear.py), biases inside."""
+    """A BERT layer's four projections packed as int8 (layers/int8_linear.py)."""
 
-    qkv: torch.ScriptObject
-    attn_out: torch.ScriptObject
-    ffn_in: torch.ScriptObject
-    ffn_out: torch.ScriptObject
+    qkv: int8_linear.Int8Weight
+    attn_out: int8_linear.Int8Weight
+    ffn_in: int8_linear.Int8Weight
+    ffn_out: int8_linear.Int8Weight
 
 
 def post_attention_int8(

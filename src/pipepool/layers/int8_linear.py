@@ -94,7 +94,8 @@ def linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x @ W.T + bias for fp32 ``x`` [T, in] -> fp32 [T, out], int8 inside, each row quantized
     on its own scale (module docstring)."""
     rows = x.shape[0]
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY)  # [T, 1]
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # max |x|, [T, 1]
+    scale.clamp_(min=_TINY)
     tile = x.new_empty(rows + 1, x.shape[1])
     torch.div(x, scale, out=tile[:rows])
     tile[rows] = 0.0

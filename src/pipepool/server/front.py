@@ -111,17 +111,14 @@ class AsyncEngine:
         self, n: int, submit: Callable[[Engine], AnySubmission], texts: Sequence = ()
     ) -> Encoded:
         """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on a tokenising
-        lane chosen by the size of ``texts`` (what it will tokenise), then wait for its
+        lane chosen by the size of ``texts`` (what it will tokenise; on the event loop itself
+        up to ``INLINE_SIZE``), then wait for its
         results. Raises QueueFullError (past ``max_queued``), and what ``submit`` or the engine
         raise (InvalidInputError, EngineDeadError, ...); cancelling the caller aborts whatever
         was enqueued."""
         engine = self.engine
         self._admit(n)
         try:
-            loop = asyncio.get_running_loop()
-            # In this task's context, so that what marks the call (``api.priority``'s
-            # background work) reaches Engine.submit on the tokenising thread.
-            context = contextvars.copy_context()
             queued = time.perf_counter()
             lane = self._lane(texts)
             if lane is None:  # little to tokenise: here, on the loop (a single slice never waits)
@@ -132,6 +129,10 @@ class AsyncEngine:
                     timing.add("lane", time.perf_counter() - queued)
                     return submit(engine)
 
+                # In this task's context, so that what marks the call (``api.priority``'s
+                # background work) reaches Engine.submit on the tokenising thread.
+                context = contextvars.copy_context()
+                loop = asyncio.get_running_loop()
                 submitting = loop.run_in_executor(lane, context.run, submit_on_lane, engine)
                 try:
                     submission = await asyncio.shield(submitting)

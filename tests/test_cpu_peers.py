@@ -41,6 +41,13 @@ def test_cpu_peers_every_fp32_system_matches_sentence_transformers(model, reques
     for s in systems.values():
         assert s["texts_per_s"] > 0 and len(s["texts_per_s_by_round"]) == 1
     assert [systems[n]["batch_size"] for n in SYSTEMS] == [None, 4, 4, 4]
+    # The fp32 ceiling (commands/cpu_ceiling.py): every system's rate in model GFLOP/s beside it.
+    bound = row["fp32_ceiling"]
+    assert bound["texts_per_s"] > 0 and bound["gemm_gflops"] > 0
+    assert bound["model_flops"] >= bound["linear_flops"] > 0
+    for s in systems.values():
+        expected = bound["model_flops"] / 1e9 / row["texts"] * s["texts_per_s"]
+        assert abs(s["model_gflops"] - expected) <= 0.05 + 1e-3 * expected, s
 
 
 def test_cpu_peers_refuses_token_id_workloads(capsys):

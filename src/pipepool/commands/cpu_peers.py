@@ -15,7 +15,9 @@ for the engine and sentence-transformers, ``intra_op_num_threads`` for ONNX Runt
 runs at its best batch size of ``--peer-batch-sizes`` (timed on a sample of the texts); then
 every round times each system once over all the texts, the order rotated a step each round so
 that no system always runs right after the same one. The figure is the median of the rounds
-(``--passes``). The ONNX packages come with the ``bench-cpu`` extra.
+(``--passes``). Each system's rate is also given in model GFLOP/s, beside the fp32 ceiling of
+the workload on this machine (``cpu_ceiling``). The ONNX packages come with the ``bench-cpu``
+extra.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from ..api.engine import Engine
 from ..config import DTYPES
 from .common import engine_config
+from .cpu_ceiling import GEMM_ROWS, Ceiling, ceiling
 from .workloads import make_texts, vocabulary_words, write_json
 
 PEERS = ("st", "ort", "ort-int8")
@@ -159,7 +162,8 @@ def bench_workload(workload: str, threads: int, args: argparse.Namespace) -> dic
         texts = make_texts(workload, words, requests=args.requests)
         st = reference_model(d.folder.path, d.pooling, d.max_model_len)
         tokenizer = text_tokenizer(d.folder.tokenizer_file, st)
-        tokens = sum(sum(e.attention_mask) for e in tokenizer.encode_batch(texts))  # no pads
+        lengths = [sum(e.attention_mask) for e in tokenizer.encode_batch(texts)]  # no pads
+        tokens = sum(lengths)
         say(f"{len(texts):,} texts, {tokens:,} tokens, {threads} threads")
         systems = [System(f"pipepool {dtype}", e.embed) for dtype, e in engines.items()]
         for system in systems:  # first calls: allocations, oneDNN's weight packing
@@ -169,11 +173,14 @@ def bench_workload(workload: str, threads: int, args: argparse.Namespace) -> dic
         for name, encode in peers.items():
             systems.append(pick_batch_size(name, encode, sample, args.peer_batch_sizes, say))
         alternate(systems, texts, args.passes, say)
+        say("timing this machine's fp32 GEMMs at the model's shapes (the ceiling)")
+        bound = ceiling(d, lengths, threads)
         named = {s.name: s.vectors for s in systems}
         reference = named.get("sentence-transformers")
         if reference is None:  # not timed: its vectors are still the reference
             reference = st.encode(texts, batch_size=32, convert_to_numpy=True)
-    return make_row(d.folder.path.name, workload, texts, tokens, threads, systems, reference)
+    row = make_row(d.folder.path.name, workload, texts, tokens, threads, systems, reference)
+    return add_ceiling(row, bound)
 
 
 def _peer_encoders(
@@ -385,6 +392,21 @@ def make_row(
     }
 
 
+def add_ceiling(row: dict, bound: Ceiling) -> dict:
+    """``row`` with each system's model GFLOP/s and the fp32 ceiling (``cpu_ceiling``)."""
+    for s in row["systems"]:
+        s["model_gflops"] = round(bound.gflops_of(s["texts_per_s"]), 1)
+    row["fp32_ceiling"] = {
+        "gemm_gflops": round(bound.gemm_flops_per_s / 1e9, 1),
+        "gemm_how": bound.how,
+        "gemm_rows": GEMM_ROWS,
+        "model_flops": bound.model_flops,
+        "linear_flops": bound.linear_flops,
+        "texts_per_s": round(bound.texts_per_s, 1),
+    }
+    return row
+
+
 def _cosines(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
@@ -395,8 +417,8 @@ def print_table(row: dict) -> None:
         f"{row['model']} {row['workload']}: {row['texts']:,} texts, {row['tokens']:,} tokens, "
         f"{row['threads']} threads, median of {row['rounds']} rounds"
     )
-    heads = ("system", "batch", "texts/s", "pipepool/it", "min cos", "mean cos")
-    widths = (24, 6, 10, 12, 10, 10)
+    heads = ("system", "batch", "texts/s", "pipepool/it", "min cos", "mean cos", "GFLOP/s")
+    widths = (24, 6, 10, 12, 10, 10, 8)
     print(" ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)))
     for s in row["systems"]:
         cells = (
@@ -406,6 +428,16 @@ def print_table(row: dict) -> None:
             s["pipepool_ratio"],
             f"{s['min_cosine_vs_st_fp32']:.6f}",
             f"{s['mean_cosine_vs_st_fp32']:.6f}",
+            s.get("model_gflops", "-"),
         )
         print(" ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)))
+    bound = row.get("fp32_ceiling")
+    if bound:
+        print(
+            f"fp32 ceiling: {bound['texts_per_s']} texts/s: the linear layers' "
+            f"{bound['linear_flops'] / 1e9:.1f} GFLOP (of the model's "
+            f"{bound['model_flops'] / 1e9:.1f}) at this "
+            f"machine's best fp32 GEMM, {bound['gemm_gflops']} GFLOP/s ({bound['gemm_how']}, "
+            f"{bound['gemm_rows']} rows, the model's shapes)"
+        )
     sys.stdout.flush()

@@ -406,6 +406,15 @@ def flops_per_token(family: Family, checkpoint: Checkpoint) -> float:
     return max(2.0 * params, 1.0)
 
 
+def linear_weight_shapes(family: Family, checkpoint: Checkpoint) -> list[tuple[int, ...]]:
+    """The shape of each 2-D weight ``flops_per_token`` counts: the model's matmuls."""
+    return [
+        tuple(e.shape)
+        for name, e in checkpoint.entries.items()
+        if len(e.shape) == 2 and not family.ignored.match(name) and not _is_embedding(name)
+    ]
+
+
 def _is_embedding(name: str) -> bool:
     """A lookup table, not a matmul (T5 calls its token embedding ``shared``)."""
     return "embed" in name or name == "shared.weight" or "relative_attention_bias" in name

@@ -324,8 +324,6 @@ def test_memory_plan_that_does_not_fit_is_refused_with_its_numbers(minilm_path):
         (["--model", "a={m}"], "[models.b]\nmodel = '{m}'\ncolour = 'red'\n",
          "unknown option(s) colour"),
         ([], "[models.b]\naliases = ['c']\n", "needs model = \"PATH\""),
-        (["--model", "a={m}", "--api-server-count", "2"], "[models.b]\nmodel = '{m}'\n",
-         "--api-server-count above 1 serves one model"),
         (["--model", "a={m}"], "[models.b]\nmodel = '{m}'\nmax_queued_requests = 3\n",
          "max_queued_requests=3 must be an integer of at least"),
     ],

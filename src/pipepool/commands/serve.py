@@ -122,8 +122,8 @@ def add_parser(sub, help: str) -> None:
         "--max-queued-requests",
         type=int,
         default=S.max_queued_requests,
-        help="inputs in progress over all clients, per model; a request that would exceed its "
-        "model's gets 429 (default 16384)",
+        help="inputs in progress over all clients, per model (and per front-end process with "
+        "--api-server-count); a request that would exceed its model's gets 429 (default 16384)",
     )
     add_env_argument(
         g,
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     specs = model_specs(args)  # checked now: a bad flag fails before anything starts
     env_ranks = torchrun_env()
     if len(specs) > 1:
-        _check_several(specs, args, under_torchrun=env_ranks is not None)
+        _check_several(specs, under_torchrun=env_ranks is not None)
     config = specs[0].config
     if args.api_server_count > 1:
         _check_api_servers(config, under_torchrun=env_ranks is not None)
@@ -334,9 +334,8 @@ def run(args: argparse.Namespace) -> int:
         except BaseException:
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        names = specs[0].names
         api_servers = ApiServers(
-            settings, config, names, socket_dir, sockets[0], announce.api_ready
+            settings, _api_models(specs, socket_dir), sockets[0], announce.api_ready
         )
         server.on_shutdown = api_servers.begin_stop
         announce.wait_for_api_servers(settings.api_server_count - 1)
@@ -381,38 +380,39 @@ def run(args: argparse.Namespace) -> int:
 def _served_models(specs: list[ModelSpec], socket_dir: str | None):
     """Each model's engine owner and front end (its own queue). Several models run each in
     processes of its own (replicas, at --dp 1 too): one dying restarts without the others; each
-    has a tokenizer helper process for its large batches."""
+    has a tokenizer helper process for its large batches. With ``socket_dir`` (more API server
+    processes) model i's replicas listen in ``model_socket_dir(socket_dir, i)``."""
     from ..api.engine import Engine
-    from ..intake.tokenizer_process import TokenizerProcess
     from ..replicas.pipeline import ReplicaPipeline
+    from ..server.api_servers import model_socket_dir
     from ..server.front import AsyncEngine
     from ..server.models import ModelNames, ServedModel, ServedModels
-    from ..server.owner import EngineOwner
+    from ..server.owner import EngineOwner, model_engine
 
-    def apart(config) -> Engine:
-        # Beside other models, its large batches are tokenised in a process of its own too:
-        # they would hold up the others' requests in this one (``intake.tokenizer_process``).
-        engine = Engine.from_config(config, ReplicaPipeline(config, socket_dir))
-        tokenizer = engine.inputs.tokenizer
-        try:
-            tokenizer.use_helper(TokenizerProcess(tokenizer.file))
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-
+    several = len(specs) > 1
     out = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         config = spec.config
-        if len(specs) > 1:
-            build = lambda c=config: apart(c)  # noqa: E731
-        elif socket_dir is not None:
-            build = lambda c=config: Engine.from_config(c, ReplicaPipeline(c, socket_dir))  # noqa: E731
+        if several or socket_dir is not None:
+            where = None if socket_dir is None else model_socket_dir(socket_dir, i)
+            build = lambda c=config, w=where: model_engine(  # noqa: E731
+                c, ReplicaPipeline(c, w), tokenizer_process=several
+            )
         else:
             build = lambda c=config: Engine.from_config(c)  # noqa: E731
         front = AsyncEngine(EngineOwner(build), max_queued=spec.max_queued_requests)
         out.append(ServedModel(ModelNames(spec.names, spec.tasks), front))
     return ServedModels(out)
+
+
+def _api_models(specs: list[ModelSpec], socket_dir: str):
+    """What the other front-end processes serve: each model, and where its replicas listen."""
+    from ..server.api_servers import ApiModel, model_socket_dir
+
+    return [
+        ApiModel(s.names, s.tasks, s.config, s.max_queued_requests, model_socket_dir(socket_dir, i))
+        for i, s in enumerate(specs)
+    ]
 
 
 def _on_failure(owner, stop_serving, *, alone: bool):
@@ -449,19 +449,13 @@ def _ready_line(specs: list[ModelSpec], url: str) -> str:
     return f"ready: models {', '.join(spec.name for spec in specs)} {where}"
 
 
-def _check_several(specs: list[ModelSpec], args, *, under_torchrun: bool) -> None:
+def _check_several(specs: list[ModelSpec], *, under_torchrun: bool) -> None:
     from ..errors import InvalidInputError
 
     if under_torchrun:
         raise InvalidInputError(
             "several models run each in processes of its own on this host; under torchrun "
             "serve one model", param="model",
-        )  # fmt: skip
-    if args.api_server_count > 1:
-        raise InvalidInputError(
-            "--api-server-count above 1 serves one model: its other front ends connect to that "
-            "model's replicas. Several models are served by one front-end process",
-            param="api_server_count",
         )  # fmt: skip
     for spec in specs:
         if spec.config.trace:

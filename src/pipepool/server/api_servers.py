@@ -5,8 +5,10 @@ GIL; on a small model that process, not the GPUs, sets the server's throughput (
 BENCHMARKS.md: about 0.6M tokens/s of short queries with one core busy). With K > 1 the main
 process binds the port and owns the replicas (their processes, restarts and placement), and
 K - 1 processes started here serve on the same listening socket (the kernel hands each new
-connection to one of the processes waiting to accept), each linked to every replica
-(``replicas/shared.py``).
+connection to one of the processes waiting to accept), each linked to every replica of every
+served model (``replicas/shared.py``; model i's replicas listen in ``model_socket_dir``). Each
+front end keeps its own queue per model (``--max-queued-requests``, a model's
+``max_queued_requests``): a model's 429 is decided by the process that took the request.
 
 Each process is watched: one that dies is started again after a backoff (bounded as a
 replica's restarts are); on shutdown each is sent SIGTERM, drains its requests as the main
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import EngineConfig
@@ -37,13 +39,32 @@ log = logging.getLogger("pipepool.server")
 
 
 @dataclass(frozen=True)
+class ApiModel:
+    """One model the front ends serve: what clients call it and what it is offered for
+    (``server.models.ModelNames``), its engine config and queue limit, and where its replicas
+    listen (``model_socket_dir``; ``replicas.pipeline.replica_socket`` in it)."""
+
+    names: tuple[str, ...]
+    tasks: tuple[str, ...] | None
+    config: EngineConfig
+    max_queued_requests: int
+    socket_dir: str
+
+
+@dataclass(frozen=True)
 class ApiServerSpec:
     """What one more front-end process is told (pickled to its stdin)."""
 
     settings: ServerSettings  # api_server_index says which one it is
-    config: EngineConfig
-    names: tuple[str, ...]  # what clients call the model (server.models.ModelNames)
-    socket_dir: str  # where the replicas listen (replicas.pipeline.replica_socket)
+    models: tuple[ApiModel, ...]
+
+
+def model_socket_dir(root: str, index: int) -> str:
+    """The directory, made if missing, in which the ``index``-th served model's replicas listen,
+    under ``root`` (a directory only this user can enter)."""
+    path = os.path.join(root, f"model-{index}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
 
 
 class ApiServers:
@@ -53,20 +74,19 @@ class ApiServers:
     def __init__(
         self,
         settings: ServerSettings,
-        config: EngineConfig,
-        names: tuple[str, ...],
-        socket_dir: str,
+        models: Sequence[ApiModel],
         sock: socket.socket,
         on_ready: Callable[[], None] = lambda: None,
     ) -> None:
-        self._settings, self._config, self._socket_dir = settings, config, socket_dir
-        self._names = names
+        self._settings, self._models = settings, tuple(models)
         self._sock = sock
         self._on_ready = on_ready
         self._indices = range(1, settings.api_server_count)
         self._procs: dict[int, subprocess.Popen] = {}
         self._serving: set[int] = set()
-        self._policies = {i: RestartPolicy(config.stage_restarts) for i in self._indices}
+        # Bounded as the first model's replicas' restarts are (--stage-restarts).
+        restarts = self._models[0].config.stage_restarts
+        self._policies = {i: RestartPolicy(restarts) for i in self._indices}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._announced = False
@@ -107,12 +127,7 @@ class ApiServers:
         fd = self._sock.fileno()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        spec = ApiServerSpec(
-            replace(self._settings, api_server_index=index),
-            self._config,
-            self._names,
-            self._socket_dir,
-        )
+        spec = ApiServerSpec(replace(self._settings, api_server_index=index), self._models)
         with self._lock:
             if self._stopping.is_set():
                 os.close(ready_r)

@@ -1,8 +1,9 @@
 """One more HTTP front-end process of ``pipepool serve --api-server-count K`` (``api_servers``).
 
 ``python -m pipepool.server.api_worker SOCKET_FD READY_FD``, its ``ApiServerSpec`` pickled on
-stdin. It links to every replica (``replicas.shared.SharedReplicas``, waiting until they
-serve), and only then starts accepting connections on the inherited listening socket: a
+stdin. It links to every replica of every model (``replicas.shared.SharedReplicas``, waiting
+until they serve; beside other models each has a tokenizer helper process here too, as in the
+main process), and only then starts accepting connections on the inherited listening socket: a
 process still loading never takes a connection the others could answer. It writes one byte to
 READY_FD once it serves. SIGTERM or Ctrl-C: it drains its requests as the main process does,
 then hangs up on the replicas (the main process stops them).
@@ -32,22 +33,26 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: os._exit(0))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
-    from ..api.engine import Engine
     from ..replicas.shared import SharedReplicas
     from ..runtime.collector import QuietCollections, freeze_startup_objects
     from .front import AsyncEngine
     from .logs import log_config
-    from .models import ServedModels
+    from .models import ModelNames, ServedModel, ServedModels
     from .online_gate import GATE
-    from .owner import EngineOwner
+    from .owner import EngineOwner, model_engine
     from .uvicorn_server import build_server
 
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
-    owner = EngineOwner(
-        lambda: Engine.from_config(spec.config, SharedReplicas(spec.config, spec.socket_dir))
-    )
-    front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
+    several = len(spec.models) > 1
+    models = []
+    for m in spec.models:
+        build = lambda m=m: model_engine(  # noqa: E731
+            m.config, SharedReplicas(m.config, m.socket_dir), tokenizer_process=several
+        )
+        front = AsyncEngine(EngineOwner(build), max_queued=m.max_queued_requests)
+        models.append(ServedModel(ModelNames(m.names, m.tasks), front))
+    served = ServedModels(models)
 
     def serving() -> None:
         os.write(ready_fd, b"r")
@@ -57,19 +62,22 @@ def main(argv: list[str] | None = None) -> None:
         freeze_startup_objects()
         QuietCollections(quiet=GATE.settled).start()
 
-    server = build_server(settings, ServedModels.one(front, spec.names), logs, on_started=serving)
+    server = build_server(settings, served, logs, on_started=serving)
 
     def stop_serving(_exc: BaseException) -> None:
         server.should_exit = True
 
-    owner.start(on_failure=stop_serving)
-    owner.loaded.wait()
-    if owner.error is not None:
-        logging.getLogger("pipepool.server").error(
-            "API server %d could not link to the replicas: %s", settings.api_server_index,
-            owner.error,
-        )  # fmt: skip
-        os._exit(1)
+    for model in served:
+        model.front.owner.start(on_failure=stop_serving)
+    for model in served:
+        owner = model.front.owner
+        owner.loaded.wait()
+        if owner.error is not None:
+            logging.getLogger("pipepool.server").error(
+                "API server %d could not link to the replicas of %s: %s",
+                settings.api_server_index, model.name, owner.error,
+            )  # fmt: skip
+            os._exit(1)
     # uvicorn installs its own SIGINT/SIGTERM handlers (drain, then return) in run(), and
     # re-raises the signal afterwards with the handler it found: that one must do nothing.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -77,8 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run(sockets=[socket.socket(fileno=sock_fd)])
     finally:
-        front.close()
-        owner.close()
+        for model in served:
+            model.front.close()
+        for model in served:
+            model.front.owner.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if server.started else 1)

@@ -63,3 +63,21 @@ class EngineOwner:
         log.error("the engine failed and cannot recover: %s", cause)
         self.error = cause
         self._on_failure(cause)
+
+
+def model_engine(config, pipeline, *, tokenizer_process: bool) -> Engine:
+    """The engine of one served model over ``pipeline`` (its replicas, owned or linked to).
+    ``tokenizer_process``: beside other models, its large batches are tokenised in a helper
+    process of its own (``intake.tokenizer_process``): in this one they would hold up the other
+    models' requests."""
+    from ..intake.tokenizer_process import TokenizerProcess
+
+    engine = Engine.from_config(config, pipeline)
+    if tokenizer_process:
+        tokenizer = engine.inputs.tokenizer
+        try:
+            tokenizer.use_helper(TokenizerProcess(tokenizer.file))
+        except BaseException:
+            engine.close()
+            raise
+    return engine

@@ -91,7 +91,7 @@ def best_gemm_rate(shapes: list[tuple[int, int]], threads: int) -> tuple[float, 
 
 
 def _libraries() -> dict[str, Callable[[int, int], Callable[[], object]]]:
-    out = {"F.linear (MKL)": _plain}
+    out: dict[str, Callable[[int, int], Callable[[], object]]] = {"F.linear (MKL)": _plain}
     if cpu_linear.packs(torch.float32):
         out["oneDNN packed"] = _packed
     return out

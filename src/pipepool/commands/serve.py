@@ -390,16 +390,17 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None):
     from ..server.owner import EngineOwner, model_engine
 
     several = len(specs) > 1
+
+    def builder(config, where: str | None) -> Callable[[], Engine]:
+        if not several and socket_dir is None:
+            return lambda: Engine.from_config(config)
+        pipeline = lambda: ReplicaPipeline(config, where)  # noqa: E731
+        return lambda: model_engine(config, pipeline(), tokenizer_process=several)
+
     out = []
     for i, spec in enumerate(specs):
-        config = spec.config
-        if several or socket_dir is not None:
-            where = None if socket_dir is None else model_socket_dir(socket_dir, i)
-            build = lambda c=config, w=where: model_engine(  # noqa: E731
-                c, ReplicaPipeline(c, w), tokenizer_process=several
-            )
-        else:
-            build = lambda c=config: Engine.from_config(c)  # noqa: E731
+        where = None if socket_dir is None else model_socket_dir(socket_dir, i)
+        build = builder(spec.config, where)
         front = AsyncEngine(EngineOwner(build), max_queued=spec.max_queued_requests)
         out.append(ServedModel(ModelNames(spec.names, spec.tasks), front))
     return ServedModels(out)

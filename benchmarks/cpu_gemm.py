@@ -12,11 +12,11 @@ add (``layers/cpu_linear.py``, what the engine runs for every projection), ``F.l
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pipepool.commands.cpu_ceiling import seconds
 from pipepool.layers import cpu_linear
 
 # (in, out) of each projection: q|k|v, attention output, FFN in (gate|up), FFN out (down)
@@ -24,15 +24,6 @@ SHAPES = {
     "minilm": ((384, 1152), (384, 384), (384, 1536), (1536, 384)),
     "qwen3-0.6b": ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)),
 }
-
-
-def seconds(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def rates(m: int, k: int, n: int) -> str:
@@ -48,7 +39,7 @@ def rates(m: int, k: int, n: int) -> str:
         "addmm": lambda: torch.addmm(b, x, w_t),
     }
     gflop = 2 * m * k * n / 1e9
-    return " | ".join(f"{name} {gflop / seconds(fn):.0f}" for name, fn in ways.items())
+    return " | ".join(f"{name} {gflop / seconds(fn, repeats=20):.0f}" for name, fn in ways.items())
 
 
 def main() -> None:

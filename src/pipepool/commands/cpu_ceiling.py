@@ -80,9 +80,9 @@ def best_gemm_rate(shapes: list[tuple[int, int]], threads: int) -> tuple[float, 
         for n, scale in layouts:
             torch.set_num_threads(n)
             for library, make in _libraries().items():
-                seconds = sum(c * _seconds(make(*s)) for s, c in counts.items())
+                spent = sum(c * seconds(make(*s)) for s, c in counts.items())
                 work = sum(c * 2.0 * GEMM_ROWS * s[0] * s[1] for s, c in counts.items())
-                rate = scale * work / seconds
+                rate = scale * work / spent
                 layout = f"{threads} x 1 thread" if scale > 1 else f"{n} thread" + "s" * (n > 1)
                 best = max(best, (rate, f"{library}, {layout}"))
     finally:
@@ -115,11 +115,12 @@ def _operands(out_features: int, in_features: int):
     return x, w, torch.zeros(out_features)
 
 
-def _seconds(fn: Callable[[], object]) -> float:
+def seconds(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
+    """Mean wall seconds of one ``fn()`` over ``repeats`` calls, after two warm-up calls."""
     with torch.inference_mode():
         for _ in range(2):
             fn()
         start = time.perf_counter()
-        for _ in range(_REPEATS):
+        for _ in range(repeats):
             fn()
-        return (time.perf_counter() - start) / _REPEATS
+        return (time.perf_counter() - start) / repeats

@@ -49,20 +49,6 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
 
 
 @dataclass(frozen=True)
-class GpuNeighbours:
-    """Where one served model's pipelines find the board of the models sharing its GPUs
-    (``driver/shared_gpu.py``), their own slot on it, and the slots of the other models with a
-    pipeline on one of their GPUs (never empty)."""
-
-    board: str  # the board's file
-    slot: int
-    neighbours: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        assert self.neighbours and self.slot not in self.neighbours, (self.slot, self.neighbours)
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Options shared by every front end (API, CLI, server). Frozen: one engine, one config."""
 
@@ -184,17 +170,6 @@ class EngineConfig:
         "its loop thread is not kept waiting by threads that submit; 0 leaves it alone",
     )
     compile: bool | None = option(None, "torch.compile the layers (default: on for CUDA)")
-    # Models of one server sharing a GPU (driver/shared_gpu.py): while another model's pipeline
-    # on one of this model's GPUs has work, this model's steps hold at most this many tokens, so
-    # a small model's request waits behind a short step of a flooded neighbour, not a long one.
-    shared_gpu_step_tokens: int = option(
-        4096,
-        "beside other models on one GPU: while another of them has work, this model's steps "
-        "hold at most N tokens (0: its whole budget always)",
-        serve_only=True,
-    )
-    # Set by ``pipepool serve`` for a model with neighbours on its GPUs: the board they share.
-    gpu_neighbours: GpuNeighbours | None = option(None, "", cli=False)
     # CUDA graphs replay a step's kernels without launching them one by one from Python:
     # captured per padded token count, the first time a step of that size runs.
     cuda_graphs: bool | None = option(
@@ -238,11 +213,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
-        steps = self.shared_gpu_step_tokens
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise InvalidInputError(
-                "shared_gpu_step_tokens must be an integer >= 0", param="shared_gpu_step_tokens"
-            )
         if not 0 <= self.switch_interval_ms <= 1000:
             raise InvalidInputError(
                 "switch_interval_ms must be between 0 and 1000", param="switch_interval_ms"

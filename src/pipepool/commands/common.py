@@ -109,21 +109,14 @@ def add_engine_args(
     *,
     skip: tuple[str, ...] = (),
     own_defaults: dict[str, str] | None = None,
-    serving: bool = False,
 ) -> None:
     """One flag per ``EngineConfig`` option offered on the command line (its metadata says
     how); ``skip`` names fields a command defines its own way (``parity`` takes lists of PP
     degrees, budgets and poolings), ``own_defaults`` the default a command chooses itself
-    for an option, as its help should say it; ``serving``: the server's own options too
-    (``serve_only``). A flag left out keeps the config's own default."""
+    for an option, as its help should say it. A flag left out keeps the config's own
+    default."""
     g = parser.add_argument_group("engine")
-    offered = [
-        f
-        for f in fields(EngineConfig)
-        if f.metadata.get("cli")
-        and f.name not in skip
-        and (serving or not f.metadata.get("serve_only"))
-    ]
+    offered = [f for f in fields(EngineConfig) if f.metadata.get("cli") and f.name not in skip]
     parser.set_defaults(engine_options=tuple(f.name for f in offered))
     for f in offered:
         meta = f.metadata

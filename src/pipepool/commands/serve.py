@@ -239,7 +239,7 @@ def add_parser(sub, help: str) -> None:
         default=True,
         help="log every request (default: on)",
     )
-    add_engine_args(p, skip=("model",), serving=True)
+    add_engine_args(p, skip=("model",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -438,39 +438,7 @@ def _planned(specs: list[ModelSpec]) -> list[ModelSpec]:
 
     plan = plan_memory([(spec.name, spec.config) for spec in specs])
     log.info("%s", plan.describe())
-    configs = _gpu_neighbours(plan.models)
-    return [replace(spec, config=c) for spec, c in zip(specs, configs, strict=True)]
-
-
-def _gpu_neighbours(models) -> list:
-    """The planned models' configs; those sharing a GPU with others are told of their
-    neighbours and of the board they share (``driver.shared_gpu``), in a folder of its own that
-    goes when this process exits."""
-    import atexit
-    import os
-
-    from ..config import GpuNeighbours
-    from ..driver.shared_gpu import create_board, plan_neighbours
-
-    neighbours = plan_neighbours([m.devices for m in models])
-    if not any(neighbours):
-        return [m.config for m in models]
-    folder = tempfile.mkdtemp(prefix="pipepool-gpus-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    board = os.path.join(folder, "board")
-    create_board(board, len(models))
-    out = []
-    for i, (m, theirs) in enumerate(zip(models, neighbours, strict=True)):
-        if not theirs:
-            out.append(m.config)
-            continue
-        out.append(m.config.replace(gpu_neighbours=GpuNeighbours(board, i, theirs)))
-        if m.config.shared_gpu_step_tokens:
-            log.info(
-                "%s shares a GPU with %s: its steps hold at most %d tokens while they have work",
-                m.name, ", ".join(models[j].name for j in theirs), m.config.shared_gpu_step_tokens,
-            )  # fmt: skip
-    return out
+    return [replace(spec, config=m.config) for spec, m in zip(specs, plan.models, strict=True)]
 
 
 def _ready_line(specs: list[ModelSpec], url: str) -> str:

@@ -46,7 +46,6 @@ from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pacing import IntakePacer
 from .pipeline import Probe
-from .shared_gpu import SharedGpu
 from .watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -92,8 +91,6 @@ class LocalPipeline:
             lock, d.max_num_batched_tokens, d.overlap_steps,
             ended=lambda: self._stop or self._dead is not None,
         )  # fmt: skip
-        # Other models' pipelines on this one's GPUs: its steps stay short while they have work.
-        self._shared_gpu = SharedGpu.open(config.gpu_neighbours, config.shared_gpu_step_tokens)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -318,8 +315,6 @@ class LocalPipeline:
                 inbox = self._take_inbox()
             executor.check_alive()
             self._apply_inbox(inbox)
-            if self._shared_gpu is not None and (inflight or scheduler.has_schedulable()):
-                self._shared_gpu.had_work()  # its neighbours on the GPU keep their steps short
             tr = self._trace  # None unless tracing: then nothing below records anything
             # A trace gathered waits for the plans in flight; no new plan starts meanwhile.
             gathering = tr is not None and bool(self._trace_wanted)
@@ -327,7 +322,7 @@ class LocalPipeline:
                 if inflight and self._pacer.short_of_a_step() and self._next_slice_arrived():
                     self._apply_inbox(self._take_inbox())
                 t0 = now() if tr is not None else 0
-                plan = scheduler.schedule(self._step_cap(idle=not inflight))
+                plan = scheduler.schedule(None if inflight else self._pacer.idle_step_tokens())
                 if plan is None:
                     break
                 submitted = time.perf_counter()
@@ -360,16 +355,6 @@ class LocalPipeline:
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
-
-    def _step_cap(self, *, idle: bool) -> int | None:
-        """The next step's token budget (None: the whole budget): a share of it where the
-        step starts an idle pipeline (``IntakePacer.idle_step_tokens``), and at most the
-        shared-GPU cap while another model on these GPUs has work (``SharedGpu``)."""
-        caps = (
-            self._pacer.idle_step_tokens() if idle else None,
-            None if self._shared_gpu is None else self._shared_gpu.step_cap(),
-        )
-        return min((c for c in caps if c is not None), default=None)
 
     def _handed_over(self, plan: StepPlan) -> None:
         """A plan is with the stages: its tokens leave the backlog (``IntakePacer``)."""

@@ -13,7 +13,7 @@ import pytest
 from tiny_models import SENTENCES, minilm_path
 
 from pipepool.intake.tokenizer import OFFLOAD_CHARS, Tokenizer
-from pipepool.intake.tokenizer_process import ANSWER_TIMEOUT_S, TokenizerProcess
+from pipepool.intake.tokenizer_process import ANSWER_TIMEOUT_S, TokenizerProcess, helper_threads
 
 # Texts of ~80-240 characters, enough of them to pass OFFLOAD_CHARS.
 TEXTS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k % 3 + 1)) for k in range(300)]
@@ -95,3 +95,38 @@ def test_a_hung_helper_is_killed_and_the_batch_tokenised_here(tokenizers):
     assert helper.pid is None  # killed; the next batch starts another
     _equal(offloading.encode_flat(TEXTS), local.encode_flat(TEXTS))
     assert helper.pid not in (None, stopped)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_one_models_helpers_share_half_the_cores_between_the_front_ends():
+    assert helper_threads(1, cores=16) == 8
+    assert helper_threads(4, cores=16) == 2  # four front ends' helpers of a flooded model: 8
+    assert helper_threads(3, cores=16) == 2
+    assert helper_threads(4, cores=2) == 1  # at least one each
+
+
+def test_a_helper_encodes_on_the_pool_it_is_given_unless_the_user_chose(monkeypatch):
+    """Its environment read once it has answered (so it runs the helper's program)."""
+    path = minilm_path() / "tokenizer.json"
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    local, given = Tokenizer(path), Tokenizer(path)
+    given.use_helper(helper := TokenizerProcess(path, threads=2))
+    try:
+        _equal(given.encode_flat(TEXTS), local.encode_flat(TEXTS))
+        assert helper.pid is not None
+        assert _environ(helper.pid)["RAYON_NUM_THREADS"] == "2"
+    finally:
+        given.close()
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    chosen = TokenizerProcess(path, threads=2)
+    try:
+        chosen.run("encode_flat", TEXTS[:2])
+        assert chosen.pid is not None
+        assert _environ(chosen.pid)["RAYON_NUM_THREADS"] == "3"
+    finally:
+        chosen.close()

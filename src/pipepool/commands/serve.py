@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     api_servers = sockets = socket_dir = None
     if settings.api_server_count > 1:
         socket_dir = tempfile.mkdtemp(prefix="pipepool-")
-    models = _served_models(specs, socket_dir)
+    models = _served_models(specs, socket_dir, settings.api_server_count)
 
     def started() -> None:  # on the server's event loop, once it listens
         announce.server_started()
@@ -377,12 +377,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served_models(specs: list[ModelSpec], socket_dir: str | None):
+def _served_models(specs: list[ModelSpec], socket_dir: str | None, front_ends: int):
     """Each model's engine owner and front end (its own queue). Several models run each in
     processes of its own (replicas, at --dp 1 too): one dying restarts without the others; each
-    has a tokenizer helper process for its large batches. With ``socket_dir`` (more API server
-    processes) model i's replicas listen in ``model_socket_dir(socket_dir, i)``."""
+    has a tokenizer helper process for its large batches in each of the ``front_ends``
+    processes. With ``socket_dir`` (more API server processes) model i's replicas listen in
+    ``model_socket_dir(socket_dir, i)``."""
     from ..api.engine import Engine
+    from ..intake.tokenizer_process import helper_threads
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import model_socket_dir
     from ..server.front import AsyncEngine
@@ -390,12 +392,13 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None):
     from ..server.owner import EngineOwner, model_engine
 
     several = len(specs) > 1
+    threads = helper_threads(front_ends) if several else None
 
     def builder(config, where: str | None) -> Callable[[], Engine]:
         if not several and socket_dir is None:
             return lambda: Engine.from_config(config)
         pipeline = lambda: ReplicaPipeline(config, where)  # noqa: E731
-        return lambda: model_engine(config, pipeline(), tokenizer_process=several)
+        return lambda: model_engine(config, pipeline(), helper_threads=threads)
 
     out = []
     for i, spec in enumerate(specs):

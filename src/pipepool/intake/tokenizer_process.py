@@ -11,6 +11,7 @@ that work instead; only the texts and the finished arrays cross the socket betwe
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,9 +22,24 @@ from typing import Any
 
 from .tokenizer import HelperLost, Tokenizer
 
+# The Rust tokenizer encodes a batch on a pool of as many threads as the host has cores. Each
+# front-end process has a helper per model, and a flood on one model keeps every one of its
+# helpers busy at once: with a pool of the host's size each, their threads outnumbered the
+# cores several times over, and the other models' requests waited for a core in the event loops
+# (BENCHMARKS.md, issue 35). One model's helpers together take at most this share of the cores.
+_HELPERS_SHARE = 0.5
 # A helper that has not answered a call in this long is taken for hung, and killed: the largest
 # request a server takes (--max-tokens-per-request's 300k tokens) tokenises in about a second.
 ANSWER_TIMEOUT_S = 60.0
+
+
+def helper_threads(front_ends: int, cores: int | None = None) -> int:
+    """Threads of each helper's pool when ``front_ends`` processes each have one for a model:
+    together at most ``_HELPERS_SHARE`` of ``cores`` (default: the cores this process may run
+    on), at least one each."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    return max(1, int(cores * _HELPERS_SHARE) // front_ends)
 
 
 class TokenizerProcess:
@@ -33,10 +49,15 @@ class TokenizerProcess:
     front of the other models). A helper that died is started again by the next call; a call
     it could not answer (it exited, or gave no answer within ``answer_timeout_s`` and was
     killed) raises ``HelperLost``, and the caller tokenises that batch itself. The helper exits
-    when ``close`` is called or the process that started it dies (its socket closes)."""
+    when ``close`` is called or the process that started it dies (its socket closes).
+    ``threads``: the size of the helper's encoding pool (``RAYON_NUM_THREADS``; one the user
+    set in the environment wins); None: as many as the host has cores."""
 
-    def __init__(self, tokenizer_file: Path) -> None:
+    def __init__(self, tokenizer_file: Path, threads: int | None = None) -> None:
         self._file = str(tokenizer_file)
+        self._env = None
+        if threads is not None and "RAYON_NUM_THREADS" not in os.environ:
+            self._env = {**os.environ, "RAYON_NUM_THREADS": str(threads)}
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
@@ -91,6 +112,7 @@ class TokenizerProcess:
                 [sys.executable, "-m", __name__, self._file, str(fd)],
                 pass_fds=(fd,),
                 stdin=subprocess.DEVNULL,
+                env=self._env,
             )
         # The helper holds the only other end: it reads EOF once we are gone.
         self._conn = Connection(ours.detach())

@@ -65,18 +65,18 @@ class EngineOwner:
         self._on_failure(cause)
 
 
-def model_engine(config, pipeline, *, tokenizer_process: bool) -> Engine:
+def model_engine(config, pipeline, *, helper_threads: int | None) -> Engine:
     """The engine of one served model over ``pipeline`` (its replicas, owned or linked to).
-    ``tokenizer_process``: beside other models, its large batches are tokenised in a helper
-    process of its own (``intake.tokenizer_process``): in this one they would hold up the other
-    models' requests."""
+    ``helper_threads``: beside other models, its large batches are tokenised in a helper
+    process of its own (``intake.tokenizer_process``) with a pool of that many threads (in this
+    process they would hold up the other models' requests); None: no helper."""
     from ..intake.tokenizer_process import TokenizerProcess
 
     engine = Engine.from_config(config, pipeline)
-    if tokenizer_process:
+    if helper_threads is not None:
         tokenizer = engine.inputs.tokenizer
         try:
-            tokenizer.use_helper(TokenizerProcess(tokenizer.file))
+            tokenizer.use_helper(TokenizerProcess(tokenizer.file, helper_threads))
         except BaseException:
             engine.close()
             raise

@@ -23,6 +23,7 @@ import pipepool
 from pipepool.config import EngineConfig
 from pipepool.errors import InvalidInputError
 from pipepool.intake.tokenizer import OFFLOAD_CHARS
+from pipepool.intake.tokenizer_process import helper_threads
 from pipepool.loading.deployment import ModelMemory
 from pipepool.loading.memory_plan import MemoryPlanError, plan_memory, share_memory
 
@@ -124,7 +125,7 @@ def test_each_route_answers_as_its_model_alone(server, engines):
 
 def test_large_batches_go_to_each_models_tokenizer_process_and_answer_as_alone(server, engines):
     children = _children(server.proc.pid)
-    helpers = [c for c in children if b"pipepool.intake.tokenizer_process" in c]
+    helpers = [pid for pid, line in children if b"pipepool.intake.tokenizer_process" in line]
     assert len(helpers) == 3  # one per model
     big = [long_prompts()[i] for i in (3, 7, 2)] * 8
     assert sum(map(len, big)) >= OFFLOAD_CHARS  # tokenised in the helper (test_tokenizer_process)
@@ -135,10 +136,15 @@ def test_large_batches_go_to_each_models_tokenizer_process_and_answer_as_alone(s
     want = engines["reranker"].score([TEXTS[0]] * len(big), big)
     for r in out.json()["results"]:
         assert abs(r["relevance_score"] - float(want[r["index"]])) <= 1e-5
+    # Their encoding pools: half the cores between one model's helpers (one front end here).
+    pools = os.environ.get("RAYON_NUM_THREADS", str(helper_threads(1))).encode()
+    for pid in helpers:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"RAYON_NUM_THREADS=" + pools in f.read().split(b"\0")
 
 
-def _children(pid: int) -> list[bytes]:
-    """The command lines of a process's children."""
+def _children(pid: int) -> list[tuple[int, bytes]]:
+    """The pid and command line of each of a process's children."""
     out = []
     for entry in os.listdir("/proc"):
         try:
@@ -146,7 +152,7 @@ def _children(pid: int) -> list[bytes]:
                 parent = int(f.read().rsplit(b")", 1)[1].split()[1])
             if parent == pid:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    out.append(f.read())
+                    out.append((int(entry), f.read()))
         except (OSError, ValueError):
             continue
     return out

@@ -4,9 +4,9 @@
 
 A real ``pipepool serve`` of the CPU models of ``multi_model.py`` (each model in its own replica
 process, so the front end does HTTP only), with ``--max-inputs-per-request`` one below the
-flood's 256 rerank documents (~200 KB a body): every such request is turned away (400) after
-its body is read, parsed and validated, where a full queue's 429 is raised (``routes/scoring``:
-the input count is checked just before the queue). Prints the front-end processes' CPU time per refusal (from
+flood's 256 rerank documents: every such request is turned away (400) after its body is read,
+parsed and validated, where a full queue's 429 is raised (``routes/scoring``: the input count
+is checked just before the queue). Prints the front-end processes' CPU time per refusal (from
 ``/proc/PID/stat``, read before and after) and the wall time per refusal, then the same for
 one-input embedding requests that are answered, as the scale.
 """

@@ -384,7 +384,6 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None, front_ends: i
     processes. With ``socket_dir`` (more API server processes) model i's replicas listen in
     ``model_socket_dir(socket_dir, i)``."""
     from ..api.engine import Engine
-    from ..intake.tokenizer_process import helper_threads
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import model_socket_dir
     from ..server.front import AsyncEngine
@@ -392,13 +391,14 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None, front_ends: i
     from ..server.owner import EngineOwner, model_engine
 
     several = len(specs) > 1
-    threads = helper_threads(front_ends) if several else None
 
     def builder(config, where: str | None) -> Callable[[], Engine]:
         if not several and socket_dir is None:
             return lambda: Engine.from_config(config)
         pipeline = lambda: ReplicaPipeline(config, where)  # noqa: E731
-        return lambda: model_engine(config, pipeline(), helper_threads=threads)
+        return lambda: model_engine(
+            config, pipeline(), beside_others=several, front_ends=front_ends
+        )
 
     out = []
     for i, spec in enumerate(specs):

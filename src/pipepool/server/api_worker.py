@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: os._exit(0))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
-    from ..intake.tokenizer_process import helper_threads
     from ..replicas.shared import SharedReplicas
     from ..runtime.collector import QuietCollections, freeze_startup_objects
     from .front import AsyncEngine
@@ -45,11 +44,14 @@ def main(argv: list[str] | None = None) -> None:
 
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
-    threads = helper_threads(settings.api_server_count) if len(spec.models) > 1 else None
+    several = len(spec.models) > 1
     models = []
     for m in spec.models:
         build = lambda m=m: model_engine(  # noqa: E731
-            m.config, SharedReplicas(m.config, m.socket_dir), helper_threads=threads
+            m.config,
+            SharedReplicas(m.config, m.socket_dir),
+            beside_others=several,
+            front_ends=settings.api_server_count,
         )
         front = AsyncEngine(EngineOwner(build), max_queued=m.max_queued_requests)
         models.append(ServedModel(ModelNames(m.names, m.tasks), front))

@@ -65,18 +65,20 @@ class EngineOwner:
         self._on_failure(cause)
 
 
-def model_engine(config, pipeline, *, helper_threads: int | None) -> Engine:
+def model_engine(config, pipeline, *, beside_others: bool, front_ends: int) -> Engine:
     """The engine of one served model over ``pipeline`` (its replicas, owned or linked to).
-    ``helper_threads``: beside other models, its large batches are tokenised in a helper
-    process of its own (``intake.tokenizer_process``) with a pool of that many threads (in this
-    process they would hold up the other models' requests); None: no helper."""
-    from ..intake.tokenizer_process import TokenizerProcess
+    ``beside_others``: its large batches are tokenised in a helper process of its own
+    (``intake.tokenizer_process``; in this process they would hold up the other models'
+    requests), whose pool is its share of the cores among the ``front_ends`` processes that
+    each have one for this model."""
+    from ..intake.tokenizer_process import TokenizerProcess, helper_threads
 
     engine = Engine.from_config(config, pipeline)
-    if helper_threads is not None:
+    if beside_others:
         tokenizer = engine.inputs.tokenizer
         try:
-            tokenizer.use_helper(TokenizerProcess(tokenizer.file, helper_threads))
+            helper = TokenizerProcess(tokenizer.file, helper_threads(front_ends))
+            tokenizer.use_helper(helper)
         except BaseException:
             engine.close()
             raise

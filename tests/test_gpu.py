@@ -153,7 +153,9 @@ def test_cuda_graphs_match_eager_and_the_reference(
     decoder_paths, bert_path, reference, path_key, budget
 ):
     """Replayed pieces around eager attention compute what the eager forward computes: the
-    same vectors (up to bf16 GEMM tiling), padded rows never leak into real ones."""
+    same vectors (up to bf16 GEMM tiling), padded rows never leak into real ones. The decoder's
+    LAST and CLS steps at the larger budget replay graphs whose last layer keeps the picked rows
+    alone (``StepInputs.keep_rows``); at the smaller, graphs that keep every row."""
     path = bert_path if path_key == "bert" else decoder_paths[path_key]
     ref = reference(path)
     prompts = REPRODUCER_PROMPTS + long_prompts()
@@ -164,6 +166,9 @@ def test_cuda_graphs_match_eager_and_the_reference(
             runner = engine.pipeline.runners[0]
             got[graphs] = {p: engine.pool(prompts, pooling=p, normalize=False) for p in POOLINGS}
             assert bool(getattr(runner.forward, "captured", None)) == graphs
+            if graphs and path_key != "bert":
+                keeping = [k for k in runner.forward.captured if isinstance(k, tuple)]
+                assert bool(keeping) == (budget == 4096), runner.forward.captured.keys()
     for pooling in POOLINGS:
         for o_graph, o_eager, p in zip(
             got[True][pooling], got[False][pooling], prompts, strict=True

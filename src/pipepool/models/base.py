@@ -41,6 +41,23 @@ class StepInputs:
     # [T] int64 token type (segment) of each token: pair inputs of encoders (cross-encoders)
     # on the first stage; None: type 0 throughout. Decoders have no token types.
     token_type_ids: torch.Tensor | None = None
+    # [k] int64 rows of the step whose final hidden states are read (the pooler's picks: the
+    # last token of each finished LAST request, the first of a CLS one), on the last stage of
+    # a model that ``keeps_rows``; its forward then returns those k rows, in this order, and
+    # computes the last layer's work after attention for them alone (attention itself, and so
+    # the KV cache, for every row). None: every row.
+    keep_rows: torch.Tensor | None = None
+
+
+def kept_rows(
+    x: torch.Tensor, attn_out: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``keep`` of a layer's residual stream and attention output (all, when None):
+    every operation after attention is row-wise, so the last layer computes it for the rows
+    the pooler reads only (``StepInputs.keep_rows``)."""
+    if keep is None:
+        return x, attn_out
+    return x.index_select(0, keep), attn_out.index_select(0, keep)
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,9 @@ class StageModel(nn.Module):
     # False where some attention of the model reads the step's offsets on the host (additive
     # position bias, soft-capping, symmetric windows), so the deployment runs it eagerly.
     graph_safe: bool = True
+    # Whether the forward honours ``StepInputs.keep_rows`` (a last stage returning only the
+    # rows its pooler reads).
+    keeps_rows: bool = False
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from .base import (
     WeightSpec,
     compile_layer_fn,
     embedding,
+    kept_rows,
     linear_specs,
 )
 from .score_heads import build_score_head
@@ -283,9 +284,13 @@ class DecoderLayer(nn.Module):
             self.mlp_weights()._replace(o=o, gate_up=gate_up, down=down),
         )
 
-    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str):
+    def forward(
+        self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, kernel: str, keep=None
+    ):
+        """``keep``: the rows to go on with after attention (``StepInputs.keep_rows``), on
+        the last stage's last layer; None: all."""
         if packed_on_cpu(x, ops):
-            return self.forward_packed(x, inputs, kv_cache, cos_sin, ops)
+            return self.forward_packed(x, inputs, kv_cache, cos_sin, ops, keep)
         cfg, w = self.cfg, self.attn_weights()
         if ops.fused_qk_rope:
             qkv = ops.project(cfg, x, w)
@@ -301,12 +306,13 @@ class DecoderLayer(nn.Module):
         attn_out = attend(
             q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window, kernel=kernel
         )
+        x, attn_out = kept_rows(x, attn_out, keep)
         mlp = self.mlp_weights()
         if x.device.type == "cpu" and ops.post is post_attention:  # eager: keep it in cache
             return in_row_tiles(lambda xs, a: post_attention(cfg, xs, a, mlp), x, attn_out)
         return ops.post(cfg, x, attn_out, mlp)
 
-    def forward_packed(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps):
+    def forward_packed(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: LayerOps, keep):
         """CPU, eager: forward with every projection a oneDNN GEMM on packed weights
         (``packed_on_cpu``)."""
         cfg = self.cfg
@@ -314,6 +320,7 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv_projection(cfg, x, w, project=project_qkv_packed)
         q, k = ops.rope(inputs.positions, q, k, cos_sin, cfg.rotary_dim)
         attn_out = attend(q, k, v, inputs.attn, kv_cache, scale=self.scale, window=self.window)
+        x, attn_out = kept_rows(x, attn_out, keep)
         return in_row_tiles(lambda xs, a: post_attention_packed(cfg, xs, a, mlp), x, attn_out)
 
 
@@ -330,6 +337,8 @@ def packed_on_cpu(x: torch.Tensor, ops: LayerOps) -> bool:
 class DecoderStage(StageModel):
     """A slice of a decoder's layers. Causal or bidirectional as its config says: causal
     stages keep a KV cache and take prompts in chunks; bidirectional ones take whole prompts."""
+
+    keeps_rows = True
 
     def __init__(
         self,
@@ -419,9 +428,11 @@ class DecoderStage(StageModel):
     def forward(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
         if self.is_first:
             x = self.embed_tokens(x)
+        last = len(self.layers) - 1
         for j, layer in enumerate(self.layers.values()):
             kv = kv_caches[j] if kv_caches is not None else None
-            x = layer(x, inputs, kv, self.rotary.cos_sin, self.ops, self.attn_kernel)
+            keep = inputs.keep_rows if self.is_last and j == last else None
+            x = layer(x, inputs, kv, self.rotary.cos_sin, self.ops, self.attn_kernel, keep)
         if self.is_last:
             x = self.norm(x)
         return x

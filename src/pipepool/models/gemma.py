@@ -43,6 +43,7 @@ from .base import (
     WeightSpec,
     compile_layer_fn,
     embedding,
+    kept_rows,
     linear_specs,
 )
 from .decoder import AttnWeights, split_heads
@@ -351,7 +352,11 @@ class GemmaLayer(nn.Module):
             self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
         )  # fmt: skip
 
-    def forward(self, x, inputs: StepInputs, kv_cache, cos_sin, ops: GemmaOps, kernel: str):
+    def forward(
+        self, x, inputs: StepInputs, kv_cache, cos_sin, ops: GemmaOps, kernel: str, keep=None
+    ):
+        """``keep``: the rows to go on with after attention (``StepInputs.keep_rows``), on
+        the last stage's last layer; None: all."""
         cfg, w = self.cfg, self.attn_weights()
         if ops.fused_qk_rope:
             qkv = ops.project(cfg, x, w)
@@ -387,6 +392,7 @@ class GemmaLayer(nn.Module):
                 q, k, v, inputs.attn, kv_cache, scale=cfg.scale, window=self.window,
                 kernel=kernel,
             )  # fmt: skip
+        x, attn_out = kept_rows(x, attn_out, keep)
         mlp = self.mlp_weights()
         if ops.fused_geglu:
             x, gate_up = ops.mlp_in(cfg, x, attn_out, mlp)
@@ -405,6 +411,8 @@ class GemmaStage(StageModel):
     """A slice of a Gemma2 / Gemma3-text model's layers. Causal stages keep a KV cache and take
     prompts in chunks; bidirectional ones (Gemma3 with use_bidirectional_attention) take whole
     prompts. Returns the final-normed hidden states on the last stage (no LM head)."""
+
+    keeps_rows = True
 
     def __init__(
         self,
@@ -525,10 +533,12 @@ class GemmaStage(StageModel):
         if self.is_first:
             x = self.embed_tokens(x)
             x = x * embed_scale(self.cfg.hidden_size, x.dtype)
+        last = len(self.layers) - 1
         for j, layer in enumerate(cast("Iterable[GemmaLayer]", self.layers.values())):
             kv = kv_caches[j] if kv_caches is not None else None
             cos_sin = self.rotary[layer.layer_type].cos_sin
-            x = layer(x, inputs, kv, cos_sin, self.ops, self.attn_kernel)
+            keep = inputs.keep_rows if self.is_last and j == last else None
+            x = layer(x, inputs, kv, cos_sin, self.ops, self.attn_kernel, keep)
         if self.is_last:
             x = self.norm(x)
         return x

@@ -17,7 +17,8 @@ rows) replay as pieces like any other, their attention being eager; a whole-step
 one set of offsets for queries and keys, so there they run eagerly.
 
 Captured per padded token count (``graph_buckets``; whole graphs also per attention grid,
-``_programs``), lazily, the first time a step of that size runs; steps larger than the
+``_programs``; a model that ``keeps_rows`` also per padded count of kept rows,
+``keep_buckets``), lazily, the first time a step of that size runs; steps larger than the
 largest bucket run eagerly. Padded rows hold stale values (in a whole graph's attention
 output, whatever the memory held) and are never read: attention reads only the step's real
 rows, and every other operation is row-wise.
@@ -45,6 +46,17 @@ def graph_buckets(max_tokens: int) -> list[int]:
         if size >= max_tokens:
             return sizes
         size += size if size < 256 else 1 << (size.bit_length() - 3)
+
+
+def keep_bucket(rows: int, bucket: int) -> int | None:
+    """The padded count of kept rows (``StepInputs.keep_rows``) a graph of ``bucket`` rows is
+    captured with: a power of four from 16, so that a bucket has few such graphs; None where
+    that is over a quarter of the bucket (the graph keeps every row, the rows are picked
+    after it)."""
+    size = 16
+    while size < rows:
+        size *= 4
+    return size if 4 * size <= bucket else None
 
 
 @dataclass(eq=False)
@@ -76,19 +88,21 @@ class _Captured:
         self.attention: list[_Attention] = []
         self.output: torch.Tensor | None = None  # [B, H], written by the last piece
 
-    def replay(self, meta: AttentionMetadata, n: int) -> torch.Tensor:
+    def replay(self, meta: AttentionMetadata, n: int, out_rows: int) -> torch.Tensor:
+        """Replay on a step of ``n`` rows; the first ``out_rows`` rows of the output."""
         for i, piece in enumerate(self.pieces):
             piece.replay()
             if i < len(self.attention):
                 self.attention[i].run(meta, n)
         assert self.output is not None, "replayed before it was captured"
-        return self.output[:n]
+        return self.output[:out_rows]
 
 
 class GraphedForward:
     """Drop-in for ``model(x, inputs, kv)`` on CUDA. The returned hidden states are a view of
     the graph's output buffer, valid until the next call (``copy_output`` returns a copy, for
-    a stage that sends them to another process)."""
+    a stage that sends them to another process); with ``inputs.keep_rows``, those rows alone,
+    in that order, as the model returns them."""
 
     def __init__(
         self, model: StageModel, *, max_tokens: int, device: torch.device, copy_output: bool
@@ -116,7 +130,10 @@ class GraphedForward:
             # A step of n rows has at most n items (a block per request of up to BLOCK_M rows).
             self.static_cu = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.static_work = torch.zeros(1 + 2 * largest, dtype=torch.int64, device=device)
-        # By bucket; whole-step graphs by (bucket, attention programs).
+        # The rows a graph keeps (``StepInputs.keep_rows``), read by its last piece.
+        self.static_keep = torch.zeros(largest, dtype=torch.int64, device=device)
+        # By bucket; whole-step graphs by (bucket, attention programs); graphs that keep
+        # rows by (bucket, -kept rows).
         self.captured: dict[int | tuple[int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # shared: buckets never replay at once
         self._stream = torch.cuda.Stream(device)
@@ -133,7 +150,7 @@ class GraphedForward:
                 self.static_types[:n].copy_(inputs.token_type_ids)
             else:
                 self.static_types[:n].zero_()
-        meta = inputs.attn
+        meta, keep = inputs.attn, inputs.keep_rows
         key: int | tuple[int, int] = bucket
         programs = 0
         if self.whole:
@@ -142,6 +159,14 @@ class GraphedForward:
                 return self.model(x, inputs, kv_caches)
             programs = self._programs(bucket, meta.work_programs)
             key = (bucket, programs)
+        kept = None
+        if keep is not None and not self.whole:
+            kept = keep_bucket(keep.shape[0], bucket)
+            if kept is not None:
+                # Padded with row 0: a stale index of a larger bucket would read past this one.
+                self.static_keep[: keep.shape[0]].copy_(keep)
+                self.static_keep[keep.shape[0] : kept].zero_()
+                key = (bucket, -kept)
         graphs = self.captured.get(key)
         if graphs is None:
             try:
@@ -151,7 +176,7 @@ class GraphedForward:
                     )
                 else:  # captured on one sequence of ``bucket`` tokens, not this step's
                     dummy = _whole_sequence(bucket, self.model.causal, self.device)
-                    graphs = self._capture(bucket, dummy, kv_caches, split=True)
+                    graphs = self._capture(bucket, dummy, kv_caches, split=True, kept=kept)
                 self.captured[key] = graphs
             except Exception as exc:  # a kernel that cannot be captured must not stop us
                 warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}", stacklevel=2)
@@ -161,19 +186,32 @@ class GraphedForward:
             assert meta.work is not None  # whole graphs run only steps with a work list (above)
             self.static_cu[: len(meta.cu_q_host)].copy_(meta.cu_seqlens_q)
             self.static_work[: meta.work.shape[0]].copy_(meta.work)
-        out = graphs.replay(meta, n)
+        if kept is not None:
+            assert keep is not None  # kept is its padded count
+            out = graphs.replay(meta, n, keep.shape[0])
+        else:
+            out = graphs.replay(meta, n, n)
+            if keep is not None:  # the graph kept every row
+                out = out.index_select(0, keep)
         return out.clone() if self.copy_output else out
 
     # -- capture ------------------------------------------------------------------------------
 
     def _capture(
-        self, bucket: int, meta: AttentionMetadata, kv_caches, *, split: bool
+        self,
+        bucket: int,
+        meta: AttentionMetadata,
+        kv_caches,
+        *,
+        split: bool,
+        kept: int | None = None,
     ) -> _Captured:
         """Warm up eagerly (lazy initialisation, compilation), then capture the forward of
         ``bucket`` rows on ``meta``: as pieces cut at every attention call (``split``), or
-        whole."""
+        whole; keeping the rows ``static_keep[:kept]`` (``StepInputs.keep_rows``) where given."""
         types = self.static_types[:bucket] if self.static_types is not None else None
-        step = StepInputs(self.static_positions[:bucket], meta, types)
+        keep = self.static_keep[:kept] if kept is not None else None
+        step = StepInputs(self.static_positions[:bucket], meta, types, keep)
         x = self.static_x[:bucket]
         captured = _Captured()
         stream = self._stream
@@ -182,7 +220,7 @@ class GraphedForward:
             self.model(x, step, kv_caches)  # warm-up
             if split:
                 splitter = _Splitter(captured, meta, self._pool)
-                step = StepInputs(step.positions, replace(meta, graph_split=splitter), types)
+                step = replace(step, attn=replace(meta, graph_split=splitter))
                 splitter.begin()
                 try:
                     captured.output = self.model(x, step, kv_caches)

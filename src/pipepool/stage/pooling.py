@@ -63,6 +63,9 @@ class PoolingPrep:
     token_owner_ids: np.ndarray  # request ids of the ALL outputs, in output order
     token_lens: np.ndarray  # their prompt lengths
     token_heads: HeadParams  # per token row of the ALL output
+    # Whether the step's outputs read no token row but ``pick_rows`` (no MEAN, MAX or ALL
+    # request in it), so that the forward may return those rows alone.
+    picks_only: bool
 
     def upload_arrays(self) -> list[np.ndarray | None]:
         return [
@@ -176,6 +179,9 @@ class Pooler:
         slot_of_mean = {int(r): len(mean_whole) + j for j, r in enumerate(mean_part.tolist())}
         slot_of_mean |= {int(r): len(max_whole) + j for j, r in enumerate(max_part.tolist())}
         partial = tuple((int(r), slot_of_mean.get(int(r), -1)) for r in multi.tolist())
+        picks_only = not (len(mean_req) or len(max_req) or len(all_whole)) and bool(
+            (kind[multi] == Pooling.CLS).all()
+        )
         partial_vec = multi[final[multi] & ~is_all[multi]]  # emitted from partial state
         partial_all = multi[final[multi] & is_all[multi]]
 
@@ -208,6 +214,7 @@ class Pooler:
                 np.repeat(view.dimensions[tok_rows], tok_lens),
                 np.repeat(view.normalize[tok_rows], tok_lens),
             ),
+            picks_only=picks_only,
         )
 
     def pool(
@@ -218,13 +225,21 @@ class Pooler:
         req_ids: np.ndarray,
         view: StepView,
         cu_q: np.ndarray,
+        *,
+        picks: bool = False,
     ) -> PooledStep:
+        """``picks``: ``hidden`` holds the rows ``prep.pick_rows`` alone, in that order (the
+        forward kept them, ``StepInputs.keep_rows``; only where ``prep.picks_only``)."""
+        assert not picks or prep.picks_only, "a step that reads other rows than its picks"
         (pick_t, seg_t, bounds_t, mean_lens_t, all_rows_t, vdims_t, vnorm_t, tdims_t, tnorm_t,
          mean_kinds_t, weights_t, max_seg_t) = uploaded  # fmt: skip
         # Uploads of arrays that are never None (possibly empty).
         assert pick_t is not None and mean_lens_t is not None and all_rows_t is not None
         h = hidden.shape[1]
-        picked = hidden.index_select(0, pick_t).float() if len(prep.pick_rows) else None
+        picked = None
+        if len(prep.pick_rows):
+            rows = hidden[: len(prep.pick_rows)] if picks else hidden.index_select(0, pick_t)
+            picked = rows.float()
         sums = maxes = None
         if self.splade is not None:  # vocabulary activations, pooled a block at a time
             splade = self.splade

@@ -322,18 +322,23 @@ class StageRunner:
             view.starts, view.lens, view.prompt_lens, kv_rows, view.block_tables,
             self.config.block_size, keys,
         )  # fmt: skip
-        prep = None
+        prep = keep = None
         types = plan.token_type_ids if spec.is_first and len(plan.token_type_ids) else None
-        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types]
         pools = self.pooler is not None  # the last stage (or a subclass's choice: _pools)
         if pools:
             prep = Pooler.prepare(plan.req_ids, view, batch.cu_q, by_segments=self.mean_by_segments)
+            if spec.is_last and model.keeps_rows and prep.picks_only:
+                # A step with no pick (every prompt mid-way) keeps a row all the same: the
+                # forward's shapes stay non-empty, and the pooler reads none of it.
+                keep = prep.pick_rows if len(prep.pick_rows) else np.zeros(1, np.int64)
+        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types, keep]
+        if prep is not None:
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(
             batch, self.uploader, causal=model.causal, extra=extra,
             attn_block_rows=self.attn_block_rows,
         )  # fmt: skip
-        inputs.token_type_ids = uploaded[1]
+        inputs.token_type_ids, inputs.keep_rows = uploaded[1], uploaded[2]
         tr = self.trace
         if tr is not None and not spec.is_first:
             tr.phase("receive")
@@ -353,8 +358,9 @@ class StageRunner:
                 if tr is not None:
                     mark = tr.begin_device()
                 pooled = self.pooler.pool(
-                    hidden, prep, uploaded[2:], plan.req_ids, view, batch.cu_q
-                )
+                    hidden, prep, uploaded[3:], plan.req_ids, view, batch.cu_q,
+                    picks=keep is not None,
+                )  # fmt: skip
                 if tr is not None:
                     tr.end_device(mark, "pool")
         self.clock.stop()

@@ -333,6 +333,7 @@ def test_metrics_expose_engine_and_http_counters(server):
         "pipepool_kv_blocks_free",
         "pipepool_kv_blocks_total",
         "pipepool_server_pending_inputs",
+        "pipepool_server_waiting_inputs",
         'pipepool_http_requests_total{route="/v1/embeddings",status="200"}',
         'python_gc_collections_total{generation="0"}',
         'python_gc_collections_total{generation="2"}',

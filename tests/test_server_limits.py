@@ -4,6 +4,7 @@ limits, PP=2 with stage restarts off so that the last test can kill a stage for 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ KEY = "s3cret-key"
 MODEL = "tiny"
 MAX_INPUTS = 4
 MAX_QUEUED = 6
+QUEUE_WAIT_S = 0.5
 MAX_LEN = 128
 MAX_BODY = 16384
 KEEP_ALIVE_S = 2
@@ -36,6 +38,7 @@ def server(qwen3_path, tmp_path_factory):
     args += ["--allow-token-ids"]
     args += ["--api-key", KEY, "--max-inputs-per-request", str(MAX_INPUTS)]
     args += ["--max-queued-requests", str(MAX_QUEUED), "--max-body-bytes", str(MAX_BODY)]
+    args += ["--queue-wait", str(QUEUE_WAIT_S)]
     # A tiny step budget makes a request of long prompts slow enough to fill the queue.
     args += ["--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2"]
     args += ["--stage-restarts", "0", "--timeout-keep-alive", str(KEEP_ALIVE_S)]
@@ -156,13 +159,16 @@ def test_queue_full_is_429(server):
     t = threading.Thread(target=lambda: first.update(r=post(server, json=slow)))
     t.start()
     wait_for(lambda: server.metrics()["pipepool_server_pending_inputs"] == 4, what="queued")
+    sent = time.monotonic()
     r = post(server, json={"input": SENTENCES[:3]})
+    # Refused after waiting --queue-wait for room the slow request never left.
+    assert time.monotonic() - sent >= QUEUE_WAIT_S and "r" not in first
     err = assert_error(r, 429, "rate_limit_error", "queue_full")
     assert r.headers["retry-after"] == "1"
     # Spread around the second, so that clients refused together do not retry together.
     low, high = RETRY_AFTER_MS
     assert low <= int(r.headers["retry-after-ms"]) <= high
-    assert str(MAX_QUEUED) in err["message"]
+    assert str(MAX_QUEUED) in err["message"] and f"waited {QUEUE_WAIT_S:g} s" in err["message"]
     assert post(server, json={"input": SENTENCES[:2]}).status_code == 200  # 4 + 2 fit
     t.join()
     assert first["r"].status_code == 200
@@ -324,16 +330,72 @@ def test_large_requests_leave_the_last_part_of_the_queue_to_small_ones():
     from pipepool.server.front import SMALL_REQUEST_INPUTS, AsyncEngine, QueueFullError
 
     front = AsyncEngine(owner=None, max_queued=64)  # type: ignore[arg-type]  # no engine needed
-    try:
-        front._admit(60)  # an empty queue takes any request the input limit lets through
+
+    async def admissions() -> None:
+        await front._admit(60)  # an empty queue takes any request the input limit lets through
         front.pending = 24
         large = SMALL_REQUEST_INPUTS + 1  # 24 + 33 fits 64, not 64 - 64 // 8
         with pytest.raises(QueueFullError, match="kept for small requests"):
-            front._admit(large)
-        front._admit(SMALL_REQUEST_INPUTS)  # 56
-        front._admit(8)  # 64: the queue is full for everyone
+            await front._admit(large)
+        await front._admit(SMALL_REQUEST_INPUTS)  # 56
+        await front._admit(8)  # 64: the queue is full for everyone
         with pytest.raises(QueueFullError) as full:
-            front._admit(1)
-        assert "small requests" not in str(full.value)
+            await front._admit(1)
+        assert "small requests" not in str(full.value) and "waited" not in str(full.value)
+
+    try:
+        asyncio.run(admissions())
+    finally:
+        front.close()
+
+
+def test_a_request_that_finds_the_queue_full_waits_for_room_in_turn():
+    """--queue-wait: a request that does not fit waits for room, admitted as answers free it
+    (in arrival order, a smaller later one by a larger one that still does not fit), refused
+    when the wait runs out; a client that leaves while waiting, or just as it was admitted,
+    gives its place back."""
+    from pipepool.server.front import AsyncEngine, QueueFullError
+
+    front = AsyncEngine(owner=None, max_queued=8, queue_wait=30)  # type: ignore[arg-type]
+
+    async def admissions() -> None:
+        await front._admit(8)
+        six = asyncio.create_task(front._admit(6))
+        two = asyncio.create_task(front._admit(2))
+        await asyncio.sleep(0)
+        assert (front.pending, front.waiting) == (8, 8) and not six.done()
+        front._free(4)  # 4 in progress: the six do not fit, the two do
+        assert (front.pending, front.waiting) == (6, 6)
+        await two
+        assert not six.done()
+        front._free(4)
+        await six
+        assert (front.pending, front.waiting) == (8, 0)
+
+        leaving = asyncio.create_task(front._admit(3))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert (front.pending, front.waiting) == (8, 0)
+
+        late = asyncio.create_task(front._admit(3))
+        await asyncio.sleep(0)
+        front._free(5)  # admits it (3 + 3)...
+        late.cancel()  # ...and its client leaves before it runs on
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        assert (front.pending, front.waiting) == (3, 0)
+
+        front.queue_wait = 0.05
+        await front._admit(5)
+        started = time.monotonic()
+        with pytest.raises(QueueFullError, match=r"waited 0\.05 s for room"):
+            await front._admit(1)
+        assert time.monotonic() - started >= 0.05
+        assert (front.pending, front.waiting) == (8, 0)
+
+    try:
+        asyncio.run(admissions())
     finally:
         front.close()

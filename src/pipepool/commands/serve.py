@@ -28,10 +28,14 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
+
+if TYPE_CHECKING:
+    from ..server.settings import ServerSettings
 
 
 def add_parser(sub, help: str) -> None:
@@ -123,7 +127,17 @@ def add_parser(sub, help: str) -> None:
         type=int,
         default=S.max_queued_requests,
         help="inputs in progress over all clients, per model (and per front-end process with "
-        "--api-server-count); a request that would exceed its model's gets 429 (default 16384)",
+        "--api-server-count); a request that would exceed its model's waits --queue-wait for "
+        "room, then gets 429 (default 16384)",
+    )
+    add_env_argument(
+        g,
+        "--queue-wait",
+        type=float,
+        default=S.queue_wait_s,
+        help="seconds a request that finds its model's queue full waits for room before its "
+        "429; holds clients that retry at once after a 429 to a request per wait on each "
+        "connection (default 1; 0: refused at once)",
     )
     add_env_argument(
         g,
@@ -279,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         max_chunked_tokens=args.max_chunked_tokens,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
+        queue_wait_s=args.queue_wait,
         shutdown_timeout_s=args.shutdown_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         backlog=args.backlog,
@@ -318,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     api_servers = sockets = socket_dir = None
     if settings.api_server_count > 1:
         socket_dir = tempfile.mkdtemp(prefix="pipepool-")
-    models = _served_models(specs, socket_dir, settings.api_server_count)
+    models = _served_models(specs, socket_dir, settings)
 
     def started() -> None:  # on the server's event loop, once it listens
         announce.server_started()
@@ -377,12 +392,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served_models(specs: list[ModelSpec], socket_dir: str | None, front_ends: int):
+def _served_models(specs: list[ModelSpec], socket_dir: str | None, settings: ServerSettings):
     """Each model's engine owner and front end (its own queue). Several models run each in
     processes of its own (replicas, at --dp 1 too): one dying restarts without the others; each
-    has a tokenizer helper process for its large batches in each of the ``front_ends``
-    processes. With ``socket_dir`` (more API server processes) model i's replicas listen in
-    ``model_socket_dir(socket_dir, i)``."""
+    has a tokenizer helper process for its large batches in each front-end process
+    (``settings.api_server_count``). With ``socket_dir`` (more API server processes) model i's
+    replicas listen in ``model_socket_dir(socket_dir, i)``."""
     from ..api.engine import Engine
     from ..replicas.pipeline import ReplicaPipeline
     from ..server.api_servers import model_socket_dir
@@ -397,14 +412,17 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None, front_ends: i
             return lambda: Engine.from_config(config)
         pipeline = lambda: ReplicaPipeline(config, where)  # noqa: E731
         return lambda: model_engine(
-            config, pipeline(), beside_others=several, front_ends=front_ends
+            config, pipeline(), beside_others=several, front_ends=settings.api_server_count
         )
 
     out = []
     for i, spec in enumerate(specs):
         where = None if socket_dir is None else model_socket_dir(socket_dir, i)
         build = builder(spec.config, where)
-        front = AsyncEngine(EngineOwner(build), max_queued=spec.max_queued_requests)
+        front = AsyncEngine(
+            EngineOwner(build), max_queued=spec.max_queued_requests,
+            queue_wait=settings.queue_wait_s,
+        )  # fmt: skip
         out.append(ServedModel(ModelNames(spec.names, spec.tasks), front))
     return ServedModels(out)
 

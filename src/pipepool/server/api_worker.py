@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
             beside_others=several,
             front_ends=settings.api_server_count,
         )
-        front = AsyncEngine(EngineOwner(build), max_queued=m.max_queued_requests)
+        front = AsyncEngine(
+            EngineOwner(build), max_queued=m.max_queued_requests,
+            queue_wait=settings.queue_wait_s,
+        )  # fmt: skip
         models.append(ServedModel(ModelNames(m.names, m.tasks), front))
     served = ServedModels(models)
 

@@ -71,12 +71,27 @@ SMALL_REQUEST_RESERVE = 8
 
 class AsyncEngine:
     """The server's side of the engine: asyncio calls over the engine's threads, with the
-    queue limit (429 past ``max_queued``), tokenising lanes by request size and one for
-    background work, and the engine's owner (loading, health)."""
+    queue limit (a request that does not fit waits up to ``queue_wait`` seconds for room, in
+    the order such requests came, then is refused: 429), tokenising lanes by request size and
+    one for background work, and the engine's owner (loading, health)."""
 
-    def __init__(self, owner: EngineOwner, *, max_queued: int, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        owner: EngineOwner,
+        *,
+        max_queued: int,
+        queue_wait: float = 0.0,
+        threads: int | None = None,
+    ) -> None:
         self.owner = owner
         self.max_queued = max_queued
+        self.queue_wait = queue_wait
+        # Requests waiting for room (``_admit``), in arrival order, and their inputs in all.
+        # No cap of their own: each holds its connection, and connections are capped
+        # (--max-connections-per-client); one capped here would leave the clients over it
+        # refused at once, free to retry at their own pace.
+        self._waiters: list[tuple[int, asyncio.Future[bool]]] = []
+        self.waiting = 0
         # Tokenizers release the GIL; more threads than cores would only queue up.
         workers = threads or max(1, min(4, os.cpu_count() or 1))
         self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
@@ -117,7 +132,7 @@ class AsyncEngine:
         raise (InvalidInputError, EngineDeadError, ...); cancelling the caller aborts whatever
         was enqueued."""
         engine = self.engine
-        self._admit(n)
+        await self._admit(n)
         try:
             queued = time.perf_counter()
             lane = self._lane(texts)
@@ -150,7 +165,7 @@ class AsyncEngine:
                 raise
             return Encoded(list(outputs), submission.num_tokens.tolist())
         finally:
-            self.pending -= n
+            self._free(n)
 
     async def run_call(self, n: int, call: Callable[[Engine], T], texts: Sequence = ()) -> T:
         """``call(engine)``, an engine call that waits for its own results (the retrieval
@@ -159,7 +174,7 @@ class AsyncEngine:
         until it returns. Cancelling the caller does not stop the call: it runs to its end
         and its result is dropped."""
         engine = self.engine
-        self._admit(n)
+        await self._admit(n)
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()  # as in ``run``: the call's priority goes along
         lane = self._lane(texts) or self._small  # the call waits for its results: never here
@@ -187,24 +202,82 @@ class AsyncEngine:
         for pool in (self._small, self._large, self._background):
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _admit(self, n: int) -> None:
-        limit = self.max_queued
+    async def _admit(self, n: int) -> None:
+        """Count ``n`` inputs in progress: at once where they fit, else after waiting up to
+        ``queue_wait`` for room. A client that retries the moment it is refused, whatever
+        Retry-After says, is so held to a request per ``queue_wait`` on each connection, and
+        the server reads and parses its request that often, not at the client's pace: at 50
+        retries a second from 96 clients the refusals alone left the other models' slowest
+        requests 5-9x slower (BENCHMARKS.md, issue 35)."""
+        if self._limit(n) >= self.pending + n:
+            self.pending += n
+            return
+        if self.queue_wait <= 0:
+            raise self._full(n)
+        # True once admitted (``_free``), False when the wait ran out (``_expire``).
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future[bool] = loop.create_future()
+        waiter = (n, admitted)
+        self._waiters.append(waiter)
+        self.waiting += n
+        timer = loop.call_later(self.queue_wait, self._expire, waiter)
+        try:
+            if not await admitted:
+                raise self._full(n)
+        except asyncio.CancelledError:  # the client left: give back what ``_free`` counted
+            if admitted.done() and not admitted.cancelled() and admitted.result():
+                self._free(n)
+            raise
+        finally:
+            timer.cancel()
+            self._forget(waiter)
+
+    def _expire(self, waiter: tuple[int, asyncio.Future[bool]]) -> None:
+        """A waiter's time ran out before room freed."""
+        if self._forget(waiter) and not waiter[1].done():  # (done: cancelled, client gone)
+            waiter[1].set_result(False)
+
+    def _forget(self, waiter: tuple[int, asyncio.Future[bool]]) -> bool:
+        """Take ``waiter`` off the list; whether it was on it."""
+        if waiter not in self._waiters:
+            return False
+        self._waiters.remove(waiter)
+        self.waiting -= waiter[0]
+        return True
+
+    def _limit(self, n: int) -> int:
+        """The most inputs in progress with which a request of ``n`` is admitted."""
         if n > SMALL_REQUEST_INPUTS and self.pending:
             # The last part of the queue is kept for small requests: clients that fill the
             # queue with large ones cannot turn every one-text request away.
-            limit -= self.max_queued // SMALL_REQUEST_RESERVE
-        if self.pending + n > limit:
-            raise QueueFullError(
-                f"the server has {self.pending} inputs in progress; this request's {n} would "
-                f"exceed --max-queued-requests={self.max_queued}"
-                + ("" if limit == self.max_queued else " less the part kept for small requests")
-                + ". Retry later."
-            )
-        self.pending += n
+            return self.max_queued - self.max_queued // SMALL_REQUEST_RESERVE
+        return self.max_queued
+
+    def _full(self, n: int) -> QueueFullError:
+        limit = self._limit(n)
+        waited = f" (waited {self.queue_wait:g} s for room)" if self.queue_wait > 0 else ""
+        return QueueFullError(
+            f"the server has {self.pending} inputs in progress; this request's {n} would "
+            f"exceed --max-queued-requests={self.max_queued}"
+            + ("" if limit == self.max_queued else " less the part kept for small requests")
+            + f"{waited}. Retry later."
+        )
+
+    def _free(self, n: int) -> None:
+        """``n`` inputs are no longer in progress: admit the waiting requests that now fit,
+        in the order they came (one that does not fit lets a later, smaller one by)."""
+        self.pending -= n
+        for waiter in list(self._waiters):
+            size, admitted = waiter
+            if admitted.done() or self._limit(size) < self.pending + size:
+                continue
+            self._forget(waiter)
+            self.pending += size
+            admitted.set_result(True)
 
     def _release(self, n: int, done: asyncio.Future) -> None:
         """A ``run_call`` ended (on the loop thread): its inputs are no longer in progress."""
-        self.pending -= n
+        self._free(n)
         if not done.cancelled():
             done.exception()  # read: a caller that left never will (no "never retrieved")
 

@@ -158,8 +158,13 @@ def _model_metrics(out: _Text, front: AsyncEngine) -> None:
         _engine_metrics(out, engine)
     out.gauge("pipepool_server_pending_inputs", "inputs admitted, not yet answered", front.pending)
     out.gauge(
+        "pipepool_server_waiting_inputs",
+        "inputs of requests waiting for room in the queue (--queue-wait)",
+        front.waiting,
+    )
+    out.gauge(
         "pipepool_server_max_queued_requests",
-        "limit on pending inputs (429 above)",
+        "limit on pending inputs (past it a request waits --queue-wait, then 429)",
         front.max_queued,
     )
     out.counter(

@@ -37,6 +37,11 @@ class ServerSettings:
     # request is answered 429. Never below max_inputs_per_request, so that any request the
     # server accepts can run once the queue has drained.
     max_queued_requests: int = 16384
+    # A request that finds its model's queue full waits up to this long for room (in arrival
+    # order) before its 429: a client that retries at once after a 429, whatever Retry-After
+    # says, is held to a request a second on each connection, and is read and parsed that
+    # often (``front.AsyncEngine._admit``). 0: refused at once.
+    queue_wait_s: float = 1.0
     shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     # An idle keep-alive connection is closed after this long. A client that sends on it just
     # as the server closes it sees a connection reset, so the server must outlast every
@@ -93,6 +98,8 @@ class ServerSettings:
             )
         if not 0 <= self.port <= 65535:
             raise InvalidInputError(f"port must be in 0..65535, got {self.port}", param="port")
+        if self.queue_wait_s < 0:
+            raise InvalidInputError("queue_wait must be >= 0 (0: no wait)", param="queue_wait")
         if self.shutdown_timeout_s <= 0:
             raise InvalidInputError("shutdown_timeout must be > 0", param="shutdown_timeout")
         if self.fair_share not in FAIR_SHARES:

@@ -86,12 +86,11 @@ class AsyncEngine:
         self.owner = owner
         self.max_queued = max_queued
         self.queue_wait = queue_wait
-        # Requests waiting for room (``_admit``), in arrival order, and their inputs in all.
-        # No cap of their own: each holds its connection, and connections are capped
+        # Requests waiting for room (``_admit``), in arrival order: (inputs, admitted). No cap
+        # of their own: each holds its connection, and connections are capped
         # (--max-connections-per-client); one capped here would leave the clients over it
         # refused at once, free to retry at their own pace.
         self._waiters: list[tuple[int, asyncio.Future[bool]]] = []
-        self.waiting = 0
         # Tokenizers release the GIL; more threads than cores would only queue up.
         workers = threads or max(1, min(4, os.cpu_count() or 1))
         self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
@@ -110,6 +109,11 @@ class AsyncEngine:
         # Set when the server stops waiting for requests in flight (shutdown timeout): routes
         # answer 503 then, rather than being cancelled mid-request.
         self.abandoned = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        """Inputs of the requests waiting for room."""
+        return sum(n for n, _ in self._waiters)
 
     @property
     def engine(self) -> Engine:
@@ -219,7 +223,6 @@ class AsyncEngine:
         admitted: asyncio.Future[bool] = loop.create_future()
         waiter = (n, admitted)
         self._waiters.append(waiter)
-        self.waiting += n
         timer = loop.call_later(self.queue_wait, self._expire, waiter)
         try:
             if not await admitted:
@@ -242,7 +245,6 @@ class AsyncEngine:
         if waiter not in self._waiters:
             return False
         self._waiters.remove(waiter)
-        self.waiting -= waiter[0]
         return True
 
     def _limit(self, n: int) -> int:

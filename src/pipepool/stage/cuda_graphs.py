@@ -18,7 +18,7 @@ one set of offsets for queries and keys, so there they run eagerly.
 
 Captured per padded token count (``graph_buckets``; whole graphs also per attention grid,
 ``_programs``; a model that ``keeps_rows`` also per padded count of kept rows,
-``keep_buckets``), lazily, the first time a step of that size runs; steps larger than the
+``keep_bucket``), lazily, the first time a step of that size runs; steps larger than the
 largest bucket run eagerly. Padded rows hold stale values (in a whole graph's attention
 output, whatever the memory held) and are never read: attention reads only the step's real
 rows, and every other operation is row-wise.

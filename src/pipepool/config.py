@@ -158,7 +158,7 @@ class EngineConfig:
         "processes count as hung and are restarted (0: wait forever; stage processes only, "
         "from the second step of a pipeline on)",
     )
-    # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
+    # Expected-state checks of docs/design.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"
     )

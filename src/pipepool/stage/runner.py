@@ -1,6 +1,6 @@
 """One pipeline stage: its layers, its KV cache, its per-request mirror.
 
-A step, the same on every stage whatever its role (DESIGN.md §1):
+A step, the same on every stage whatever its role (docs/design.md §1):
 
 1. register the plan's new requests in the mirror;
 2. check the mirror against the plan (expected ``num_computed_tokens``): the mirror check;

@@ -25,7 +25,7 @@ from pipepool.errors import InvalidInputError
 from pipepool.intake.tokenizer import OFFLOAD_CHARS
 from pipepool.intake.tokenizer_process import helper_threads
 from pipepool.loading.deployment import ModelMemory
-from pipepool.loading.memory_plan import MemoryPlanError, plan_memory, share_memory
+from pipepool.replicas.memory_plan import MemoryPlanError, plan_memory, share_memory
 
 QUEUE = 64  # the classifier's own queue (the others': the server's 512)
 INPUTS = 32  # --max-inputs-per-request

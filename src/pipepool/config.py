@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .core.classifier_head import RERANKERS
 from .core.request import POOLING_NAMES
 from .errors import InvalidInputError
-from .loading.classifier import RERANKERS
 
 # Every pooling a request may ask for, and those that give one vector per input (what a model's
 # default pooling can be).

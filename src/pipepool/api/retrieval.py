@@ -32,9 +32,9 @@ from ..loading.retrieval import (
 )
 
 if TYPE_CHECKING:
+    from ..core.submission import Submission
     from ..intake.inputs import InputPreparer
     from ..loading.deployment import Deployment
-    from .submission import Submission
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import check_long_inputs
 from ..core.request import PoolingParams
+from ..core.submission import Submission
 from ..errors import InvalidInputError
 from ..intake.pairs import PairEncoder
 from .retrieval import RetrievalMethods
@@ -32,12 +33,11 @@ from .retrieval_scoring import (
     scores_pairs_itself,
     split_pairs,
 )
-from .submission import Submission
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..core.classifier_head import ClassifierHead
     from ..intake.inputs import InputPreparer
-    from ..loading.classifier import ClassifierHead
     from ..loading.deployment import Deployment
 
 

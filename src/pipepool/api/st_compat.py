@@ -31,8 +31,8 @@ from .quantization import PRECISIONS, quantize_embeddings
 from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
+    from ..core.submission import Submission
     from ..intake.long_inputs import CombinedSubmission
-    from .submission import Submission
 
 log = logging.getLogger("pipepool")
 

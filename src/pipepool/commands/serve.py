@@ -452,11 +452,11 @@ def _on_failure(owner, stop_serving, *, alone: bool):
 
 
 def _planned(specs: list[ModelSpec]) -> list[ModelSpec]:
-    """The models with their memory plan's configs (``loading.memory_plan``), the plan logged;
+    """The models with their memory plan's configs (``replicas.memory_plan``), the plan logged;
     refused, with its numbers, when they do not fit."""
     from dataclasses import replace
 
-    from ..loading.memory_plan import plan_memory
+    from ..replicas.memory_plan import plan_memory
 
     plan = plan_memory([(spec.name, spec.config) for spec in specs])
     log.info("%s", plan.describe())

@@ -379,15 +379,20 @@ class InputPreparer:
 
     def output_width(self, pooling: str) -> int:
         """Components of one output vector before Matryoshka truncation."""
-        d = self.deployment
-        if pooling != "all" or (d.classifier is not None and d.classifier.per_token):
-            return d.output_dim
-        head = d.retrieval
-        if isinstance(head, M3Head):  # token rows packed as M3Layout says
-            return M3Layout(d.hidden_size, head.colbert_dim).row_width
-        if isinstance(head, ColbertHead):  # the projections' width
-            return head.dense[-1].out_features if head.dense else d.hidden_size
-        return d.hidden_size
+        return output_width(self.deployment, pooling)
+
+
+def output_width(d: Deployment, pooling: str) -> int:
+    """Components of one output vector of ``d`` under ``pooling``, before Matryoshka
+    truncation."""
+    if pooling != "all" or (d.classifier is not None and d.classifier.per_token):
+        return d.output_dim
+    head = d.retrieval
+    if isinstance(head, M3Head):  # token rows packed as M3Layout says
+        return M3Layout(d.hidden_size, head.colbert_dim).row_width
+    if isinstance(head, ColbertHead):  # the projections' width
+        return head.dense[-1].out_features if head.dense else d.hidden_size
+    return d.hidden_size
 
 
 def _slice_bounds(n: int, size: int | None, first: int | None = None) -> Iterator[tuple[int, int]]:

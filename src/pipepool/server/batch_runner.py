@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..api.priority import background_work
+from ..core.priority import background_work
 from ..jobs.batch_lines import (
     BatchRequest,
     LineChecker,
@@ -391,7 +391,7 @@ class BatchThread:
     engines.
     Thousands of batch lines in flight, each a request through the app's routes, never queue
     in the event loop that answers online requests; their engine calls are background work
-    (``api.priority``), and their host work waits while an online request is in flight
+    (``core.priority``), and their host work waits while an online request is in flight
     (``online_gate``: every task step of this thread's loop, every call of its lane). Batches
     come from the server's state directory, within its limits. ``stopping()``: the server is
     shutting down (the runner stops sending lines)."""

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...api.scoring import check_top_n, pair_up, ranking
-from ...api.submission import Submission
+from ...core.submission import Submission
 from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
 from ..errors import APIError, from_engine

@@ -136,3 +136,20 @@ def _count_calls(monkeypatch, cls, name: str) -> list[int]:
 
     monkeypatch.setattr(cls, name, counted)
     return calls
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_half_precision_on_a_cpu_that_emulates_it_is_warned_about(bert_path, monkeypatch, native):
+    import warnings
+
+    monkeypatch.setattr(cpu_linear, "native_half", lambda dtype: native)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pipepool.Engine(str(bert_path), dtype="bfloat16") as engine:
+            assert engine.embed(["still computed"]).shape[0] == 1
+    emulated = [w for w in seen if "emulated" in str(w.message)]
+    if native:
+        assert emulated == []
+    else:
+        assert len(emulated) == 1 and issubclass(emulated[0].category, RuntimeWarning)
+        assert "dtype bfloat16 on a CPU without native bfloat16" in str(emulated[0].message)

@@ -284,16 +284,21 @@ class InputPreparer:
         return truncate
 
     def _with_prompt(self, texts: list[str], prompt_name: str | None) -> list[str]:
+        prefix = self.prompt_text(prompt_name)
+        return [prefix + t for t in texts] if prefix else texts
+
+    def prompt_text(self, prompt_name: str | None) -> str:
+        """The text put before each input: the named prompt, else the model's default prompt,
+        else none (""). Raises InvalidInputError for a name the model does not have."""
         name = prompt_name if prompt_name is not None else self.default_prompt_name
         if name is None:
-            return texts
+            return ""
         if name not in self.prompts:
             known = ", ".join(sorted(self.prompts)) or "none"
             raise InvalidInputError(
                 f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
             )
-        prefix = self.prompts[name]
-        return [prefix + t for t in texts]
+        return self.prompts[name]
 
     def _check_lengths(self, first: int, lengths: np.ndarray, longest: int | None) -> None:
         """Prompts over ``longest`` tokens (None: no cap, they are chunked) are refused, as are

@@ -19,14 +19,13 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictFloat,
-    StrictInt,
     StrictStr,
     WithJsonSchema,
     field_validator,
 )
 
 from ..api.quantization import quantize_embeddings, quantize_symmetric
-from .openapi import CheckedPositiveInt, Dimensions, Texts, TokenId
+from .openapi import CheckedPositiveInt, Dimensions, Integer, Texts, TokenId
 from .protocol import _Strict, encode_array
 
 # The types of Cohere's embedding_types; int8/uint8 as api/int8_scale.py makes them.
@@ -34,6 +33,8 @@ EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_query", "search_document", "classification", "clustering"]
 Truncate = Literal["NONE", "START", "END"]
 _Finite = Annotated[StrictFloat, AllowInfNan(False)]
+# Cohere's priority, of which this server has one level (checked, with a message, not typed).
+_OnlyZero = Annotated[Integer, Field(json_schema_extra={"enum": [0]})]
 _Types = Annotated[list[EmbeddingType], Field(json_schema_extra={"minItems": 1})]
 # Refused by name when given (not null), so that a client learns why.
 _Refused = Annotated[Any, WithJsonSchema({"type": "null"})]
@@ -103,7 +104,7 @@ class CohereEmbedRequest(_CohereEmbedBody):
     max_tokens: CheckedPositiveInt | None = Field(
         None, description="Tokens of each text kept (truncate NONE: longer ones are 400)."
     )
-    priority: StrictInt | None = Field(
+    priority: _OnlyZero | None = Field(
         None,
         description="Cohere's request priority: only 0 (the default, Cohere's highest), which "
         "every request here has; other values are refused (no priority levels here).",

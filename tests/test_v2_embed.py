@@ -447,6 +447,7 @@ def test_cohere_client_v1_embeds_tokenizes_and_detokenizes(server, engine, token
         ("/v1/tokenize", {"text": ""}, "text", "1 to 65536"),
         ("/v1/tokenize", {"text": "a" * 65537}, "text", "1 to 65536"),
         ("/v1/tokenize", {"text": 5}, "text", "valid string"),
+        ("/v1/tokenize", {"text": "a." * 20000}, "text", "has 40000 tokens"),  # > 32768
         ("/v1/detokenize", {"tokens": []}, "tokens", "1 to 65536"),
         ("/v1/detokenize", {"tokens": [5, 40000]}, "tokens", "tokens 1 is 40000"),
         ("/v1/detokenize", {"tokens": [-1]}, "tokens", "tokens 0 is -1"),

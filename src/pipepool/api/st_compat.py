@@ -74,14 +74,14 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
         list of 1-D tensors; ``output_value="token_embeddings"``: a ``[len, hidden]`` tensor per
         input. The model's heads (Normalize included) run in the engine; ``truncate_dim``
         (default: ``self.truncate_dim``) then cuts the vectors and ``normalize_embeddings``
-        normalises what is left; ``precision`` quantizes. int8/uint8 follow ``ranges`` (pipepool's):
-        ``"model"`` (default) the model's fixed symmetric scale (``api/int8_scale.py``: a text's
-        integers do not depend on the rest of the call); ``"call"`` sentence-transformers' own
-        rule, buckets over each dimension's range in this call's vectors (what
-        ``SentenceTransformer.encode`` gives); a ``[2, dim]`` array, buckets over those ranges
-        (``quantize_embeddings``' ``ranges``). binary/ubinary pack the signs, as there. Inputs
-        over ``max_seq_length`` are
-        truncated, as there, whatever the engine's ``long_inputs`` (``embed`` follows that).
+        normalises what is left; ``precision`` quantizes. int8/uint8 follow ``ranges``
+        (pipepool's): ``"model"`` (default) the model's fixed symmetric scale
+        (``api/int8_scale.py``: a text's integers do not depend on the rest of the call);
+        ``"call"`` sentence-transformers' own rule, buckets over each dimension's range in this
+        call's vectors (what ``SentenceTransformer.encode`` gives); a ``[2, dim]`` array,
+        buckets over those ranges (``quantize_embeddings``' ``ranges``). binary/ubinary pack
+        the signs, as there. Inputs over ``max_seq_length`` are truncated, as there, whatever
+        the engine's ``long_inputs`` (``embed`` follows that).
         ``batch_size`` is checked and otherwise unused (the engine batches by tokens);
         ``chunk_size`` is unused."""
         inputs = renamed(kwargs, "sentences", inputs)

@@ -19,6 +19,9 @@ import torch
 from tiny_models import MIN_COSINE, SENTENCES, cosine, minilm_path
 
 import pipepool
+from pipepool.api.calibration_texts import CALIBRATION_TEXTS
+from pipepool.api.int8_scale import symmetric_bound
+from pipepool.api.quantization import quantize_symmetric
 
 TEXTS = SENTENCES[:6]
 LONG = " ".join(SENTENCES)  # far more than 256 tokens: truncated at max_seq_length
@@ -166,6 +169,17 @@ def test_quantized_token_embeddings_differ_only_at_bucket_edges(engine, st_model
     want = st_model.encode(MIXED, precision=precision, **kwargs)
     assert [g.dtype for g in got] == [w.dtype for w in want]
     assert_quantized_equal(np.concatenate(got), np.concatenate(want), floats)
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+def test_int8_by_default_is_the_models_fixed_scale_on_every_engine_kind(engine, precision):
+    """The engine's own default (``api/int8_scale.py``): one symmetric scale from the
+    calibration texts, so a text's integers are the same alone and among others."""
+    bound = symmetric_bound(engine.embed(list(CALIBRATION_TEXTS)))
+    got = engine.encode(MIXED, precision=precision)
+    np.testing.assert_array_equal(got, quantize_symmetric(engine.encode(MIXED), precision, bound))
+    alone = np.stack([engine.encode(text, precision=precision) for text in MIXED])
+    np.testing.assert_array_equal(alone, got)
 
 
 def test_similarity_matches_sentence_transformers_for_every_function(engine, st_model):

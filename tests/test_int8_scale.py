@@ -121,3 +121,10 @@ def test_matryoshka_and_token_outputs_have_bounds_of_their_own(engine):
         np.testing.assert_array_equal(g, quantize_symmetric(t.numpy(), "int8", token_bound))
     alone = engine.encode(TEXTS[1], precision="int8", **kwargs)
     np.testing.assert_array_equal(alone, got[1])
+
+
+def test_a_bound_is_computed_once_and_known_without_waiting_after(engine):
+    assert engine.known_int8_bound(48) is None  # the server's event loop asks this first
+    bound = engine.int8_bound(48)
+    assert engine.known_int8_bound(48) == bound == engine.int8_bound(48)
+    assert bound == symmetric_bound(engine.embed(list(CALIBRATION_TEXTS), dimensions=48))

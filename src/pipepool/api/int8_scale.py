@@ -63,6 +63,10 @@ class Int8Calibration:
         self._lock = threading.Lock()
         self._bounds: dict[Hashable, float] = {}
 
+    def known(self, key: Hashable) -> float | None:
+        """The bound of ``key`` if computed already, else None; never waits."""
+        return self._bounds.get(key)
+
     def bound(self, key: Hashable, embed: Callable[[list[str]], Any]) -> float:
         with self._lock:  # one computation per key, whoever asks first
             if key not in self._bounds:
@@ -88,6 +92,11 @@ class Int8ScaleMethods:
             if calibration is None:
                 calibration = self.__dict__["_int8_calibration"] = Int8Calibration()
         return calibration
+
+    def known_int8_bound(self, dimensions: int | None = None) -> float | None:
+        """``int8_bound(dimensions)`` if computed already, else None: never blocks (an event
+        loop asks this first)."""
+        return self.int8_calibration.known(("embed", dimensions))
 
     def int8_bound(self, dimensions: int | None = None) -> float:
         """The bound ``c`` of ``embed(..., dimensions=dimensions)`` vectors (the module's rule):

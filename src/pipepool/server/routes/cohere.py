@@ -18,7 +18,16 @@ from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
 from . import cohere_tokens
-from .shared import ERRORS, json_answer, run_model_outputs, select_model
+from .shared import (
+    CLIENT_CLOSED,
+    ERRORS,
+    ClientGone,
+    json_answer,
+    model_of,
+    run_model_outputs,
+    select_model,
+    unless_client_leaves,
+)
 
 router = APIRouter(tags=["Cohere"])
 router.include_router(cohere_tokens.router)
@@ -83,11 +92,16 @@ async def _embed(
         _refuse_over(done.num_tokens, max_tokens)
     vectors = np.stack(done.outputs)  # [n, dim]
     ranges = None if body.ranges is None else np.asarray(body.ranges)
+    bound = None
+    if int8 and ranges is None:
+        bound = engine.known_int8_bound(dimensions)
+        if bound is None:
+            calibrated = await _calibrate(request, dimensions)
+            if isinstance(calibrated, Response):
+                return calibrated
+            bound = calibrated
 
     def build() -> dict:
-        # The model's bound: computed by the first request that needs it (an engine call on
-        # the calibration texts, on this worker thread, not the event loop), then fixed.
-        bound = engine.int8_bound(dimensions) if int8 and ranges is None else None
         return cp.embed_response(
             body.texts, vectors, types, done.num_tokens, (ranges, bound), version
         )
@@ -96,6 +110,19 @@ async def _embed(
         return await json_answer(request, build, vectors.size * len(types or ["float"]))
     except PipepoolError as exc:  # ranges that do not fit the vectors; the engine's errors
         raise from_engine(exc) from None
+
+
+async def _calibrate(request: Request, dimensions: int | None) -> float | Response:
+    """The model's int8 bound for ``dimensions``, computed by the first request that needs it
+    (an engine call on the calibration texts, ``api/int8_scale.py``) on a tokenising thread,
+    never on the event loop; counted as one request in the model's queue. A bare Response
+    (499) if the client left meanwhile."""
+    front = model_of(request).front
+    computing = front.run_call(1, lambda engine: engine.int8_bound(dimensions))
+    try:
+        return await unless_client_leaves(request, computing)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
 
 
 def _needs_int8(types: Sequence[str] | None, ranges: list | None) -> bool:

@@ -376,10 +376,11 @@ TOKENIZER_ROUTE = {"200", "400", "401", "404", "408", "413", "500", "503"}
 READ_ROUTE = {"200", "401", "500"}
 MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/embed", "/rerank", "/v1/rerank", "/v2/rerank")
 MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed", "/embed_sparse")
+MODEL_ROUTES += ("/v1/embed",)
 ANSWERS = {
     **{(path, "post"): MODEL_ROUTE for path in MODEL_ROUTES},
-    ("/tokenize", "post"): TOKENIZER_ROUTE,
-    ("/detokenize", "post"): TOKENIZER_ROUTE,
+    **{(path, "post"): TOKENIZER_ROUTE for path in ("/tokenize", "/v1/tokenize")},
+    **{(path, "post"): TOKENIZER_ROUTE for path in ("/detokenize", "/v1/detokenize")},
     ("/v1/models", "get"): READ_ROUTE,
     ("/info", "get"): READ_ROUTE,
     ("/version", "get"): READ_ROUTE,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from ..config import check_long_inputs
 from ..core.request import PoolingParams
 from ..errors import InvalidInputError
 from ..intake.pairs import PairEncoder, encode_chunks
+from .pair_options import best_chunk_scores, kept_end, refuse_for_late_interaction
 from .retrieval import RetrievalMethods
 from .retrieval_scoring import (
     M3_WEIGHTS,
@@ -140,7 +141,7 @@ class ScoringMethods:
         if not isinstance(query, str):
             raise InvalidInputError("query must be a string", param="query")
         queries, docs = pair_up([query], documents, name_1="query", name_2="documents")
-        options = dict(
+        options: dict[str, Any] = dict(
             use_activation=use_activation,
             instruction=instruction,
             max_tokens_per_doc=max_tokens_per_doc,
@@ -231,7 +232,7 @@ class ScoringMethods:
             instruction=instruction,
             max_tokens_per_doc=max_tokens_per_doc,
             max_tokens_per_query=max_tokens_per_query,
-            keep=_keep(truncation_side),
+            keep=kept_end(truncation_side),
         )
         params = self._score_params(use_activation)
         return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
@@ -481,36 +482,6 @@ def _texts(value: str | Sequence[str], name: str) -> list[str]:
     if not len(texts):
         raise InvalidInputError(f"{name} is empty: give at least one text", param=name)
     return list(texts)
-
-
-def best_chunk_scores(scores: np.ndarray, owners: np.ndarray) -> np.ndarray:
-    """Each pair's best chunk score (Cohere: a chunked document scores as its best chunk);
-    ``owners``: each chunk's pair index, ascending, every pair present."""
-    starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
-    return np.maximum.reduceat(scores, starts)
-
-
-def refuse_for_late_interaction(deployment: Deployment, **asked: bool) -> None:
-    """A ColBERT or BGE-M3 model scores a pair from the query's and the document's own
-    outputs, each cut to its own limit: the pair options that shape one joint prompt have no
-    meaning there. Refuses the first one ``asked`` for."""
-    for name, given in asked.items():
-        if given:
-            raise InvalidInputError(
-                f"{name} shapes the joint prompt of a cross-encoder; this model "
-                f"({deployment.folder.architecture}) scores query and document from their own "
-                "outputs (late interaction), each truncated at its end to its limit",
-                param=name,
-            )
-
-
-def _keep(truncation_side: str) -> str:
-    """The tokens a truncated input keeps: its first ("right") or its last ("left")."""
-    if truncation_side not in ("right", "left"):
-        raise InvalidInputError(
-            "truncation_side must be 'right' or 'left'", param="truncation_side"
-        )
-    return "first" if truncation_side == "right" else "last"
 
 
 def check_top_n(top_n: int | None) -> None:

@@ -77,7 +77,7 @@ class VllmPoolingFields(_Strict):
         if value == "max_length":
             raise ValueError(
                 'padding "max_length" pads prompts to max_model_len for models trained without '
-                'an attention mask; the models served here attend to their tokens only: send '
+                "an attention mask; the models served here attend to their tokens only: send "
                 '"do_not_pad" or leave it out'
             )
         return value

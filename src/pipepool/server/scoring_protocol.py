@@ -274,10 +274,7 @@ class ScoreRequest(VllmPoolingFields):
     @model_validator(mode="after")
     def _one_spelling(self) -> ScoreRequest:
         given = {
-            name
-            for pair in SCORE_SPELLINGS
-            for name in pair
-            if getattr(self, name) is not None
+            name for pair in SCORE_SPELLINGS for name in pair if getattr(self, name) is not None
         }
         if not any(given == set(pair) for pair in SCORE_SPELLINGS):
             spelled = ", ".join(f"{a} and {b}" for a, b in SCORE_SPELLINGS)

@@ -9,12 +9,14 @@ returns (``api/retrieval_scoring.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
-from ...api.scoring import best_chunk_scores, check_top_n, pair_up, ranking
+from ...api.pair_options import best_chunk_scores
+from ...api.scoring import check_top_n, pair_up, ranking
 from ...api.submission import Submission
 from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
@@ -56,7 +58,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     chunk_owners: list[np.ndarray] = []  # each chunk's document, when documents are chunked
 
     def submit(engine: Engine) -> Submission:
-        options = dict(
+        options: dict[str, Any] = dict(
             use_activation=activation,
             instruction=body.instruction,
             max_tokens_per_doc=body.per_doc,

@@ -27,7 +27,7 @@ DOCUMENTS = [*long_prompts()[1:4], SENTENCES[10], SENTENCES[11]]
 @pytest.fixture(scope="module")
 def server(xlmr_reranker_path, tmp_path_factory):
     args = ["--model", str(xlmr_reranker_path), "--served-model-name", MODEL]
-    args += ["--max-model-len", str(MAX_LEN), "--long-inputs", "error"]
+    args += ["--max-model-len", str(MAX_LEN), "--long-inputs", "error", "--allow-token-ids"]
     s = ServerProcess(args, tmp_path_factory.mktemp("scoring-log") / "server.log")
     try:
         yield s.wait_ready()
@@ -335,3 +335,13 @@ def test_classify_truncation_side_keeps_the_asked_end(server, ref):
     assert not close(got["right"], got["left"])
     r = post(server, "/classify", {"input": "a", "add_special_tokens": False})
     assert_error(r, 400, "invalid_request_error", param="add_special_tokens")
+
+
+def test_classify_takes_this_models_token_ids_as_vllm_does(server, ref):
+    ids = ref.tokenizer(DOCUMENTS[0])["input_ids"]
+    by_text = post(server, "/classify", {"input": DOCUMENTS[0]}).json()
+    by_ids = post(server, "/v1/classify", {"input": ids}).json()
+    several = post(server, "/classify", {"input": [ids, ids[:10]]}).json()
+    probs = [np.array([d["probs"][0] for d in a["data"]]) for a in (by_text, by_ids, several)]
+    assert close(probs[1], probs[0]) and close(probs[0], np.array([ref.run(ids)]))
+    assert close(probs[2], np.array([ref.run(ids), ref.run(ids[:10])]))

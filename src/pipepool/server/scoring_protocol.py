@@ -30,6 +30,8 @@ from .openapi import (
     PositiveInt,
     Text,
     Texts,
+    TokenIdLists,
+    TokenIds,
     TruncateTokens,
     inputs_bound,
     one_of_fields,
@@ -302,10 +304,14 @@ class ScoreRequest(VllmPoolingFields):
 
 
 class ClassifyRequest(VllmPoolingFields):
-    """vLLM's classify: label probabilities per input text."""
+    """vLLM's classify: label probabilities per input: a text, texts, or (on a server started
+    with --allow-token-ids) this model's token ids, as vLLM takes them."""
 
     model: StrictStr | None = None
-    input: Text | Texts
+    input: Text | Texts | TokenIds | TokenIdLists = Field(
+        description="A text, a list of texts, a list of token ids (one input), or a list of "
+        "token-id lists (token ids with --allow-token-ids only)."
+    )
     use_activation: StrictBool | None = _ACTIVATION
     truncate_prompt_tokens: TruncateTokens | None = _TRUNCATE
     add_special_tokens: StrictBool = Field(
@@ -322,8 +328,13 @@ class ClassifyRequest(VllmPoolingFields):
             )
         return value
 
-    def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+    def inputs(self) -> list:
+        """The inputs as the engine takes them: texts, or token-id lists."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [self.input]  # one input given as token ids
+        return list(self.input)
 
     def truncation(self) -> Truncation:
         return Truncation(self.truncation_side or "right", self.truncate_prompt_tokens, None)

@@ -27,6 +27,7 @@ from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
+    check_inputs,
     check_task,
     json_answer,
     model_of,
@@ -160,9 +161,8 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
 @router.post("/v1/classify", response_model=sp.ClassifyResponse, responses=ERRORS)
 async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     """Label probabilities and the top label per input (vLLM)."""
-    texts = body.texts()
-    if not texts:
-        raise APIError(400, "input is empty: send at least one text", param="input")
+    texts = body.inputs()
+    check_inputs(state_of(request), texts)
     activation = body.use_activation if body.use_activation is not None else True
     cut = body.truncation()
     done = await _run(

@@ -111,7 +111,9 @@ class PairEncoder:
         if len(empty):
             i = int(empty[0])
             raise InvalidInputError(f"pair {i} has no tokens", param="documents", index=i)
-        self.inputs._check_lengths(0, lengths, self.deployment.max_model_len)
+        self.inputs._check_lengths(
+            0, lengths, self.deployment.max_model_len, name="pair", param="documents"
+        )
         return TokenSlice(0, ids, lengths, types)
 
     def chunk_room(self, query: str, window: int) -> int:

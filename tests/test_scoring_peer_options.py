@@ -206,6 +206,9 @@ def test_rerank_truncation_side_top_n_and_return_documents(server, ref):
             {"text": DOCUMENTS[r["index"]]} for r in answer["results"]
         ]
     assert not close(got["right"], got["left"])
+    one = post(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS[3]}).json()  # vLLM's
+    assert [r["index"] for r in one["results"]] == [0]
+    assert close(by_index(one["results"]), ref.pairs([QUERY], [DOCUMENTS[3]]))
     top = post(server, "/rerank", {**body, "top_n": 2, "return_documents": False}).json()
     order = np.argsort(-got["right"], kind="stable")[:2].tolist()
     assert [r["index"] for r in top["results"]] == order

@@ -109,10 +109,10 @@ class RerankRequest(VllmPoolingFields):
 
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     query: StrictStr
-    documents: _Documents | None = Field(
+    documents: _Documents | StrictStr | None = Field(
         None,
         description="Texts, or objects of string fields (Cohere v1, Jina: ranked by 'text', or "
-        "by rank_fields), to rank by the query.",
+        "by rank_fields), to rank by the query; one text alone is one document (vLLM).",
     )
     texts: AnyTexts | None = Field(None, description="TEI's name for documents.")
     top_n: NonNegativeInt | None = Field(
@@ -191,13 +191,17 @@ class RerankRequest(VllmPoolingFields):
         if self.texts is not None:
             return list(self.texts)
         assert self.documents is not None  # _one_list: exactly one of documents and texts
-        return document_texts(self.documents, self.rank_fields)
+        return document_texts(self._document_list(), self.rank_fields)
 
     def returned(self) -> list[dict] | None:
         """The documents the answer returns (Cohere / Jina form; default: all), or None."""
         if self.return_documents is False or self.documents is None:
             return None
-        return returned_documents(self.documents)
+        return returned_documents(self._document_list())
+
+    def _document_list(self) -> list[str | dict[str, str]]:
+        assert self.documents is not None
+        return [self.documents] if isinstance(self.documents, str) else list(self.documents)
 
     def activation(self) -> bool:
         given = self.use_activation is not None and self.raw_scores is not None

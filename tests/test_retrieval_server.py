@@ -271,6 +271,30 @@ def test_colbert_rerank_equals_pylate(colbert_server, colbert_reference):
     np.testing.assert_allclose(got, ref["pair_scores"], rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize(
+    "path,option",
+    [
+        ("/v1/score", {"truncation_side": "left"}),
+        ("/rerank", {"truncation_direction": "left"}),
+        ("/v1/score", {"max_tokens_per_query": 4}),
+        ("/v1/rerank", {"max_chunks_per_doc": 2}),
+    ],
+)
+def test_late_interaction_refuses_joint_prompt_options_by_name(colbert_server, path, option):
+    # Issue 56: these shape a cross-encoder's one prompt; ColBERT cuts query and document
+    # apart, each at its end, so they are refused, never ignored.
+    if path == "/v1/score":
+        body = {"queries": QUERY, "documents": DOCUMENTS[:2], **option}
+    else:
+        body = {"query": QUERY, "documents": DOCUMENTS[:2], **option}
+    r = post(colbert_server, path, body)
+    assert r.status_code == 400, r.text
+    name = "truncation_side" if "truncation_direction" in option else next(iter(option))
+    assert r.json()["error"]["param"] == name and "late interaction" in r.text
+    default_side = post(colbert_server, path, {**body, **dict.fromkeys(option, None)})
+    assert default_side.status_code == 200, default_side.text
+
+
 def test_colbert_multi_vector_outputs_equal_pylate(colbert_server, colbert_reference):
     ref = colbert_reference
     for is_query, texts, side in ((True, [QUERY], "query"), (False, DOCUMENTS, "document")):

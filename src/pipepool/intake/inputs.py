@@ -300,18 +300,27 @@ class InputPreparer:
             )
         return self.prompts[name]
 
-    def _check_lengths(self, first: int, lengths: np.ndarray, longest: int | None) -> None:
+    def _check_lengths(
+        self,
+        first: int,
+        lengths: np.ndarray,
+        longest: int | None,
+        *,
+        name: str = "input",
+        param: str = "input",
+    ) -> None:
         """Prompts over ``longest`` tokens (None: no cap, they are chunked) are refused, as are
-        prompts a decoder's KV cache cannot hold."""
+        prompts a decoder's KV cache cannot hold; errors call prompt i "<name> i" and blame
+        the request field ``param``."""
         d = self.deployment
         over = np.nonzero(lengths > longest)[0] if longest is not None else np.zeros(0, np.int64)
         if len(over):
             i = int(over[0])
             raise PromptTooLongError(
-                f"input {first + i} has {int(lengths[i])} tokens, more than "
+                f"{name} {first + i} has {int(lengths[i])} tokens, more than "
                 f"max_model_len={d.max_model_len}; shorten it, or let long inputs be truncated "
                 "or chunked (long_inputs='truncate' or 'chunk'; command line: --long-inputs)",
-                param="input",
+                param=param,
                 index=first + i,
             )
         if d.causal and longest is not None:
@@ -319,9 +328,9 @@ class InputPreparer:
             if len(over):
                 i = int(over[0])
                 raise PromptTooLongError(
-                    f"input {first + i} has {int(lengths[i])} tokens but the KV cache holds "
+                    f"{name} {first + i} has {int(lengths[i])} tokens but the KV cache holds "
                     f"{d.kv_cache_tokens}",
-                    param="input",
+                    param=param,
                     index=first + i,
                 )
 

@@ -6,7 +6,7 @@ names and shapes of its weights; a hub id is fetched), so that a bad one fails, 
 problem, before the server listens. Then the server listens at once and loads the weights in
 the background (``/health`` says 503 until it is ready). Several models (``--model`` repeated,
 ``--models-file``) are served side by side, each in processes of its own with its own queue,
-in a memory plan made before any loads (``loading/memory_plan.py``); requests go to the model
+in a memory plan made before any loads (``replicas/memory_plan.py``); requests go to the model
 they name (``server/models.py``). On SIGTERM or Ctrl-C it stops
 accepting connections, lets the requests in flight finish (up to ``--shutdown-timeout``, then
 answers what is left 503), then stops the pipeline stages. If the engine fails for good (a

@@ -34,12 +34,14 @@ router = APIRouter(tags=["TEI"])
 _MEANING = {
     400: "Empty: no inputs, or an empty one.",
     401: "Missing or wrong API key (a server started with --api-key).",
+    408: "Validation: the request body did not arrive within --body-timeout.",
     413: "Validation: more inputs than max_client_batch_size (--max-inputs-per-request), or a "
     "body over --max-body-bytes.",
     422: "Validation: a bad or unknown field, token ids without --allow-token-ids, an input "
     "over max_input_length with truncate false, too many tokens in all.",
     424: "Backend: the model does not do what the route asks (an embedding model's /predict).",
     429: "Overloaded: the model's queue is full; retry after Retry-After seconds.",
+    500: "Backend: internal error (the server's log has the details).",
     503: "Unhealthy: the model is loading or restarting, or its engine failed.",
 }
 
@@ -49,8 +51,8 @@ def tei_errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": TEIErrorResponse, "description": _MEANING[s]} for s in statuses}
 
 
-TEI_ERRORS = tei_errors_doc(400, 401, 413, 422, 424, 429, 503)
-TEI_TOKENIZER_ERRORS = tei_errors_doc(400, 401, 413, 422, 503)
+TEI_ERRORS = tei_errors_doc(400, 401, 408, 413, 422, 424, 429, 500, 503)
+TEI_TOKENIZER_ERRORS = tei_errors_doc(400, 401, 408, 413, 422, 500, 503)
 
 
 def tei_inputs(request: Request, items: list, param: str = "inputs") -> list:
@@ -140,10 +142,12 @@ async def similarity(body: TEISimilarityRequest, request: Request) -> Response:
 
 @router.post("/decode", response_model=list[str], responses=TEI_TOKENIZER_ERRORS)
 async def decode(body: TEIDecodeRequest, request: Request) -> Response:
-    """The text of each list of token ids (this model's tokenizer), special tokens left out
-    unless ``skip_special_tokens`` is false; one text per list, a list of one for one list."""
-    settings = state_of(request).settings
-    model = select_model(request, None)
+    """The text of each list of token ids (the tokenizer of the server's first model, which
+    /info describes), special tokens left out unless ``skip_special_tokens`` is false; one
+    text per list, a list of one for one list."""
+    state = state_of(request)
+    settings = state.settings
+    model = select_model(request, state.models.first.name)  # the model /info describes
     try:
         engine = model.front.engine
     except PipepoolError as exc:  # loading, or failed to start
@@ -177,7 +181,7 @@ async def decode(body: TEIDecodeRequest, request: Request) -> Response:
     return await json_answer(request, lambda: list(texts), sum(map(len, texts)))
 
 
-@router.get("/info", responses=tei_errors_doc(401))
+@router.get("/info", responses=tei_errors_doc(401, 500))
 async def info(request: Request) -> dict:
     """What the model and the server's limits are, by TEI's names (``tei_info.py``)."""
     return tei_info(state_of(request))

@@ -85,7 +85,12 @@ async def root(request: Request) -> Response:
 
 
 async def _json(request: Request) -> Any:
-    """The body as JSON; invalid JSON is a validation error, as on every route."""
+    """The body as JSON; a body sent as another type, or invalid JSON, is a validation error,
+    as on every route (``errors.install_handlers`` names the Content-Type it was sent as)."""
+    kind = request.headers.get("content-type")
+    if kind is not None and "json" not in kind.lower():
+        error = {"type": "model_attributes_type", "loc": ("body",), "msg": "not JSON"}
+        raise RequestValidationError([error])
     raw = await request.body()
     try:
         return json.loads(raw)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import tiny_retrieval as tr
 import torch
 from test_cross_encoder_api import make_nli_cross_encoder
 from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import SENTENCES
-
-import tiny_retrieval as tr
 
 TOLERANCE = 1e-4
 MAX_INPUTS = 8

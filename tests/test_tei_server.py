@@ -129,6 +129,20 @@ def test_huggingface_hub_client_embeds_and_compares_through_root(server, minilm,
     np.testing.assert_allclose(cosines, vectors[1:] @ vectors[0], atol=TOLERANCE)
 
 
+def test_huggingface_hub_client_classifies_through_root(classifier_server, nli, monkeypatch):
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    client = InferenceClient(base_url=classifier_server.url)
+    # TEI answers one text with a flat list; the client reads its first item, the top label.
+    top = client.text_classification(TEXTS[0])
+    (expected,) = _reference_predictions(nli, [TEXTS[0]])
+    assert top.label == expected[0]["label"]
+    assert abs(top.score - expected[0]["score"]) <= TOLERANCE
+    with pytest.raises(Exception, match="422"):
+        client.text_classification(TEXTS[0], top_k=1)  # not TEI's: refused, not ignored
+
+
 def test_root_and_invocations_answer_as_the_first_models_route(
     server, classifier_server, reranker_server
 ):

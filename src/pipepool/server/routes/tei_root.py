@@ -74,7 +74,7 @@ async def root(request: Request) -> Response:
             )
         return await scoring.rerank(body, request)
     if head is not None:
-        return await tei_predict.predict(_parse(TEIPredictRequest, payload), request)
+        return await tei_predict.predict(_parse(TEIPredictRequest, _asks(payload)), request)
     if d.outputs == ("sparse",):
         return await retrieval.embed_sparse(_parse(TEIEmbedSparseRequest, payload), request)
     if isinstance(payload, dict) and isinstance(payload.get("inputs"), dict):
@@ -82,6 +82,15 @@ async def root(request: Request) -> Response:
         # TASK=sentence-similarity): an /embed body's inputs is never an object.
         return await tei.similarity(_parse(TEISimilarityRequest, payload), request)
     return await tei.embed(_parse(TEIEmbedRequest, payload), request)
+
+
+def _asks(payload: Any) -> Any:
+    """The body without an empty ``parameters`` object: ``InferenceClient.text_classification``
+    sends ``"parameters": {}`` when given no options, which asks for nothing. One that asks
+    for something (``top_k``, ``function_to_apply``) is refused by ``/predict``'s body."""
+    if isinstance(payload, dict) and payload.get("parameters") == {}:
+        return {k: v for k, v in payload.items() if k != "parameters"}
+    return payload
 
 
 async def _json(request: Request) -> Any:

@@ -22,6 +22,7 @@ TEXTS = SENTENCES[:4]
 LONG = " ".join(SENTENCES)  # far over MiniLM's 256 tokens
 PAIRS = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3])]
 JSON = {"content-type": "application/json"}
+KEY = "tei-key"  # the reranker server's; the others take no key and ignore the header
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,9 @@ def classifier_server(folders, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reranker_server(folders, tmp_path_factory):
-    """A reranker first (POST / reranks), then an embedding model; no token ids."""
+    """A reranker first (POST / reranks), then an embedding model; no token ids; an API key."""
     models = [("reranker", folders["reranker"]), ("minilm", folders["minilm"])]
-    yield from _serve(tmp_path_factory, "tei-reranker", models)
+    yield from _serve(tmp_path_factory, "tei-reranker", models, "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,9 @@ def nli(folders):
     ).eval()
 
 
-def post(server, path: str, body) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
+def post(server, path: str, body, key: str = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
 
 
 def ok(r: httpx.Response):
@@ -447,4 +449,13 @@ def test_info_names_tei_fields_with_the_servers_values(server, classifier_server
     assert ok(httpx.get(classifier_server.url + "/info"))["model_type"] == {
         "classifier": {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}
     }
-    assert list(ok(httpx.get(reranker_server.url + "/info"))["model_type"]) == ["reranker"]
+    reranker_info = httpx.get(
+        reranker_server.url + "/info", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert list(ok(reranker_info)["model_type"]) == ["reranker"]
+
+
+def test_a_missing_api_key_is_401_in_teis_body(reranker_server):
+    r = post(reranker_server, "/embed", {"inputs": "a"}, key="wrong")
+    assert_tei_error(r, 401, "Unauthorized", "Incorrect API key")
+    assert r.headers["www-authenticate"] == "Bearer"

@@ -4,8 +4,8 @@
   official clients (openai, cohere, vLLM's) raise their usual exception classes
   (BadRequestError, AuthenticationError, RateLimitError, ...);
 - text-embeddings-inference's, ``{"error": str, "error_type": str}`` with TEI's statuses, on
-  TEI's own routes (``TEI_PATHS``), and on a shared route (``/rerank``, ``/tokenize``) for a
-  request in TEI's form (``answer_as_tei``): ``tei_answer`` maps each error to TEI's.
+  the routes only TEI defines (``TEI_PATHS``; ``/rerank`` and ``/tokenize``, which other
+  peers define too, keep OpenAI's): ``tei_answer`` maps each error to TEI's.
 
 An error is raised once, as an ``APIError`` (OpenAI's fields); its shape is chosen where it is
 answered, by the request it answers."""
@@ -100,22 +100,12 @@ TEI_PATHS = frozenset(
     {"/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/predict", "/similarity",
      "/decode", "/info"}
 )  # fmt: skip
-_SHAPE_KEY = "pipepool_error_shape"
 
 
 def error_shape(scope: Scope) -> str:
-    """The error body's shape for the request of ``scope``: TEI's on ``TEI_PATHS`` and where
-    the route said so (``answer_as_tei``), OpenAI's everywhere else."""
-    if scope.get("path") in TEI_PATHS:
-        return TEI
-    return (scope.get("state") or {}).get(_SHAPE_KEY, OPENAI)
-
-
-def answer_as_tei(request: Request) -> None:
-    """Errors of this request get TEI's shape from now on: a route that serves both OpenAI's
-    (or Cohere's) and TEI's forms calls it once it sees the TEI form (``/rerank`` with
-    ``texts``, ``/tokenize`` with ``inputs``)."""
-    request.scope.setdefault("state", {})[_SHAPE_KEY] = TEI
+    """The error body's shape for the request of ``scope``: TEI's on ``TEI_PATHS``, OpenAI's
+    everywhere else (``/rerank`` and ``/tokenize`` serve OpenAI-family clients too)."""
+    return TEI if scope.get("path") in TEI_PATHS else OPENAI
 
 
 def tei_answer(err: APIError) -> tuple[int, str]:

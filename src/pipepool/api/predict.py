@@ -17,8 +17,8 @@ from ..intake.pairs import PairEncoder
 from .scoring import need_classifier
 
 if TYPE_CHECKING:
+    from ..core.submission import Submission
     from .engine import Engine
-    from .submission import Submission
 
 TextOrPair = str | tuple[str, str]
 

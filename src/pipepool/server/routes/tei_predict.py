@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...api.predict import submit_predict
-from ...api.submission import Submission
+from ...core.submission import Submission
 from ..errors import EMPTY, APIError
 from ..limits import bounded_scoring, check_input_count
 from ..tei_protocol import TEIPrediction, TEIPredictRequest, long_inputs_of

@@ -5,8 +5,9 @@ classifier) reranks (``/rerank``'s TEI body: ``query``, ``texts``), another clas
 model ``/embed``, or ``/similarity`` for a body whose ``inputs`` is an object (TEI does so
 when started with TASK=sentence-similarity; an ``/embed`` body's never is). The
 ``huggingface_hub.InferenceClient(base_url=server)`` methods ``feature_extraction``,
-``sentence_similarity`` and ``text_classification`` post here. The model is the server's first
-(as for ``/info``)."""
+``sentence_similarity`` and ``text_classification`` post here. The route is chosen by the type
+of the server's first model (the one ``/info`` describes); the route then picks its model as it
+always does (the only one doing its task)."""
 
 from __future__ import annotations
 

@@ -340,7 +340,6 @@ def test_bad_requests_get_a_400_with_an_error_body(
     [
         ("splade", "/v1/embeddings", {"outputs": ["multi_vector"]}, "multi-vector outputs"),
         ("splade", "/v1/embeddings", {"outputs": ["dense"]}, "embeddings"),
-        ("colbert", "/embed_sparse", {"inputs": ["a"]}, "sparse outputs"),
         ("splade", "/rerank", {"query": "q", "documents": ["a"]}, "reranking"),
     ],
 )  # fmt: skip
@@ -352,3 +351,10 @@ def test_a_task_the_model_does_not_do_is_404_naming_what_it_does(request, which,
     r = post(server, path, body)
     err = assert_error(r, 404, "invalid_request_error", code="unsupported_task", param="model")
     assert f"does not give {says}" in err["message"] and "What it does: " in err["message"], err
+
+
+def test_tei_embed_sparse_of_a_model_without_sparse_outputs_is_424(colbert_server):
+    """TEI's answer to a route the model does not serve: 424, its error body."""
+    r = post(colbert_server, "/embed_sparse", {"inputs": ["a"]})
+    assert r.status_code == 424 and r.json()["error_type"] == "Backend", r.text
+    assert "does not give sparse outputs" in r.json()["error"]

@@ -21,7 +21,19 @@ from .metrics import HttpMetrics, MetricsMiddleware
 from .models import ServedModels
 from .online_gate import OnlineRequests
 from .openapi import bound_by_server
-from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
+from .routes import (
+    batches,
+    cohere,
+    files,
+    openai,
+    operators,
+    retrieval,
+    scoring,
+    tei,
+    tei_predict,
+    tei_root,
+    tokens,
+)
 from .routes.shared import ServerState
 from .settings import ServerSettings
 from .turns import ClientTurns
@@ -33,6 +45,8 @@ ROUTERS = (
     tokens.router,
     operators.router,
     tei.router,
+    tei_predict.router,
+    tei_root.router,
     retrieval.router,
     cohere.router,
     scoring.router,
@@ -79,7 +93,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
 
 def _schema_as_answered(app: FastAPI, settings: ServerSettings, models: ServedModels) -> None:
     """The OpenAPI schema without FastAPI's 422 answers: a request that fails validation is
-    answered 400 with an OpenAI error body (``errors.py``), which each route lists; with the
+    answered 400 with an OpenAI error body (422 with TEI's on TEI's routes: ``errors.py``),
+    which each route lists; with the
     bounds of this server's settings and models (``openapi.py``)."""
     build = app.openapi
 
@@ -87,7 +102,9 @@ def _schema_as_answered(app: FastAPI, settings: ServerSettings, models: ServedMo
         schema = build()  # FastAPI's, cached on the app: stripped once
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.get("responses", {})
+                if "HTTPValidationError" in str(responses.get("422")):  # FastAPI's, not TEI's
+                    responses.pop("422")
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         bound_by_server(schema, settings, models)

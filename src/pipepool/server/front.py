@@ -93,6 +93,7 @@ class AsyncEngine:
         self._waiters: list[tuple[int, asyncio.Future[bool]]] = []
         # Tokenizers release the GIL; more threads than cores would only queue up.
         workers = threads or max(1, min(4, os.cpu_count() or 1))
+        self.tokenizer_threads = workers  # online requests' tokenising threads (TEI's /info)
         self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
         self._large = ThreadPoolExecutor(
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-large"

@@ -25,7 +25,6 @@ from ..loading.retrieval import OUTPUTS
 from .openapi import (
     CheckedPositiveInt,
     Dimensions,
-    PromptName,
     Text,
     Texts,
     TokenId,
@@ -190,29 +189,6 @@ class DetokenizeRequest(_Strict):
 
     tokens: list[TokenId] = Field(description="Token ids, each in [0, vocabulary size).")
     model: StrictStr | None = None
-
-
-class TEIEmbedSparseRequest(_Strict):
-    """Hugging Face text-embeddings-inference's ``POST /embed_sparse``."""
-
-    inputs: Text | Texts = Field(description="One text or a list of texts.")
-    truncate: StrictBool | None = Field(
-        None, description="Truncate inputs over max_model_len (default: the server's policy)."
-    )
-    truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
-    prompt_name: PromptName | None = Field(
-        None, description="One of the model's prompts, put before each text."
-    )
-
-    def texts(self) -> list[str]:
-        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
-
-
-class TEIEmbedRequest(TEIEmbedSparseRequest):
-    """Hugging Face text-embeddings-inference's ``POST /embed``."""
-
-    normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
-    dimensions: Dimensions | None = None
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------

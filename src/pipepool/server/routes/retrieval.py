@@ -21,8 +21,8 @@ from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import too_many_tokens
+from ..tei_protocol import TEIEmbedSparseRequest, long_inputs_of
 from .shared import (
-    ERRORS,
     check_task,
     json_answer,
     model_of,
@@ -30,6 +30,7 @@ from .shared import (
     select_model,
     state_of,
 )
+from .tei import TEI_ERRORS, tei_inputs
 
 router = APIRouter()
 
@@ -38,20 +39,19 @@ router = APIRouter()
     "/embed_sparse",
     tags=["TEI"],
     response_model=list[list[protocol.TEISparseValue]],
-    responses=ERRORS,
+    responses=TEI_ERRORS,
 )
-async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -> Response:
+async def embed_sparse(body: TEIEmbedSparseRequest, request: Request) -> Response:
     """One sparse vector per input, as TEI answers: its non-zeros as ``{index, value}``,
     indices ascending (SPLADE models; BGE-M3's lexical weights)."""
     select_model(request, None, "sparse")
     check_model_outputs(request, ["sparse"])
     done = await encode(
         request,
-        body.texts(),
+        tei_inputs(request, body.items()),
         ("sparse",),
-        # TEI: truncate=false leaves the server's policy (its --long-inputs) in charge.
-        long_inputs="truncate" if body.truncate else None,
-        truncation_side=body.truncation_direction.lower(),
+        long_inputs=long_inputs_of(body.truncate),
+        truncation_side=body.side(),
         prompt_name=body.prompt_name,
     )
     if isinstance(done, Response):

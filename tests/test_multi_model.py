@@ -124,6 +124,25 @@ def test_each_route_answers_as_its_model_alone(server, engines):
         assert np.allclose(row["probs"], probs, atol=1e-5)
 
 
+def test_pooling_runs_each_model_s_own_task_as_vllm_does(server, engines):
+    """vLLM's /pooling without task: a classifier's is classify (label probabilities per
+    input); a cross-encoder with one label classifies too; the embedder's tasks are named
+    when it is asked for another."""
+    for name, root in (("clf", "classifier"), ("reranker", "reranker")):
+        out = _post(server, "/pooling", {"model": name, "input": TEXTS}).json()
+        assert out["model"] == name and out["id"].startswith("pooling-")
+        want = engines[root].classify(TEXTS).probs
+        for row, probs in zip(out["data"], want, strict=True):
+            assert np.allclose(row["data"], probs, atol=1e-5)
+        again = _post(server, "/pooling", {"model": name, "input": TEXTS, "task": "classify"})
+        assert again.json()["data"] == out["data"]
+    r = _post(server, "/pooling", {"model": "clf", "input": "x", "task": "embed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+    assert r.json()["error"]["message"].endswith("its tasks: classify")
+    r = _post(server, "/pooling", {"model": "clf", "input": "x", "normalize": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "normalize"
+
+
 def test_large_batches_go_to_each_models_tokenizer_process_and_answer_as_alone(server, engines):
     children = _children(server.proc.pid)
     helpers = [pid for pid, line in children if b"pipepool.intake.tokenizer_process" in line]

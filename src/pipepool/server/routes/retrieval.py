@@ -43,7 +43,7 @@ router = APIRouter()
 async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -> Response:
     """One sparse vector per input, as TEI answers: its non-zeros as ``{index, value}``,
     indices ascending (SPLADE models; BGE-M3's lexical weights)."""
-    select_model(request, None, "sparse")
+    check_task(select_model(request, None, "sparse"), "sparse")
     check_model_outputs(request, ["sparse"])
     done = await encode(
         request,
@@ -84,6 +84,7 @@ async def embeddings(
         is_query=body.is_query,
         normalize=body.normalize,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
     )
     if isinstance(done, Response):
@@ -94,7 +95,7 @@ async def embeddings(
     size += done.dense.size if done.dense is not None else 0
     return await json_answer(
         request,
-        lambda: protocol.outputs_response(name, done, body.encoding_format, body.embed_dtype),
+        lambda: protocol.outputs_response(name, done, body.wire),
         size,
     )
 
@@ -105,16 +106,30 @@ def task_of(output: str) -> str:
 
 
 def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ...]:
-    """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none, 404 for one
-    the request's model does not give (``check_task``: each output is a task), 503 while it
-    loads."""
+    """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none and for one
+    the request's model does not give (naming those it gives), 404 for a model that gives
+    none (``check_task``: it serves no embeddings), 503 while it loads."""
     model = model_of(request)
-    for output in dict.fromkeys(asked):
-        if output in OUTPUTS:
-            check_task(model, task_of(output))
     try:
-        return check_outputs(model.front.engine.deployment, asked)
-    except PipepoolError as exc:  # InvalidInputError: 400; loading or failed: 503
+        deployment = model.front.engine.deployment
+    except PipepoolError as exc:  # loading, or failed to start
+        raise from_engine(exc) from None
+    offered = model.tasks() or ()
+    gives = [o for o in OUTPUTS if task_of(o) in offered]
+    if not gives:
+        check_task(model, "embed")
+    missing = [o for o in dict.fromkeys(asked) if o in OUTPUTS and o not in gives]
+    if missing:
+        raise APIError(
+            400,
+            f"model {model.name} does not give {', '.join(missing)} outputs; it gives "
+            f"{', '.join(gives)}",
+            param="outputs",
+            code="unsupported_output",
+        )
+    try:
+        return check_outputs(deployment, asked)
+    except PipepoolError as exc:  # InvalidInputError: a name that is no output
         raise from_engine(exc) from None
 
 

@@ -11,12 +11,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import Request, Response
 
 from ...api.engine import Engine
 from ...api.router import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
+from ..encoding import Wire, binary_response
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
 from ..front import Encoded, QueueFullError
 from ..limits import bounded_embedding, check_input_count
@@ -32,11 +34,12 @@ CLIENT_CLOSED = 499
 
 # What each error status means, for the OpenAPI schema.
 _MEANING = {
-    400: "Invalid request: a bad field, a lone surrogate, too many inputs or tokens (the message "
-    "names the limit and its flag); no model named where several could answer.",
+    400: "Invalid request: a bad or unknown field, a lone surrogate, too many inputs or tokens "
+    "(the message names the limit and its flag); no model named where several could answer; "
+    "outputs or a /pooling task the model does not give (the message names those it gives).",
     401: "Missing or wrong API key (a server started with --api-key).",
-    404: "Unknown model name, or a task the model cannot do (an embedding model's /rerank, "
-    "sparse outputs of a dense model): OpenAI's answer to a model used on an endpoint it does "
+    404: "Unknown model name, or a route the model cannot serve (an embedding model's /rerank, "
+    "a classifier's /v1/embeddings): OpenAI's answer to a model used on an endpoint it does "
     "not serve.",
     408: "The request body did not arrive within --body-timeout.",
     413: "Request body larger than --max-body-bytes.",
@@ -145,6 +148,17 @@ async def json_answer(request: Request, build: Callable[[], Any], size: int = 0)
         lambda: json.dumps(build(), separators=(",", ":")), size=size
     )
     return Response(text, media_type="application/json")
+
+
+async def binary_answer(
+    request: Request, outputs: list[np.ndarray], wire: Wire, head: dict, num_tokens: list[int]
+) -> Response:
+    """vLLM's binary answer of ``outputs`` (``encoding.binary_response``), built on a
+    tokenising lane as ``json_answer`` builds JSON."""
+    size = sum(out.size for out in outputs)
+    return await model_of(request).front.offload(
+        lambda: binary_response(outputs, wire, head, num_tokens), size=size
+    )
 
 
 def check_task(model: ServedModel, task: str) -> None:

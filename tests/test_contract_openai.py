@@ -15,6 +15,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import MIN_COSINE, SENTENCES, cosine
@@ -115,6 +116,15 @@ def test_truncation_side_applies_where_the_server_truncates_at_max_model_len(ser
     assert_close(got, engine.embed([LONG], long_inputs="truncate", truncation_side="left")[0])
 
 
+def test_use_activation_is_vllm_s_name_for_normalize(server):
+    raw = _floats(server, normalize=False)
+    np.testing.assert_array_equal(_floats(server, use_activation=False), raw)
+    np.testing.assert_array_equal(_floats(server, "/pooling", use_activation=False), raw)
+    assert not np.allclose(np.linalg.norm(raw[0]), 1.0)
+    r = post(server, "/v1/embeddings", {"input": "a", "normalize": True, "use_activation": False})
+    assert_error(r, 400, "invalid_request_error", says="disagree")
+
+
 def test_truncation_side_is_one_of_vllm_s_two(server):
     r = post(server, "/v1/embeddings", {"input": "a", "truncation_side": "middle"})
     assert_error(r, 400, "invalid_request_error", param="truncation_side")
@@ -129,17 +139,37 @@ def _floats(server, path: str = "/v1/embeddings", **body) -> list[np.ndarray]:
     return [np.array(d[field], dtype=np.float32) for d in answer["data"]]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def _decode(data: bytes, dtype: str, order: str) -> np.ndarray:
+    """Values of ``embed_dtype`` ``dtype`` from bytes in byte order ``order`` ("<" or ">")."""
+    if dtype.startswith("fp8"):  # one byte each: no order; numpy has no fp8
+        fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[dtype]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(fp8).float().numpy()
+    if dtype == "bfloat16":  # the high half of a float32
+        bits = np.frombuffer(data, dtype=order + "u2").astype(np.uint32) << 16
+        return bits.view(np.float32)
+    return np.frombuffer(data, dtype=order + {"float32": "f4", "float16": "f2"}[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_base64_is_written_in_the_endianness_asked_for(server, dtype):
     want = _floats(server, embed_dtype=dtype)  # the values rounded through dtype
-    code = {"float32": "f4", "float16": "f2"}[dtype]
     native = "<" if sys.byteorder == "little" else ">"
     for endianness, order in (("little", "<"), ("big", ">"), ("native", native)):
         body = {"input": TEXTS, "encoding_format": "base64", "embed_dtype": dtype}
         answer = ok(post(server, "/v1/embeddings", {**body, "endianness": endianness}))
         for d, w in zip(answer["data"], want, strict=True):
-            got = np.frombuffer(base64.b64decode(d["embedding"]), dtype=order + code)
+            got = _decode(base64.b64decode(d["embedding"]), dtype, order)
             np.testing.assert_array_equal(got.astype(np.float32), w)
+    # float's values are the exact ones rounded through dtype, to nearest even (torch's rule)
+    torch_dtype = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }[dtype]
+    for d, w in zip(want, _floats(server), strict=True):
+        np.testing.assert_array_equal(d, torch.from_numpy(w).to(torch_dtype).float().numpy())
 
 
 def test_bytes_are_vllm_s_binary_answer(server):

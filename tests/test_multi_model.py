@@ -136,6 +136,11 @@ def test_pooling_runs_each_model_s_own_task_as_vllm_does(server, engines):
             assert np.allclose(row["data"], probs, atol=1e-5)
         again = _post(server, "/pooling", {"model": name, "input": TEXTS, "task": "classify"})
         assert again.json()["data"] == out["data"]
+        body = {"model": name, "input": TEXTS, "use_activation": False}  # vLLM's: raw logits
+        logits = _post(server, "/pooling", body).json()["data"]
+        want = engines[root].classify(TEXTS, use_activation=False).probs
+        for row, expected in zip(logits, want, strict=True):
+            assert np.allclose(row["data"], expected, atol=1e-5)
     r = _post(server, "/pooling", {"model": "clf", "input": "x", "task": "embed"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "task"
     assert r.json()["error"]["message"].endswith("its tasks: classify")

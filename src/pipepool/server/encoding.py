@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,10 +62,8 @@ class Wire:
 def to_bytes(array: np.ndarray, embed_dtype: EmbedDtype, endianness: Endianness) -> bytes:
     """A float32 vector or matrix as bytes of ``embed_dtype``, row-major, in ``endianness``
     ("native": this server's, as vLLM reads it)."""
-    order = sys.byteorder if endianness == "native" else endianness
     bits = _bits(array, embed_dtype)
-    want = "<" if order == "little" else ">"
-    return bits.astype(bits.dtype.newbyteorder(want), copy=False).tobytes()
+    return bits.astype(bits.dtype.newbyteorder(endianness), copy=False).tobytes()
 
 
 def rounded(array: np.ndarray, embed_dtype: EmbedDtype) -> np.ndarray:

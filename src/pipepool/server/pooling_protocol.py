@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, Field
 
 from .protocol import InputsRequest, Usage
 
@@ -50,11 +50,6 @@ class PoolingRequest(InputsRequest):
         "Default: the model's task (a token classifier's token_classify, else the first it "
         "does of embed, classify, token_embed). A task the model cannot do is a 400 naming "
         "those it can.",
-    )
-    normalize: StrictBool | None = Field(
-        None,
-        description="embed and token_embed: L2-normalize each vector (default: embed, what "
-        "the model was trained with; token_embed, false).",
     )
 
 

@@ -97,9 +97,32 @@ class InputsRequest(_Strict):
         "where the server truncates) is cut. right (default) keeps its first tokens, left its "
         "last; the special tokens stay.",
     )
+    normalize: StrictBool | None = Field(
+        None,
+        description="L2-normalize each vector (default: what the model was trained with; "
+        "/pooling's token_embed: false).",
+    )
+    use_activation: StrictBool | None = Field(
+        None,
+        description="vLLM's newer name for normalize; on /pooling's classify and "
+        "token_classify, the model's activation (softmax, sigmoid) or, false, raw logits. "
+        "Given with normalize, the two must agree.",
+    )
     user: StrictStr | None = Field(
         None, description="OpenAI's end-user id, for abuse monitoring; it changes no answer."
     )
+
+    @model_validator(mode="after")
+    def _normalize_agrees(self) -> InputsRequest:
+        given = {self.normalize, self.use_activation} - {None}
+        if len(given) > 1:
+            raise ValueError("normalize and use_activation (vLLM's name for it) disagree")
+        return self
+
+    @property
+    def normalized(self) -> bool | None:
+        """Whether to L2-normalize embeddings: normalize or use_activation, None if neither."""
+        return self.normalize if self.normalize is not None else self.use_activation
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -135,9 +158,6 @@ class EmbeddingRequest(InputsRequest):
     dimensions: Dimensions | None = Field(
         None,
         description="Matryoshka: keep the first N dimensions (then normalize); dense only.",
-    )
-    normalize: StrictBool | None = Field(
-        None, description="L2-normalize (default: what the model was trained with)."
     )
     outputs: _Outputs | None = Field(
         None,

@@ -63,7 +63,7 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
         truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
         dimensions=body.dimensions,
-        normalize=body.normalize,
+        normalize=body.normalized,
     )
     if isinstance(done, Response):
         return done

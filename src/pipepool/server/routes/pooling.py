@@ -59,7 +59,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
             truncation_side=body.truncation_side or "right",
             long_inputs=body.long_inputs,
             pooling="all" if token_embed else None,
-            normalize=bool(body.normalize) if token_embed else body.normalize,
+            normalize=bool(body.normalized) if token_embed else body.normalized,
         )
     else:
         done = await _classified(request, model, body, task)
@@ -114,7 +114,8 @@ async def _classified(
     if body.normalize is not None:
         raise APIError(
             400,
-            f"normalize applies to embed and token_embed, not to task {task}",
+            f"normalize applies to embed and token_embed, not to task {task} (its "
+            "activation is use_activation)",
             param="normalize",
             code="invalid_value",
         )
@@ -138,6 +139,7 @@ async def _classified(
         body.truncate_prompt_tokens,
         lambda engine: engine.submit_classify(
             texts,
+            use_activation=body.use_activation is not False,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             long_inputs=body.long_inputs,
             per_token=task == "token_classify",

@@ -82,7 +82,7 @@ async def embeddings(
         top_k=body.top_k,
         return_tokens=body.return_tokens,
         is_query=body.is_query,
-        normalize=body.normalize,
+        normalize=body.normalized,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,

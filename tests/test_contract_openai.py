@@ -298,3 +298,20 @@ def test_sparse_outputs_of_a_dense_model_are_a_400_naming_what_it_gives(server):
     r = post(server, "/v1/embeddings", {"input": "a", "outputs": ["sparse", "multi_vector"]})
     err = assert_error(r, 400, "invalid_request_error", code="unsupported_output", param="outputs")
     assert "does not give sparse, multi_vector outputs; it gives dense" in err["message"]
+
+
+def test_a_batch_line_asking_for_bytes_is_refused_naming_the_field():
+    """A batch output line is JSON: vLLM's bytes answer cannot be one (base64 can)."""
+    from pipepool.jobs.batch_lines import LineChecker, LineError
+
+    checker = LineChecker("/v1/embeddings")
+    for fmt in ("bytes", "bytes_only"):
+        body = {"input": "a", "encoding_format": fmt}
+        line = {"custom_id": fmt, "method": "POST", "url": "/v1/embeddings", "body": body}
+        checked = checker.check(1, json.dumps(line).encode())
+        assert isinstance(checked, LineError), checked
+        assert (checked.code, checked.param) == ("invalid_value", "body.encoding_format")
+        assert f"encoding_format {fmt}" in checked.message and "base64" in checked.message
+    line = {"custom_id": "b64", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}}
+    line["body"]["encoding_format"] = "base64"
+    assert not isinstance(checker.check(2, json.dumps(line).encode()), LineError)

@@ -130,6 +130,26 @@ def test_truncation_side_is_one_of_vllm_s_two(server):
     assert_error(r, 400, "invalid_request_error", param="truncation_side")
 
 
+# -- vLLM's add_special_tokens ----------------------------------------------------------------
+
+
+def test_add_special_tokens_false_embeds_the_text_s_own_tokens(server, engine, tokenizer):
+    plain = [tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    body = {"input": TEXTS, "add_special_tokens": False}
+    answer = ok(post(server, "/v1/embeddings", body))
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, plain))
+    want = engine.embed(plain)
+    for d, w, default in zip(answer["data"], want, _floats(server), strict=True):
+        assert_close(d["embedding"], w)
+        assert cosine(np.array(d["embedding"])[None], default[None])[0] < 0.999
+    tokens = ok(post(server, "/pooling", {**body, "task": "token_embed"}))["data"]
+    for d, ids, w in zip(tokens, plain, engine.embed_tokens(plain), strict=True):
+        assert np.array(d["data"]).shape == (len(ids), 384)
+        assert_close(d["data"], w)
+    r = post(server, "/v1/embeddings", {"input": ["fine", ""], "add_special_tokens": False})
+    assert_error(r, 400, "invalid_request_error", param="input", says="input 1")
+
+
 # -- 3. endianness and bytes ------------------------------------------------------------------
 
 

@@ -62,6 +62,7 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
+        add_special_tokens=body.add_special_tokens,
         dimensions=body.dimensions,
         normalize=body.normalized,
     )

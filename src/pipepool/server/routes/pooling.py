@@ -58,6 +58,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             truncation_side=body.truncation_side or "right",
             long_inputs=body.long_inputs,
+            add_special_tokens=body.add_special_tokens,
             pooling="all" if token_embed else None,
             normalize=bool(body.normalized) if token_embed else body.normalized,
         )
@@ -125,6 +126,14 @@ async def _classified(
             f"truncation_side left is not offered for task {task}: a classifier's inputs are "
             "cut at their end",
             param="truncation_side",
+            code="invalid_value",
+        )
+    if not body.add_special_tokens:
+        raise APIError(
+            400,
+            f"add_special_tokens false is not offered for task {task}: a classifier was "
+            "trained on inputs with its special tokens",
+            param="add_special_tokens",
             code="invalid_value",
         )
     state, texts = state_of(request), body.inputs()

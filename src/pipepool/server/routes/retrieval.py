@@ -67,6 +67,15 @@ async def embeddings(
 ) -> Response:
     """``/v1/embeddings`` asking for ``outputs`` (checked by ``check_model_outputs``), other
     than the dense vector alone."""
+    if not body.add_special_tokens:
+        raise APIError(
+            400,
+            f"add_special_tokens false applies to dense embeddings only; "
+            f"{', '.join(o for o in outputs if o != 'dense')} outputs are computed from the "
+            "model's own input form",
+            param="add_special_tokens",
+            code="invalid_value",
+        )
     if body.dimensions is not None:
         raise APIError(
             400,

@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...errors import PipepoolError
-from .. import protocol
+from .. import tokens_protocol as tp
 from ..errors import APIError, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
 from ..models import ServedModel
-from .shared import TOKENIZER_ERRORS, ServerState, select_model, state_of
+from .shared import TOKENIZER_ERRORS, ServerState, plain_token_ids, select_model, state_of
 
 T = TypeVar("T")
 
@@ -33,10 +33,10 @@ _BATCH_CHARS = 1 << 16
 
 @router.post(
     "/tokenize",
-    response_model=protocol.TokenizeResponse | list[list[protocol.TEIToken]],
+    response_model=tp.TokenizeResponse | list[list[tp.TEIToken]],
     responses=TOKENIZER_ERRORS,
 )
-async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response:
+async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
     """Token ids of a text, special tokens (and the model's default prompt) included, as the
     model routes see them before any truncation: ``count`` is the whole text's. With
     ``add_special_tokens`` false, the special tokens left out; with ``return_token_strs``,
@@ -66,9 +66,7 @@ async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response
             # "chunk": the engine neither truncates nor refuses a long text then.
             (ids,) = engine.tokenize([text], long_inputs="chunk")
         else:
-            prompt = engine.inputs.default_prompt_name  # kept: it is text, not special
-            prefix = engine.inputs.prompts[prompt] if prompt is not None else ""
-            ids = engine.inputs.tokenizer.encode_plain(prefix + text)
+            (ids,) = plain_token_ids(engine, [text], param)
         lengths = np.array([len(ids)])
         check_token_counts(
             state.settings, engine.deployment, lengths,
@@ -87,8 +85,8 @@ async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response
     return _json(await _offloaded(model, count, len(text)))
 
 
-@router.post("/detokenize", response_model=protocol.DetokenizeResponse, responses=TOKENIZER_ERRORS)
-async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Response:
+@router.post("/detokenize", response_model=tp.DetokenizeResponse, responses=TOKENIZER_ERRORS)
+async def detokenize(body: tp.DetokenizeRequest, request: Request) -> Response:
     """The text of token ids of this model's tokenizer, special tokens included (vLLM)."""
     state = state_of(request)
     model = select_model(request, body.model)

@@ -265,7 +265,9 @@ def test_pooling_token_embed_is_one_vector_per_token(server, engine, tokenizer):
         assert_close(d["data"], want)
 
 
-@pytest.mark.parametrize("task", ["classify", "token_classify", "plugin", "embed&token_classify"])
+@pytest.mark.parametrize(
+    "task", ["classify", "token_classify", "plugin", "embed&token_classify", "encode", ""]
+)
 def test_a_task_the_model_does_not_do_is_a_400_naming_its_tasks(server, task):
     r = post(server, "/pooling", {"input": "a", "task": task})
     err = assert_error(r, 400, "invalid_request_error", code="unsupported_task", param="task")

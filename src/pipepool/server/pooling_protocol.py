@@ -1,49 +1,27 @@
-"""vLLM's ``POST /pooling``: its request, its answer, and its tasks as pipepool's models do them.
-
-vLLM names what a pooling model computes by ``task``: ``embed`` (one pooled vector per
-input, what ``/v1/embeddings`` gives), ``token_embed`` (one vector per token), ``classify``
-(one row of label probabilities per input) and ``token_classify`` (one per token). A request
-that leaves ``task`` out gets the model's own task, chosen as vLLM chooses it: a token
-classifier's ``token_classify``, else the first the model does of ``embed``, ``classify``,
-``token_embed``, ``token_classify``."""
+"""vLLM's ``POST /pooling``: its request and its answer (its tasks: ``pooling_tasks.py``)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictStr
 
+from .openapi import BOUNDED_BY
+from .pooling_tasks import POOLING_TASKS
 from .protocol import InputsRequest, Usage
-
-# Every task vLLM's /pooling names (``vllm.tasks.PoolingTask``); pipepool does the first four.
-PoolingTask = Literal[
-    "embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"
-]
-# What each of pipepool's tasks (``api.router.TASKS``) does of vLLM's, in vLLM's order of
-# preference for a request without ``task``.
-TASKS_OF = {
-    "embed": ("embed", "token_embed"),
-    "classify": ("classify",),
-    "classify_tokens": ("token_classify",),
-}
-_PREFERENCE = ("token_classify", "embed", "classify", "token_embed")
-# The tasks that normalize applies to: those whose outputs are embeddings.
-EMBEDDING_TASKS = ("embed", "token_embed")
-
-
-def pooling_tasks(model_tasks: tuple[str, ...]) -> tuple[str, ...]:
-    """vLLM's tasks a model does, in vLLM's order of preference (the first is its default),
-    from what it does (``api.router.TASKS``)."""
-    done = {t for task in model_tasks for t in TASKS_OF.get(task, ())}
-    return tuple(t for t in _PREFERENCE if t in done)
 
 
 class PoolingRequest(InputsRequest):
     """vLLM's ``/pooling`` body: the inputs, what to compute of them (``task``), and how."""
 
-    task: PoolingTask | None = Field(
+    task: (
+        Annotated[
+            StrictStr, Field(json_schema_extra={"enum": list(POOLING_TASKS), BOUNDED_BY: "tasks"})
+        ]
+        | None
+    ) = Field(
         None,
         description="What to compute: embed (one vector per input), token_embed (one per "
         "token), classify (label probabilities per input), token_classify (per token). "

@@ -1,5 +1,5 @@
 """vLLM's ``POST /pooling``: what its ``task`` names, of any model that does it
-(``pooling_protocol.py``): pooled vectors and token vectors of an embedding model, label
+(``pooling_tasks.py``): pooled vectors and token vectors of an embedding model, label
 probabilities per input of a sequence classifier and per token of a token classifier. The
 same limits, errors, metrics and API key as ``/v1/embeddings``; answers in vLLM's shape, as
 JSON or as vLLM's bytes."""
@@ -14,13 +14,8 @@ from ..errors import APIError, from_engine
 from ..front import Encoded
 from ..limits import bounded_scoring, check_input_count
 from ..models import ServedModel
-from ..pooling_protocol import (
-    EMBEDDING_TASKS,
-    PoolingRequest,
-    PoolingResponse,
-    answer_head,
-    pooling_tasks,
-)
+from ..pooling_protocol import PoolingRequest, PoolingResponse, answer_head
+from ..pooling_tasks import EMBEDDING_TASKS, pooling_tasks
 from ..protocol import list_response
 from .openai import VECTOR_ANSWERS
 from .shared import (
@@ -96,7 +91,7 @@ def _task(model: ServedModel, asked: str | None) -> str:
             param="model",
             code="unsupported_task",
         )
-    task = asked or does[0]
+    task = asked if asked is not None else does[0]
     if task not in does:
         raise APIError(
             400,

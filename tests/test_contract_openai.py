@@ -11,6 +11,7 @@ import base64
 import json
 import sys
 import time
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -337,3 +338,24 @@ def test_a_batch_line_asking_for_bytes_is_refused_naming_the_field():
     line = {"custom_id": "b64", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}}
     line["body"]["encoding_format"] = "base64"
     assert not isinstance(checker.check(2, json.dumps(line).encode()), LineError)
+
+
+def test_a_family_s_tolerated_fields_are_set_aside_and_no_other():
+    """The one exception a route family may state: a named field it takes without acting on
+    it, with the reason; every other unknown field stays a validation error."""
+    from pydantic import ValidationError
+
+    from pipepool.server.strict import StrictRequest
+
+    class Family(StrictRequest):
+        tolerated: ClassVar[dict[str, str]] = {
+            "client_hint": "a client's own bookkeeping; it changes no answer"
+        }
+        text: str
+
+    assert Family.model_validate({"text": "a", "client_hint": 3}).model_dump() == {"text": "a"}
+    with pytest.raises(ValidationError) as caught:
+        Family.model_validate({"text": "a", "client_hint": 3, "other": 1})
+    assert [(e["type"], e["loc"]) for e in caught.value.errors()] == [
+        ("extra_forbidden", ("other",))
+    ]

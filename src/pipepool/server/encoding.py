@@ -24,8 +24,8 @@ EmbedDtype = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 Endianness = Literal["native", "big", "little"]
 BINARY_FORMATS = ("bytes", "bytes_only")
 
-# Types numpy lacks are rounded by torch (to nearest even, saturating for fp8: torch's rule)
-# and sent as their bit patterns.
+# Types numpy lacks are rounded by torch (to nearest even), as vLLM rounds them, and sent as
+# their bit patterns.
 _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,

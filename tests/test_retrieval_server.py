@@ -336,10 +336,27 @@ def test_bad_requests_get_a_400_with_an_error_body(
 
 
 @pytest.mark.parametrize(
+    "which,asked,gives",
+    [
+        ("splade", ["multi_vector"], "sparse"),
+        ("splade", ["dense", "sparse"], "sparse"),
+        ("colbert", ["sparse"], "multi_vector"),
+    ],
+)
+def test_outputs_the_model_does_not_give_are_a_400_naming_those_it_gives(
+    request, which, asked, gives
+):
+    server = request.getfixturevalue(f"{which}_server")
+    r = post(server, "/v1/embeddings", {"input": ["some text"], "outputs": asked})
+    err = assert_error(r, 400, "invalid_request_error", code="unsupported_output", param="outputs")
+    missing = ", ".join(o for o in asked if o != gives)
+    assert f"does not give {missing} outputs; it gives {gives}" in err["message"], err
+
+
+@pytest.mark.parametrize(
     "which,path,body,says",
     [
-        ("splade", "/v1/embeddings", {"outputs": ["multi_vector"]}, "multi-vector outputs"),
-        ("splade", "/v1/embeddings", {"outputs": ["dense"]}, "embeddings"),
+        ("splade", "/v1/embeddings", {}, "embeddings"),
         ("splade", "/rerank", {"query": "q", "documents": ["a"]}, "reranking"),
     ],
 )  # fmt: skip

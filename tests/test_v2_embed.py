@@ -504,7 +504,12 @@ def test_embed_dtype_rounds_to_nearest_even():
 def test_embed_dtype_applies_to_pooling_and_is_checked(server):
     r = httpx.post(
         server.url + "/pooling",
-        json={"input": "hello", "encoding_format": "base64", "embed_dtype": "float16"},
+        json={
+            "input": "hello",
+            "task": "token_embed",
+            "encoding_format": "base64",
+            "embed_dtype": "float16",
+        },
     )
     assert r.status_code == 200, r.text
     assert len(base64.b64decode(r.json()["data"][0]["data"])) == 3 * 384 * 2  # [CLS] hello [SEP]

@@ -230,11 +230,13 @@ class Tokenizer:
             for text, enc in zip(texts, encodings, strict=True)
         ]
 
-    def describe(self, texts: list[str]) -> list[list[dict]]:
+    def describe(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[dict]]:
         """Per text, its tokens as TEI's /tokenize lists them: id, text, whether special, and
-        the character span in the text (None for special tokens)."""
+        the character span in the text (None for special tokens); the post-processor's
+        special tokens left out unless ``add_special_tokens``."""
         out = []
-        for text, enc in zip(texts, self._encode(texts), strict=True):
+        encodings = self._encode(texts, add_special_tokens=add_special_tokens)
+        for text, enc in zip(texts, encodings, strict=True):
             tokens = []
             for tid, special, (start, stop) in zip(
                 enc.ids, enc.special_tokens_mask, enc.offsets, strict=True

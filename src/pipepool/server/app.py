@@ -1,12 +1,12 @@
-"""The HTTP app: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling (``routes/openai.py``),
-/tokenize (vLLM's and TEI's forms) and /detokenize (``routes/tokens.py``), TEI's /embed and
-/info (``routes/tei.py``), sparse and multi-vector outputs: TEI's /embed_sparse and the
-``outputs`` of /v1/embeddings (``routes/retrieval.py``), Cohere's /v2/embed
-(``routes/cohere.py``), /rerank, /score and /classify of a classifier, and /rerank and /score
-of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and /version for
-operators (``routes/operators.py``), OpenAI's Files and Batches APIs (``routes/files.py``,
-``routes/batches.py``; ``batch_runner.py`` runs the batches). API docs at /docs, served from
-here (``docs.py``: no CDN, so they load offline)."""
+"""The HTTP app: OpenAI's /v1/embeddings and /v1/models (``routes/openai.py``), vLLM's /pooling
+(``routes/pooling.py``), /tokenize (vLLM's and TEI's forms) and /detokenize
+(``routes/tokens.py``), TEI's /embed and /info (``routes/tei.py``), sparse and multi-vector
+outputs: TEI's /embed_sparse and the ``outputs`` of /v1/embeddings (``routes/retrieval.py``),
+Cohere's /v2/embed (``routes/cohere.py``), /rerank, /score and /classify of a classifier, and
+/rerank and /score of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and
+/version for operators (``routes/operators.py``), OpenAI's Files and Batches APIs
+(``routes/files.py``, ``routes/batches.py``; ``batch_runner.py`` runs the batches). API docs
+at /docs, served from here (``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .routes import (
     files,
     openai,
     operators,
+    pooling,
     retrieval,
     scoring,
     tei,
@@ -42,6 +43,7 @@ __all__ = ["ServerState", "build_app"]
 
 ROUTERS = (
     openai.router,
+    pooling.router,
     tokens.router,
     operators.router,
     tei.router,

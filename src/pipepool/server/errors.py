@@ -270,11 +270,17 @@ def _from_validation(exc: RequestValidationError) -> APIError:
     # (e.g. "list[int]") and list indexes after it.
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
-    if kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {where}"
+    unknown = [
+        ".".join(str(part) for part in e.get("loc", ()) if part != "body")
+        for e in errors
+        if e.get("type") == "extra_forbidden"
+    ]
+    if kind == "extra_forbidden":  # every unknown field named, in OpenAI's words
+        several = "s" if len(unknown) > 1 else ""
+        message = f"Unrecognized request argument{several} supplied: {', '.join(unknown)}"
     else:
         message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"
-    more = len(errors) - 1
+    more = len(errors) - (len(unknown) if kind == "extra_forbidden" else 1)
     if more:
         message += f" (and {more} more problem{'s' if more > 1 else ''})"
     return APIError(400, message, param=param, code="invalid_value")

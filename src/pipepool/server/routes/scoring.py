@@ -196,41 +196,6 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     )
 
 
-async def token_classify(body, request: Request) -> Response:
-    """``/pooling`` on a token classifier (vLLM's token_classify): every token's label
-    probabilities, one ``[num_tokens, num_labels]`` matrix per input."""
-    from ..protocol import pooling_response
-
-    texts = body.inputs()
-    if not texts:
-        raise APIError(400, "input is empty: send at least one text", param="input")
-    if not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "token classification takes texts", param="input")
-    done = await _run(
-        request,
-        body.model,
-        "classify_tokens",
-        len(texts),
-        lambda engine: engine.submit_classify(
-            texts, truncate_prompt_tokens=body.truncate_prompt_tokens, per_token=True
-        ),
-        param="input",
-        texts=texts,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
-    )
-    if isinstance(done, Response):
-        return done
-    name = model_of(request).names.response_name(body.model)
-    outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
-    return await json_answer(
-        request,
-        lambda: pooling_response(
-            name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype
-        ),
-        sum(out.size for out in outputs),
-    )
-
-
 async def _run(
     request: Request,
     model: str | None,

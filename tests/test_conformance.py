@@ -1,0 +1,83 @@
+"""The peers' own OpenAPI documents against a real ``pipepool serve`` (issue 56 item 6):
+schemathesis with every check over the operations pipepool claims for TEI, OpenAI and Cohere
+(tests/conformance/peers.py), a fixed seed, a bounded number of examples per operation. Every
+finding must be in the reviewed deviations list (tests/conformance/deviations.py), and every
+entry there must still be found: the list says exactly where pipepool differs from each
+document, and why.
+
+Two servers, each serving one model as the peers do: the bundled all-MiniLM-L6-v2 (embedding
+routes) and a tiny cross-encoder (rerank routes), both with an API key, so that the documents'
+security schemes are exercised too. PIPEPOOL_CONFORMANCE_EXAMPLES raises the examples per
+operation for a deeper run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from test_server import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+import deviations
+import peers
+import runner
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "conformance-key"
+EMBEDDER = "all-MiniLM-L6-v2"
+EXAMPLES = int(os.environ.get("PIPEPOOL_CONFORMANCE_EXAMPLES", "25"))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, cross_encoder_path):
+    logs = tmp_path_factory.mktemp("conformance-logs")
+    embedder = ServerProcess(["--api-key", API_KEY], logs / "embedder.log")
+    reranker = ServerProcess(
+        ["--api-key", API_KEY, "--model", str(cross_encoder_path)], logs / "reranker.log"
+    )
+    try:
+        yield {
+            False: (embedder.wait_ready(), EMBEDDER),
+            True: (reranker.wait_ready(), cross_encoder_path.name),
+        }
+    finally:
+        embedder.stop()
+        reranker.stop()
+
+
+@pytest.mark.parametrize("peer", sorted(peers.CLAIMED))
+def test_peer_document_conformance(servers, peer):
+    spec = peers.spec_path(peer)
+    findings: list[runner.Finding] = []
+    sent = 0
+    for reranker, (server, model) in servers.items():
+        operations = peers.claimed_for(peer, reranker)
+        if not operations:
+            continue
+        found, count = runner.run_peer(
+            peer,
+            spec,
+            server.url + peers.BASE_PATHS[peer],
+            operations,
+            model=model,
+            api_key=API_KEY,
+            auth_scheme=peers.AUTH_SCHEMES[peer],
+            max_examples=EXAMPLES,
+        )
+        findings += found
+        sent += count
+        assert "Traceback" not in server.log(), server.log()
+    assert sent > 0
+    unexpected, stale = deviations.compare(peer, findings)
+    report = []
+    if unexpected:
+        report.append("findings not in tests/conformance/deviations.py:")
+        report += [f.describe() for f in unexpected]
+    if stale:
+        report.append("deviations no longer found (remove them):")
+        report += [f"{d.operation}: {d.check} ({d.reason})" for d in stale]
+    assert not report, "\n".join(report)

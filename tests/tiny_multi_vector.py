@@ -16,7 +16,9 @@ import torch
 #   at 64, punctuation skipped in documents, text prompts "[Q] " / "[D] ", one Dense, Normalize;
 # - "min": queries padded to at least 8 tokens and cut at 20 (the padding attended to), no
 #   document length, a skiplist (one word not in the vocabulary) on queries and documents, a
-#   "passage" prompt for documents, two Dense (Tanh with bias, then Identity), no Normalize.
+#   "passage" prompt that documents do not get (sentence-transformers saves its default ""
+#   "document" prompt beside it, and that one wins), two Dense (Tanh with bias, then
+#   Identity), no Normalize.
 LAYOUTS = {
     "fixed": {
         "transformer": {

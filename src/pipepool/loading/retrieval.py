@@ -324,8 +324,11 @@ def read_multi_vector(
         query_length = expansion.length  # the width every query has
     elif expansion is not None and query_length is not None:
         query_length = max(query_length, expansion.length)
-    # Prompts saved as null or "" put nothing before the text (sentence-transformers' reading).
-    document_prompt = next((p for p in ("document", "passage", "corpus") if prompts.get(p)), None)
+    # sentence-transformers picks a prompt by its key: one saved as "" (its default for "query"
+    # and "document") puts nothing before the text and hides a later one. A null prompt is
+    # skipped here, where it would be taken and put nothing.
+    named = {name for name, text in prompts.items() if isinstance(text, str)}
+    document_prompt = next((p for p in ("document", "passage", "corpus") if p in named), None)
     return ColbertHead(
         dense=modules.dense,
         query_prefix_id=None,
@@ -339,7 +342,7 @@ def read_multi_vector(
         expansion_length=expansion.length if expansion else 0,
         skip_in_queries="query" in modules.skiplist_tasks,
         normalize=modules.normalize,
-        query_prompt_name="query" if prompts.get("query") else None,
+        query_prompt_name="query" if "query" in named else None,
         document_prompt_name=document_prompt,
     )
 

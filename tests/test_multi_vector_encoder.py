@@ -1,17 +1,20 @@
 """sentence-transformers 6 MultiVectorEncoder folders run as multi-vector models (issue 56
 item 5): every token vector equals sentence-transformers' own ``encode_query`` /
 ``encode_document`` (cos >= 0.99999, same count), on every engine kind, with a token budget
-smaller than the longer prompts (they are chunked); settings pipepool does not apply are
-refused by name."""
+smaller than the longer prompts (they are chunked), and over HTTP from ``pipepool serve``
+(``/v1/embeddings`` outputs, ``/v1/rerank`` MaxSim scores); settings pipepool does not apply
+are refused by name."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import httpx
 import numpy as np
 import pytest
 import tiny_multi_vector
+from test_server import ServerProcess
 
 from pipepool import Engine, ModelLoadError
 
@@ -79,6 +82,34 @@ def test_the_layouts_exercise_what_they_claim(references):
     assert [len(q) for q in fixed["query"]] == [12, 12, 12]
     assert len(low["query"][2]) == 8 and 8 < len(low["query"][1]) < 20
     assert len(fixed["document"][2]) < 64 and len(low["document"][2]) > 64
+
+
+@pytest.fixture(scope="module")
+def server(folders, tmp_path_factory):
+    args = ["--model", str(folders["fixed"]), "--max-num-batched-tokens", str(BUDGET)]
+    s = ServerProcess(args, tmp_path_factory.mktemp("multi-vector-log") / "server.log")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def test_served_vectors_and_rerank_scores_equal_sentence_transformers(server, references):
+    ref = references["fixed"]
+    for is_query, texts, side in ((True, QUERIES, "query"), (False, DOCUMENTS, "document")):
+        body = {"input": texts, "outputs": ["multi_vector"], "is_query": is_query}
+        r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got = [np.asarray(item["multi_vector"], np.float32) for item in r.json()["data"]]
+        _assert_same_vectors(got, ref[side])
+    r = httpx.post(
+        server.url + "/v1/rerank", json={"query": QUERIES[0], "documents": DOCUMENTS}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    query = ref["query"][0]
+    maxsim = [float((query @ doc.T).max(axis=1).sum()) for doc in ref["document"]]
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCUMENTS))], maxsim, atol=1e-4)
 
 
 def _copy(folder, tmp_path):

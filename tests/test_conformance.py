@@ -35,10 +35,18 @@ EXAMPLES = int(os.environ.get("PIPEPOOL_CONFORMANCE_EXAMPLES", "25"))
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, cross_encoder_path):
     logs = tmp_path_factory.mktemp("conformance-logs")
-    embedder = ServerProcess(["--api-key", API_KEY], logs / "embedder.log")
-    reranker = ServerProcess(
-        ["--api-key", API_KEY, "--model", str(cross_encoder_path)], logs / "reranker.log"
+    # Token ids are inputs TEI's and OpenAI's documents define; a state folder of their own,
+    # so that files other tests upload do not change what the list routes answer.
+    common = ["--api-key", API_KEY, "--allow-token-ids"]
+    embedder = ServerProcess(
+        [*common, "--state-dir", str(tmp_path_factory.mktemp("embedder-state"))],
+        logs / "embedder.log",
     )
+    reranker = ServerProcess(
+        [*common, "--model", str(cross_encoder_path),
+         "--state-dir", str(tmp_path_factory.mktemp("reranker-state"))],
+        logs / "reranker.log",
+    )  # fmt: skip
     try:
         yield {
             False: (embedder.wait_ready(), EMBEDDER),

@@ -8,7 +8,8 @@ document, and why.
 Two servers, each serving one model as the peers do: the bundled all-MiniLM-L6-v2 (embedding
 routes) and a tiny cross-encoder (rerank routes), both with an API key, so that the documents'
 security schemes are exercised too. PIPEPOOL_CONFORMANCE_EXAMPLES raises the examples per
-operation for a deeper run.
+operation for a deeper run; PIPEPOOL_CONFORMANCE_REPORT=DIR writes every finding of each peer,
+deviation or not, with a request that shows it, to DIR/<peer>.txt (for reviewing the list).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def test_peer_document_conformance(servers, peer):
         sent += count
         assert "Traceback" not in server.log(), server.log()
     assert sent > 0
+    report_dir = os.environ.get("PIPEPOOL_CONFORMANCE_REPORT")
+    if report_dir:
+        Path(report_dir).mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(f.describe() for f in findings)
+        (Path(report_dir) / f"{peer}.txt").write_text(f"{sent} requests\n\n{text}\n")
     unexpected, stale = deviations.compare(peer, findings)
     report = []
     if unexpected:

@@ -101,7 +101,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "a file's bytes are sent as application/octet-stream; the document says JSON"),
     _d("openai", "POST /batches", "positive_data_acceptance",
        "pipepool batches its own endpoints only (/v1/embeddings, /v1/rerank, ...): another "
-       "endpoint, or an unknown input_file_id, is a 400"),
+       "endpoint (/v1/responses, /v1/videos, ...) is a 400"),
     _d("openai", "POST /batches", "answered_2xx",
        "a batch needs an uploaded file of this server's requests: generated ids name none "
        "(tests/test_batches.py covers creation)"),
@@ -111,8 +111,8 @@ DEVIATIONS: tuple[Deviation, ...] = (
         for op in ("GET /batches/{batch_id}", "POST /batches/{batch_id}/cancel")
     ),
     _d("openai", "POST /files", "positive_data_acceptance",
-       "a purpose other than batch, or a file that is not JSON lines of batch requests, is "
-       "refused (400): the server keeps files for batches only"),
+       "a purpose other than batch is refused (400): the server keeps files for batches "
+       "only"),
     _d("openai", "POST /files", "negative_data_rejection",
        "issue 56 item 1: a malformed expires_after is accepted and ignored", PENDING),
     # -- Cohere (cohere-openapi.yaml) -----------------------------------------------------------

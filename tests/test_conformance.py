@@ -5,11 +5,13 @@ finding must be in the reviewed deviations list (tests/conformance/deviations.py
 entry there must still be found: the list says exactly where pipepool differs from each
 document, and why.
 
-Two servers, each serving one model as the peers do: the bundled all-MiniLM-L6-v2 (embedding
-routes) and a tiny cross-encoder (rerank routes), both with an API key, so that the documents'
-security schemes are exercised too. PIPEPOOL_CONFORMANCE_EXAMPLES raises the examples per
-operation for a deeper run; PIPEPOOL_CONFORMANCE_REPORT=DIR writes every finding of each peer,
-deviation or not, with a request that shows it, to DIR/<peer>.txt (for reviewing the list).
+Three servers, each serving one model as the peers do: the bundled all-MiniLM-L6-v2 (embedding
+routes), a tiny cross-encoder (rerank routes) and a tiny SPLADE model (/embed_sparse), all with
+an API key, so that the documents' security schemes are exercised too; besides the generated
+requests, each operation gets its peer's documented example (peers.SEEDS).
+PIPEPOOL_CONFORMANCE_EXAMPLES raises the examples per operation for a deeper run;
+PIPEPOOL_CONFORMANCE_REPORT=DIR writes every finding of each peer, deviation or not, with a
+request that shows it, to DIR/<peer>.txt (for reviewing the list).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_retrieval
 from test_server import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
@@ -35,27 +38,26 @@ EXAMPLES = int(os.environ.get("PIPEPOOL_CONFORMANCE_EXAMPLES", "25"))
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, cross_encoder_path):
+    """peers.SERVERS name -> (server, the name its model answers to)."""
     logs = tmp_path_factory.mktemp("conformance-logs")
-    # Token ids are inputs TEI's and OpenAI's documents define; a state folder of their own,
-    # so that files other tests upload do not change what the list routes answer.
-    common = ["--api-key", API_KEY, "--allow-token-ids"]
-    embedder = ServerProcess(
-        [*common, "--state-dir", str(tmp_path_factory.mktemp("embedder-state"))],
-        logs / "embedder.log",
-    )
-    reranker = ServerProcess(
-        [*common, "--model", str(cross_encoder_path),
-         "--state-dir", str(tmp_path_factory.mktemp("reranker-state"))],
-        logs / "reranker.log",
-    )  # fmt: skip
+    splade = tiny_retrieval.build_splade(tmp_path_factory.mktemp("conformance-models") / "splade")
+    models = {"embedder": None, "reranker": cross_encoder_path, "sparse": splade}
+    started = {}
     try:
+        for name, folder in models.items():
+            # Token ids are inputs TEI's and OpenAI's documents define; a state folder of its
+            # own, so that files other tests upload do not change what the list routes answer.
+            args = ["--api-key", API_KEY, "--allow-token-ids"]
+            args += ["--state-dir", str(tmp_path_factory.mktemp(f"{name}-state"))]
+            args += ["--model", str(folder)] if folder is not None else []
+            started[name] = ServerProcess(args, logs / f"{name}.log")
         yield {
-            False: (embedder.wait_ready(), EMBEDDER),
-            True: (reranker.wait_ready(), cross_encoder_path.name),
+            name: (server.wait_ready(), EMBEDDER if models[name] is None else models[name].name)
+            for name, server in started.items()
         }
     finally:
-        embedder.stop()
-        reranker.stop()
+        for server in started.values():
+            server.stop()
 
 
 @pytest.mark.parametrize("peer", sorted(peers.CLAIMED))
@@ -63,8 +65,8 @@ def test_peer_document_conformance(servers, peer):
     spec = peers.spec_path(peer)
     findings: list[runner.Finding] = []
     sent = 0
-    for reranker, (server, model) in servers.items():
-        operations = peers.claimed_for(peer, reranker)
+    for name, (server, model) in servers.items():
+        operations = peers.claimed_for(peer, name)
         if not operations:
             continue
         found, count = runner.run_peer(
@@ -73,6 +75,7 @@ def test_peer_document_conformance(servers, peer):
             server.url + peers.BASE_PATHS[peer],
             operations,
             model=model,
+            seeds={path: bodies for (p, path), bodies in peers.SEEDS.items() if p == peer},
             api_key=API_KEY,
             auth_scheme=peers.AUTH_SCHEMES[peer],
             max_examples=EXAMPLES,

@@ -14,8 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-# peer -> {path in the peer's document: methods pipepool serves}; RERANKER_PATHS: the paths a
-# reranker answers (the others: an embedding model), each peer serving one model per server.
+# peer -> {path in the peer's document: methods pipepool serves}.
 CLAIMED: dict[str, dict[str, tuple[str, ...]]] = {
     # TEI v1.9.3's docs/openapi.json (its router also serves POST /, absent from that document).
     "tei": {
@@ -53,19 +52,46 @@ CLAIMED: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 CLAIMED_PATHS = {peer: tuple(paths) for peer, paths in CLAIMED.items()}
-RERANKER_PATHS = {"tei": ("/rerank", "/predict"), "openai": (), "cohere": ("/v2/rerank",)}
+# Which server answers a path (one model each, as the peers' servers hold): "reranker" (a
+# cross-encoder), "sparse" (a SPLADE model), else "embedder" (the bundled all-MiniLM-L6-v2).
+SERVERS = ("embedder", "reranker", "sparse")
+SERVED_BY = {
+    "tei": {"/rerank": "reranker", "/predict": "reranker", "/embed_sparse": "sparse"},
+    "openai": {},
+    "cohere": {"/v2/rerank": "reranker"},
+}
+# Requests each operation is sent besides the generated ones (their "model" set to the served
+# one): the peers' own documented examples, where the generator seldom makes a request that a
+# real server of the peer would answer (Cohere's document requires no texts, so nearly every
+# generated /v2/embed carries images; TEI's property examples are strings such as "true").
+SEEDS: dict[tuple[str, str], tuple[dict, ...]] = {
+    ("tei", "/embed"): ({"inputs": "What is Deep Learning?"},
+                        {"inputs": ["What is Deep Learning?", "Deep Learning is ..."],
+                         "normalize": True, "truncate": True}),
+    ("tei", "/embed_sparse"): ({"inputs": "What is Deep Learning?"},),
+    ("tei", "/rerank"): ({"query": "What is Deep Learning?", "texts": ["Deep Learning is ..."]},),
+    ("tei", "/tokenize"): ({"inputs": "test"},),
+    ("tei", "/v1/embeddings"): ({"input": "What is Deep Learning?", "model": ""},),
+    ("openai", "/embeddings"): ({"input": "The food was delicious", "model": "",
+                                 "encoding_format": "float"},),
+    ("cohere", "/v2/embed"): ({"model": "", "texts": ["hello", "goodbye"],
+                               "input_type": "classification", "embedding_types": ["float"]},),
+    ("cohere", "/v2/rerank"): ({"model": "", "query": "What is the capital of France?",
+                                "documents": ["Paris is the capital of France.", "Berlin."],
+                                "top_n": 1},),
+}  # fmt: skip
 BASE_PATHS = {"tei": "", "openai": "/v1", "cohere": ""}
 # The document's security scheme that carries the API key (TEI's document has none: the key
 # goes in a header to every request).
 AUTH_SCHEMES = {"tei": None, "openai": "ApiKeyAuth", "cohere": "bearerAuth"}
 
 
-def claimed_for(peer: str, reranker: bool) -> dict[str, tuple[str, ...]]:
-    """The claimed operations of ``peer`` that a reranker (or an embedding model) answers."""
+def claimed_for(peer: str, server: str) -> dict[str, tuple[str, ...]]:
+    """The claimed operations of ``peer`` that ``server`` (one of SERVERS) answers."""
     return {
         path: methods
         for path, methods in CLAIMED[peer].items()
-        if (path in RERANKER_PATHS[peer]) == reranker
+        if SERVED_BY[peer].get(path, "embedder") == server
     }
 
 

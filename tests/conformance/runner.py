@@ -83,12 +83,13 @@ def run_peer(
     operations: dict[str, tuple[str, ...]],
     *,
     model: str,
+    seeds: dict[str, tuple[dict, ...]],
     api_key: str,
     auth_scheme: str | None,
     max_examples: int,
 ) -> tuple[list[Finding], int]:
     """The findings of schemathesis on ``operations`` (path -> methods) of ``spec``, and how
-    many requests it sent."""
+    many requests it sent; ``seeds``: bodies (path -> bodies) sent besides the generated."""
     config = _config(base_url, max_examples, api_key, auth_scheme)
     schema = schemathesis.openapi.from_path(spec, config=config)
     claimed = {(m.upper(), p) for p, methods in operations.items() for m in methods}
@@ -106,6 +107,17 @@ def run_peer(
     def before_add_examples(context, examples):  # schemathesis calls hooks by signature
         for case in examples:
             case.body = map_body(context, case.body)
+        operation = context.operation
+        for body in seeds.get(operation.path, ()):
+            seed = operation.Case(
+                body=map_body(context, body),
+                media_type="application/json",
+                headers={"Authorization": f"Bearer {api_key}"},  # as the generated cases get it
+            )
+            # The key is the configured one, as schemathesis marks a case its auth provider
+            # filled (else ignored_auth takes a 200 to it for a guessed key being accepted).
+            seed._has_explicit_auth = True
+            examples.append(seed)
 
     findings: dict[tuple, Finding] = {}
     statuses: dict[str, set[int]] = {f"{m.upper()} {p}": set() for m, p in sorted(claimed)}

@@ -12,6 +12,7 @@ is deployment data, as its base URL is, and the peers' own servers refuse unknow
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,12 @@ class Finding:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.peer, self.operation, self.check)
+
+    @property
+    def status(self) -> int | None:
+        """The response status whose schema a response_schema_conformance finding is about."""
+        found = re.search(r"schema for status code (\d+)", self.message)
+        return int(found.group(1)) if found else None
 
     def describe(self) -> str:
         message = " ".join(self.message.split())[:400]
@@ -149,7 +156,9 @@ def run_peer(
                     message=info.failure.message,
                     curl=info.code_sample,
                 )
-                findings.setdefault((finding.key, finding.title), finding)
+                # One finding per check, title and response status: a wrong error body and
+                # a wrong success body on one operation are two findings.
+                findings.setdefault((finding.key, finding.title, finding.status), finding)
     for operation, seen in statuses.items():
         if not any(200 <= status < 300 for status in seen):
             finding = Finding(
@@ -160,5 +169,5 @@ def run_peer(
                 message=f"statuses seen: {sorted(seen)}",
                 curl="",
             )
-            findings[(finding.key, finding.title)] = finding
+            findings[(finding.key, finding.title, None)] = finding
     return sorted(findings.values(), key=lambda f: (f.operation, f.check, f.title)), sent

@@ -98,12 +98,23 @@ def claimed_for(peer: str, server: str) -> dict[str, tuple[str, ...]]:
 SPEC_FILES = {"tei": "tei.json", "openai": "openai.json", "cohere": "cohere.json"}
 
 # Where the documents are looked for, first found wins: $PIPEPOOL_CONFORMANCE_SPECS, the
-# checkout's shared/ data folder, then beside this file.
+# project's shared/ data folder (inside the checkout, or beside it as on the CI machine), then
+# beside this file (never committed: the documents are the peers', fetched as SOURCES.md says).
 _SPEC_DIRS = (
     os.environ.get("PIPEPOOL_CONFORMANCE_SPECS"),
     str(ROOT / "shared" / "conformance" / "specs"),
+    str(ROOT.parent / "shared" / "conformance" / "specs"),
     str(HERE / "specs"),
 )
+
+
+def specs_missing() -> list[str]:
+    """The peers whose document is in none of the folders looked in."""
+    return [
+        peer
+        for peer, name in SPEC_FILES.items()
+        if not any((Path(d) / name).is_file() for d in _SPEC_DIRS if d)
+    ]
 
 
 def spec_path(peer: str, *, must_exist: bool = True) -> Path:

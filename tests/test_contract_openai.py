@@ -83,11 +83,17 @@ def assert_close(got, expected) -> None:
     ],
 )
 def test_unknown_fields_are_a_400_naming_every_one(server, path, body):
-    """A field a peer has that pipepool does not honour (vLLM's late_chunking), and a made-up
-    one, are refused, never parsed and dropped."""
-    r = post(server, path, {**body, "late_chunking": True, "task_x": "retrieval"})
-    err = assert_error(r, 400, "invalid_request_error", param="late_chunking")
-    assert err["message"] == "Unrecognized request arguments supplied: late_chunking, task_x"
+    """A field a peer has that pipepool does not honour (Jina's embedding_type), and a made-up
+    one, are refused, never parsed and dropped; TEI's routes answer with TEI's status and body
+    (422 Validation)."""
+    r = post(server, path, {**body, "embedding_type": "float", "task_x": "retrieval"})
+    says = "Unrecognized request arguments supplied: embedding_type, task_x"
+    if path == "/embed":
+        assert r.status_code == 422, r.text
+        assert r.json() == {"error": says, "error_type": "Validation"}
+        return
+    err = assert_error(r, 400, "invalid_request_error", param="embedding_type")
+    assert err["message"] == says
 
 
 # -- 2. truncation_side -----------------------------------------------------------------------

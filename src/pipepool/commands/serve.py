@@ -234,6 +234,14 @@ def add_parser(sub, help: str) -> None:
     )
     add_env_argument(
         g,
+        "--max-concurrent-uploads",
+        type=int,
+        default=S.max_concurrent_uploads,
+        help="uploads to /v1/files one front-end process receives at once; one more waits "
+        f"--queue-wait for a slot, then is answered 429 (default {S.max_concurrent_uploads})",
+    )
+    add_env_argument(
+        g,
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -308,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
+        max_concurrent_uploads=args.max_concurrent_uploads,
     )
     _check_queues(specs, settings)
     logs = log_config(settings.log_level, settings.log_format)

@@ -41,7 +41,8 @@ from ..jobs.batch_lines import (
     read_lines,
 )
 from ..runtime.signal_mask import block_stop_signals
-from .batch_store import UNFINISHED, BatchOutput, BatchRecord, BatchStore
+from .batch_output import BatchOutput
+from .batch_store import UNFINISHED, BatchRecord, BatchStore, StoreUnavailable
 from .front import AsyncEngine
 from .online_gate import gated_task_factory
 from .settings import ServerSettings
@@ -68,6 +69,9 @@ WINDOW_LINES = 1024
 _RETRY_STATUSES = (429, 503)
 _RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 _CLIENT = "batch"  # the client address the app sees for a batch line
+# Pauses between two tries of a store that had a fault (disk full, I/O error): doubling to
+# the last, which a store that stays broken is tried at.
+_STORE_PAUSES_S = (0.25, 0.5, 1.0, 2.0)
 
 
 class EngineFailedError(Exception):
@@ -200,27 +204,61 @@ class BatchRunner:
     async def run(self) -> None:
         """Once the state directory holds a store (a route made it: a server that is never
         sent a batch touches nothing), take its lock, then run batches as they come, until
-        cancelled or the server stops."""
+        cancelled or the server stops. A storage fault never ends it: the batch it stopped
+        waits, and goes on once the store can be written again (``_wait_for_store``)."""
         while not BatchStore.exists(self.state_dir):
             if self.stopping():
                 return
             await asyncio.sleep(self.poll_s)
         lock = await self._lock()
-        self._store = BatchStore(self.state_dir)
-        sweeper = asyncio.create_task(self._sweep())
         try:
-            while not self.stopping():
-                pending = self.store.unfinished() if self.ready() else []
-                for record in pending:
-                    if self.stopping():
-                        break
-                    await self._run_or_fail(record.id)
-                if not pending:
-                    await asyncio.sleep(self.poll_s)
+            self._store = await self._open_store()
+            if self._store is None:
+                return  # stopping
+            sweeper = asyncio.create_task(self._sweep())
+            try:
+                while not self.stopping():
+                    try:
+                        await self._run_pending()
+                    except StoreUnavailable as fault:
+                        log.warning("batches wait for the store: %s", fault.reason)
+                        await self._wait_for_store()
+            finally:
+                sweeper.cancel()
+                self.store.close()
         finally:
-            sweeper.cancel()
-            self.store.close()
             os.close(lock)
+
+    async def _run_pending(self) -> None:
+        pending = self.store.unfinished() if self.ready() else []
+        for record in pending:
+            if self.stopping():
+                break
+            await self._run_or_fail(record.id)
+        if not pending:
+            await asyncio.sleep(self.poll_s)
+
+    async def _open_store(self) -> BatchStore | None:
+        """The store, opened as soon as it can be (None: the server stops first)."""
+        pauses = iter(_STORE_PAUSES_S)
+        while not self.stopping():
+            try:
+                return BatchStore(self.state_dir)
+            except StoreUnavailable as fault:
+                log.warning("batches wait for the store: %s", fault.reason)
+                await asyncio.sleep(next(pauses, _STORE_PAUSES_S[-1]))
+        return None
+
+    async def _wait_for_store(self) -> None:
+        """Until a probe write succeeds (or the server stops)."""
+        pauses = iter(_STORE_PAUSES_S)
+        while not self.stopping():
+            await asyncio.sleep(next(pauses, _STORE_PAUSES_S[-1]))
+            try:
+                self.store.probe()
+            except StoreUnavailable:
+                continue
+            return
 
     async def run_batch(self, batch_id: str) -> None:
         """Take one batch as far as it goes now: to its end, or until the server stops."""
@@ -255,8 +293,8 @@ class BatchRunner:
         failed, which stops the runner: its batches resume at the next start."""
         try:
             await self.run_batch(batch_id)
-        except EngineFailedError:
-            raise
+        except (EngineFailedError, StoreUnavailable):
+            raise  # not the batch's fault: it resumes
         except Exception:
             log.exception("batch %s failed", batch_id)
             # The exception may name the server's files: the client is told only where to look.
@@ -268,10 +306,13 @@ class BatchRunner:
     async def _sweep(self) -> None:
         """End the batches cancelled while another one runs: they wait for nothing."""
         while True:
-            for record in self.store.unfinished():
-                if record.status == "cancelling" and record.id != self._active:
-                    self.store.cut_to_committed(record.id)
-                    self.store.finish(record.id, "cancelled")
+            try:
+                for record in self.store.unfinished():
+                    if record.status == "cancelling" and record.id != self._active:
+                        self.store.cut_to_committed(record.id)
+                        self.store.finish(record.id, "cancelled")
+            except StoreUnavailable:
+                pass  # tried again next time: the fault is on the store's health already
             await asyncio.sleep(self.poll_s)
 
     async def _validate(self, record: BatchRecord) -> None:

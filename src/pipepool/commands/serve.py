@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.rendezvous import torchrun_env
     from ..server.api_servers import ApiServers
     from ..server.batch_runner import BatchThread
+    from ..server.batch_store import close_open_stores
     from ..server.logs import log_config
     from ..server.online_gate import GATE
     from ..server.settings import ServerSettings
@@ -319,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_uploads=args.max_concurrent_uploads,
     )
     _check_queues(specs, settings)
+    # A damaged Batch store refuses the start, naming the file and the recovery command.
+    from ..server.store_check import open_checked
+
+    open_checked(settings.batch_state_dir)
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
     if len(specs) > 1:
@@ -386,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
             assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
         batches.join(ANSWER_GRACE_S)
+        # Checkpointed: the database file alone is then a complete copy of the records.
+        close_open_stores()
         collections.stop()
         for model in models:
             model.front.close()

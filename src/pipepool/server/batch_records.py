@@ -59,13 +59,12 @@ CREATE TABLE IF NOT EXISTS batches (
     input_tokens INTEGER NOT NULL DEFAULT 0,  -- prompt tokens of the answered lines (usage)
     output_expires_s INTEGER  -- its output and error files expire this long after they are made
 );
--- clean: 1 once the last server using the store closed it cleanly (its state is all in the
--- database file), 0 while one uses it: ``store_check.py`` tells a lost -wal file by it.
+-- probe: the row the batch runner writes to know whether the store can be written again.
 CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
-INSERT OR IGNORE INTO meta VALUES ('clean', 0);
+INSERT OR IGNORE INTO meta VALUES ('probe', 0);
 CREATE TABLE IF NOT EXISTS batch_lines_done (
     batch_id TEXT NOT NULL,
     line INTEGER NOT NULL,

@@ -22,10 +22,9 @@ The store's contract:
   ``store_check.py`` finishes either at the next start.
 - The input file of an unfinished batch cannot be deleted (``FileInUse``): a batch resumed
   after a kill always has the lines it was answering.
-- A store closed cleanly (``close_open_stores(clean=True)``, at a server's shutdown) is
-  checkpointed into ``batches.sqlite3`` (``PRAGMA wal_checkpoint(TRUNCATE)``), which alone is
-  then a complete copy of the records; ``store_check.py`` checks a store before a server
-  serves it.
+- A store closed (``close_open_stores``, at a server's shutdown) is checkpointed into
+  ``batches.sqlite3`` (``PRAGMA wal_checkpoint(TRUNCATE)``), which alone is then a complete
+  copy of the records; ``store_check.py`` checks a store before a server serves it.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ import os
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -147,13 +145,10 @@ class BatchStore:
         """Whether a store was made in ``state_dir``."""
         return (Path(state_dir) / DB_NAME).is_file()
 
-    def close(self, *, clean: bool = False) -> None:
-        """Close the store, checkpointing its WAL into the database file. ``clean``: the last
-        server using the directory stops: the database file says so (``store_check.py``)."""
+    def close(self) -> None:
+        """Close the store, checkpointing its WAL into the database file."""
         _OPEN_STORES.discard(self)
         try:
-            if clean:
-                self._db.execute("UPDATE meta SET value = 1 WHERE key = 'clean'")
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as exc:  # the state stays in the WAL, which the next start reads
             log.warning("the batch store was not checkpointed at its close: %s", exc)
@@ -170,7 +165,7 @@ class BatchStore:
         """A write to the database and to the files folder, to know whether the store can be
         written again (the batch runner's, after a fault)."""
         with self._transaction():
-            self._db.execute("UPDATE meta SET value = 0 WHERE key = 'clean'")
+            self._db.execute("UPDATE meta SET value = ? WHERE key = 'probe'", (int(time.time()),))
         probe = self.files_dir / ".probe"
         try:
             with open(probe, "wb") as out:
@@ -496,14 +491,12 @@ def _rename_if_there(source: Path, target: Path) -> bool:
 
 
 # The stores this process holds, closed together at its shutdown (``close_open_stores``).
-_OPEN_STORES: weakref.WeakSet[BatchStore] = weakref.WeakSet()
+_OPEN_STORES: set[BatchStore] = set()
 _CLOSING = threading.Lock()
 
 
-def close_open_stores(*, clean: bool) -> None:
-    """Close every store this process holds, checkpointing each; ``clean`` (the server's main
-    process, last to stop): the last one closed says the directory was left cleanly."""
+def close_open_stores() -> None:
+    """Close every store this process holds, checkpointing each (at its shutdown)."""
     with _CLOSING:
-        stores = list(_OPEN_STORES)
-        for index, store in enumerate(stores):
-            store.close(clean=clean and index == len(stores) - 1)
+        for store in list(_OPEN_STORES):
+            store.close()

@@ -27,6 +27,7 @@ __all__ = [
     "StoreHealth",
     "StoreHealthBoard",
     "StoreUnavailable",
+    "batch_store_health",
     "fault_of",
     "store_metrics",
 ]
@@ -157,6 +158,11 @@ def _key(state_dir: Path) -> Path:
 
 # The process's board: one per process, as the stores it tracks are the process's own.
 HEALTH = StoreHealthBoard()
+
+
+def batch_store_health(state_dir: Path) -> dict[str, object] | None:
+    """The store's health as ``/health`` shows it; None when no store was used here."""
+    return HEALTH.health(state_dir).body() if HEALTH.known(state_dir) else None
 
 
 def store_metrics(state_dir: Path) -> str:

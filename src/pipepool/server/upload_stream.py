@@ -156,4 +156,3 @@ class _PartReader:
 
 def _bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_request")
-

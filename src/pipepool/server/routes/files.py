@@ -96,8 +96,7 @@ _UPLOAD_FORM = {
             "type": "integer",
             "minimum": MIN_EXPIRY_S,
             "maximum": MAX_EXPIRY_S,
-            "description": "Seconds the file is kept (an hour to 30 days; default: until "
-            "deleted).",
+            "description": "Seconds the file is kept (an hour to 30 days; default: until deleted).",
         },
     },
     "additionalProperties": False,

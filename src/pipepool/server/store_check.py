@@ -101,8 +101,9 @@ def find_problems(state_dir: Path) -> list[StoreProblem]:
 
 def open_checked(state_dir: Path, *, settled_s: float = _SETTLED_S) -> BatchStore | None:
     """At a server's start: the store of ``state_dir`` checked (``StoreDamagedError`` if it
-    must not be served) and what a crash left finished; the store is held open until ``close_open_stores``. None where there is no store yet (one is made when a
-    route first needs it)."""
+    must not be served) and what a crash left finished; the store, held open until
+    ``close_open_stores``. None where there is no store yet (one is made when a route first
+    needs it)."""
     problems = find_problems(state_dir)
     if problems:
         raise problems[0].error()

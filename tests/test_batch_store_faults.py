@@ -10,6 +10,7 @@ Each ends with every custom_id answered exactly once, or a clear refusal."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -25,18 +27,25 @@ import openai
 import pytest
 from test_batches import (
     AUTH,
+    ToyApp,
+    _run_until,
+    _runner,
+    _stored_batch,
     client_of,
     embedding_lines,
     file_lines,
     jsonl,
+    line,
     serve,
     submit,
     wait_batch,
 )
 
+from pipepool.server import batch_store
 from pipepool.server.batch_store import BatchStore, close_open_stores
 from pipepool.server.store_admin import backup
 from pipepool.server.store_check import find_problems, open_checked
+from pipepool.server.store_faults import HEALTH
 
 TMPFS_BYTES = 24 << 20
 BIG_UPLOAD = 120 << 20  # the issue's figure: its upload may grow the server's RSS < 60 MB
@@ -372,3 +381,76 @@ def test_a_120_mb_upload_streams_to_disk_in_bounded_memory(upload_server):
     print(f"120 MB upload: server RSS {before >> 20} MB, peak {peak >> 20} MB (+{grown >> 20} MB)")
     assert grown < RSS_GROWTH_LIMIT, f"RSS grew {grown >> 20} MB"
     client_of(upload_server).files.delete(r.json()["id"])
+
+
+# -- in-process: the runner on a toy app -----------------------------------------------------
+
+
+def run_until(runner, done, timeout: float = 120.0) -> None:
+    asyncio.run(asyncio.wait_for(_run_until(runner, done), timeout))
+
+
+def test_the_runner_waits_out_a_storage_fault_and_resumes_exactly_once(tmp_path, monkeypatch):
+    """The tmpfs test's promise without a mount: writes fail with ENOSPC for a while (the
+    bodies' and the database's), the runner neither dies nor fails the batch, and every line
+    is answered once when they succeed again."""
+    store, batch_id = _stored_batch(tmp_path, 60)
+    toy = ToyApp()
+    full = {"on": False, "refused": 0}
+    real_write, real_transaction = batch_store._write_all, BatchStore._transaction
+
+    def write_all(fd, data):  # the bodies' writes
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def transaction(self):  # the database's (the commit of lines, the runner's probe)
+        if full["on"]:
+            full["refused"] += 1
+            if full["refused"] <= 3:  # ...until the runner's third try: space was freed
+                raise sqlite3.OperationalError("database or disk is full")
+            full["on"] = False
+        return real_transaction(self)
+
+    def on_call(count: int) -> None:
+        if count == 10:
+            full["on"] = True  # from the 10th line on, nothing can be written...
+
+    toy = ToyApp(on_call)
+    monkeypatch.setattr(batch_store, "_write_all", write_all)
+    monkeypatch.setattr(BatchStore, "_transaction", transaction)
+    run_until(_runner(tmp_path, toy), lambda: store.status(batch_id) == "completed")
+    final = store.batch(batch_id)
+    assert final is not None and final.output_file_id is not None
+    outputs = [json.loads(x) for x in store.path(final.output_file_id).read_bytes().splitlines()]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(f"c{i}" for i in range(60))
+    assert len(toy.calls) > 60  # lines in flight at the fault ran again; each written once
+    assert HEALTH.health(tmp_path).ok and HEALTH.health(tmp_path).errors > 0
+    close_open_stores()
+
+
+def test_a_huge_line_is_refused_unread_and_never_held_whole(tmp_path):
+    store = BatchStore(tmp_path)
+    file_id, part = store.new_upload()
+    huge = line("huge", {"input": "x" * (40 << 20)})
+    with open(part, "wb") as out:
+        out.write(jsonl([line("before", {"input": "a"})]))
+        out.write(json.dumps(huge).encode() + b"\n")
+        out.write(jsonl([line("after", {"input": "b"})]))
+    store.add_file(file_id, part, filename="in.jsonl", purpose="batch")
+    batch_id = store.create_batch(file_id, "/v1/embeddings", "24h", None).id
+    toy = ToyApp()
+    tracemalloc.start()
+    try:
+        runner = _runner(tmp_path, toy, max_line_bytes=1 << 20)
+        run_until(runner, lambda: store.status(batch_id) == "completed")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MB held for a 40 MB line"
+    final = store.batch(batch_id)
+    assert final is not None and final.error_file_id is not None
+    (refused,) = [json.loads(x) for x in store.path(final.error_file_id).read_bytes().splitlines()]
+    assert refused["custom_id"] == "huge" and refused["error"]["code"] == "line_too_large"
+    assert toy.calls == ["a", "b"]
+    close_open_stores()

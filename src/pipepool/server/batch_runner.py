@@ -29,6 +29,7 @@ import httpx
 
 from ..api.priority import background_work
 from ..jobs.batch_lines import (
+    LINE_ENVELOPE_BYTES,
     BatchRequest,
     LineChecker,
     LineError,
@@ -169,6 +170,9 @@ class BatchRunner:
     killed process left (``batch_store.py``: exactly once). One runner per state directory:
     a second one (another server on the same directory) waits for the first's lock.
 
+    A line longer than ``max_line_bytes`` (None: no bound) is answered ``line_too_large``
+    unread: the server would refuse its body anyway, and it is never held in memory whole.
+
     ``ready()``: the engine is loaded; ``stopping()``: the server is shutting down: no line
     is sent any more and the batch stays in progress (what was in flight when the event loop
     ended runs again at the next start)."""
@@ -179,6 +183,7 @@ class BatchRunner:
         dispatcher: Dispatcher,
         *,
         max_requests: int,
+        max_line_bytes: int | None = None,
         ready: Callable[[], bool],
         stopping: Callable[[], bool],
         window_inputs: int = WINDOW_INPUTS,
@@ -188,6 +193,7 @@ class BatchRunner:
         self.state_dir = state_dir
         self.dispatcher = dispatcher
         self.max_requests = max_requests
+        self.max_line_bytes = max_line_bytes
         self.ready = ready
         self.stopping = stopping
         self.window_inputs = window_inputs
@@ -324,7 +330,8 @@ class BatchRunner:
 
         def check():
             with open(path, "rb") as file:
-                return check_file(numbered_lines(file), record.endpoint, self.max_requests)
+                lines = numbered_lines(file, self.max_line_bytes)
+                return check_file(lines, record.endpoint, self.max_requests)
 
         # Off the loop: a file of 200 MB takes a while to parse, and online requests go on.
         checked = await asyncio.to_thread(check)
@@ -347,7 +354,8 @@ class BatchRunner:
         path = self.store.path(record.input_file_id)
         stop = _StopCheck(self.store, record, self.stopping, self.clock)
         with BatchOutput(self.store, record) as bodies:
-            items = read_lines(path, LineChecker(record.endpoint), lambda i: i.line in done)
+            items = read_lines(path, LineChecker(record.endpoint), lambda i: i.line in done,
+                               max_line_bytes=self.max_line_bytes)  # fmt: skip
             all_sent = await run_lines(items, self.dispatcher, bodies.write, stop=stop,
                                        window_inputs=self.window_inputs)  # fmt: skip
             if all_sent or self.store.status(batch_id) == "cancelling":
@@ -358,7 +366,8 @@ class BatchRunner:
             done = self.store.done_lines(batch_id)
             expired = []
             async for item in read_lines(path, LineChecker(record.endpoint),
-                                         lambda i: i.line in done):  # fmt: skip
+                                         lambda i: i.line in done,
+                                         max_line_bytes=self.max_line_bytes):  # fmt: skip
                 expired.append(LineResult(item.line, False, _expired(item).output()))
             bodies.write(expired)
         self.store.finish(batch_id, "expired")
@@ -456,6 +465,7 @@ class BatchThread:
             settings.batch_state_dir,
             dispatcher,
             max_requests=settings.max_batch_requests,
+            max_line_bytes=settings.max_body_bytes + LINE_ENVELOPE_BYTES,
             ready=lambda: all(owner.engine is not None for owner in owners),
             stopping=stopping,
             window_inputs=window_for(settings),

@@ -183,9 +183,7 @@ class BatchStore:
     @_checked(writes=True)
     def append(self, fd: int, data: bytes) -> None:
         """Write all of ``data`` at ``fd`` (``opened`` with O_APPEND), partial writes resumed."""
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
 
     @_checked(writes=True)
     def sync(self, fd: int) -> None:
@@ -480,6 +478,12 @@ class _Transaction:
                 self.db.execute("ROLLBACK")
             except sqlite3.Error as exc:
                 log.warning("a batch store transaction could not be rolled back: %s", exc)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _rename_if_there(source: Path, target: Path) -> bool:

@@ -152,7 +152,6 @@ def _finish_leftovers(store: BatchStore, settled_s: float) -> None:
             leftover.unlink(missing_ok=True)
 
 
-
 def _bodies(state_dir: Path) -> list[str]:
     files = state_dir / "files"
     if not files.is_dir():

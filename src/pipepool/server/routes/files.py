@@ -155,9 +155,13 @@ async def _receive(request: Request, store: BatchStore, part: Path, limit: int) 
         async def write(data: bytes) -> None:  # off the loop: a slow disk holds no request
             await asyncio.to_thread(store.append, fd, data)
 
-        form = await receive_form(
-            request.headers.get("content-type", ""), request.stream(), spec, write
-        )
+        try:
+            form = await receive_form(
+                request.headers.get("content-type", ""), request.stream(), spec, write
+            )
+        except StoreUnavailable as fault:  # the rest of the body is not read
+            fault.headers = {**(fault.headers or {}), "Connection": "close"}
+            raise
         if form.filename is None:
             raise APIError(400, "the form has no 'file' part", param="file",
                            code="missing_required_parameter")  # fmt: skip

@@ -79,13 +79,16 @@ class FileInUse(Exception):
         self.file_id, self.batch_id, self.status = file_id, batch_id, status
 
 
-def _checked(*, writes: bool) -> Callable[[_Method], _Method]:
+def _checked(*, writes: str | None) -> Callable[[_Method], _Method]:
     """A store method whose storage faults become ``StoreUnavailable`` and mark the store
-    degraded; a method that ``writes`` and succeeds marks it healthy again."""
+    degraded. One that succeeds marks it healthy again when it proves the store writable:
+    ``writes="file"`` (it wrote bytes to disk), ``writes="db"`` (when it changed rows: an
+    UPDATE that matched none wrote nothing)."""
 
     def wrap(method: _Method) -> _Method:
         @functools.wraps(method)
         def checked(self: BatchStore, *args: Any, **kwargs: Any) -> Any:
+            changes = self._db.total_changes if writes == "db" else 0
             try:
                 result = method(self, *args, **kwargs)
             except Exception as exc:
@@ -95,7 +98,8 @@ def _checked(*, writes: bool) -> Callable[[_Method], _Method]:
                 if HEALTH.failed(self.dir, fault):
                     log.error("the batch store is degraded: %s", fault.reason)
                 raise fault from exc
-            if writes and HEALTH.wrote(self.dir):
+            wrote = writes == "file" or (writes == "db" and self._db.total_changes > changes)
+            if wrote and HEALTH.wrote(self.dir):
                 log.warning("the batch store writes again: batches go on")
             return result
 
@@ -117,7 +121,7 @@ class BatchStore:
         self._db = self._open()
         _OPEN_STORES.add(self)
 
-    @_checked(writes=True)
+    @_checked(writes=None)
     def _open(self) -> sqlite3.Connection:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         # check_same_thread off: the process closes its stores at shutdown from its main thread.
@@ -160,7 +164,7 @@ class BatchStore:
         assert "/" not in file_id and file_id.startswith("file-"), file_id
         return self.files_dir / file_id
 
-    @_checked(writes=True)
+    @_checked(writes="file")
     def probe(self) -> None:
         """A write to the database and to the files folder, to know whether the store can be
         written again (the batch runner's, after a fault)."""
@@ -175,17 +179,17 @@ class BatchStore:
         finally:
             probe.unlink(missing_ok=True)
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def opened(self, path: Path, flags: int) -> int:
         """``os.open`` of a body under the store (its faults are the store's)."""
         return os.open(path, flags, 0o600)
 
-    @_checked(writes=True)
+    @_checked(writes="file")
     def append(self, fd: int, data: bytes) -> None:
         """Write all of ``data`` at ``fd`` (``opened`` with O_APPEND), partial writes resumed."""
         _write_all(fd, data)
 
-    @_checked(writes=True)
+    @_checked(writes="file")
     def sync(self, fd: int) -> None:
         """``os.fsync`` of a body (``opened``): on disk before its record is committed."""
         os.fsync(fd)
@@ -205,7 +209,7 @@ class BatchStore:
         file_id = new_id("file-")
         return file_id, self.files_dir / f".{file_id}.part"
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def add_file(
         self,
         file_id: str,
@@ -229,7 +233,7 @@ class BatchStore:
             raise
         return record
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def file(self, file_id: str) -> FileRecord | None:
         """A file's record; None where there is none or it has expired."""
         row = self._db.execute(
@@ -238,7 +242,7 @@ class BatchStore:
         ).fetchone()
         return FileRecord(**row) if row else None
 
-    @_checked(writes=True)
+    @_checked(writes=None)
     def delete_expired(self) -> int:
         """Delete the files whose time has come, but for the input of a batch still running
         (it is read to its end); how many went."""
@@ -249,7 +253,7 @@ class BatchStore:
         ).fetchall()
         return sum(self.delete_file(file_id) for (file_id,) in rows)
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def list_files(
         self, purpose: str | None, after: str | None, limit: int, *, newest_first: bool
     ) -> tuple[list[FileRecord], bool]:
@@ -266,7 +270,7 @@ class BatchStore:
         ).fetchall()
         return [FileRecord(**r) for r in rows[:limit]], len(rows) > limit
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def delete_file(self, file_id: str) -> bool:
         """Remove a file, its record and body; False if there was none. Raises ``FileInUse``
         for the input of a batch not ended yet."""
@@ -293,7 +297,7 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def create_batch(
         self,
         input_file_id: str,
@@ -318,12 +322,12 @@ class BatchStore:
         assert record is not None, "inserted just now"
         return record
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def batch(self, batch_id: str) -> BatchRecord | None:
         row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return BatchRecord(**row) if row else None
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def list_batches(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Up to ``limit`` batches, newest first, created before ``after`` (a batch id; None:
         from the newest); and whether there are more."""
@@ -334,7 +338,7 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows[:limit]], len(rows) > limit
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def unfinished(self) -> list[BatchRecord]:
         """Batches the runner has work on, oldest first."""
         marks = ", ".join("?" * len(UNFINISHED))
@@ -343,12 +347,12 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows]
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def status(self, batch_id: str) -> str | None:
         row = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return row[0] if row else None
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def move(self, batch_id: str, old: Iterable[str], new: str, **fields: Any) -> bool:
         """Set ``status`` to ``new`` (and ``new``'s timestamp to now, and ``fields``) if it is
         one of ``old``; whether it was. Every change of status goes through here, so that two
@@ -364,19 +368,19 @@ class BatchStore:
         ).rowcount
         return bool(changed)
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def set_total(self, batch_id: str, total: int) -> None:
         self._db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
         return self.move(batch_id, ("validating",), "failed", errors=json.dumps(errors))
 
-    @_checked(writes=False)
+    @_checked(writes=None)
     def done_lines(self, batch_id: str) -> set[int]:
         rows = self._db.execute("SELECT line FROM batch_lines_done WHERE batch_id = ?", (batch_id,))
         return {line for (line,) in rows}
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def record(
         self,
         batch_id: str,
@@ -400,7 +404,7 @@ class BatchStore:
                 (completed, failed, *sizes, tokens, batch_id),
             )
 
-    @_checked(writes=True)
+    @_checked(writes=None)
     def cut_to_committed(self, batch_id: str) -> None:
         """Cut a batch's output and error bodies to their committed lengths (a killed run, or
         one a storage fault stopped, may have written lines it did not commit, the last one
@@ -416,7 +420,7 @@ class BatchStore:
                 with open(path, "r+b") as body:
                     body.truncate(size)
 
-    @_checked(writes=True)
+    @_checked(writes="db")
     def finish(self, batch_id: str, status: str) -> None:
         """End a batch: its output and error bodies become files (those with a line), the
         batch says their ids, and its status becomes ``status`` (completed, cancelled,

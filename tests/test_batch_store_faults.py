@@ -397,7 +397,7 @@ def test_the_runner_waits_out_a_storage_fault_and_resumes_exactly_once(tmp_path,
     store, batch_id = _stored_batch(tmp_path, 60)
     toy = ToyApp()
     full = {"on": False, "refused": 0}
-    real_write, real_transaction = batch_store._write_all, BatchStore._transaction
+    real_write, real_transaction = batch_store.write_all, BatchStore._transaction
 
     def write_all(fd, data):  # the bodies' writes
         if full["on"]:
@@ -417,7 +417,7 @@ def test_the_runner_waits_out_a_storage_fault_and_resumes_exactly_once(tmp_path,
             full["on"] = True  # from the 10th line on, nothing can be written...
 
     toy = ToyApp(on_call)
-    monkeypatch.setattr(batch_store, "_write_all", write_all)
+    monkeypatch.setattr(batch_store, "write_all", write_all)
     monkeypatch.setattr(BatchStore, "_transaction", transaction)
     run_until(_runner(tmp_path, toy), lambda: store.status(batch_id) == "completed")
     final = store.batch(batch_id)

@@ -29,16 +29,15 @@ The store's contract:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from .batch_records import (
     ADDED_COLUMNS,
@@ -53,7 +52,8 @@ from .batch_records import (
     file_values,
     new_id,
 )
-from .store_faults import HEALTH, StoreUnavailable, fault_of
+from .store_faults import HEALTH, StoreUnavailable
+from .store_io import Transaction, checked, rename_if_there, write_all
 
 __all__ = [
     "CANCELLABLE",
@@ -68,7 +68,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pipepool.server")
-_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 class FileInUse(Exception):
@@ -77,35 +76,6 @@ class FileInUse(Exception):
     def __init__(self, file_id: str, batch_id: str, status: str) -> None:
         super().__init__(f"file {file_id} is the input of batch {batch_id} ({status})")
         self.file_id, self.batch_id, self.status = file_id, batch_id, status
-
-
-def _checked(*, writes: str | None) -> Callable[[_Method], _Method]:
-    """A store method whose storage faults become ``StoreUnavailable`` and mark the store
-    degraded. One that succeeds marks it healthy again when it proves the store writable:
-    ``writes="file"`` (it wrote bytes to disk), ``writes="db"`` (when it changed rows: an
-    UPDATE that matched none wrote nothing)."""
-
-    def wrap(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def checked(self: BatchStore, *args: Any, **kwargs: Any) -> Any:
-            changes = self._db.total_changes if writes == "db" else 0
-            try:
-                result = method(self, *args, **kwargs)
-            except Exception as exc:
-                fault = fault_of(exc, self.dir)
-                if fault is None:
-                    raise
-                if HEALTH.failed(self.dir, fault):
-                    log.error("the batch store is degraded: %s", fault.reason)
-                raise fault from exc
-            wrote = writes == "file" or (writes == "db" and self._db.total_changes > changes)
-            if wrote and HEALTH.wrote(self.dir):
-                log.warning("the batch store writes again: batches go on")
-            return result
-
-        return checked  # type: ignore[return-value]
-
-    return wrap
 
 
 class BatchStore:
@@ -121,7 +91,7 @@ class BatchStore:
         self._db = self._open()
         _OPEN_STORES.add(self)
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def _open(self) -> sqlite3.Connection:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         # check_same_thread off: the process closes its stores at shutdown from its main thread.
@@ -164,7 +134,7 @@ class BatchStore:
         assert "/" not in file_id and file_id.startswith("file-"), file_id
         return self.files_dir / file_id
 
-    @_checked(writes="file")
+    @checked(writes="file")
     def probe(self) -> None:
         """A write to the database and to the files folder, to know whether the store can be
         written again (the batch runner's, after a fault)."""
@@ -179,17 +149,17 @@ class BatchStore:
         finally:
             probe.unlink(missing_ok=True)
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def opened(self, path: Path, flags: int) -> int:
         """``os.open`` of a body under the store (its faults are the store's)."""
         return os.open(path, flags, 0o600)
 
-    @_checked(writes="file")
+    @checked(writes="file")
     def append(self, fd: int, data: bytes) -> None:
         """Write all of ``data`` at ``fd`` (``opened`` with O_APPEND), partial writes resumed."""
-        _write_all(fd, data)
+        write_all(fd, data)
 
-    @_checked(writes="file")
+    @checked(writes="file")
     def sync(self, fd: int) -> None:
         """``os.fsync`` of a body (``opened``): on disk before its record is committed."""
         os.fsync(fd)
@@ -209,7 +179,7 @@ class BatchStore:
         file_id = new_id("file-")
         return file_id, self.files_dir / f".{file_id}.part"
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def add_file(
         self,
         file_id: str,
@@ -233,7 +203,7 @@ class BatchStore:
             raise
         return record
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def file(self, file_id: str) -> FileRecord | None:
         """A file's record; None where there is none or it has expired."""
         row = self._db.execute(
@@ -242,7 +212,7 @@ class BatchStore:
         ).fetchone()
         return FileRecord(**row) if row else None
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def delete_expired(self) -> int:
         """Delete the files whose time has come, but for the input of a batch still running
         (it is read to its end); how many went."""
@@ -253,7 +223,7 @@ class BatchStore:
         ).fetchall()
         return sum(self.delete_file(file_id) for (file_id,) in rows)
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def list_files(
         self, purpose: str | None, after: str | None, limit: int, *, newest_first: bool
     ) -> tuple[list[FileRecord], bool]:
@@ -270,7 +240,7 @@ class BatchStore:
         ).fetchall()
         return [FileRecord(**r) for r in rows[:limit]], len(rows) > limit
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def delete_file(self, file_id: str) -> bool:
         """Remove a file, its record and body; False if there was none. Raises ``FileInUse``
         for the input of a batch not ended yet."""
@@ -285,7 +255,7 @@ class BatchStore:
                 raise FileInUse(file_id, using["id"], using["status"])
             if not self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount:
                 return False
-            moved = _rename_if_there(body, gone)
+            moved = rename_if_there(body, gone)
             try:
                 self._db.execute("COMMIT")
             except BaseException:
@@ -297,7 +267,7 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def create_batch(
         self,
         input_file_id: str,
@@ -322,12 +292,12 @@ class BatchStore:
         assert record is not None, "inserted just now"
         return record
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def batch(self, batch_id: str) -> BatchRecord | None:
         row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return BatchRecord(**row) if row else None
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def list_batches(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Up to ``limit`` batches, newest first, created before ``after`` (a batch id; None:
         from the newest); and whether there are more."""
@@ -338,7 +308,7 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows[:limit]], len(rows) > limit
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def unfinished(self) -> list[BatchRecord]:
         """Batches the runner has work on, oldest first."""
         marks = ", ".join("?" * len(UNFINISHED))
@@ -347,12 +317,12 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows]
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def status(self, batch_id: str) -> str | None:
         row = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return row[0] if row else None
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def move(self, batch_id: str, old: Iterable[str], new: str, **fields: Any) -> bool:
         """Set ``status`` to ``new`` (and ``new``'s timestamp to now, and ``fields``) if it is
         one of ``old``; whether it was. Every change of status goes through here, so that two
@@ -368,19 +338,19 @@ class BatchStore:
         ).rowcount
         return bool(changed)
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def set_total(self, batch_id: str, total: int) -> None:
         self._db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
         return self.move(batch_id, ("validating",), "failed", errors=json.dumps(errors))
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def done_lines(self, batch_id: str) -> set[int]:
         rows = self._db.execute("SELECT line FROM batch_lines_done WHERE batch_id = ?", (batch_id,))
         return {line for (line,) in rows}
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def record(
         self,
         batch_id: str,
@@ -404,7 +374,7 @@ class BatchStore:
                 (completed, failed, *sizes, tokens, batch_id),
             )
 
-    @_checked(writes=None)
+    @checked(writes=None)
     def cut_to_committed(self, batch_id: str) -> None:
         """Cut a batch's output and error bodies to their committed lengths (a killed run, or
         one a storage fault stopped, may have written lines it did not commit, the last one
@@ -420,7 +390,7 @@ class BatchStore:
                 with open(path, "r+b") as body:
                     body.truncate(size)
 
-    @_checked(writes="db")
+    @checked(writes="db")
     def finish(self, batch_id: str, status: str) -> None:
         """End a batch: its output and error bodies become files (those with a line), the
         batch says their ids, and its status becomes ``status`` (completed, cancelled,
@@ -450,52 +420,8 @@ class BatchStore:
             if not size:
                 self.path(file_id).unlink(missing_ok=True)
 
-    def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on an exception): the write lock is taken at the
-    start, so a transaction never fails half-way on another process's lock. A body that
-    commits itself (``delete_file``) leaves nothing to commit."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind, _value, _traceback) -> None:
-        if kind is None and self.db.in_transaction:
-            try:
-                self.db.execute("COMMIT")
-                return
-            except BaseException:
-                self._rollback()
-                raise
-        self._rollback()
-
-    def _rollback(self) -> None:
-        # SQLite may have rolled back already (a full disk can end a transaction by itself).
-        if self.db.in_transaction:
-            try:
-                self.db.execute("ROLLBACK")
-            except sqlite3.Error as exc:
-                log.warning("a batch store transaction could not be rolled back: %s", exc)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _rename_if_there(source: Path, target: Path) -> bool:
-    try:
-        os.replace(source, target)
-    except FileNotFoundError:
-        return False
-    return True
+    def _transaction(self) -> Transaction:
+        return Transaction(self._db)
 
 
 # The stores this process holds, closed together at its shutdown (``close_open_stores``).

@@ -272,8 +272,8 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
     from ..server.api_servers import ApiServers
-    from ..server.batch_runner import BatchThread
     from ..server.batch_store import close_open_stores
+    from ..server.batch_thread import BatchThread
     from ..server.logs import log_config
     from ..server.online_gate import GATE
     from ..server.settings import ServerSettings

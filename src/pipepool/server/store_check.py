@@ -87,7 +87,11 @@ def find_problems(state_dir: Path) -> list[StoreProblem]:
         found = [row[0] for row in con.execute("PRAGMA quick_check(5)")]
         if found != ["ok"]:
             return [StoreProblem(db, f"PRAGMA quick_check finds damage: {'; '.join(found)}")]
-        orphans = sorted(set(bodies) - known_bodies(con))
+        # Read after the listing, then each candidate looked at again: a server sharing the
+        # directory may be committing an upload or a deletion meanwhile.
+        files = state_dir / "files"
+        candidates = set(bodies) - known_bodies(con)
+        orphans = sorted(b for b in candidates - known_bodies(con) if (files / b).exists())
         if orphans:
             return [StoreProblem(db, f"it has no record of {_some(orphans)} in "
                                  f"{state_dir / 'files'}: it lost records (a deleted or "

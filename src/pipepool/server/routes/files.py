@@ -292,7 +292,8 @@ async def file_content(file_id: str, request: Request) -> StreamingResponse:
     handle = None
     if store.file(file_id) is not None:
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            handle = open(store.path(file_id), "rb")  # noqa: SIM115
+            # Through the store: an I/O error is a storage fault (503), not a 500.
+            handle = os.fdopen(store.opened(store.path(file_id), os.O_RDONLY), "rb")
     if handle is None:
         raise not_found("File", file_id, "file_id")
     size = os.fstat(handle.fileno()).st_size

@@ -52,7 +52,7 @@ from .batch_records import (
     file_values,
     new_id,
 )
-from .store_faults import HEALTH, StoreUnavailable
+from .store_faults import HEALTH, StoreHealth, StoreUnavailable
 from .store_io import Transaction, checked, rename_if_there, write_all
 
 __all__ = [
@@ -128,6 +128,11 @@ class BatchStore:
             log.warning("the batch store was not checkpointed at its close: %s", exc)
         finally:
             self._db.close()
+
+    def health(self) -> StoreHealth:
+        """The directory's health as this process saw it last (``store_faults.HEALTH``, shared
+        by every store of the directory in the process): ``ok``, or the fault's reason."""
+        return HEALTH.health(self.dir)
 
     def path(self, file_id: str) -> Path:
         """Where a file's body is (or will be) on disk."""

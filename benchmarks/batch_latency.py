@@ -12,7 +12,7 @@ Phases, each printed as it ends:
    --probes more of them), and the batch's own rate.
 
 Target (issue: Batch API): online p50 during the batch within 2x of idle, the batch running
-below online requests (``api.priority``) and in large steps.
+below online requests (``core.priority``) and in large steps.
 """
 
 from __future__ import annotations

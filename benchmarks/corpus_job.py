@@ -9,7 +9,7 @@ rows) and runs ``pipepool embed --input CORPUS --output-dir DIR`` on it:
 - into ``resumed/``: SIGINT once two shards are on disk, the same command again and SIGKILL
   once it has written a shard, then the same command to the end.
 Checks that ``resumed/`` holds the reference's shards, ids and error rows exactly and its
-vectors bit for bit or within float rounding (DESIGN.md §3: a shard of more texts than one
+vectors bit for bit or within float rounding (docs/design.md §3: a shard of more texts than one
 intake slice is planned into steps as its slices arrive, so two uninterrupted runs differ by
 rounding too; ``--baseline`` runs the job straight through a second time to show by how much),
 that no shard was written twice (each shard's file keeps the inode and mtime it had when
@@ -43,7 +43,7 @@ _WORDS = [
     "under", "over", "through", "beside", "green", "small", "large", "old", "new",
 ]  # fmt: skip
 _SAMPLE_S = 0.2
-MIN_COSINE = 0.99999  # DESIGN.md §3: vectors never differ beyond float rounding
+MIN_COSINE = 0.99999  # docs/design.md §3: vectors never differ beyond float rounding
 
 
 @dataclass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11 on the two-H200 machine: the README's multi-host commands (`embed` and `serve`) run
 # as two "hosts" (torchrun --nnodes 2 --node-rank 0|1 --nproc-per-node 1, CUDA_VISIBLE_DEVICES=0
-# and =1, NCCL), compared with PP=1 and with transformers by the bf16 contract (DESIGN.md §3);
+# and =1, NCCL), compared with PP=1 and with transformers by the bf16 contract (docs/design.md §3);
 # then the GPU tests that cover in-process PP=2 across the two GPUs and the NCCL fault check.
 # Run from the repository root, with .gpu/minilm holding all-MiniLM-L6-v2's tokenizer files
 # (BENCHMARKS.md, "How to reproduce") and .whl the server's wheels (BENCHMARKS.md, "Data

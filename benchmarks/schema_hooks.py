@@ -43,14 +43,15 @@ def pairs_of_one_count(context: Any, case: Any) -> Any:
     return case
 
 
-@schemathesis.hook("map_case").apply_to(path="/v2/embed", method="POST")
+@schemathesis.hook("map_case").apply_to(path_regex="^/v[12]/embed$", method="POST")
 def cohere_embed_rules(context: Any, case: Any) -> Any:
-    """Two rules of a valid body. ``truncate: "NONE"`` answers 400 for a text of more tokens,
-    special ones included, than the model's length or ``max_tokens``: where a text could be
-    that long, the body asks for ``"END"`` instead (a WordPiece token covers at least one
-    character, so a text of at most ``limit - 2`` characters fits). ``ranges`` holds a minimum
-    and a maximum for each dimension of the vectors (``output_dimension`` or the model's):
-    rows of another length are dropped (the field is optional)."""
+    """Two rules of a valid body (Cohere's v1 and v2). ``truncate: "NONE"`` answers 400 for a
+    text of more tokens, special ones included, than the model's length or ``max_tokens``:
+    where a text could be that long, the body asks for ``"END"`` instead (a WordPiece token
+    covers at least one character, so a text of at most ``limit - 2`` characters fits).
+    ``ranges`` holds a minimum and a maximum for each dimension of the vectors
+    (``output_dimension`` or the model's), and places int8/uint8 buckets: rows of another
+    length, or ranges without int8 or uint8 asked for, are dropped (the field is optional)."""
     body = case.body
     if not _positive(case) or not isinstance(body, dict):
         return case
@@ -66,6 +67,9 @@ def cohere_embed_rules(context: Any, case: Any) -> Any:
     dims = dims if isinstance(dims, int) and not isinstance(dims, bool) else MODEL_DIMENSIONS
     if isinstance(ranges, list) and any(not isinstance(r, list) or len(r) != dims for r in ranges):
         body["ranges"] = None
+    types = body.get("embedding_types")
+    if not (isinstance(types, list) and {"int8", "uint8"} & set(types)):
+        body.pop("ranges", None)
     return case
 
 

@@ -176,7 +176,8 @@ class Soak:
         if r < 0.05:
             return "/tokenize", {"prompt": self.text()}, None
         if r < 0.10:
-            return "/pooling", {"input": [self.text()], "encoding_format": "base64"}, None
+            body = {"input": [self.text()], "task": "token_embed", "encoding_format": "base64"}
+            return "/pooling", body, None
         batch = [self.text() for _ in range(self.rng.choice((1, 1, 1, 2, 2, 4, 8)))]
         body: dict = {"input": batch, "encoding_format": self.rng.choice(("float", "base64"))}
         if self.rng.random() < 0.2:

@@ -3,8 +3,8 @@
 Runs ``pipepool embed --pp 2`` as two torchrun nodes on one machine (``--nnodes 2
 --node-rank 0|1 --nproc-per-node 1``, one GPU each through CUDA_VISIBLE_DEVICES=0 and =1,
 NCCL for hidden states, a rendezvous on 127.0.0.1), and PP=1 on one GPU, on the same
-chunking prompts (DESIGN.md §1's reproducer plus long prompts, a 64-token budget). Then it
-judges both by the bf16 contract of DESIGN.md §3 against transformers (fp32 reference,
+chunking prompts (docs/design.md §1's reproducer plus long prompts, a 64-token budget). Then it
+judges both by the bf16 contract of docs/design.md §3 against transformers (fp32 reference,
 transformers bf16 for the allowance) and compares PP=2 with PP=1. With ``--serve`` it also runs
 the README's ``serve --pp 2`` the same way, posts the same texts to ``/v1/embeddings``, compares
 the vectors with PP=1's, and stops the server with SIGTERM (every process must exit 0; the
@@ -160,7 +160,7 @@ def main() -> int:
     where = "cuda:0" if args.device == "cuda" else "cpu"
     ref32 = np.stack(_reference(deployment, texts, token_ids, "float32", where))
     ref16 = np.stack(_reference(deployment, texts, token_ids, "bfloat16", where))
-    allowance = 1.5 * (1 - _cos(ref16, ref32)) + 1e-5  # DESIGN.md §3, per request
+    allowance = 1.5 * (1 - _cos(ref16, ref32)) + 1e-5  # docs/design.md §3, per request
     report["tokens"] = [len(t) for t in token_ids]
     report["transformers_bf16_vs_fp32_min_cos"] = float(_cos(ref16, ref32).min())
     ok = True

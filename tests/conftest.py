@@ -25,7 +25,7 @@ atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 
-# The three pipelines an Engine can run on (DESIGN §2): in the driver's process, as stage
+# The three pipelines an Engine can run on (docs/design.md §2): in the driver's process, as stage
 # processes, as replicas. Behaviour every kind must share is tested on each through
 # ``engine_kind``.
 ENGINE_KINDS = {

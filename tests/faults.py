@@ -1,8 +1,8 @@
 """Test-only faults a stage can be made to commit, each a stage-local slip that the lockstep
-checks of DESIGN.md §1 must catch. Never shipped: a test installs one (``install``), which
+checks of docs/design.md §1 must catch. Never shipped: a test installs one (``install``), which
 makes every engine it starts run ``FaultyRunner`` (a StageRunner subclass) through
-``Deployment.stage_runner``; stage processes import this module too (the tests folder is put
-on their PYTHONPATH) and read the fault from the environment."""
+``Deployment.stage_runner``; stage processes unpickle that class from this module too (the
+tests folder is put on their PYTHONPATH) and read the fault from the environment."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ FAULTS = (
     "drop_request",
 )
 _ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
-RUNNER = "faults:FaultyRunner"
 
 
 def install(monkeypatch, kind: str, *, stage: int = 0, step: int = 0) -> None:
@@ -46,7 +45,7 @@ def install(monkeypatch, kind: str, *, stage: int = 0, step: int = 0) -> None:
 
 def with_faults(deployment):
     """The deployment, its stages run by ``FaultyRunner``."""
-    return dataclasses.replace(deployment, stage_runner=RUNNER)
+    return dataclasses.replace(deployment, stage_runner=FaultyRunner)
 
 
 class FaultyRunner(StageRunner):

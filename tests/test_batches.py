@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from test_server import ServerProcess
 from tiny_models import MIN_COSINE, SENTENCES, cosine
 
-from pipepool.api.priority import background_work, is_background
+from pipepool.core.priority import background_work, is_background
 from pipepool.jobs.batch_lines import LineChecker, answer_line
 from pipepool.server.batch_runner import BatchRunner, Dispatcher
 from pipepool.server.batch_store import BatchStore

@@ -149,6 +149,21 @@ def test_bad_input_exits_2_with_message_on_stderr(bert_path, tmp_path, capsys, m
     assert not (tmp_path / "out.csv").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["embed", "--mdoel", "x", "hi"], "--mdoel: did you mean --model"),
+        (["serve", "--max-num-batch-tokens", "5"], "did you mean --max-num-batched-tokens"),
+        (["embd", "hi"], "did you mean embed?"),
+    ],
+)
+def test_a_misspelled_flag_or_command_gets_the_closest_names(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert hint in capsys.readouterr().err
+
+
 def test_bad_model_exits_2(tmp_path, capsys):
     assert main(["embed", "--model", str(tmp_path / "nowhere"), "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -183,7 +198,7 @@ def test_readme_command_runs_end_to_end_with_the_default_model(tmp_path, minilm_
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "384-dim vectors with model" in proc.stderr
+    assert "384-dim vectors with sentence-transformers/all-MiniLM-L6-v2 [" in proc.stderr
     want = SentenceTransformer(str(minilm_path), device="cpu").encode(texts)
     heads = [", ".join(f"{x:+.4f}" for x in v[:6]) for v in want]
     assert proc.stdout == "".join(f"[{i}] dim=384 [{h}, ...]\n" for i, h in enumerate(heads))
@@ -368,17 +383,25 @@ def test_step_budget_help_states_the_defaults_the_deployment_uses(capsys):
 _REPO = Path(__file__).parents[1]
 
 
-def test_readme_cites_only_files_in_the_repository():
-    readme = (_REPO / "README.md").read_text()
-    assert not re.search(r"\bDESIGN\b", readme), "DESIGN is not part of the repository"
+_DOCS = [_REPO / "README.md", *sorted((_REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", _DOCS, ids=lambda p: p.name)
+def test_docs_cite_only_files_in_the_repository(page):
+    text = page.read_text()
+    assert not re.search(r"\bDESIGN\b", text), "the design page is docs/design.md"
     held = [
         p.relative_to(_REPO).as_posix()
         for p in _REPO.rglob("*")
         if p.is_file() and not ({".git", ".venv", ".gpu"} & set(p.relative_to(_REPO).parts))
     ]
-    cited = set(re.findall(r"[\w./-]*\w\.(?:md|py|sh)\b", readme)) | {".ci/run", "LICENSE"}
+    cited = set(re.findall(r"[\w./-]*\w\.(?:md|py|sh)\b", text)) | {".ci/run", "LICENSE"}
     for name in cited:
-        assert any(h == name or h.endswith("/" + name) for h in held), f"README cites {name}"
+        assert any(h == name or h.endswith("/" + name) for h in held), f"{page.name} cites {name}"
+
+
+def test_readme_stays_a_ten_minute_read():
+    assert len((_REPO / "README.md").read_text().splitlines()) <= 250
 
 
 def test_license_is_the_apache_2_text_pyproject_names():
@@ -389,12 +412,13 @@ def test_license_is_the_apache_2_text_pyproject_names():
     assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 190
 
 
-def test_readme_lists_the_environment_variables_and_why_torch_is_pinned():
-    readme = " ".join((_REPO / "README.md").read_text().split())
-    assert "### Environment variables" in readme
+def test_docs_list_the_environment_variables_and_readme_says_why_torch_is_pinned():
+    cli = " ".join((_REPO / "docs" / "cli.md").read_text().split())
+    assert "## Environment variables" in cli
     for variable in ("PIPEPOOL_MAX_NUM_BATCHED_TOKENS", "PIPEPOOL_PP", "PIPEPOOL_API_KEY"):
-        assert f"`{variable}`" in readme
-    assert '`PIPEPOOL_NORMALIZE=maybe` is not read as "off"' in readme
+        assert f"`{variable}`" in cli
+    assert '`PIPEPOOL_NORMALIZE=maybe` is not read as "off"' in cli
+    readme = " ".join((_REPO / "README.md").read_text().split())
     pin = readme[readme.index("`torch==2.13.0` is the torch") :][:700]
     assert "CPU build" in pin and "on local disk" in pin
     assert "GPU machine install torch 2.13.0's CUDA build" in pin and "pytorch.org" in pin

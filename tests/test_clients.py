@@ -157,11 +157,13 @@ def test_token_ids_are_refused_unless_allowed(server):
     assert "--allow-token-ids" in err["message"]
 
 
-def test_unknown_fields_are_ignored(server, expected):
+def test_unknown_fields_are_refused_by_name(server):
     body = {"input": TEXTS[:1], "model": SHORT, "temperature": 0, "extra": {"x": 1}}
     r = httpx.post(server.url + "/v1/embeddings", json=body)
-    assert r.status_code == 200, r.text
-    assert_vectors([r.json()["data"][0]["embedding"]], expected[:1])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == "Unrecognized request arguments supplied: temperature, extra"
+    assert err["param"] == "temperature"
 
 
 # -- TEI routes -------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_bf16_packed_errs_no_more_than_transformers_bf16(
 ):
     """bf16 on a CPU that computes it natively: the packed oneDNN GEMMs run, and each
     request's mean vector errs against the fp32 reference no more than transformers' own bf16
-    does on the CPU (DESIGN.md §3: 1 - cos within 1.5x transformers' + 1e-5), with prompts
+    does on the CPU (docs/design.md §3: 1 - cos within 1.5x transformers' + 1e-5), with prompts
     chunked on the decoder (budget 64)."""
     import transformers
 
@@ -136,3 +136,20 @@ def _count_calls(monkeypatch, cls, name: str) -> list[int]:
 
     monkeypatch.setattr(cls, name, counted)
     return calls
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_half_precision_on_a_cpu_that_emulates_it_is_warned_about(bert_path, monkeypatch, native):
+    import warnings
+
+    monkeypatch.setattr(cpu_linear, "native_half", lambda dtype: native)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pipepool.Engine(str(bert_path), dtype="bfloat16") as engine:
+            assert engine.embed(["still computed"]).shape[0] == 1
+    emulated = [w for w in seen if "emulated" in str(w.message)]
+    if native:
+        assert emulated == []
+    else:
+        assert len(emulated) == 1 and issubclass(emulated[0].category, RuntimeWarning)
+        assert "dtype bfloat16 on a CPU without native bfloat16" in str(emulated[0].message)

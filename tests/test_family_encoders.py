@@ -242,7 +242,7 @@ def test_classifier_pairs_match_transformers_logits(classifier):
 def test_gpu_embedder_matches_reference(embedders, reference, family):
     """fp32 on the GPU matches the fp32 CPU reference; bf16 (default settings: compiled
     bodies, CUDA graphs where the model allows them) errs no more than
-    transformers' own bf16 does (DESIGN.md §3)."""
+    transformers' own bf16 does (docs/design.md §3)."""
     import transformers
 
     path = embedders[family]

@@ -203,7 +203,7 @@ def test_gpu_fp32_matches_transformers_with_cuda_graphs_where_they_apply(
 def test_gpu_bf16_error_is_no_worse_than_transformers_bf16(
     gemma_paths, references, name, compile, budget
 ):
-    """DESIGN.md §3's rule, 1 - cos(engine bf16, fp32 reference) <= 1.5 x (1 - cos(transformers
+    """docs/design.md §3's rule, 1 - cos(engine bf16, fp32 reference) <= 1.5 x (1 - cos(transformers
     bf16, fp32 reference)) + 1e-5, per request for "last" and "mean". Token by token ("all"),
     two bf16 computations of equal accuracy trade places (3-4% of tokens beyond 1.5x here, at a
     mean error below transformers'), so "all" is held to the rule on the mean error over every

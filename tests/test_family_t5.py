@@ -203,7 +203,7 @@ def _errors(outs, expected) -> np.ndarray:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_t5_matches_transformers(t5_paths, t5_refs, variant):
     """fp32 on the GPU meets the fp32 bar; bf16 errs against the fp32 reference no more than
-    transformers' own bf16 run does (DESIGN.md §3: 1.5x its error + 1e-5)."""
+    transformers' own bf16 run does (docs/design.md §3: 1.5x its error + 1e-5)."""
     import transformers
 
     path, ref, prompts = t5_paths[variant], t5_refs[variant], long_prompts()

@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-MIN_COSINE_BF16 = 0.999  # DESIGN.md §3: bf16 GPU vs the fp32 reference, per request
+MIN_COSINE_BF16 = 0.999  # docs/design.md §3: bf16 GPU vs the fp32 reference, per request
 POOLINGS = ("last", "mean", "cls", "all")
 
 

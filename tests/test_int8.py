@@ -122,5 +122,5 @@ def test_parity_judges_int8_by_its_floor_against_float32(bert_path):
     report = run_parity(EngineConfig(model=str(bert_path), dtype="int8"), sweep, log=lambda _: None)
     assert report.min_cosine == MIN_COSINE_INT8
     assert "int8" in report.engine and "float32" in report.reference
-    assert "fixed floor" in (report.rule or "") and "not by DESIGN.md" in (report.rule or "")
+    assert "fixed floor" in (report.rule or "") and "not by docs/design.md" in (report.rule or "")
     assert report.passed, report.summary()

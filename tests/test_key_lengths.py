@@ -398,7 +398,7 @@ def test_modernbert_token_embeddings_with_key_lens_match_transformers(model_dir)
 def test_gpu_modernbert_honours_key_lens(model_dir):
     """Global layers on the deployment's kernel over the gathered keys; local layers on the
     portable windowed path (the flash kernel's window would align to the last key). fp32 (the
-    portable kernel) to the reference's precision; bf16 (a fast kernel) within DESIGN.md §3's
+    portable kernel) to the reference's precision; bf16 (a fast kernel) within docs/design.md §3's
     bound of transformers' own bf16 error, which is large on the rows whose window holds no
     key (their local attention is zero: the residual alone carries them)."""
     import transformers

@@ -1,5 +1,6 @@
-"""The package's layering stays true: no import cycle between modules, and the engine layers
-never import the server (the engine must run without the server's dependencies)."""
+"""The package's layering stays true: no import cycle between modules nor between packages (the
+packages form a DAG: each imports only packages below it), and the engine layers never import
+the server (the engine must run without the server's dependencies)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,42 @@ def test_the_import_graph_sees_the_package():
 
 def test_no_module_import_cycle():
     assert _cycles(_graph()) == []
+
+
+def _package(module: str) -> str:
+    """The top-level package (``pipepool.driver``) or module (``pipepool.config``) of
+    ``module``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        packages.setdefault(_package(name), set()).update(
+            _package(d) for d in deps if _package(d) != _package(name)
+        )
+    return packages
+
+
+def test_no_package_import_cycle():
+    packages = _package_graph(_graph())
+    cycles = _cycles(packages)
+    graph = _graph()
+    why = [
+        f"{name} -> {dep}"
+        for cycle in cycles
+        for name, deps in graph.items()
+        for dep in deps
+        if _package(name) in cycle and _package(dep) in cycle and _package(name) != _package(dep)
+    ]
+    assert cycles == [], why
+
+
+def test_the_package_graph_sees_the_layers():
+    packages = _package_graph(_graph())
+    assert "pipepool.core" in packages["pipepool.driver"]
+    assert "pipepool.driver" in packages["pipepool.replicas"]
+    assert "pipepool.loading" in packages["pipepool.stage"]
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)

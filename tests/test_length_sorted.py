@@ -8,8 +8,8 @@ import numpy as np
 from tiny_models import cosine
 
 import pipepool
-from pipepool.api.submission import Submission
 from pipepool.core.request import PoolingParams, RequestBatch
+from pipepool.core.submission import Submission
 from pipepool.driver.owners import Owners
 from pipepool.intake.inputs import TokenSlice
 

@@ -172,6 +172,17 @@ def test_hub_id_without_local_folder_is_a_model_load_error(monkeypatch):
         pipepool.Engine("pipepool-tests/no-such-model")
 
 
+def test_the_bundled_models_hub_id_is_its_folder_offline(monkeypatch, tmp_path, minilm_path):
+    from pipepool.loading.model_folder import BUNDLED_MODEL_ID, resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    assert resolve_model_path(BUNDLED_MODEL_ID) == resolve_model_path(None) == minilm_path
+    with pipepool.Engine(BUNDLED_MODEL_ID) as by_id, pipepool.Engine() as bundled:
+        texts = ["offline hub id", "the same weights"]
+        assert np.array_equal(by_id.embed(texts), bundled.embed(texts))
+
+
 def test_missing_local_folder_is_a_model_load_error(tmp_path):
     with pytest.raises(pipepool.ModelLoadError, match="does not exist"):
         pipepool.Engine(str(tmp_path / "nowhere"))

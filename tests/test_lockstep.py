@@ -1,4 +1,4 @@
-"""Issue 11: each lockstep check of DESIGN.md §1 catches a fault alone, and stage-local faults
+"""Issue 11: each lockstep check of docs/design.md §1 catches a fault alone, and stage-local faults
 on a non-last stage are caught in the step they happen, naming the stage and what differs.
 
 The pipeline is driven step by step (scheduler -> in-process stages -> scheduler.update), so

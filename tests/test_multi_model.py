@@ -25,7 +25,7 @@ from pipepool.errors import InvalidInputError
 from pipepool.intake.tokenizer import OFFLOAD_CHARS
 from pipepool.intake.tokenizer_process import helper_threads
 from pipepool.loading.deployment import ModelMemory
-from pipepool.loading.memory_plan import MemoryPlanError, plan_memory, share_memory
+from pipepool.replicas.memory_plan import MemoryPlanError, plan_memory, share_memory
 
 QUEUE = 64  # the classifier's own queue (the others': the server's 512)
 INPUTS = 32  # --max-inputs-per-request
@@ -122,6 +122,44 @@ def test_each_route_answers_as_its_model_alone(server, engines):
     want = engines["classifier"].classify(TEXTS).probs
     for row, probs in zip(out["data"], want, strict=True):
         assert np.allclose(row["probs"], probs, atol=1e-5)
+
+
+def test_pooling_runs_each_model_s_own_task_as_vllm_does(server, engines):
+    """vLLM's /pooling without task: a classifier's is classify (label probabilities per
+    input); a cross-encoder with one label classifies too; the embedder's tasks are named
+    when it is asked for another."""
+    for name, root in (("clf", "classifier"), ("reranker", "reranker")):
+        out = _post(server, "/pooling", {"model": name, "input": TEXTS}).json()
+        assert out["model"] == name and out["id"].startswith("pooling-")
+        want = engines[root].classify(TEXTS).probs
+        for row, probs in zip(out["data"], want, strict=True):
+            assert np.allclose(row["data"], probs, atol=1e-5)
+        again = _post(server, "/pooling", {"model": name, "input": TEXTS, "task": "classify"})
+        assert again.json()["data"] == out["data"]
+        body = {"model": name, "input": TEXTS, "use_activation": False}  # vLLM's: raw logits
+        logits = _post(server, "/pooling", body).json()["data"]
+        want = engines[root].classify(TEXTS, use_activation=False).probs
+        for row, expected in zip(logits, want, strict=True):
+            assert np.allclose(row["data"], expected, atol=1e-5)
+    long_text = " ".join(TEXTS * 4)
+    sides = {}
+    for side in ("left", "right"):  # vLLM's truncation_side, as Engine.classify honours it
+        body = {"model": "clf", "input": [long_text], "truncate_prompt_tokens": 6,
+                "truncation_side": side}  # fmt: skip
+        got = _post(server, "/pooling", body).json()["data"][0]["data"]
+        want = (
+            engines["classifier"]
+            .classify([long_text], truncate_prompt_tokens=6, truncation_side=side)
+            .probs[0]
+        )
+        assert np.allclose(got, want, atol=1e-5), side
+        sides[side] = got
+    assert not np.allclose(sides["left"], sides["right"], atol=1e-5), "the side changed nothing"
+    r = _post(server, "/pooling", {"model": "clf", "input": "x", "task": "embed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+    assert r.json()["error"]["message"].endswith("its tasks: classify")
+    r = _post(server, "/pooling", {"model": "clf", "input": "x", "normalize": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "normalize"
 
 
 def test_large_batches_go_to_each_models_tokenizer_process_and_answer_as_alone(server, engines):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pipepool.api.priority import background_work
+from pipepool.core.priority import background_work
 from pipepool.server.online_gate import (
     SETTLED_S,
     BackgroundPool,

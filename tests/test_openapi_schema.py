@@ -106,6 +106,17 @@ def test_the_model_and_the_settings_bound_the_schema(app):
     ]  # fmt: skip
 
 
+def test_pooling_tasks_offered_are_the_model_s(app):
+    """vLLM's /pooling task: the schema offers the tasks pipepool does until the model is
+    loaded, then those of the model (any other name is the route's 400, naming them)."""
+    schema = generic(app)
+    task = schemas(schema)["PoolingRequest"]["properties"]["task"]["anyOf"][0]
+    assert task["enum"] == ["embed", "classify", "token_embed", "token_classify"]
+    bound_schema(schema, ServerSettings(), replace(MODEL, tasks=("embed", "token_embed")))
+    task = schemas(schema)["PoolingRequest"]["properties"]["task"]["anyOf"][0]
+    assert task["enum"] == ["embed", "token_embed"]
+
+
 def test_pair_options_are_offered_only_where_the_model_takes_them(app):
     for takes in (frozenset(), frozenset({"weights"}), frozenset({"instruction"})):
         schema = generic(app)

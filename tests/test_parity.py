@@ -215,7 +215,7 @@ def test_scores_take_the_worst_token_and_treat_nan_as_worst():
 
 
 def test_bf16_engine_is_judged_by_transformers_own_bf16_error(qwen3_path, tmp_path, capsys):
-    """DESIGN.md §3: a 16-bit engine against a float32 reference passes when its error is at
+    """docs/design.md §3: a 16-bit engine against a float32 reference passes when its error is at
     most 1.5x transformers' own 16-bit error + 1e-5, per request. ('all' is held to it per
     token, where two bf16 computations of equal accuracy trade places on a few tokens: see
     test_family_gemma.py's GPU bar; not asserted here.)"""

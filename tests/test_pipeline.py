@@ -68,7 +68,7 @@ def _per_request_min_cosine(outs, refs) -> float:
 
 
 def test_published_reproducer_pp2_matches_pp1_and_transformers(qwen3_path, reference):
-    """DESIGN.md §1: five mixed prompts, budget 64, five seqs, PP=2, LAST pooling."""
+    """docs/design.md §1: five mixed prompts, budget 64, five seqs, PP=2, LAST pooling."""
     ref = reference(qwen3_path)
     lengths = [len(ref.token_ids(p)) for p in REPRODUCER_PROMPTS]
     assert max(lengths) > 64, f"the reproducer must chunk; lengths {lengths}"

@@ -1,4 +1,4 @@
-"""``pipepool.api.priority``: calls made inside ``background_work()`` queue below online calls
+"""``pipepool.core.priority``: calls made inside ``background_work()`` queue below online calls
 on every pipeline kind, and compute the same vectors; calls made inside ``client_turns(key)``
 share their client's turn, so a client with many calls in flight does not take the turns of
 one with few; the server keys turns by client address."""
@@ -9,7 +9,7 @@ import pytest
 from tiny_models import MIN_COSINE, cosine
 
 import pipepool
-from pipepool.api.priority import (
+from pipepool.core.priority import (
     background_work,
     client_turns,
     current_client,

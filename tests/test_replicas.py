@@ -291,22 +291,21 @@ def test_sigterm_stops_every_replica_and_stage(server):
 
 
 class _FinishedBeforeReturn:
-    """A real engine whose ``submit_tokens`` returns only once the call is done: what its loop
-    thread can do while the replica's reader thread, which submitted, waits for the GIL."""
+    """A real pipeline whose ``enqueue`` returns only once the call is done: what its loop
+    thread can do while the replica's reader thread, which enqueued, waits for the GIL."""
 
-    def __init__(self, engine: pipepool.Engine) -> None:
-        self._engine = engine
+    def __init__(self, pipeline) -> None:
+        self._pipeline = pipeline
 
     def __getattr__(self, name: str):
-        return getattr(self._engine, name)
+        return getattr(self._pipeline, name)
 
-    def submit_tokens(self, *args, **kwargs):
-        submission = self._engine.submit_tokens(*args, **kwargs)
+    def enqueue(self, submission, part) -> None:
+        self._pipeline.enqueue(submission, part)
         submission.result(timeout=60)
-        return submission
 
 
-def test_a_replica_forwards_rows_its_engine_finished_before_submit_returned(bert_path):
+def test_a_replica_forwards_rows_its_pipeline_finished_before_enqueue_returned(bert_path):
     import socket as socketlib
     from multiprocessing.connection import Connection
 
@@ -321,7 +320,7 @@ def test_a_replica_forwards_rows_its_engine_finished_before_submit_returned(bert
         expected = engine.submit_tokens(token_ids, lengths, params).result()
         ours, theirs = socketlib.socketpair()
         front, back = Connection(ours.detach()), Connection(theirs.detach())
-        replica = ReplicaServer(_FinishedBeforeReturn(engine), back, owner=False)
+        replica = ReplicaServer(_FinishedBeforeReturn(engine.pipeline), back, owner=False)
         serving = threading.Thread(target=replica.run, daemon=True)
         serving.start()
         send(front, [Work(100, token_ids, lengths, params)])

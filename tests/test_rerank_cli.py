@@ -91,7 +91,7 @@ def test_parity_of_a_soft_capped_reranker_against_transformers_full_attention(tm
 def test_bf16_reranker_is_judged_by_transformers_own_bf16_error(
     qwen3_reranker_path, tmp_path, capsys
 ):
-    """DESIGN.md §3 carried to raw logits: a bf16 engine against a float32 reference may be
+    """docs/design.md §3 carried to raw logits: a bf16 engine against a float32 reference may be
     off by 1.5x transformers' own largest bf16 error on the same pairs + 1e-5."""
     from pipepool.parity.score_sweep import allowed_score_error
 

@@ -271,6 +271,30 @@ def test_colbert_rerank_equals_pylate(colbert_server, colbert_reference):
     np.testing.assert_allclose(got, ref["pair_scores"], rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize(
+    "path,option",
+    [
+        ("/v1/score", {"truncation_side": "left"}),
+        ("/rerank", {"truncation_direction": "left"}),
+        ("/v1/score", {"max_tokens_per_query": 4}),
+        ("/v1/rerank", {"max_chunks_per_doc": 2}),
+    ],
+)
+def test_late_interaction_refuses_joint_prompt_options_by_name(colbert_server, path, option):
+    # Issue 56: these shape a cross-encoder's one prompt; ColBERT cuts query and document
+    # apart, each at its end, so they are refused, never ignored.
+    if path == "/v1/score":
+        body = {"queries": QUERY, "documents": DOCUMENTS[:2], **option}
+    else:
+        body = {"query": QUERY, "documents": DOCUMENTS[:2], **option}
+    r = post(colbert_server, path, body)
+    assert r.status_code == 400, r.text
+    name = "truncation_side" if "truncation_direction" in option else next(iter(option))
+    assert r.json()["error"]["param"] == name and "late interaction" in r.text
+    default_side = post(colbert_server, path, {**body, **dict.fromkeys(option, None)})
+    assert default_side.status_code == 200, default_side.text
+
+
 def test_colbert_multi_vector_outputs_equal_pylate(colbert_server, colbert_reference):
     ref = colbert_reference
     for is_query, texts, side in ((True, [QUERY], "query"), (False, DOCUMENTS, "document")):
@@ -312,11 +336,27 @@ def test_bad_requests_get_a_400_with_an_error_body(
 
 
 @pytest.mark.parametrize(
+    "which,asked,gives",
+    [
+        ("splade", ["multi_vector"], "sparse"),
+        ("splade", ["dense", "sparse"], "sparse"),
+        ("colbert", ["sparse"], "multi_vector"),
+    ],
+)
+def test_outputs_the_model_does_not_give_are_a_400_naming_those_it_gives(
+    request, which, asked, gives
+):
+    server = request.getfixturevalue(f"{which}_server")
+    r = post(server, "/v1/embeddings", {"input": ["some text"], "outputs": asked})
+    err = assert_error(r, 400, "invalid_request_error", code="unsupported_output", param="outputs")
+    missing = ", ".join(o for o in asked if o != gives)
+    assert f"does not give {missing} outputs; it gives {gives}" in err["message"], err
+
+
+@pytest.mark.parametrize(
     "which,path,body,says",
     [
-        ("splade", "/v1/embeddings", {"outputs": ["multi_vector"]}, "multi-vector outputs"),
-        ("splade", "/v1/embeddings", {"outputs": ["dense"]}, "embeddings"),
-        ("colbert", "/embed_sparse", {"inputs": ["a"]}, "sparse outputs"),
+        ("splade", "/v1/embeddings", {}, "embeddings"),
         ("splade", "/rerank", {"query": "q", "documents": ["a"]}, "reranking"),
     ],
 )  # fmt: skip
@@ -328,3 +368,10 @@ def test_a_task_the_model_does_not_do_is_404_naming_what_it_does(request, which,
     r = post(server, path, body)
     err = assert_error(r, 404, "invalid_request_error", code="unsupported_task", param="model")
     assert f"does not give {says}" in err["message"] and "What it does: " in err["message"], err
+
+
+def test_tei_embed_sparse_of_a_model_without_sparse_outputs_is_424(colbert_server):
+    """TEI's answer to a route the model does not serve: 424, its error body."""
+    r = post(colbert_server, "/embed_sparse", {"inputs": ["a"]})
+    assert r.status_code == 424 and r.json()["error_type"] == "Backend", r.text
+    assert "does not give sparse outputs" in r.json()["error"]

@@ -17,7 +17,7 @@ import tiny_retrieval
 import pipepool
 from pipepool import Engine, InvalidInputError, ModelLoadError, ModelNotFoundError, Router
 from pipepool.api.router import model_tasks
-from pipepool.loading.classifier import ClassifierHead
+from pipepool.core.classifier_head import ClassifierHead
 from pipepool.loading.retrieval import ColbertHead, SpladeHead, outputs_of
 
 TEXTS = ["hello world", "The weather is lovely today.", "x"]

@@ -84,10 +84,27 @@ def by_custom_id(lines: list[dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(batch_file, tmp_path_factory) -> dict:
+def uninterrupted_run(batch_file, tmp_path_factory) -> tuple[dict, str]:
+    """The uninterrupted run's output lines by custom_id, and what it printed to stderr."""
     output = tmp_path_factory.mktemp("whole") / "out.jsonl"
-    run_batch(batch_file, output)
-    return by_custom_id(read(output))
+    done = run_batch(batch_file, output)
+    return by_custom_id(read(output)), done.stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> dict:
+    return uninterrupted_run[0]
+
+
+def test_progress_says_what_loads_and_counts_the_lines(uninterrupted_run, batch_file):
+    lines, stderr = uninterrupted_run
+    total = sum(1 for x in batch_file.read_bytes().splitlines() if x.strip())
+    assert "run-batch: loading " in stderr
+    assert f"model loaded; {total:,} of {total:,} lines to answer" in stderr
+    failed = sum(
+        x["error"] is not None or x["response"]["status_code"] != 200 for x in lines.values()
+    )
+    assert f"run-batch: {total:,}/{total:,} lines (100.0%), {failed:,} failed" in stderr
 
 
 def vectors(line: dict) -> np.ndarray:

@@ -278,11 +278,12 @@ def test_extensions_normalize_and_truncate(server, engine):
 # -- the other routes -----------------------------------------------------------------------
 
 
-def test_pooling_returns_token_embeddings(server, engine, tokenizer):
+def test_pooling_token_embed_returns_token_embeddings(server, engine, tokenizer):
     prompts = [SENTENCES[0], long_prompts()[2]]
     expected = engine.embed_tokens(prompts)
     for fmt in ("float", "base64"):
-        r = httpx.post(server.url + "/pooling", json={"input": prompts, "encoding_format": fmt})
+        body = {"input": prompts, "encoding_format": fmt, "task": "token_embed"}
+        r = httpx.post(server.url + "/pooling", json=body)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "list" and body["model"] == MODEL

@@ -207,7 +207,6 @@ SURROGATES = [
     # The bytes UTF-8 would give U+D800 (not valid UTF-8; Python's JSON parser takes them).
     ("/v1/embeddings", b'{"input": ["ok", "a\xed\xa0\x80"]}', "input 1"),
     ("/pooling", r'{"input": "\udfff"}', "input"),
-    ("/embed", r'{"inputs": ["ok", "x\ud800"]}', "inputs 1"),
     ("/tokenize", r'{"prompt": "x\ud800"}', "prompt"),
     ("/tokenize", r'{"inputs": ["x\udbff"]}', "inputs 0"),
     ("/detokenize", r'{"tokens": [1], "model": "\ud800"}', "model"),
@@ -252,8 +251,6 @@ def test_surrogate_pairs_are_one_character_and_pass(server):
 NOT_BOOLEANS = [
     ("/v1/embeddings", {"input": "a", "normalize": 0}, "normalize"),
     ("/pooling", {"input": "a", "normalize": 1}, "normalize"),
-    ("/embed", {"inputs": "a", "normalize": "true"}, "normalize"),
-    ("/embed", {"inputs": "a", "truncate": 0}, "truncate"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
     ("/rerank", {"query": "q", "documents": ["a"], "return_documents": 0}, "return_documents"),
     ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": "false"}, "raw_scores"),
@@ -374,12 +371,19 @@ def test_tei_and_tokenizer_routes_are_labelled_by_their_route_in_metrics(server)
 MODEL_ROUTE = {"200", "400", "401", "404", "408", "413", "429", "500", "503"}
 TOKENIZER_ROUTE = {"200", "400", "401", "404", "408", "413", "500", "503"}
 READ_ROUTE = {"200", "401", "500"}
-MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/embed", "/rerank", "/v1/rerank", "/v2/rerank")
-MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed", "/embed_sparse")
+MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/rerank", "/v1/rerank", "/v2/rerank")
+MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed")
+MODEL_ROUTES += ("/v1/embed",)
+# TEI's routes answer TEI's statuses (422 validation, 424 a task the model does not do).
+TEI_MODEL_ROUTE = {"200", "400", "401", "408", "413", "422", "424", "429", "500", "503"}
+TEI_MODEL_ROUTES = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/predict")
+TEI_MODEL_ROUTES += ("/similarity",)
 ANSWERS = {
     **{(path, "post"): MODEL_ROUTE for path in MODEL_ROUTES},
-    ("/tokenize", "post"): TOKENIZER_ROUTE,
-    ("/detokenize", "post"): TOKENIZER_ROUTE,
+    **{(path, "post"): TEI_MODEL_ROUTE for path in TEI_MODEL_ROUTES},
+    ("/decode", "post"): TEI_MODEL_ROUTE - {"424", "429"},
+    **{(path, "post"): TOKENIZER_ROUTE for path in ("/tokenize", "/v1/tokenize")},
+    **{(path, "post"): TOKENIZER_ROUTE for path in ("/detokenize", "/v1/detokenize")},
     ("/v1/models", "get"): READ_ROUTE,
     ("/info", "get"): READ_ROUTE,
     ("/version", "get"): READ_ROUTE,

@@ -237,13 +237,15 @@ def test_bad_tokenize_and_pooling_requests(server):
     assert_error(r, 400, "invalid_request_error", param="normalize")
 
 
-def test_unknown_fields_are_ignored_as_openai_clients_expect(server):
-    plain = post(server, json={"input": "a"}).json()["data"]
-    for extra in ({"temperature": 1}, {"dimensions_x": 3, "extra_body": {"a": 1}}):
-        r = post(server, json={"input": "a", **extra})
-        assert r.status_code == 200 and r.json()["data"] == plain
+def test_unknown_fields_are_refused_naming_each_as_openai_does(server):
+    r = post(server, json={"input": "a", "temperature": 1})
+    err = assert_error(r, 400, "invalid_request_error", param="temperature")
+    assert err["message"] == "Unrecognized request argument supplied: temperature"
+    r = post(server, json={"input": "a", "dimensions_x": 3, "extra_body": {"a": 1}})
+    err = assert_error(r, 400, "invalid_request_error", param="dimensions_x")
+    assert err["message"] == "Unrecognized request arguments supplied: dimensions_x, extra_body"
     r = post(server, "/pooling", json={"input": "a", "dimensions": 4})  # not a pooling field
-    assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 64
+    assert_error(r, 400, "invalid_request_error", param="dimensions", says="dimensions")
 
 
 # Lone surrogates as JSON writes them ("\ud800" escapes): once a 500 whose error body could not

@@ -2,7 +2,9 @@
 its semantics. One script of calls runs through ``sentence_transformers.SentenceTransformer`` and
 through the engine on the same folder, and every result is compared: the same container types
 (tensors where it gives tensors, NumPy where NumPy), dtypes and shapes, vectors at cos >= 0.99999,
-quantized arrays equal. Each engine kind runs the whole script."""
+quantized arrays equal (the engine's int8/uint8 with ``ranges="call"``, sentence-transformers'
+per-call rule, which the engine names where the model's fixed scale is its default). Each
+engine kind runs the whole script."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import torch
 from tiny_models import MIN_COSINE, SENTENCES, cosine, minilm_path
 
 import pipepool
+from pipepool.api.calibration_texts import CALIBRATION_TEXTS
+from pipepool.api.int8_scale import symmetric_bound
+from pipepool.api.quantization import quantize_symmetric
 
 TEXTS = SENTENCES[:6]
 LONG = " ".join(SENTENCES)  # far more than 256 tokens: truncated at max_seq_length
@@ -34,6 +39,12 @@ def st_model(st_bert_path):
 def engine(st_bert_path, engine_kind):
     with pipepool.Engine(str(st_bert_path), **engine_kind) as engine:
         yield engine
+
+
+def per_call(model: Any) -> dict:
+    """The option that selects sentence-transformers' int8/uint8 rule on the Engine (its default
+    is the model's fixed scale, ``api/int8_scale.py``); nothing for SentenceTransformer."""
+    return {"ranges": "call"} if isinstance(model, pipepool.Engine) else {}
 
 
 # The script: each call as a function of the model (SentenceTransformer or Engine).
@@ -62,13 +73,15 @@ SCRIPT: dict[str, Callable[[Any], Any]] = {
     "batch_size and progress bar": lambda m: m.encode(TEXTS, batch_size=2, show_progress_bar=True),
     "token_embeddings": lambda m: m.encode(MIXED, output_value="token_embeddings"),
     "token_embeddings one string": lambda m: m.encode(TEXTS[0], output_value="token_embeddings"),
-    "int8": lambda m: m.encode(MIXED, precision="int8"),
-    "uint8": lambda m: m.encode(MIXED, precision="uint8"),
+    "int8": lambda m: m.encode(MIXED, precision="int8", **per_call(m)),
+    "uint8": lambda m: m.encode(MIXED, precision="uint8", **per_call(m)),
     "binary": lambda m: m.encode(MIXED, precision="binary"),
     "ubinary": lambda m: m.encode(MIXED, precision="ubinary"),
-    "int8 tensor": lambda m: m.encode(TEXTS, precision="int8", convert_to_tensor=True),
+    "int8 tensor": lambda m: m.encode(
+        TEXTS, precision="int8", convert_to_tensor=True, **per_call(m)
+    ),
     "ubinary list": lambda m: m.encode(TEXTS, precision="ubinary", convert_to_numpy=False),
-    "int8 one string": lambda m: m.encode(TEXTS[0], precision="int8"),
+    "int8 one string": lambda m: m.encode(TEXTS[0], precision="int8", **per_call(m)),
     "encode_query": lambda m: m.encode_query(TEXTS),
     "encode_query own prompt": lambda m: m.encode_query(TEXTS, prompt_name="passage"),
     "encode_document": lambda m: m.encode_document(TEXTS),
@@ -152,10 +165,21 @@ def test_quantized_token_embeddings_differ_only_at_bucket_edges(engine, st_model
     """Token embeddings share buckets over every token of the call, as there."""
     kwargs = {"output_value": "token_embeddings"}
     floats = np.concatenate([t.numpy() for t in st_model.encode(MIXED, **kwargs)])
-    got = engine.encode(MIXED, precision=precision, **kwargs)
+    got = engine.encode(MIXED, precision=precision, ranges="call", **kwargs)
     want = st_model.encode(MIXED, precision=precision, **kwargs)
     assert [g.dtype for g in got] == [w.dtype for w in want]
     assert_quantized_equal(np.concatenate(got), np.concatenate(want), floats)
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+def test_int8_by_default_is_the_models_fixed_scale_on_every_engine_kind(engine, precision):
+    """The engine's own default (``api/int8_scale.py``): one symmetric scale from the
+    calibration texts, so a text's integers are the same alone and among others."""
+    bound = symmetric_bound(engine.embed(list(CALIBRATION_TEXTS)))
+    got = engine.encode(MIXED, precision=precision)
+    np.testing.assert_array_equal(got, quantize_symmetric(engine.encode(MIXED), precision, bound))
+    alone = np.stack([engine.encode(text, precision=precision) for text in MIXED])
+    np.testing.assert_array_equal(alone, got)
 
 
 def test_similarity_matches_sentence_transformers_for_every_function(engine, st_model):
@@ -243,6 +267,10 @@ def test_empty_string_is_its_special_tokens_on_the_st_surface_only(engine, st_mo
         ({"prompt_name": "nope"}, "Prompt name 'nope' not found"),
         ({"batch_size": 0}, "batch_size must be a positive integer"),
         ({"foo": 1}, r"does not use: \['foo'\]"),
+        ({"precision": "int8", "ranges": "batch"}, "ranges must be 'model', 'call' or"),
+        ({"precision": "int8", "ranges": None}, "ranges must be 'model', 'call' or"),
+        ({"precision": "binary", "ranges": "call"}, "precision 'binary' has none"),
+        ({"ranges": np.zeros((2, 32))}, "precision 'float32' has none"),
     ],
 )
 def test_bad_encode_options_raise_value_errors_naming_the_problem(engine, kwargs, says):
@@ -285,9 +313,10 @@ def test_folder_settings_are_read_as_sentence_transformers_reads_them(st_manhatt
 
 
 def test_int8_of_minilm_is_sentence_transformers_quantization_of_the_engines_vectors():
-    """The issue's case: 200 texts x 384 dimensions with all-MiniLM-L6-v2. The engine quantizes
-    exactly as ``quantize_embeddings`` does (buckets from the whole call's vectors); a value
-    differs from sentence-transformers' own only where its float lies on a bucket edge."""
+    """The issue's case: 200 texts x 384 dimensions with all-MiniLM-L6-v2. With
+    ``ranges="call"`` the engine quantizes exactly as ``quantize_embeddings`` does (buckets from
+    the whole call's vectors); a value differs from sentence-transformers' own only where its
+    float lies on a bucket edge."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.util.quantization import quantize_embeddings
 
@@ -296,9 +325,10 @@ def test_int8_of_minilm_is_sentence_transformers_quantization_of_the_engines_vec
     with pipepool.Engine(str(minilm_path())) as engine:
         vectors = engine.encode(texts)
         for precision in ("int8", "uint8", "binary", "ubinary"):
-            got = engine.encode(texts, precision=precision)
+            rule = {"ranges": "call"} if precision.endswith("int8") else {}
+            got = engine.encode(texts, precision=precision, **rule)
             np.testing.assert_array_equal(got, quantize_embeddings(vectors, precision=precision))
-        got = engine.encode(texts, precision="int8")
+        got = engine.encode(texts, precision="int8", ranges="call")
     assert got.shape == (200, 384)
     floats = st_model.encode(texts)
     assert_quantized_equal(got, st_model.encode(texts, precision="int8"), floats)

@@ -295,8 +295,8 @@ def test_result_callbacks_get_the_calls_own_rows_not_the_steps_buffer():
     """On CUDA a step's vectors reach the driver as views of a pinned buffer that goes back to
     torch's cache once delivered: a result callback (a replica forwarding rows to its front
     end, later) gets the rows as written into the call's result, not that buffer."""
-    from pipepool.api.submission import Submission
     from pipepool.core.request import PoolingParams
+    from pipepool.core.submission import Submission
 
     seen = []
     submission = Submission(

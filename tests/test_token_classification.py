@@ -125,6 +125,10 @@ def test_pooling_route_answers_each_tokens_label_probabilities(model_dir, tmp_pa
     try:
         r = httpx.post(server.url + "/pooling", json={"input": TEXTS[:2]}, timeout=60)
         assert r.status_code == 200, r.text
+        assert r.json()["id"].startswith("pooling-")  # vLLM's: the model's own task
+        body = {"input": TEXTS[:2], "task": "token_classify"}
+        asked = httpx.post(server.url + "/pooling", json=body, timeout=60)
+        assert asked.json()["data"] == r.json()["data"]
         for text, item in zip(TEXTS[:2], r.json()["data"], strict=True):
             got = np.array(item["data"])
             with torch.no_grad():
@@ -134,6 +138,11 @@ def test_pooling_route_answers_each_tokens_label_probabilities(model_dir, tmp_pa
             assert np.abs(got - want).max() <= 1e-4
         r = httpx.post(server.url + "/v1/embeddings", json={"input": "a text"}, timeout=60)
         assert r.status_code == 404 and "classify_tokens" in r.json()["error"]["message"]
+        body = {"input": "a text", "task": "token_embed"}
+        r = httpx.post(server.url + "/pooling", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith(
+            "its tasks: token_classify"
+        )
     finally:
         server.stop()
 

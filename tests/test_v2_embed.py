@@ -1,8 +1,11 @@
-"""Issue 33 part 5: Cohere v2's ``POST /v2/embed`` on a real ``pipepool serve`` (the official
-cohere client unchanged): every embedding type is what sentence-transformers'
-``quantize_embeddings`` makes of the float vectors, input types take the model's prompts as
-``encode_query`` / ``encode_document`` do, truncation follows Cohere; and ``embed_dtype`` on
-``/v1/embeddings`` sends float16 / bfloat16 as torch rounds them."""
+"""Issue 33 part 5 and issue 56: Cohere's ``POST /v2/embed`` and v1's ``/v1/embed``,
+``/v1/tokenize`` and ``/v1/detokenize`` on a real ``pipepool serve`` (the official cohere v1
+and v2 clients unchanged): int8/uint8 are the model's fixed symmetric scale
+(``api/int8_scale.py``: a text's integers the same in any request, close to its floats),
+binary/ubinary what sentence-transformers' ``quantize_embeddings`` makes of the float vectors,
+input types take the model's prompts as ``encode_query`` / ``encode_document`` do, truncation
+follows Cohere; and ``embed_dtype`` on ``/v1/embeddings`` sends float16 / bfloat16 as torch
+rounds them."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine
 from tokenizers import Tokenizer
 
 import pipepool
+from pipepool.api.quantization import quantize_symmetric
 from pipepool.server.protocol import encode_array
 
 MODEL = "all-MiniLM-L6-v2"
@@ -76,7 +80,7 @@ def assert_close(got, expected) -> None:
 # -- embedding types --------------------------------------------------------------------------
 
 
-def test_every_type_is_quantize_embeddings_of_the_float_vectors(server, engine, tokenizer):
+def test_every_type_is_its_rule_applied_to_the_float_vectors(server, engine, tokenizer):
     answer = ok(embed(server, texts=TEXTS, embedding_types=TYPES))
     assert set(answer) == {"id", "embeddings", "texts", "meta", "response_type"}
     assert answer["response_type"] == "embeddings_by_type" and answer["texts"] == TEXTS
@@ -88,9 +92,13 @@ def test_every_type_is_quantize_embeddings_of_the_float_vectors(server, engine, 
     }
     floats = floats_of(answer)
     assert_close(floats, engine.embed(TEXTS))
-    for precision in ("int8", "uint8", "binary", "ubinary"):
+    # int8/uint8: the model's bound, computed here by another engine on the same model.
+    for precision in ("int8", "uint8"):
+        want = quantize_symmetric(floats, precision, engine.int8_bound())
+        np.testing.assert_array_equal(answer["embeddings"][precision], want, err_msg=precision)
+    for precision in ("binary", "ubinary"):
         got = np.array(answer["embeddings"][precision])
-        want = st_quantize(floats, precision=precision)  # int8/uint8: this batch's ranges
+        want = st_quantize(floats, precision=precision)
         np.testing.assert_array_equal(got, want.astype(np.int64), err_msg=precision)
     assert np.array(answer["embeddings"]["binary"]).shape == (len(TEXTS), 384 // 8)
     decoded = [
@@ -125,6 +133,49 @@ def test_given_ranges_are_the_int8_buckets(server, engine):
     # The same text gets the same integers whatever else is in the request.
     alone = ok(embed(server, texts=TEXTS[:1], embedding_types=["int8"], ranges=ranges.tolist()))
     np.testing.assert_array_equal(alone["embeddings"]["int8"][0], answer["embeddings"]["int8"][0])
+
+
+def test_one_texts_int8_is_not_constant_and_approximates_its_floats(server):
+    answer = ok(embed(server, texts=TEXTS[:1], embedding_types=["float", "int8", "uint8"]))
+    floats = floats_of(answer)
+    int8 = np.array(answer["embeddings"]["int8"], dtype=np.float64)
+    uint8 = np.array(answer["embeddings"]["uint8"], dtype=np.float64) - 128
+    assert len(np.unique(int8)) > 20  # per-request ranges made one text a constant -128
+    assert cosine(int8, floats).min() >= 0.99
+    assert cosine(uint8, floats).min() >= 0.99
+
+
+def test_int8_and_uint8_approximate_the_floats_of_every_text(server):
+    answer = ok(embed(server, texts=SENTENCES, embedding_types=["float", "int8", "uint8"]))
+    floats = floats_of(answer)
+    int8 = np.array(answer["embeddings"]["int8"], dtype=np.float64)
+    uint8 = np.array(answer["embeddings"]["uint8"], dtype=np.float64) - 128
+    assert cosine(int8, floats).min() >= 0.99
+    assert cosine(uint8, floats).min() >= 0.99
+    np.testing.assert_array_equal(uint8, int8)
+
+
+def test_a_texts_int8_is_the_same_alone_and_among_other_texts(server):
+    types = ["int8", "uint8"]
+    together = ok(embed(server, texts=TEXTS, embedding_types=types))["embeddings"]
+    for i, text in enumerate(TEXTS):
+        alone = ok(embed(server, texts=[text], embedding_types=types))["embeddings"]
+        assert alone["int8"][0] == together["int8"][i], i
+        assert alone["uint8"][0] == together["uint8"][i], i
+    others = SENTENCES[30:40] + TEXTS[::-1]
+    mixed = ok(embed(server, texts=others, embedding_types=["int8"]))["embeddings"]["int8"]
+    assert mixed[10:][::-1] == together["int8"]
+
+
+def test_output_dimension_has_its_own_int8_bound(server, engine):
+    answer = ok(embed(server, texts=TEXTS, embedding_types=["float", "int8"], output_dimension=32))
+    floats = floats_of(answer)
+    bound = engine.int8_bound(32)
+    assert bound > engine.int8_bound()  # 32 unit-length components are larger than 384
+    np.testing.assert_array_equal(
+        answer["embeddings"]["int8"], quantize_symmetric(floats, "int8", bound)
+    )
+    assert cosine(np.array(answer["embeddings"]["int8"], np.float64), floats).min() >= 0.99
 
 
 def test_output_dimension_is_matryoshka(server, engine):
@@ -241,13 +292,13 @@ def test_cohere_client_v2_embeds(server, engine):
 
     client = cohere.ClientV2(base_url=server.url, api_key="x")
     response = client.embed(
-        model=MODEL, texts=TEXTS, input_type="search_query", embedding_types=TYPES
+        model=MODEL, texts=TEXTS, input_type="search_query", embedding_types=TYPES, priority=0
     )
     e = response.embeddings
     floats = np.array(e.float_, dtype=np.float32)
     assert_close(floats, engine.embed(TEXTS))
-    np.testing.assert_array_equal(e.int8, st_quantize(floats, precision="int8"))
-    np.testing.assert_array_equal(e.uint8, st_quantize(floats, precision="uint8"))
+    np.testing.assert_array_equal(e.int8, quantize_symmetric(floats, "int8", engine.int8_bound()))
+    np.testing.assert_array_equal(e.uint8, np.array(e.int8) + 128)
     np.testing.assert_array_equal(e.binary, st_quantize(floats, precision="binary"))
     np.testing.assert_array_equal(e.ubinary, st_quantize(floats, precision="ubinary"))
     assert [base64.b64decode(b) for b in e.base64] == [v.astype("<f4").tobytes() for v in floats]
@@ -277,6 +328,9 @@ def test_cohere_client_v2_embeds(server, engine):
         ({"ranges": [[0.0, 1.0]]}, "ranges", "two rows"),
         ({"ranges": [[0.0], [1.0]], "embedding_types": ["int8"]}, "ranges", "[2, 384]"),
         ({"output_dimension": 1000}, "dimensions", "larger than"),
+        ({"ranges": [[0.0], [1.0]], "embedding_types": ["float"]}, "ranges", "int8 or uint8"),
+        ({"priority": 3}, "priority", "no other levels"),
+        ({"inputs": [{"content": []}]}, "inputs", "text only"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(server, body, param, says):
@@ -298,6 +352,117 @@ def test_limits_and_metrics_count_v2_embed(server):
     assert m['pipepool_http_requests_total{route="/v2/embed",status="200"}'] >= 1
     assert m['pipepool_http_requests_total{route="/v2/embed",status="400"}'] >= 1
     assert m['pipepool_http_errors_total{type="invalid_request_error",code="too_many_inputs"}'] >= 1
+
+
+# -- Cohere v1: /v1/embed, /v1/tokenize, /v1/detokenize ----------------------------------------
+
+
+def post(server: ServerProcess, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_v1_embed_answers_floats_without_embedding_types(server, engine, tokenizer):
+    answer = ok(post(server, "/v1/embed", model=MODEL, texts=TEXTS))  # input_type optional in v1
+    assert set(answer) == {"id", "embeddings", "texts", "meta", "response_type"}
+    assert answer["response_type"] == "embeddings_floats" and answer["texts"] == TEXTS
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(TEXTS))
+    assert answer["meta"] == {
+        "api_version": {"version": "1"},
+        "billed_units": {"input_tokens": tokens},
+    }
+    assert_close(answer["embeddings"], engine.embed(TEXTS))
+
+
+def test_v1_embed_by_type_is_v2s_answer(server):
+    body = {"texts": TEXTS, "embedding_types": TYPES, "input_type": "search_document"}
+    v1 = ok(post(server, "/v1/embed", **body))
+    v2 = ok(embed(server, **body))
+    assert v1["response_type"] == "embeddings_by_type"
+    assert v1["embeddings"] == v2["embeddings"] and v1["meta"]["api_version"]["version"] == "1"
+
+
+def test_v1_input_type_takes_the_prompt_v2_takes(st_server):
+    for input_type in ("search_query", "search_document"):
+        body = {"model": "st", "texts": TEXTS, "input_type": input_type}
+        v1 = ok(post(st_server, "/v1/embed", **body))["embeddings"]
+        assert v1 == ok(embed(st_server, **body))["embeddings"]["float"]
+
+
+def test_v1_tokenize_gives_the_tokens_and_their_pieces(server, tokenizer):
+    text = "Tokenize me! :D  Ünïcödé 东京"
+    answer = ok(post(server, "/v1/tokenize", model=MODEL, text=text))
+    assert set(answer) == {"tokens", "token_strings", "meta"}
+    assert answer["tokens"] == tokenizer.encode(text, add_special_tokens=False).ids
+    pieces = answer["token_strings"]
+    assert pieces[:4] == ["Token", "ize", " me", "!"]  # spaces go with the word after them
+    assert "".join(pieces) == text and len(pieces) == len(answer["tokens"])
+    assert answer["meta"] == {"api_version": {"version": "1"}}
+    back = ok(post(server, "/v1/detokenize", model=MODEL, tokens=answer["tokens"]))
+    assert back == {"text": tokenizer.decode(answer["tokens"]), "meta": answer["meta"]}
+    specials = [101, *answer["tokens"][:2], 102]  # [CLS] ... [SEP]: left out, as Cohere's client
+    assert ok(post(server, "/v1/detokenize", tokens=specials))["text"] == "tokenize"
+
+
+def test_cohere_client_v1_embeds_tokenizes_and_detokenizes(server, engine, tokenizer):
+    import cohere
+
+    client = cohere.Client(base_url=server.url, api_key="x")
+    floats = client.embed(model=MODEL, texts=TEXTS, input_type="search_query")
+    assert floats.response_type == "embeddings_floats" and floats.texts == TEXTS
+    assert_close(floats.embeddings, engine.embed(TEXTS))
+    # 100 texts: the client sends 96 and 4 and joins the answers; the integers of a text do
+    # not depend on which request carried it.
+    texts = [f"{i}: {SENTENCES[i % len(SENTENCES)]}" for i in range(100)]
+    by_type = client.embed(model=MODEL, texts=texts, embedding_types=["int8", "float"])
+    assert by_type.response_type == "embeddings_by_type" and by_type.texts == texts
+    whole = ok(post(server, "/v1/embed", model=MODEL, texts=texts, embedding_types=["int8"]))
+    assert by_type.embeddings.int8 == whole["embeddings"]["int8"]
+    assert by_type.meta.billed_units.input_tokens > 0
+
+    text = "Tokenize me! :D"
+    tokens = client.tokenize(text=text, model=MODEL)  # no tokenizer file here: asks the server
+    assert tokens.tokens == tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokens.token_strings == ["Token", "ize", " me", "!", " :", "D"]
+    assert client.detokenize(tokens=tokens.tokens, model=MODEL).text == "tokenize me! : d"
+
+    with pytest.raises(cohere.errors.BadRequestError) as bad:
+        client.embed(model=MODEL, texts=TEXTS, embedding_types=["int4"])
+    assert bad.value.body["error"]["param"] == "embedding_types"
+    with pytest.raises(cohere.errors.NotFoundError):
+        client.embed(model="embed-english-v3.0", texts=TEXTS)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/v1/embed", {"texts": []}, "texts", "texts is empty"),
+        ("/v1/embed", {"texts": ["a"], "embedding_types": []}, "embedding_types", "at least one"),
+        ("/v1/embed", {"texts": ["a"], "input_type": "image"}, "input_type", "'search_query'"),
+        ("/v1/embed", {"texts": ["a"], "images": ["data:image/png;base64,AA=="]}, "images",
+         "text only"),
+        ("/v1/embed", {"texts": ["a"], "truncate": "MIDDLE"}, "truncate", "'NONE'"),
+        ("/v1/embed", {"texts": ["a"], "ranges": [[0.0], [1.0]]}, "ranges", "int8 or uint8"),
+        ("/v1/embed", {"texts": ["a"], "embedding_types": ["int8"], "ranges": [[0.0], [1.0]]},
+         "ranges", "[2, 384]"),
+        ("/v1/tokenize", {"text": ""}, "text", "1 to 65536"),
+        ("/v1/tokenize", {"text": "a" * 65537}, "text", "1 to 65536"),
+        ("/v1/tokenize", {"text": 5}, "text", "valid string"),
+        ("/v1/tokenize", {"text": "a." * 20000}, "text", "has 40000 tokens"),  # > 32768
+        ("/v1/detokenize", {"tokens": []}, "tokens", "1 to 65536"),
+        ("/v1/detokenize", {"tokens": [5, 40000]}, "tokens", "tokens 1 is 40000"),
+        ("/v1/detokenize", {"tokens": [-1]}, "tokens", "tokens 0 is -1"),
+        ("/v1/detokenize", {"tokens": ["a"]}, "tokens", "valid integer"),
+    ],
+)  # fmt: skip
+def test_bad_v1_requests_are_400s_naming_the_field(server, path, body, param, says):
+    assert_error(post(server, path, **body), 400, "invalid_request_error", param=param, says=says)
+
+
+def test_v1_routes_answer_404_for_an_unknown_model(server):
+    for path, body in [("/v1/embed", {"texts": ["a"]}), ("/v1/tokenize", {"text": "a"}),
+                       ("/v1/detokenize", {"tokens": [5]})]:  # fmt: skip
+        r = post(server, path, model="command-r", **body)
+        assert_error(r, 404, "invalid_request_error", param="model", says="command-r")
 
 
 # -- embed_dtype on /v1/embeddings ------------------------------------------------------------
@@ -339,7 +504,12 @@ def test_embed_dtype_rounds_to_nearest_even():
 def test_embed_dtype_applies_to_pooling_and_is_checked(server):
     r = httpx.post(
         server.url + "/pooling",
-        json={"input": "hello", "encoding_format": "base64", "embed_dtype": "float16"},
+        json={
+            "input": "hello",
+            "task": "token_embed",
+            "encoding_format": "base64",
+            "embed_dtype": "float16",
+        },
     )
     assert r.status_code == 200, r.text
     assert len(base64.b64decode(r.json()["data"][0]["data"])) == 3 * 384 * 2  # [CLS] hello [SEP]

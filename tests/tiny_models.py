@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 DATA = Path(__file__).parent / "data"
-# The fp32 correctness bar (DESIGN §3): cosine per request (per token for token outputs)
+# The fp32 correctness bar (docs/design.md §3): cosine per request (per token for token outputs)
 # against the reference on the same weights.
 MIN_COSINE = 0.99999
 SENTENCES = [s for s in (DATA / "sentences.txt").read_text().splitlines() if s.strip()]
 
-# The published reproducer of DESIGN.md §1.
+# The published reproducer of docs/design.md §1.
 REPRODUCER_PROMPTS = [
     "A",
     "A short sentence for embedding.",
@@ -466,7 +466,7 @@ class Qwen3RerankerReference:
 def assert_triton_graphs_bf16(path: Path, ref, prompts: list[str], **hf_options) -> None:
     """On CUDA in bf16, the deployment of ``path`` runs its attention in the Triton kernel and
     captures CUDA graphs; at a budget that packs many prompts a step and at one that splits
-    them, its mean vectors err no more than transformers' own bf16 does (DESIGN.md §3: 1 - cos
+    them, its mean vectors err no more than transformers' own bf16 does (docs/design.md §3: 1 - cos
     against the fp32 reference ``ref`` within 1.5x transformers' + 1e-5). ``hf_options``: for
     transformers' ``from_pretrained`` (its attention implementation, say)."""
     import transformers

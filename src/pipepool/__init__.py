@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Engine": "api.engine",
     "EngineConfig": "config",
-    "Submission": "api.submission",
+    "Submission": "core.submission",
     "EngineDeadError": "errors",
     "InvalidInputError": "errors",
     "ModelLoadError": "errors",
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from .api.engine import Engine
     from .api.quantization import quantize_embeddings
     from .api.router import ModelNotFoundError, Router
-    from .api.submission import Submission
     from .config import EngineConfig
+    from .core.submission import Submission
     from .errors import (
         EngineDeadError,
         InvalidInputError,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .core.classifier_head import RERANKERS
 from .core.request import POOLING_NAMES
 from .errors import InvalidInputError
-from .loading.classifier import RERANKERS
 
 # Every pooling a request may ask for, and those that give one vector per input (what a model's
 # default pooling can be).
@@ -158,7 +158,7 @@ class EngineConfig:
         "processes count as hung and are restarted (0: wait forever; stage processes only, "
         "from the second step of a pipeline on)",
     )
-    # Expected-state checks of DESIGN.md §1 (mirror vs plan, digests between stages).
+    # Expected-state checks of docs/design.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"
     )

@@ -51,7 +51,7 @@ class StageFailure(EngineDeadError):
 class StateDivergence(StageFailure):
     """A stage's per-request state disagrees with the step plan or with another stage.
 
-    This is the failure DESIGN.md §1 exists to make impossible: rather than return vectors
+    This is the failure docs/design.md §1 exists to make impossible: rather than return vectors
     computed from drifted positions or KV slots, the engine stops and names the culprit.
     """
 

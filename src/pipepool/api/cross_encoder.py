@@ -25,11 +25,11 @@ from .scoring import need_classifier
 from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
+    from ..core.classifier_head import ClassifierHead
     from ..core.request import PoolingParams
+    from ..core.submission import Submission
     from ..intake.pairs import PairEncoder
-    from ..loading.classifier import ClassifierHead
     from ..loading.deployment import Deployment
-    from .submission import Submission
 
 log = logging.getLogger("pipepool")
 # sentence-transformers' CrossEncoder activations, by the names classifier.py gives them.

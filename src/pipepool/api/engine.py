@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import EngineConfig, check_long_inputs
+from ..core.priority import current_client, is_background
 from ..core.request import PoolingParams
 from ..core.stats import EngineStats
-from ..driver import open_pipeline
+from ..core.submission import ResultCallback, Submission
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
 from ..intake.inputs import InputPreparer, TokenSlice
@@ -29,11 +30,10 @@ from ..intake.long_inputs import CombinedSubmission, split_windows, window_param
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
 from .cross_encoder import CrossEncoderMethods
-from .priority import current_client, is_background
+from .late_chunking import LateChunkedText, late_chunk
 from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
-from .submission import ResultCallback, Submission
 
 if TYPE_CHECKING:
     from ..tracing import TraceSummary
@@ -43,6 +43,18 @@ log = logging.getLogger("pipepool")
 # interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
 _EXIT_JOIN_S = 10.0
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def open_pipeline(config: EngineConfig) -> Pipeline:
+    """The pipeline an EngineConfig asks for: replicas when ``data_parallel_size`` > 1
+    (imported only then: one pipeline needs none of the replicas' modules)."""
+    if config.data_parallel_size > 1:
+        from ..replicas.pipeline import ReplicaPipeline
+
+        return ReplicaPipeline(config)
+    from ..driver.local import LocalPipeline
+
+    return LocalPipeline(config)
 
 
 def _nothing() -> None:
@@ -106,9 +118,33 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         truncation_side: str = "right",
         prompt_name: str | None = None,
         long_inputs: str | None = None,
+        late_chunking: bool = False,
     ) -> np.ndarray:
         """One vector per input, ``[n, dim]`` float32, in input order (``[0, dim]`` for no
-        input)."""
+        input). ``late_chunking``: the inputs are consecutive chunks of one document, run
+        through the model together and pooled chunk by chunk (``late_chunking.py`` states the
+        rule; documents longer than the model's context are split into overlapping windows)."""
+        if late_chunking:
+            if truncate_prompt_tokens is not None or long_inputs not in (None, "chunk"):
+                raise InvalidInputError(
+                    "late_chunking embeds the whole document (over-long ones in overlapping "
+                    "windows): truncate_prompt_tokens and long_inputs do not apply",
+                    param="late_chunking",
+                )
+            if truncation_side != "right":
+                raise InvalidInputError(
+                    "late_chunking does not truncate: truncation_side does not apply",
+                    param="truncation_side",
+                )
+            chunks = self.inputs.items(inputs)
+            if not chunks or not all(isinstance(c, str) for c in chunks):
+                raise InvalidInputError(
+                    "late_chunking takes the chunks of one document as a list of strings",
+                    param="input",
+                )
+            prompt = self.inputs.prompt_text(prompt_name)
+            document = LateChunkedText.from_chunks(chunks, prompt)
+            return late_chunk(self, document, dimensions=dimensions, normalize=normalize)
         return self.submit(
             inputs,
             dimensions=dimensions,
@@ -253,18 +289,12 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         """Block until every stage computes with its compiled layer bodies; False if that
         takes longer than ``timeout`` seconds. Where ``compile`` is left to the engine it is
         ready, and serves, while it compiles (README, "Start-up"); a benchmark waits here."""
-        return self.pipeline.wait_until_compiled(timeout, self._probe)
+        return self.pipeline.wait_until_compiled(timeout)
 
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage has spent computing so far (for idle fractions; replica-major
         with replicas)."""
-        return self.pipeline.stage_busy_s(self._probe)
-
-    def _probe(self) -> tuple[Submission, TokenSlice]:
-        """A one-token call, not yet enqueued, that runs one step through every stage."""
-        params = self.inputs.params("last", None, False)
-        part = TokenSlice(0, np.zeros(1, np.int64), np.ones(1, np.int64))
-        return self._new_submission(params, 1), part
+        return self.pipeline.stage_busy_s()
 
     @property
     def kv_blocks_free(self) -> int | None:

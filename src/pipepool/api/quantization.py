@@ -1,5 +1,7 @@
-"""Embeddings quantized as sentence-transformers' ``quantize_embeddings`` makes them: the one
-implementation behind ``Engine.encode(precision=...)`` and the server's ``/v2/embed``."""
+"""Embeddings quantized to int8 | uint8 | binary | ubinary, by two rules: sentence-transformers'
+``quantize_embeddings`` (buckets over per-dimension ranges), and ``quantize_symmetric`` (one
+symmetric scale per model, ``api/int8_scale.py``). The one implementation behind
+``Engine.encode(precision=...)`` and the server's Cohere routes."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import numpy as np
 from ..errors import InvalidInputError
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+# The largest int8 magnitude of the symmetric rule: -127..127, so that -v gives -int8(v).
+INT8_LEVELS = 127
 
 
 def quantize_embeddings(
@@ -53,3 +57,21 @@ def quantize_embeddings(
         return buckets.astype(np.uint8) if precision == "uint8" else (buckets - 128).astype(np.int8)
     packed = np.packbits(embeddings > 0, axis=-1).reshape(embeddings.shape[0], -1)
     return packed if precision == "ubinary" else (packed - 128).astype(np.int8)
+
+
+def quantize_symmetric(embeddings: Any, precision: str, bound: float) -> np.ndarray:
+    """int8 | uint8 of ``[n, dim]`` float vectors on one symmetric scale: int8 =
+    ``round(127 * v / bound)`` (half to even), clipped to -127..127; uint8 = int8 + 128. Every
+    dimension shares the scale, so an int8 vector is the float vector times ``127 / bound``,
+    rounded: its dot products and cosines approximate the float ones. Each vector's integers
+    depend on that vector and ``bound`` alone. ``bound``: a positive float
+    (``int8_scale.symmetric_bound``); components beyond it are clipped."""
+    if precision not in ("int8", "uint8"):
+        raise InvalidInputError(
+            f"the symmetric rule makes int8 or uint8; got {precision!r}", param="precision"
+        )
+    if not bound > 0:  # also refuses NaN
+        raise ValueError(f"bound must be a positive number, got {bound!r}")
+    scaled = np.asarray(embeddings, dtype=np.float64) * (INT8_LEVELS / bound)  # [n, dim]
+    levels = np.clip(np.rint(scaled), -INT8_LEVELS, INT8_LEVELS)
+    return (levels + 128).astype(np.uint8) if precision == "uint8" else levels.astype(np.int8)

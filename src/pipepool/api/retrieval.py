@@ -32,9 +32,9 @@ from ..loading.retrieval import (
 )
 
 if TYPE_CHECKING:
+    from ..core.submission import Submission
     from ..intake.inputs import InputPreparer
     from ..loading.deployment import Deployment
-    from .submission import Submission
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,11 @@ class RetrievalMethods:
             tokens = self._enqueue(PoolingParams("all", normalize=norm), part).result()
             return self._m3(head, wanted, prompts, tokens, top_k, return_tokens, num_tokens)
         if isinstance(head, ColbertHead):
-            norm = True if normalize is None else bool(normalize)
+            norm = head.normalize if normalize is None else bool(normalize)
             tokens = self._enqueue(PoolingParams("all", normalize=norm), part).result()
+            skip = head.skip_in_queries or not is_query
             vectors = [
-                t if is_query else t[~np.isin(p, head.skiplist_ids)]
+                t[~np.isin(p, head.skiplist_ids)] if skip else t
                 for t, p in zip(tokens, prompts, strict=True)
             ]
             return RetrievalOutputs(multi_vector=vectors, num_tokens=num_tokens)
@@ -221,21 +222,29 @@ class RetrievalMethods:
         self, head: ColbertHead, inputs, is_query: bool, options: dict
     ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """PyLate's prompts: the prefix token after the first, cut to the query or document
-        length; queries padded with [MASK] to the query length (expansion tokens, which are
-        not attended to unless the model says so)."""
+        length; queries padded with [MASK] to the expansion length (expansion tokens, which are
+        not attended to unless the model says so). A MultiVectorEncoder's: its text prompt
+        before the text (where the caller names none), then the same cut and padding."""
         prefix = head.query_prefix_id if is_query else head.document_prefix_id
         limit = head.query_length if is_query else head.document_length
-        room = limit - 1 if prefix is not None else limit
+        room = limit - 1 if prefix is not None and limit is not None else limit
         asked = options.pop("truncate_prompt_tokens")
-        options["truncate_prompt_tokens"] = room if asked is None else min(asked, room)
+        options["truncate_prompt_tokens"] = (
+            room if asked is None else asked if room is None else min(asked, room)
+        )
+        if options.get("prompt_name") is None:
+            options["prompt_name"] = (
+                head.query_prompt_name if is_query else head.document_prompt_name
+            )
         prompts = self.inputs.prepare(inputs, **options)
         if prefix is not None:
             prompts = [np.concatenate([p[:1], [prefix], p[1:]]).astype(np.int64) for p in prompts]
         keys = None
         if is_query and head.do_query_expansion:
             keys = np.array([len(p) for p in prompts], dtype=np.int64)
+            width = head.expansion_length
             prompts = [
-                np.concatenate([p, np.full(limit - len(p), head.mask_id, np.int64)])
+                np.concatenate([p, np.full(max(width - len(p), 0), head.mask_id, np.int64)])
                 for p in prompts
             ]
             if head.attend_to_expansion_tokens:

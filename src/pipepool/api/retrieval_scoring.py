@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core.request import PoolingParams
+from ..core.submission import Submission
 from ..errors import InvalidInputError
 from ..loading.retrieval import ColbertHead, M3Head
 from .retrieval import RetrievalMethods, RetrievalOutputs, SparseEmbedding, max_sim
-from .submission import Submission
 
 if TYPE_CHECKING:
     from ..loading.deployment import Deployment

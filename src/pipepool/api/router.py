@@ -83,7 +83,7 @@ class Router:
     all; a model given as a dict (``{"model": "path", "pipeline_parallel_size": 2}``) adds or
     overrides options for that model alone. Every spec and option is checked before the first
     engine starts (``InvalidInputError`` naming the model), and several models share the
-    host's memory by a plan made first (``loading.memory_plan``: on GPU each causal model's KV
+    host's memory by a plan made first (``replicas.memory_plan``: on GPU each causal model's KV
     cache is its share of what is left; ``MemoryPlanError``, with the numbers, where they do
     not fit). If an engine fails to start, those
     already started are closed and its error is raised with a note naming the model.
@@ -272,7 +272,7 @@ def _config(name: str, spec: ModelSpec, shared: Mapping[str, Any]) -> EngineConf
 
 def _planned(configs: Mapping[str, EngineConfig]) -> dict[str, EngineConfig]:
     """The configs as the memory plan of all of them sets them; the plan logged."""
-    from ..loading.memory_plan import plan_memory
+    from ..replicas.memory_plan import plan_memory
 
     plan = plan_memory(list(configs.items()))
     log.info("%s", plan.describe())

@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..config import check_long_inputs
 from ..core.request import PoolingParams
+from ..core.submission import Submission
 from ..errors import InvalidInputError
-from ..intake.pairs import PairEncoder
+from ..intake.pairs import PairEncoder, encode_chunks
+from .pair_options import best_chunk_scores, kept_end, refuse_for_late_interaction
 from .retrieval import RetrievalMethods
 from .retrieval_scoring import (
     M3_WEIGHTS,
@@ -32,12 +34,11 @@ from .retrieval_scoring import (
     scores_pairs_itself,
     split_pairs,
 )
-from .submission import Submission
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..core.classifier_head import ClassifierHead
     from ..intake.inputs import InputPreparer
-    from ..loading.classifier import ClassifierHead
     from ..loading.deployment import Deployment
 
 
@@ -90,12 +91,15 @@ class ScoringMethods:
         use_activation: bool = True,
         instruction: str | None = None,
         truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> np.ndarray:
         """One score per pair, ``[n]`` float32, as vLLM's ``score``: one ``text_1`` against
         every ``text_2`` (one-to-many), or ``text_1[i]`` with ``text_2[i]`` (pairwise).
         ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's.
+        A pair over its limit loses tokens from its texts' ends (``truncation_side="right"``)
+        or starts ("left"), longest text first, as Hugging Face tokenizers truncate pairs.
         A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
         "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
         queries, documents = pair_up(text_1, text_2)
@@ -105,6 +109,7 @@ class ScoringMethods:
             use_activation=use_activation,
             instruction=instruction,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
             long_inputs=long_inputs,
             weights=weights,
         )
@@ -119,29 +124,41 @@ class ScoringMethods:
         return_documents: bool = False,
         instruction: str | None = None,
         max_tokens_per_doc: int | None = None,
+        max_chunks_per_doc: int | None = None,
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> list[RerankResult]:
         """``documents`` by relevance to ``query``, most relevant first (ties: input order);
         the first ``top_n`` of them (None or 0: all). ``max_tokens_per_doc`` cuts each document
-        first, as Cohere's API does. ColBERT and BGE-M3 models rank as ``score`` scores
-        (``weights``: BGE-M3's)."""
+        first, as Cohere's API does; ``max_chunks_per_doc`` scores a long document as Cohere
+        does instead of truncating it: each of its first N windows beside the whole query, the
+        best window's score its score (``submit_chunked_pairs``). ColBERT and BGE-M3 models
+        rank as ``score`` scores (``weights``: BGE-M3's)."""
         check_top_n(top_n)
         if not isinstance(query, str):
             raise InvalidInputError("query must be a string", param="query")
         queries, docs = pair_up([query], documents, name_1="query", name_2="documents")
-        scores = self.submit_pairs(
-            queries,
-            docs,
+        options: dict[str, Any] = dict(
             use_activation=use_activation,
             instruction=instruction,
             max_tokens_per_doc=max_tokens_per_doc,
             truncate_prompt_tokens=truncate_prompt_tokens,
             long_inputs=long_inputs,
             weights=weights,
-        ).result()[:, 0]
+        )
+        if max_chunks_per_doc is not None:
+            submission, owners = self.submit_chunked_pairs(
+                queries, docs, max_chunks_per_doc=max_chunks_per_doc, **options
+            )
+            scores = best_chunk_scores(submission.result()[:, 0], owners)
+        else:
+            submission = self.submit_pairs(
+                queries, docs, truncation_side=truncation_side, **options
+            )
+            scores = submission.result()[:, 0]
         return [
             RerankResult(i, float(scores[i]), docs[i] if return_documents else None)
             for i in ranking(scores, top_n).tolist()
@@ -153,15 +170,18 @@ class ScoringMethods:
         *,
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
         long_inputs: str | None = None,
     ) -> Classification:
         """Label scores per text (``[n, num_labels]``; a single string is one text): the
         model's activation (softmax for several labels, sigmoid for one, unless its
-        sentence-transformers config names another), or raw logits."""
+        sentence-transformers config names another), or raw logits. A truncated text keeps
+        its first tokens (``truncation_side="right"``) or its last ("left")."""
         submission = self.submit_classify(
             texts,
             use_activation=use_activation,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
             long_inputs=long_inputs,
         )
         return Classification(submission.result(), self._head.labels)
@@ -176,7 +196,9 @@ class ScoringMethods:
         use_activation: bool = True,
         instruction: str | None = None,
         max_tokens_per_doc: int | None = None,
+        max_tokens_per_query: int | None = None,
         truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> Submission:
@@ -185,6 +207,11 @@ class ScoringMethods:
         ``retrieval_scoring``)."""
         refuse_other_pair_options(self.deployment, weights=weights, instruction=instruction)
         if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
+            refuse_for_late_interaction(
+                self.deployment,
+                truncation_side=truncation_side != "right",
+                max_tokens_per_query=max_tokens_per_query is not None,
+            )
             scores = score_retrieval_pairs(
                 self._retrieval_engine,
                 queries,
@@ -204,9 +231,48 @@ class ScoringMethods:
             limit=limit,
             instruction=instruction,
             max_tokens_per_doc=max_tokens_per_doc,
+            max_tokens_per_query=max_tokens_per_query,
+            keep=kept_end(truncation_side),
         )
         params = self._score_params(use_activation)
         return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
+
+    def submit_chunked_pairs(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        max_chunks_per_doc: int,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens_per_query: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> tuple[Submission, np.ndarray]:
+        """Cohere's chunking: each document split into windows that fit beside its whole query
+        in one prompt (``truncate_prompt_tokens`` tokens, else max_model_len), its first
+        ``max_chunks_per_doc`` windows enqueued as pairs. Returns the future (``[chunks, 1]``)
+        and each chunk's pair index; ``best_chunk_scores`` gives each pair its best score.
+        Cross-encoders with the tokenizer's pair template only."""
+        refuse_other_pair_options(self.deployment, weights=weights, instruction=instruction)
+        if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
+            refuse_for_late_interaction(self.deployment, max_chunks_per_doc=True)
+        need_classifier(self.deployment, "scoring pairs", one_label=True)
+        self._policy(long_inputs)  # a bad long_inputs is refused here too
+        window = self.inputs._limit(truncate_prompt_tokens) or self.deployment.max_model_len
+        part, owners = encode_chunks(
+            self._pair_encoder,
+            queries,
+            documents,
+            window=window,
+            max_chunks=max_chunks_per_doc,
+            max_tokens_per_doc=max_tokens_per_doc,
+            max_tokens_per_query=max_tokens_per_query,
+        )
+        params = self._score_params(use_activation)
+        return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids), owners
 
     def submit_classify(
         self,
@@ -214,6 +280,7 @@ class ScoringMethods:
         *,
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
         long_inputs: str | None = None,
         per_token: bool = False,
     ) -> Submission:
@@ -226,7 +293,10 @@ class ScoringMethods:
         policy = self._policy(long_inputs)
         parts = list(
             self.inputs.token_slices(
-                texts, truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=policy
+                texts,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side,
+                long_inputs=policy,
             )
         )
         token_ids = np.concatenate([p.token_ids for p in parts])

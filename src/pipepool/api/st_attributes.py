@@ -20,10 +20,10 @@ from ..errors import InvalidInputError
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..core.submission import Submission
     from ..intake.inputs import InputPreparer
     from ..intake.long_inputs import CombinedSubmission
     from ..loading.deployment import Deployment
-    from .submission import Submission
 
 # Prompt names every SentenceTransformer has ("" unless the folder says otherwise), so that
 # encode(prompt_name="query") works on any model, as there.

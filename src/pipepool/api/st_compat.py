@@ -26,13 +26,15 @@ import torch.nn.functional as F
 
 from ..errors import InvalidInputError
 from ..intake.inputs import FIRST_SLICE, SLICE
+from .encode_output import check_ranges, cut, encode_output, quantizer
+from .int8_scale import Int8ScaleMethods
 from .progress import follow
-from .quantization import PRECISIONS, quantize_embeddings
+from .quantization import PRECISIONS
 from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
+    from ..core.submission import Submission
     from ..intake.long_inputs import CombinedSubmission
-    from .submission import Submission
 
 log = logging.getLogger("pipepool")
 
@@ -43,7 +45,7 @@ OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
 
-class SentenceTransformerMethods(SentenceTransformerAttributes):
+class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods):
     """``SentenceTransformer``'s methods on the Engine (mixed into it). Bad options raise
     ``InvalidInputError`` (a ``ValueError``, as sentence-transformers raises)."""
 
@@ -63,6 +65,8 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
         truncate_dim: int | None = None,
         pool: Any = None,
         chunk_size: int | None = None,
+        *,
+        ranges: Any = "model",
         **kwargs: Any,
     ) -> Any:
         """``SentenceTransformer.encode``: by default a ``[n, dim]`` float32 array (a ``[dim]``
@@ -70,9 +74,14 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
         list of 1-D tensors; ``output_value="token_embeddings"``: a ``[len, hidden]`` tensor per
         input. The model's heads (Normalize included) run in the engine; ``truncate_dim``
         (default: ``self.truncate_dim``) then cuts the vectors and ``normalize_embeddings``
-        normalises what is left; ``precision`` quantizes as ``quantize_embeddings``, with
-        int8/uint8 buckets from the whole call's vectors. Inputs over ``max_seq_length`` are
-        truncated, as there, whatever the engine's ``long_inputs`` (``embed`` follows that).
+        normalises what is left; ``precision`` quantizes. int8/uint8 follow ``ranges``
+        (pipepool's): ``"model"`` (default) the model's fixed symmetric scale
+        (``api/int8_scale.py``: a text's integers do not depend on the rest of the call);
+        ``"call"`` sentence-transformers' own rule, buckets over each dimension's range in this
+        call's vectors (what ``SentenceTransformer.encode`` gives); a ``[2, dim]`` array,
+        buckets over those ranges (``quantize_embeddings``' ``ranges``). binary/ubinary pack
+        the signs, as there. Inputs over ``max_seq_length`` are truncated, as there, whatever
+        the engine's ``long_inputs`` (``embed`` follows that).
         ``batch_size`` is checked and otherwise unused (the engine batches by tokens);
         ``chunk_size`` is unused."""
         inputs = renamed(kwargs, "sentences", inputs)
@@ -88,6 +97,7 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
         single = _is_single(inputs)
         texts = _texts([inputs] if single else inputs)
         _check_choice(precision, PRECISIONS, "precision")
+        check_ranges(ranges, precision)
         if output_value not in OUTPUT_VALUES:
             raise InvalidInputError(
                 f"output_value must be one of {', '.join(OUTPUT_VALUES)}; got {output_value!r} "
@@ -101,13 +111,15 @@ class SentenceTransformerMethods(SentenceTransformerAttributes):
         tokens = output_value == "token_embeddings"
         pooling, normalize = ("all", False) if tokens else self._st_pooling()
         computed = self._embed_texts(texts, pooling, normalize, show_progress_bar)
+        dim = truncate_dim if truncate_dim is not None else self.truncate_dim
         if tokens:
             embeddings: list | torch.Tensor = [torch.from_numpy(a) for a in computed]
         else:
-            dim = truncate_dim if truncate_dim is not None else self.truncate_dim
-            vectors = torch.from_numpy(np.asarray(computed))[..., :dim]  # [n, dim]
-            embeddings = F.normalize(vectors, p=2, dim=1) if normalize_embeddings else vectors
-        out = _st_output(embeddings, precision, convert_to_numpy, convert_to_tensor)
+            embeddings = cut(torch.from_numpy(np.asarray(computed)), dim, normalize_embeddings)
+        quantize = quantizer(
+            self, precision, ranges, (pooling, normalize, tokens, dim, normalize_embeddings)
+        )
+        out = encode_output(embeddings, precision, quantize, convert_to_numpy, convert_to_tensor)
         return out[0] if single else out
 
     def encode_query(
@@ -279,40 +291,6 @@ class _Calls:
             if exc is not None:
                 return exc
         return None
-
-
-def _st_output(
-    embeddings: list | torch.Tensor, precision: str, convert_to_numpy: bool, convert_to_tensor: bool
-) -> Any:
-    """The end of ``SentenceTransformer.encode``, step for step: quantize, then the requested
-    container (an empty call stays ``[0, dim]``, of the precision's dtype)."""
-    if not len(embeddings):
-        if isinstance(embeddings, list):
-            return []
-        width = embeddings.shape[1]
-        if precision.endswith("binary"):
-            width = (width + 7) // 8
-        dtype = {"float32": np.float32, "uint8": np.uint8, "ubinary": np.uint8}.get(precision)
-        empty = np.zeros((0, width), dtype or np.int8)
-        if convert_to_tensor:
-            return torch.from_numpy(empty)
-        return empty if convert_to_numpy else []
-    if precision != "float32":
-        if isinstance(embeddings, list):  # token matrices: buckets shared by all their tokens
-            matrices = [e.numpy() for e in embeddings]
-            calibration = np.concatenate(matrices) if precision.endswith("int8") else None
-            embeddings = [quantize_embeddings(m, precision, None, calibration) for m in matrices]
-        else:
-            quantized = quantize_embeddings(embeddings.numpy(), precision)
-            if convert_to_tensor:
-                return torch.from_numpy(quantized)
-            return quantized if convert_to_numpy else [torch.from_numpy(q) for q in quantized]
-    if convert_to_tensor:
-        return embeddings if isinstance(embeddings, torch.Tensor) else torch.stack(embeddings)
-    if convert_to_numpy:
-        assert isinstance(embeddings, torch.Tensor), "token outputs never convert to numpy"
-        return embeddings.numpy()
-    return list(embeddings)
 
 
 def task_prompt_name(prompts: Mapping[str, str], task: str) -> str | None:

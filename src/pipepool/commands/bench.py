@@ -20,6 +20,7 @@ from ..api.engine import Engine
 from ..driver.local import LocalPipeline
 from ..errors import InvalidInputError
 from ..loading.deployment import Deployment, flops_per_token, plan_deployment
+from ..loading.model_folder import model_display_name
 from ..loading.weights import Checkpoint
 from ..models import family_of
 from ..stage.runner import StageRunner
@@ -304,7 +305,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         flops_per_token(family, Checkpoint(d.folder.path, family)),
     )
     row = {
-        "model": d.folder.path.name,
+        "model": model_display_name(d.folder.path),
         "workload": workload_name,
         "requests": len(lengths),
         "tokens": int(sum(lengths)),
@@ -433,7 +434,7 @@ def bench_text(config, workload_name: str, args) -> dict:
     del engine
     free_device_memory()
     row = {
-        "model": d.folder.path.name,
+        "model": model_display_name(d.folder.path),
         "workload": workload_name,
         "requests": len(texts),
         "tokens": ours.detail["tokens"],

@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from .. import __version__
 from ..errors import PipepoolError
+from .suggest import SuggestingParser
 
 # name -> module under pipepool.commands (the name, "-" read as "_") with add_parser(subparsers)
 # and run(args) -> int.
@@ -44,7 +45,7 @@ _EXTRAS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command``, only that subcommand's module is imported (its flags
     come from it), the others are listed by name: ``pipepool --help`` imports no torch."""
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="pipepool",
         description="Pipeline-parallel inference for pooling models (text and token embeddings, "
         "rerankers, classifiers).",

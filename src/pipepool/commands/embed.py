@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
+from ..loading.model_folder import model_display_name
 from . import embed_corpus
 from .common import add_engine_args, engine_config
 from .input_lines import empty_text_ids, located
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         d = engine.deployment
         print(
             f"embedded {len(inputs.items)} inputs ({stats.prompt_tokens_finished} tokens) -> "
-            f"{what} with {Path(engine.model_path).name} "
+            f"{what} with {model_display_name(Path(engine.model_path))} "
             f"[{_replicas(engine)}{d.num_stages} stage(s), {d.devices[0]}, "
             f"{str(d.dtype).removeprefix('torch.')}]\n"
             f"  load {loaded - started:.2f}s, embed {done - loaded:.2f}s "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..api.token_classification import AGGREGATIONS
 from ..errors import InvalidInputError
+from ..loading.model_folder import model_display_name
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
         done = time.perf_counter()
         tokens = engine.stats.prompt_tokens_finished
     _write(inputs.items, found, args.output)
+    name = model_display_name(Path(engine.model_path))
     print(
-        f"tagged {len(inputs.items)} texts ({tokens} tokens) with {Path(engine.model_path).name}"
+        f"tagged {len(inputs.items)} texts ({tokens} tokens) with {name}"
         f"\n  load {loaded - started:.2f}s, ner {done - loaded:.2f}s",
         file=sys.stderr,
     )

@@ -77,7 +77,7 @@ def add_parser(sub, help: str) -> None:
         metavar="X",
         help="pass threshold per request (default: 0.99999 for float32; a 16-bit engine "
         "against a float32 transformers reference: 1 - cos within 1.5x transformers' own "
-        "16-bit error + 1e-5, DESIGN.md's bar; else 0.999 for 16-bit; int8, against float32: "
+        "16-bit error + 1e-5, docs/design.md's bar; else 0.999 for 16-bit; int8, against float32: "
         "a fixed floor of 0.98)",
     )
     p.add_argument(

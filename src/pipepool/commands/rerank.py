@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import InvalidInputError
+from ..loading.model_folder import model_display_name
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
@@ -74,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
         done = time.perf_counter()
         pairs, tokens = len(inputs.items), engine.stats.prompt_tokens_finished
     _write(ranked, args.output)
+    name = model_display_name(Path(engine.model_path))
     print(
-        f"ranked {pairs} documents ({tokens} tokens) with {Path(engine.model_path).name}\n"
+        f"ranked {pairs} documents ({tokens} tokens) with {name}\n"
         f"  load {loaded - started:.2f}s, rerank {done - loaded:.2f}s "
         f"({pairs / max(done - loaded, 1e-9):,.1f} pairs/s)",
         file=sys.stderr,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from .common import add_engine_args, add_env_argument, engine_config
+from .line_progress import LineProgress
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -108,7 +109,7 @@ def _run(
     """Load the engine, answer the lines ``written`` does not hold, with the model named by
     any of ``names``; (answered 2xx, failed)."""
     from ..api.engine import Engine
-    from ..jobs.batch_lines import LineChecker, read_lines
+    from ..jobs.batch_lines import LineChecker, numbered_lines, read_lines
     from ..server.app import build_app
     from ..server.batch_runner import Dispatcher, run_lines
     from ..server.batch_thread import window_for
@@ -116,6 +117,7 @@ def _run(
     from ..server.models import ServedModels
     from ..server.owner import EngineOwner
 
+    print(f"run-batch: loading {names[0]}", file=sys.stderr, flush=True)
     owner = EngineOwner(lambda: Engine.from_config(config))
     front = AsyncEngine(owner, max_queued=settings.max_queued_requests)
     owner.start(on_failure=lambda _exc: None)  # its error is read below, and by the lines
@@ -124,7 +126,14 @@ def _run(
         if owner.error is not None:
             raise owner.error
         app = build_app(settings, ServedModels.one(front, names))
-        counts = [0, 0]
+        with open(source, "rb") as lines:
+            total = sum(1 for _ in numbered_lines(lines))
+        progress = LineProgress("run-batch", total, done=written.count)
+        print(
+            f"run-batch: model loaded; {total - written.count:,} of {total:,} lines to answer",
+            file=sys.stderr,
+            flush=True,
+        )
 
         async def answer_all() -> None:
             dispatcher = Dispatcher(
@@ -136,8 +145,7 @@ def _run(
                     out.write(b"".join(r.text for r in results))
                     out.flush()  # each line in the file as soon as it is answered
                     ok = sum(r.ok for r in results)
-                    counts[0] += ok
-                    counts[1] += len(results) - ok
+                    progress.add(ok, len(results) - ok)
 
                 items = read_lines(source, LineChecker(), written.skip)
                 try:
@@ -146,7 +154,8 @@ def _run(
                     await dispatcher.aclose()
 
         asyncio.run(answer_all())
-        return counts[0], counts[1]
+        progress.finish()
+        return progress.answered, progress.failed
     finally:
         front.close()
         owner.close()

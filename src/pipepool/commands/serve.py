@@ -6,7 +6,7 @@ names and shapes of its weights; a hub id is fetched), so that a bad one fails, 
 problem, before the server listens. Then the server listens at once and loads the weights in
 the background (``/health`` says 503 until it is ready). Several models (``--model`` repeated,
 ``--models-file``) are served side by side, each in processes of its own with its own queue,
-in a memory plan made before any loads (``loading/memory_plan.py``); requests go to the model
+in a memory plan made before any loads (``replicas/memory_plan.py``); requests go to the model
 they name (``server/models.py``). On SIGTERM or Ctrl-C it stops
 accepting connections, lets the requests in flight finish (up to ``--shutdown-timeout``, then
 answers what is left 503), then stops the pipeline stages. If the engine fails for good (a
@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..loading.model_folder import BUNDLED_MODEL_ID
 from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
 from .serve_models import ModelSpec, model_specs
@@ -332,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         log.info(
             "loading %s; it will be served as %s",
-            spec.config.model or "the bundled model",
+            spec.config.model or f"{BUNDLED_MODEL_ID} (bundled)",
             spec.name,
         )
     # Once every model serves, this process's full collections wait for a second without an
@@ -467,11 +468,11 @@ def _on_failure(owner, stop_serving, *, alone: bool):
 
 
 def _planned(specs: list[ModelSpec]) -> list[ModelSpec]:
-    """The models with their memory plan's configs (``loading.memory_plan``), the plan logged;
+    """The models with their memory plan's configs (``replicas.memory_plan``), the plan logged;
     refused, with its numbers, when they do not fit."""
     from dataclasses import replace
 
-    from ..loading.memory_plan import plan_memory
+    from ..replicas.memory_plan import plan_memory
 
     plan = plan_memory([(spec.name, spec.config) for spec in specs])
     log.info("%s", plan.describe())

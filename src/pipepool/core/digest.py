@@ -1,4 +1,4 @@
-"""The state digest (DESIGN.md §1): a hash of each stage's whole per-request state after a
+"""The state digest (docs/design.md §1): a hash of each stage's whole per-request state after a
 step, chained through the stages, compared with what the scheduler expects.
 
 The scheduler knows what every stage must hold after each step it plans: each scheduled

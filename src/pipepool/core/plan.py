@@ -1,4 +1,4 @@
-"""The step contract between the scheduler and the stages (DESIGN.md §2).
+"""The step contract between the scheduler and the stages (docs/design.md §2).
 
 ``Scheduler.schedule() -> StepPlan``; every stage applies the same plan in the same order;
 the last stage answers with a ``StepResult``; ``Scheduler.update(plan, result)``.

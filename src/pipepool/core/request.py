@@ -63,7 +63,7 @@ class RequestBatch:
     token attends to them (ColBERT's query expansion: [MASK] padding with attention mask 0).
     0 or the prompt's length: every token is a key. None: so for every prompt.
 
-    ``background``: batch-job work (``api.priority``), admitted only where online batches
+    ``background``: batch-job work (``core.priority``), admitted only where online batches
     leave room in a step. ``call``: the call it belongs to (the first id of that call's first
     batch; a call's slices share it), which takes turns with other calls as one.
     """

@@ -480,7 +480,7 @@ class Scheduler:
         (its batches, and which rows finished) for delivery.
 
         The digest chain must match what the plan expected of every stage (the driver check
-        of DESIGN.md §1, naming the first stage that differs), and the outputs must be
+        of docs/design.md §1, naming the first stage that differs), and the outputs must be
         exactly those of the requests the plan finished.
         """
         ledger = self._ledgers[plan.step_id]  # a rejected result changes nothing

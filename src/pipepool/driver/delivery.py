@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..api.submission import Submission
 from ..core.plan import StepResult
 from ..core.request import RequestBatch
 from ..core.scheduler import Ledger
+from ..core.submission import Submission
 
 # (batch, ids of its finished requests) -> (the call, its rows), or None if it was cancelled.
 Finish = Callable[[RequestBatch, np.ndarray], "tuple[Submission, np.ndarray] | None"]

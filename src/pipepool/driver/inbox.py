@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ..api.submission import Submission
 from ..core.request import RequestBatch
+from ..core.submission import Submission
 
 
 @dataclass(frozen=True)

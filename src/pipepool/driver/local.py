@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..api.priority import turn_of
-from ..api.submission import Submission
 from ..config import EngineConfig
 from ..core.kv_blocks import BlockAllocator
 from ..core.plan import StepPlan, StepResult
+from ..core.priority import turn_of
 from ..core.request import RequestBatch
 from ..core.restarts import RestartPolicy
 from ..core.scheduler import Ledger, Scheduler
 from ..core.stats import EngineStats
+from ..core.submission import Submission
 from ..errors import EngineDeadError, PipepoolError, StageFailure, StateDivergence
 from ..intake.inputs import TokenSlice
 from ..parallel.executor import Executor
@@ -45,7 +45,7 @@ from .delivery import deliver
 from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pacing import IntakePacer
-from .pipeline import Probe
+from .probe import probe_call
 from .watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -165,22 +165,22 @@ class LocalPipeline:
         if dead is not None:
             fn(dead)
 
-    def wait_until_compiled(self, timeout: float | None, probe: Probe) -> bool:
+    def wait_until_compiled(self, timeout: float | None) -> bool:
         if not self.deployment.compile_in_background:
             return True  # compiled before the pipeline was ready, or not at all
         if not self._executor.wait_compiled(timeout):
             return False
-        self._run(probe)  # the stages install the compiled bodies between two steps: this one
+        self._run_probe()  # the stages install the compiled bodies between two steps: this one
         return True
 
-    def stage_busy_s(self, probe: Probe) -> list[float]:
+    def stage_busy_s(self) -> list[float]:
         """Stages report with their step results, device time only once the device got
         there, so a one-token step brings every figure up to date first."""
-        self._run(probe)
+        self._run_probe()
         return list(self.stats.stage_busy_s)
 
-    def _run(self, probe: Probe) -> None:
-        submission, part = probe()
+    def _run_probe(self) -> None:
+        submission, part = probe_call(self.deployment, self.cancel)
         self.enqueue(submission, part)
         submission.result()
 

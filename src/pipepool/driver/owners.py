@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..api.submission import Submission
 from ..core.request import RequestBatch
+from ..core.submission import Submission
 
 
 @dataclass(eq=False)

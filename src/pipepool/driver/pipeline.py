@@ -13,15 +13,11 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..api.submission import Submission
     from ..core.stats import EngineStats
+    from ..core.submission import Submission
     from ..intake.inputs import TokenSlice
     from ..loading.deployment import Deployment
     from ..tracing.recorder import ProcessTrace
-
-# Makes a one-token call (not yet enqueued) for a pipeline to run where it needs fresh figures
-# from every stage: (its future, its one prompt).
-Probe = Callable[[], "tuple[Submission, TokenSlice]"]
 
 
 class Pipeline(Protocol):
@@ -69,10 +65,14 @@ class Pipeline(Protocol):
         """``fn(cause)`` once the pipeline fails for good (not on close), or at once."""
         ...
 
-    def wait_until_compiled(self, timeout: float | None, probe: Probe) -> bool: ...
+    def wait_until_compiled(self, timeout: float | None) -> bool:
+        """Block until every stage computes with its compiled layer bodies (False after
+        ``timeout`` seconds); runs a one-token call of its own (``probe.py``) to switch them."""
+        ...
 
-    def stage_busy_s(self, probe: Probe) -> list[float]:
-        """Seconds each stage has computed so far (replica-major for replicas)."""
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has computed so far (replica-major for replicas), brought up to
+        date by a one-token call of its own."""
         ...
 
     def gather_trace(self, timeout: float | None) -> list[list[ProcessTrace]]:

@@ -284,29 +284,43 @@ class InputPreparer:
         return truncate
 
     def _with_prompt(self, texts: list[str], prompt_name: str | None) -> list[str]:
+        prefix = self.prompt_text(prompt_name)
+        return [prefix + t for t in texts] if prefix else texts
+
+    def prompt_text(self, prompt_name: str | None) -> str:
+        """The text put before each input: the named prompt, else the model's default prompt,
+        else none (""). Raises InvalidInputError for a name the model does not have."""
         name = prompt_name if prompt_name is not None else self.default_prompt_name
         if name is None:
-            return texts
+            return ""
         if name not in self.prompts:
             known = ", ".join(sorted(self.prompts)) or "none"
             raise InvalidInputError(
                 f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
             )
-        prefix = self.prompts[name]
-        return [prefix + t for t in texts]
+        return self.prompts[name]
 
-    def _check_lengths(self, first: int, lengths: np.ndarray, longest: int | None) -> None:
+    def _check_lengths(
+        self,
+        first: int,
+        lengths: np.ndarray,
+        longest: int | None,
+        *,
+        name: str = "input",
+        param: str = "input",
+    ) -> None:
         """Prompts over ``longest`` tokens (None: no cap, they are chunked) are refused, as are
-        prompts a decoder's KV cache cannot hold."""
+        prompts a decoder's KV cache cannot hold; errors call prompt i "<name> i" and blame
+        the request field ``param``."""
         d = self.deployment
         over = np.nonzero(lengths > longest)[0] if longest is not None else np.zeros(0, np.int64)
         if len(over):
             i = int(over[0])
             raise PromptTooLongError(
-                f"input {first + i} has {int(lengths[i])} tokens, more than "
+                f"{name} {first + i} has {int(lengths[i])} tokens, more than "
                 f"max_model_len={d.max_model_len}; shorten it, or let long inputs be truncated "
                 "or chunked (long_inputs='truncate' or 'chunk'; command line: --long-inputs)",
-                param="input",
+                param=param,
                 index=first + i,
             )
         if d.causal and longest is not None:
@@ -314,9 +328,9 @@ class InputPreparer:
             if len(over):
                 i = int(over[0])
                 raise PromptTooLongError(
-                    f"input {first + i} has {int(lengths[i])} tokens but the KV cache holds "
+                    f"{name} {first + i} has {int(lengths[i])} tokens but the KV cache holds "
                     f"{d.kv_cache_tokens}",
-                    param="input",
+                    param=param,
                     index=first + i,
                 )
 
@@ -379,15 +393,20 @@ class InputPreparer:
 
     def output_width(self, pooling: str) -> int:
         """Components of one output vector before Matryoshka truncation."""
-        d = self.deployment
-        if pooling != "all" or (d.classifier is not None and d.classifier.per_token):
-            return d.output_dim
-        head = d.retrieval
-        if isinstance(head, M3Head):  # token rows packed as M3Layout says
-            return M3Layout(d.hidden_size, head.colbert_dim).row_width
-        if isinstance(head, ColbertHead):  # the projections' width
-            return head.dense[-1].out_features if head.dense else d.hidden_size
-        return d.hidden_size
+        return output_width(self.deployment, pooling)
+
+
+def output_width(d: Deployment, pooling: str) -> int:
+    """Components of one output vector of ``d`` under ``pooling``, before Matryoshka
+    truncation."""
+    if pooling != "all" or (d.classifier is not None and d.classifier.per_token):
+        return d.output_dim
+    head = d.retrieval
+    if isinstance(head, M3Head):  # token rows packed as M3Layout says
+        return M3Layout(d.hidden_size, head.colbert_dim).row_width
+    if isinstance(head, ColbertHead):  # the projections' width
+        return head.dense[-1].out_features if head.dense else d.hidden_size
+    return d.hidden_size
 
 
 def _slice_bounds(n: int, size: int | None, first: int | None = None) -> Iterator[tuple[int, int]]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..api.submission import Submission
 from ..core.request import PoolingParams
+from ..core.submission import Submission
 
 
 @dataclass(frozen=True)

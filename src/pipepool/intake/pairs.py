@@ -77,9 +77,14 @@ class PairEncoder:
         limit: int | None,
         instruction: str | None = None,
         max_tokens_per_doc: int | None = None,
+        max_tokens_per_query: int | None = None,
+        keep: str = "first",
     ) -> TokenSlice:
         """Pair i is (queries[i], documents[i]). ``limit``: longest prompt kept (longer pairs
-        are truncated); None: none is truncated, and one over max_model_len is refused."""
+        are truncated, losing tokens from their texts' ends, ``keep="first"``, or starts,
+        ``keep="last"``); None: none is truncated, and one over max_model_len is refused.
+        ``max_tokens_per_doc`` / ``max_tokens_per_query`` cut each document / query to its
+        first N tokens before that (Cohere's and vLLM's options)."""
         # Refused by the caller elsewhere (retrieval_scoring.refuse_other_pair_options).
         assert instruction is None or self.template == "qwen3", "an instruction is Qwen3's"
         # Valid Unicode, and no text far longer than any prompt could hold, before tokenising.
@@ -87,18 +92,18 @@ class PairEncoder:
         check = self.inputs.checked_texts  # (an empty text is half of a valid pair)
         queries = check(list(queries), limit, longest, param="query", allow_empty=True)
         documents = check(list(documents), limit, longest, param="documents", allow_empty=True)
-        if max_tokens_per_doc is not None:
-            if not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1:
-                raise InvalidInputError(
-                    "max_tokens_per_doc must be a positive integer", param="max_tokens_per_doc"
-                )
-            documents = self.tokenizer.cut_texts(list(documents), max_tokens_per_doc)
+        documents = self._cut(documents, max_tokens_per_doc, "max_tokens_per_doc")
+        queries = self._cut(queries, max_tokens_per_query, "max_tokens_per_query")
+        if keep not in ("first", "last"):
+            raise InvalidInputError(
+                "truncation_side must be 'right' or 'left'", param="truncation_side"
+            )
         if self.template == "qwen3":
-            ids, lengths = self._qwen3(queries, documents, limit, instruction)
+            ids, lengths = self._qwen3(queries, documents, limit, instruction, keep)
             types = None
         else:
             ids, types, lengths = self.tokenizer.encode_pairs(
-                list(queries), list(documents), max_tokens=limit
+                list(queries), list(documents), max_tokens=limit, keep=keep
             )
             if not self.use_types or not types.any():
                 types = None
@@ -106,8 +111,36 @@ class PairEncoder:
         if len(empty):
             i = int(empty[0])
             raise InvalidInputError(f"pair {i} has no tokens", param="documents", index=i)
-        self.inputs._check_lengths(0, lengths, self.deployment.max_model_len)
+        self.inputs._check_lengths(
+            0, lengths, self.deployment.max_model_len, name="pair", param="documents"
+        )
         return TokenSlice(0, ids, lengths, types)
+
+    def chunk_room(self, query: str, window: int) -> int:
+        """Tokens of a document that fit beside ``query`` in a prompt of ``window`` tokens
+        (one chunk of Cohere's chunking); a 400 when there are none."""
+        if self.template != "pair":
+            raise InvalidInputError(
+                "max_chunks_per_doc splits a document beside the query in the tokenizer's pair "
+                f"template; this model ({self.deployment.folder.architecture}) builds its own "
+                "prompt around query and document: cut long documents yourself",
+                param="max_chunks_per_doc",
+            )
+        used = self.tokenizer.count_plain(query) + self.tokenizer.pair_specials
+        if used >= window:
+            raise InvalidInputError(
+                f"the query and the prompt's special tokens take {used} tokens of the {window} "
+                "a prompt may hold: no room is left for a document chunk",
+                param="query",
+            )
+        return window - used
+
+    def _cut(self, texts: list[str], max_tokens: int | None, param: str) -> list[str]:
+        if max_tokens is None:
+            return texts
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidInputError(f"{param} must be a positive integer", param=param)
+        return self.tokenizer.cut_texts(list(texts), max_tokens)
 
     def length(self, query: str, document: str) -> int:
         """Tokens of the pair's prompt, untruncated (built-in parity documents are sized by
@@ -124,6 +157,7 @@ class PairEncoder:
         documents: Sequence[str],
         limit: int | None,
         instruction: str | None,
+        keep: str,
     ) -> tuple[np.ndarray, np.ndarray]:
         instruction = QWEN3_INSTRUCTION if instruction is None else instruction
         bodies = [qwen3_body(instruction, q, d) for q, d in zip(queries, documents, strict=True)]
@@ -135,8 +169,54 @@ class PairEncoder:
                 "tokens leaves no room for query and document",
                 param="truncate_prompt_tokens",
             )
-        body_ids, body_lengths = self.tokenizer.encode_flat(bodies, max_tokens=room, keep="first")
+        body_ids, body_lengths = self.tokenizer.encode_flat(bodies, max_tokens=room, keep=keep)
         parts = []
         for body in np.split(body_ids, np.cumsum(body_lengths)[:-1]):
             parts += [self.prefix, body, self.suffix]
         return np.concatenate(parts), body_lengths + fixed
+
+
+def encode_chunks(
+    encoder: PairEncoder,
+    queries: Sequence[str],
+    documents: Sequence[str],
+    *,
+    window: int,
+    max_chunks: int,
+    max_tokens_per_doc: int | None = None,
+    max_tokens_per_query: int | None = None,
+) -> tuple[TokenSlice, np.ndarray]:
+    """Cohere's chunking of long documents: each document (cut to ``max_tokens_per_doc``
+    first) split into consecutive windows that fit beside its whole query in a prompt of
+    ``window`` tokens, its first ``max_chunks`` windows kept. Returns the prompts, one per
+    chunk, and for each the index of the pair it came from (ascending)."""
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise InvalidInputError(
+            "max_chunks_per_doc must be a positive integer", param="max_chunks_per_doc"
+        )
+    check = encoder.inputs.checked_texts  # no length bound: long documents are chunked
+    queries = check(list(queries), None, None, param="query", allow_empty=True)
+    documents = check(list(documents), None, None, param="documents", allow_empty=True)
+    documents = encoder._cut(documents, max_tokens_per_doc, "max_tokens_per_doc")
+    queries = encoder._cut(queries, max_tokens_per_query, "max_tokens_per_query")
+    rooms: dict[str, int] = {}
+    ids: list[int] = []
+    types: list[int] = []
+    lengths: list[int] = []
+    owners: list[int] = []
+    for i, (query, document) in enumerate(zip(queries, documents, strict=True)):
+        if query not in rooms:
+            rooms[query] = encoder.chunk_room(query, window)
+        for chunk_ids, chunk_types in encoder.tokenizer.pair_chunks(
+            query, document, rooms[query], max_chunks
+        ):
+            ids += chunk_ids
+            types += chunk_types
+            lengths.append(len(chunk_ids))
+            owners.append(i)
+    type_ids = np.asarray(types, dtype=np.int64)
+    kept_types = type_ids if encoder.use_types and type_ids.any() else None
+    part = TokenSlice(
+        0, np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64), kept_types
+    )
+    return part, np.asarray(owners, dtype=np.int64)

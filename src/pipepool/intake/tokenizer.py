@@ -125,15 +125,23 @@ class Tokenizer:
         return flat, lengths
 
     def encode_pairs(
-        self, firsts: list[str], seconds: list[str], *, max_tokens: int | None = None
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        *,
+        max_tokens: int | None = None,
+        keep: str = "first",
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Text pairs through the tokenizer's own pair template ([CLS] a [SEP] b [SEP] for
         BERT, <s> a </s></s> b </s> for XLM-R): (token ids, token type ids, lengths), back to
         back. A pair over ``max_tokens`` is truncated as Hugging Face tokenizers truncate pairs
-        by default (longest_first, what sentence-transformers' CrossEncoder uses): the longer
-        text loses tokens from its end until both fit, the special tokens stay."""
+        (longest_first, what sentence-transformers' CrossEncoder and TEI use): the longer text
+        loses tokens from its end (``keep="first"``, the tokenizer's truncation_side "right")
+        or its start (``keep="last"``: "left") until both fit; the special tokens stay."""
         if self._offloads(firsts, seconds):
-            done = self._in_helper("encode_pairs", firsts, seconds, max_tokens=max_tokens)
+            done = self._in_helper(
+                "encode_pairs", firsts, seconds, max_tokens=max_tokens, keep=keep
+            )
             if done is not None:
                 return done
         pairs = list(zip(firsts, seconds, strict=True))
@@ -141,7 +149,7 @@ class Tokenizer:
         if max_tokens is not None:
             for i, enc in enumerate(encodings):
                 if len(enc) > max_tokens:
-                    encodings[i] = self._truncated_pair(firsts[i], seconds[i], max_tokens)
+                    encodings[i] = self._truncated_pair(firsts[i], seconds[i], max_tokens, keep)
         lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
         total = int(lengths.sum())
         chain = itertools.chain.from_iterable
@@ -165,15 +173,37 @@ class Tokenizer:
             log.warning("%s; tokenising this batch in the server's process", exc)
             return None
 
-    def _truncated_pair(self, first: str, second: str, max_tokens: int):
+    def _truncated_pair(self, first: str, second: str, max_tokens: int, keep: str):
         a = self._tok.encode(first, add_special_tokens=False)
         b = self._tok.encode(second, add_special_tokens=False)
-        processor = self._tok.post_processor
-        specials = processor.num_special_tokens_to_add(True) if processor is not None else 0
-        n1, n2 = longest_first(len(a), len(b), max(max_tokens - specials, 0))
-        a.truncate(n1)
-        b.truncate(n2)
+        n1, n2 = longest_first(len(a), len(b), max(max_tokens - self.pair_specials, 0))
+        direction = "right" if keep == "first" else "left"
+        a.truncate(n1, direction=direction)
+        b.truncate(n2, direction=direction)
         return self._tok.post_process(a, b, add_special_tokens=True)
+
+    @property
+    def pair_specials(self) -> int:
+        """Special tokens the pair template adds (3 for BERT, 4 for XLM-R)."""
+        processor = self._tok.post_processor
+        return processor.num_special_tokens_to_add(True) if processor is not None else 0
+
+    def pair_chunks(
+        self, query: str, document: str, room: int, max_chunks: int
+    ) -> list[tuple[list[int], list[int]]]:
+        """(token ids, token types) of the pair template around ``query`` and each of the
+        document's first ``max_chunks`` consecutive windows of ``room`` tokens (Cohere's
+        chunking of long documents: the whole query with every chunk)."""
+        a = self._tok.encode(query, add_special_tokens=False)
+        b = self._tok.encode(document, add_special_tokens=False)
+        b.truncate(room)  # the rest lands in b.overflowing, ``room`` tokens a window
+        windows = [b, *b.overflowing][:max_chunks]
+        pairs = [self._tok.post_process(a, w, add_special_tokens=True) for w in windows]
+        return [(p.ids, p.type_ids) for p in pairs]
+
+    def count_plain(self, text: str) -> int:
+        """Tokens of a text without the post-processor's special tokens."""
+        return len(self._tok.encode(text, add_special_tokens=False))
 
     def _encode(self, items: list, *, add_special_tokens: bool = True) -> list:
         """The tokenizer's encodings of texts or (first, second) pairs: a few on this thread,
@@ -200,11 +230,13 @@ class Tokenizer:
             for text, enc in zip(texts, encodings, strict=True)
         ]
 
-    def describe(self, texts: list[str]) -> list[list[dict]]:
+    def describe(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[dict]]:
         """Per text, its tokens as TEI's /tokenize lists them: id, text, whether special, and
-        the character span in the text (None for special tokens)."""
+        the character span in the text (None for special tokens); the post-processor's
+        special tokens left out unless ``add_special_tokens``."""
         out = []
-        for text, enc in zip(texts, self._encode(texts), strict=True):
+        encodings = self._encode(texts, add_special_tokens=add_special_tokens)
+        for text, enc in zip(texts, encodings, strict=True):
             tokens = []
             for tid, special, (start, stop) in zip(
                 enc.ids, enc.special_tokens_mask, enc.offsets, strict=True

@@ -44,6 +44,8 @@ __all__ = [
 # The routes a batch line may call: the model-running routes of OpenAI's, vLLM's and Cohere's
 # APIs that this server answers.
 ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v2/embed")
+# vLLM's encoding formats whose answer is bytes, not JSON (``server/encoding.py``).
+_BINARY_FORMATS = ("bytes", "bytes_only")
 # Fields whose list length is the number of engine inputs a body asks for (``count_inputs``).
 _INPUT_FIELDS = ("input", "texts", "documents", "text_2", "inputs", "images")
 DUPLICATE = "duplicate_custom_id"
@@ -256,6 +258,13 @@ class LineChecker:
             )  # fmt: skip
         if not isinstance(body, dict):
             return _missing(line, custom_id, "body", "a JSON object (the request's body)")
+        if body.get("encoding_format") in _BINARY_FORMATS:
+            return LineError(
+                line, custom_id, "invalid_value",
+                f"line {line}: encoding_format {body['encoding_format']} answers with raw "
+                "bytes, which an output line (JSON) cannot hold; use base64",
+                param="body.encoding_format",
+            )  # fmt: skip
         return BatchRequest(line, custom_id, url, body)
 
 

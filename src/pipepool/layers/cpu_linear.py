@@ -37,13 +37,17 @@ def fusable(activation: str) -> bool:
 def packs(dtype: torch.dtype) -> bool:
     """Whether linear layers in ``dtype`` go through these ops here: fp32, and bf16 where the
     CPU computes it natively (AVX-512 BF16 or AMX), the ops present and checked."""
-    if dtype == torch.bfloat16 and not _native_bf16():
+    if dtype == torch.bfloat16 and not native_half(dtype):
         return False
     return dtype in (torch.float32, torch.bfloat16) and supported(dtype)
 
 
-def _native_bf16() -> bool:
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+@functools.cache
+def native_half(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` (bfloat16 or float16) natively (AVX-512 BF16 / FP16
+    or AMX, as oneDNN detects them); without, every half-precision matmul is emulated."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    check = getattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported", None)
     return bool(check is not None and check())
 
 

@@ -7,22 +7,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import EngineConfig, split_layers
+from ..core.classifier_head import ClassifierHead
 from ..errors import InvalidInputError, ModelLoadError
-from ..layers import int8_linear, qk_rope
+from ..layers import cpu_linear, int8_linear, qk_rope
 from ..layers.attention import choose_kernel
 from ..models import Family, StageModel, family_of
+from ..models.base import kv_bytes_per_token
 from ..models.checkpoint_math import check_config, decide_causal
-from ..stage.kv_cache import KVCache
-from ..stage.runner import StageRunner, StageSpec, runner_class
-from .classifier import ClassifierHead, read_classifier
+from .classifier import read_classifier
 from .model_folder import ModelFolder, read_model_folder
 from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
+from .stage_spec import StageSpec
 from .weights import Checkpoint
+
+if TYPE_CHECKING:
+    from ..stage.runner import StageRunner
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
 # Default token budget of a step (EngineConfig.max_num_batched_tokens). On CUDA at least
@@ -99,18 +105,15 @@ class Deployment:
     classifier: ClassifierHead | None = None
     # Sparse and multi-vector heads (retrieval.py): SPLADE, BGE-M3, ColBERT; None: dense only.
     retrieval: RetrievalHead | None = None
-    # What runs each stage, as an import path ``module:Class``: StageRunner, or a subclass of
-    # it that changes one of its steps (the tests' fault injection does).
-    stage_runner: str = "pipepool.stage.runner:StageRunner"
+    # What runs each stage: None for ``stage.runner.StageRunner``, or a subclass of it that
+    # changes one of its steps (the tests' fault injection gives one). A class, never a
+    # function: the plan is pickled to stage processes and fingerprinted by its fields' reprs.
+    stage_runner: type[StageRunner] | None = None
 
     @property
     def outputs(self) -> tuple[str, ...]:
         """What the model gives per text: dense | sparse | multi_vector (retrieval.OUTPUTS)."""
         return outputs_of(self.retrieval)
-
-    def new_runner(self, spec: StageSpec) -> StageRunner:
-        """Load a stage (``spec``: one of ``stage_spec``'s) with the deployment's runner."""
-        return runner_class(self.stage_runner)(self.config, self.folder, spec)
 
     @property
     def num_stages(self) -> int:
@@ -350,7 +353,7 @@ def memory_needs(config: EngineConfig, device_kind: str) -> ModelMemory:
     if parts.causal:
         assert whole.kv_layout is not None, "a causal model keeps a KV cache"
         largest = max(len(r) for r in layers)
-        per_token = KVCache.bytes_per_token(whole.kv_layout, largest, parts.dtype)
+        per_token = kv_bytes_per_token(whole.kv_layout, largest, parts.dtype)
         longest = _max_model_len(config, parts.folder, whole.max_positions) + budget
         least = -(-longest // config.block_size) * config.block_size
     return ModelMemory(
@@ -447,11 +450,27 @@ def _dtype(name: str, hf: dict, device_kind: str) -> torch.dtype:
     if name == "int8":
         return torch.float32  # only the linear layers' GEMMs are int8 (int8_linears)
     if name != "auto":
-        return getattr(torch, name)
+        dtype = getattr(torch, name)
+        if device_kind == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            _warn_if_emulated(dtype)
+        return dtype
     if device_kind == "cpu":
         return torch.float32  # the reference precision; CPU half-precision matmuls are slow
     stored = hf.get("dtype", hf.get("torch_dtype"))
     return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def _warn_if_emulated(dtype: torch.dtype) -> None:
+    """Half precision on a CPU that emulates it runs every matmul several times slower than
+    float32 (bfloat16 at 0.13x float32 measured on an AVX2-only EPYC): say so, once."""
+    if not cpu_linear.native_half(dtype):
+        name = str(dtype).removeprefix("torch.")
+        warnings.warn(
+            f"dtype {name} on a CPU without native {name} (no AVX-512 {name} or AMX): it is "
+            "emulated and runs several times slower than float32, the CPU default",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_int8(
@@ -514,7 +533,7 @@ def _kv_cache_tokens(
 ) -> int:
     """Tokens of KV every stage can hold: the user's number, or what memory allows."""
     largest = max(len(r) for r in layers)
-    per_token = KVCache.bytes_per_token(whole.kv_layout, largest, dtype)
+    per_token = kv_bytes_per_token(whole.kv_layout, largest, dtype)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     elif devices[0] == "cpu":

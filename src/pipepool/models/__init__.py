@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..loading.classifier import ClassifierHead
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
 from .deberta import DebertaConfig, DebertaStage

@@ -68,6 +68,12 @@ class KVLayout:
     head_dim: int
 
 
+def kv_bytes_per_token(layout: KVLayout, num_layers: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes over ``num_layers`` layers of this layout."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * layout.num_kv_heads * layout.head_dim * itemsize
+
+
 class ScoreHeadModule(nn.Module):
     """A classifier's head (models/score_heads.py): pooled rows ``[n, hidden]`` in, logits
     ``[n, num_labels]`` out; ``weight_specs`` names its checkpoint tensors under ``param``."""

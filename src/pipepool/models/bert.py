@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import cpu_linear, int8_linear
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
 from ..layers.linear_activation import linear_activation
-from ..loading.classifier import ClassifierHead
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .score_heads import build_score_head
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from ..layers.disentangled_attention import (
@@ -32,7 +33,6 @@ from ..layers.disentangled_attention import (
     disentangled_attention,
     relative_index_tables,
 )
-from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import cpu_linear, qk_rope
 from ..layers.attention import AttentionShape, attend
@@ -18,7 +19,6 @@ from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
-from ..loading.classifier import ClassifierHead
 from .base import (
     KVLayout,
     StageModel,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionMetadata
 from ..layers.relative_attention import (
@@ -38,7 +39,6 @@ from ..layers.relative_attention import (
     biased_attention,
     biased_varlen_attention,
 )
-from ..loading.classifier import ClassifierHead
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention

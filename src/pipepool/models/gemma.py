@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers import gated_gelu, qk_rope
 from ..layers.activation import TANH_GELUS, get_activation
@@ -35,7 +36,6 @@ from ..layers.qk_rope import fused_qk_norm_rope
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.softcap_attention import softcap_attend
 from ..layers.windowed_attention import windowed_attention
-from ..loading.classifier import ClassifierHead
 from .base import (
     KVLayout,
     StageModel,

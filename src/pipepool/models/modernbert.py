@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers.activation import ACTIVATIONS, get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.windowed_attention import windowed_attention
-from ..loading.classifier import ClassifierHead
 from .base import StageModel, StepInputs, WeightSpec, embedding, linear_specs
 from .score_heads import ModernBertClassifier
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..layers.activation import get_activation
-from ..loading.classifier import ClassifierHead
 from .base import ScoreHeadModule, WeightSpec, linear_specs
 
 

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape
 from ..layers.norm import rms_norm
 from ..layers.relative_attention import BiasedAttentionPlan, RelativePositionBias, biased_attention
-from ..loading.classifier import ClassifierHead
 from .base import StageModel, StepInputs, WeightSpec, embedding
 
 # (is_gated_act, dense_act_fn) -> feed_forward_proj: the feed-forwards implemented here.

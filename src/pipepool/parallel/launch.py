@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from ..config import EngineConfig
 from ..loading.deployment import Deployment, plan_deployment
+from ..stage.runner import new_runner
 from .executor import Executor, UniprocExecutor
 
 
@@ -34,7 +35,7 @@ def start_executor(
     config = deployment.config
     if deployment.num_stages == 1 or config.pipeline_backend == "inproc":
         runners = [
-            deployment.new_runner(deployment.stage_spec(k)) for k in range(deployment.num_stages)
+            new_runner(deployment, deployment.stage_spec(k)) for k in range(deployment.num_stages)
         ]
         # Running ahead (CUDA): a second plan in flight lets the host build step k+1 while
         # the device runs step k.

@@ -33,7 +33,7 @@ from ..core.plan import StepPlan, StepResult, flush_plan
 from ..errors import PipepoolError, StageFailure
 from ..loading.deployment import Deployment
 from ..runtime.signal_mask import block_stop_signals
-from ..stage.runner import StageRunner
+from ..stage.runner import StageRunner, new_runner
 from .dist_transport import (
     TAG_PLAN,
     TAG_PLAN_LEN,
@@ -101,7 +101,7 @@ class MultiprocExecutor(Executor):
         spec = place_stage(deployment, 0, local_rank)
         try:
             limit_cpu_threads(deployment, spec)
-            self.runner = stage0 or deployment.new_runner(spec)
+            self.runner = stage0 or new_runner(deployment, spec)
             self._wait_loaded(cancelled or (lambda: False))
             self.groups = make_groups(store, rdv, 0, spec.device)
         except BaseException:

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..loading.deployment import Deployment
+from ..loading.stage_spec import StageSpec
 from ..runtime.collector import freeze_startup_objects
 from ..runtime.memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
-from ..stage.runner import StageSpec
+from ..stage.runner import new_runner
 from ..tracing.recorder import now
 from .dist_transport import (
     TAG_PLAN,
@@ -109,7 +110,7 @@ def run_stage(
     try:
         spec = place_stage(deployment, rank, local_rank)  # the device is current from here
         limit_cpu_threads(deployment, spec)
-        runner = deployment.new_runner(spec)
+        runner = new_runner(deployment, spec)
         store.set(f"loaded/{rank}", b"1")
         groups = make_groups(store, rdv, rank, spec.device)
         inbound = DistInbound(

@@ -1,4 +1,4 @@
-"""``pipepool parity``: the correctness report of DESIGN.md §3, runnable on any model.
+"""``pipepool parity``: the correctness report of docs/design.md §3, runnable on any model.
 
 Runs every (PP degree, token budget, pooling) over the same prompts and compares each
 request's raw vector (each token's vector for ALL) with a reference: Hugging Face

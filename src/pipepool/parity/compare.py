@@ -96,14 +96,14 @@ def fill_row(row: Row, scores: list[RequestScore], lengths: list[int], min_cosin
     return row
 
 
-# DESIGN.md §3's bar for a 16-bit engine against a float32 reference: its error may be up to
+# docs/design.md §3's bar for a 16-bit engine against a float32 reference: its error may be up to
 # this multiple of transformers' own 16-bit error on the same weights and prompts, plus this.
 FLOOR_FACTOR, FLOOR_SLACK = 1.5, 1e-5
 
 
 def allowed_error(peer: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Per request (per token for ALL pooling): the largest ``1 - cosine`` against the float32
-    reference that DESIGN.md §3 admits, from the 16-bit peer's own (nan where it is not
+    reference that docs/design.md §3 admits, from the 16-bit peer's own (nan where it is not
     finite, which no error satisfies)."""
     return FLOOR_FACTOR * (1 - cosine_rows(peer, reference)) + FLOOR_SLACK
 

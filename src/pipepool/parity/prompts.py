@@ -1,11 +1,12 @@
-"""The built-in prompt set of ``pipepool parity``: the published reproducer of DESIGN.md §1 plus
-prompts of mixed lengths up to the model's limit, so that small token budgets always chunk."""
+"""The built-in prompt set of ``pipepool parity``: the published reproducer of
+docs/design.md §1 plus prompts of mixed lengths up to the model's limit, so that small token
+budgets always chunk."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-# The five prompts of the published reproducer (DESIGN.md §1), in its order: the order decides
+# The five prompts of the published reproducer (docs/design.md §1), in its order: the order decides
 # which requests share a step, and the bug showed with exactly this mix.
 REPRODUCER_PROMPTS: tuple[str, ...] = (
     "A",

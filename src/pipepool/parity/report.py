@@ -32,7 +32,7 @@ class ParityReport:
     prompt_tokens: list[int]  # length of each prompt, special tokens included
     prompt_previews: list[str]  # the first characters of each prompt
     rows: list[Row] = field(default_factory=list)
-    # DESIGN.md §3's bar in words where it judges the rows (min_cosine is then reported only)
+    # docs/design.md §3's bar in words where it judges the rows (min_cosine is then reported only)
     rule: str | None = None
 
     @property

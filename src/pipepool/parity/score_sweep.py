@@ -27,7 +27,7 @@ from .score_reference import score_reference
 
 PARITY_QUERY = "How does a pipeline-parallel engine keep its stages in step?"
 # Largest |engine - reference| per raw logit that passes. 16-bit: a rule of thumb for bf16
-# rounding on logits of order 1-10, used where DESIGN.md §3's bar (a float32 transformers
+# rounding on logits of order 1-10, used where docs/design.md §3's bar (a float32 transformers
 # reference, allowed_score_error) does not apply; --max-score-diff sets one.
 MAX_SCORE_DIFF_FP32 = 1e-4
 MAX_SCORE_DIFF_16BIT = 5e-2
@@ -167,7 +167,7 @@ def run_score_parity(
     threshold, rule = sweep.max_score_diff, None
     if threshold is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
-        log(f"reference: transformers in {engine_dtype} too, for DESIGN.md §3's bar")
+        log(f"reference: transformers in {engine_dtype} too, for docs/design.md §3's bar")
         peer = score_reference(
             "transformers", deployment, pairs, tokens,
             device=sweep.reference_device, dtype=engine_dtype,
@@ -231,7 +231,7 @@ def _run_config(config, row: ScoreRow, pairs, expected, lengths, threshold) -> S
 
 
 def allowed_score_error(peer_error: float) -> float:
-    """DESIGN.md §3's bar carried to raw logits: the largest ``|engine - reference|`` a 16-bit
+    """docs/design.md §3's bar carried to raw logits: the largest ``|engine - reference|`` a 16-bit
     engine may reach, from transformers' own largest 16-bit error on the same pairs. Over the
     pairs, not per pair: one scalar's 16-bit error can land near zero by chance, which would
     make a per-pair bar a lottery."""

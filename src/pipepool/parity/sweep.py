@@ -29,7 +29,7 @@ DEFAULT_POOLINGS = ("last", "mean", "cls", "all")
 if TYPE_CHECKING:
     from .score_sweep import ScoreReport
 
-# DESIGN.md §3: per-request cosine against the reference.
+# docs/design.md §3: per-request cosine against the reference.
 MIN_COSINE_FP32 = 0.99999
 MIN_COSINE_16BIT = 0.999
 # dtype int8 (dynamic int8 linear layers on the CPU) has no transformers int8 peer to scale a
@@ -59,7 +59,7 @@ class Sweep:
     max_score_diff: float | None = None
 
     def uses_16bit_rule(self, deployment: Deployment) -> bool:
-        """DESIGN.md §3: a 16-bit engine against a float32 transformers reference is judged by
+        """docs/design.md §3: a 16-bit engine against a float32 transformers reference is judged by
         transformers' own 16-bit error (where no fixed threshold was asked for)."""
         return (
             self.reference == "transformers"
@@ -114,14 +114,15 @@ def run_parity(
         threshold = MIN_COSINE_INT8
         rule = (
             f"cosine >= {MIN_COSINE_INT8} for every request: int8 is judged by this fixed "
-            "floor (there is no transformers int8 reference), not by DESIGN.md §3's 16-bit rule"
+            "floor (there is no transformers int8 reference), not by docs/design.md §3's "
+            "16-bit rule"
         )
     if threshold is None:
         threshold = default_min_cosine(deployment.dtype)
-    allowed = None  # per pooling and prompt: DESIGN.md §3's bar, where it applies
+    allowed = None  # per pooling and prompt: docs/design.md §3's bar, where it applies
     if sweep.min_cosine is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
-        log(f"reference: transformers in {engine_dtype} too, for DESIGN.md §3's bar")
+        log(f"reference: transformers in {engine_dtype} too, for docs/design.md §3's bar")
         peer = compute_reference(
             "transformers", deployment, texts, token_ids, sweep.poolings,
             device=sweep.reference_device, dtype=engine_dtype,
@@ -167,7 +168,7 @@ def _run_config(
     allowed: dict[str, list[np.ndarray]] | None = None,
 ) -> list[Row]:
     """All poolings on one engine. Any exception is the row's result: a dead engine fails
-    its remaining poolings with the cause in their message. ``allowed``: DESIGN.md §3's bar
+    its remaining poolings with the cause in their message. ``allowed``: docs/design.md §3's bar
     per request, which then decides whether a row passes (``threshold`` otherwise)."""
     budget = config.max_num_batched_tokens
     assert budget is not None, "each configuration of a sweep names its token budget"

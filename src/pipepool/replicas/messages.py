@@ -46,7 +46,7 @@ class Work:
     type_ids: np.ndarray | None = None  # token types of pair inputs; None: all 0
     key_lens: np.ndarray | None = None  # keys per prompt (RequestBatch.key_lens); None: all
     background: bool = False  # batch-job work (RequestBatch.background)
-    client: str | None = None  # whose turns it takes (api.priority.client_turns)
+    client: str | None = None  # whose turns it takes (core.priority.client_turns)
 
 
 @dataclass(frozen=True)

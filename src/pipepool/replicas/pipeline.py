@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..api.submission import Submission
 from ..config import EngineConfig
 from ..core.request import RequestBatch
 from ..core.restarts import RestartPolicy
 from ..core.stats import EngineStats
+from ..core.submission import Submission
 from ..driver.owners import Owner
-from ..driver.pipeline import Probe
+from ..driver.probe import probe_call
 from ..errors import EngineDeadError, PipepoolError
 from ..intake.inputs import TokenSlice
 from ..loading.model_folder import read_model_folder
@@ -160,11 +160,11 @@ class ReplicaPipeline:
             return "ok"
         return "degraded"
 
-    def wait_until_compiled(self, timeout: float | None, probe: Probe) -> bool:
+    def wait_until_compiled(self, timeout: float | None) -> bool:
         """Replicas report ready once compiled (``worker.py``): nothing to wait for."""
         return True
 
-    def stage_busy_s(self, probe: Probe) -> list[float]:
+    def stage_busy_s(self) -> list[float]:
         """Seconds each stage of each replica (replica-major) has computed so far; a one-token
         request to every serving replica brings the figures up to date first."""
         probes = []
@@ -172,7 +172,7 @@ class ReplicaPipeline:
             self.raise_if_dead()
             for slot in self._slots:
                 if slot.state == State.OK:
-                    submission, part = probe()
+                    submission, part = probe_call(self.deployment, self.cancel)
                     self._assign(slot, submission, 0, self._new_batch(submission, part))
                     probes.append(submission)
         for submission in probes:

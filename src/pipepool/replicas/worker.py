@@ -1,10 +1,11 @@
-"""A replica process: one ordinary ``Engine`` serving token batches from the front end.
+"""A replica process: one pipeline of stages (``driver.local.LocalPipeline``) serving the token
+batches of its front ends; it tokenises nothing (the front end did) and keeps no tokenizer.
 
 ``python -m pipepool.replicas.worker FD``: FD is this end of a socket pair the front end made.
 Per front end (a ``ReplicaServer``): one thread reads frames and enqueues their batches; the
-engine's loop thread writes each step's finished rows into that front end's outbox; one sender
-thread ships the outbox, with a snapshot of the engine's counters, as one frame — at once when
-there are results, else every ``STATUS_INTERVAL_S`` and whenever the engine's health changes
+pipeline's loop thread writes each step's finished rows into that front end's outbox; one sender
+thread ships the outbox, with a snapshot of the pipeline's counters, as one frame — at once when
+there are results, else every ``STATUS_INTERVAL_S`` and whenever the pipeline's health changes
 (a stage died and is being restarted: the front end moves this replica's work elsewhere
 meanwhile).
 
@@ -29,11 +30,13 @@ import threading
 from collections import deque
 from multiprocessing.connection import Connection
 
-from ..api.engine import Engine
-from ..api.priority import background_work, client_turns
-from ..api.submission import Submission
+from ..core.priority import background_work, client_turns
+from ..core.submission import Submission
+from ..driver.local import LocalPipeline
+from ..intake.inputs import TokenSlice, output_width
 from ..parallel.worker import _die_with_parent
 from ..runtime.collector import freeze_startup_objects
+from ..runtime.memory import bound_heap_growth
 from ..runtime.signal_mask import block_stop_signals
 from .messages import (
     Abort,
@@ -56,10 +59,11 @@ _HEALTH_POLL_S = 0.05  # how soon a health change (a stage died) reaches the fro
 
 
 class ReplicaServer:
-    """One front end's session. ``owner``: the parent's (its end closes the engine)."""
+    """One front end's session over the replica's pipeline. ``owner``: the parent's (its end
+    closes the pipeline)."""
 
-    def __init__(self, engine: Engine, conn: Connection, *, owner: bool = True) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: LocalPipeline, conn: Connection, *, owner: bool = True) -> None:
+        self.pipeline = pipeline
         self.conn = conn
         self.owner = owner
         self._submissions: dict[int, Submission] = {}  # batch first id -> its call
@@ -72,7 +76,7 @@ class ReplicaServer:
     def run(self) -> int:
         """Serve until the front end says stop or goes away; returns the exit code."""
         self._sender.start()
-        self.engine.add_death_callback(lambda _cause: self._wake_sender())
+        self.pipeline.add_death_callback(lambda _cause: self._wake_sender())
         code = 0
         try:
             while True:
@@ -91,7 +95,7 @@ class ReplicaServer:
             code = 1  # the front end is gone: nobody to answer
         finally:
             if self.owner:
-                self.engine.close(write_trace=False)  # the front end writes the trace
+                self.pipeline.close()  # the front end writes the trace
             else:  # another front end hung up: its work here has nobody to go to
                 self._abort(tuple(self._submissions.copy()))  # copy(): atomic
             with self._wake:
@@ -114,12 +118,21 @@ class ReplicaServer:
                 client_turns(work.client),
             ):
                 # ``forward`` goes in with the work: a step may finish it before this returns.
-                submission = self.engine.submit_tokens(
-                    work.token_ids, work.lengths, work.params, work.type_ids, work.key_lens,
+                # The front end checked the batch (key lengths included) before sending it.
+                params = work.params
+                submission = Submission(
+                    params,
+                    len(work.lengths),
+                    params.dimensions or output_width(self.pipeline.deployment, params.pooling),
+                    on_cancel=self.pipeline.cancel,
+                    background=work.background,
+                    client=work.client,
                     on_result=forward,
-                )  # fmt: skip
+                )
+                part = TokenSlice(0, work.token_ids, work.lengths, work.type_ids, work.key_lens)
+                self.pipeline.enqueue(submission, part)
         except Exception:
-            return  # the engine is dead: the next snapshot says so, the front end re-runs it
+            return  # the pipeline is dead: the next snapshot says so, the front end re-runs it
         self._submissions[first_id] = submission
         submission.add_done_callback(lambda _f: self._submissions.pop(first_id, None))
 
@@ -132,7 +145,7 @@ class ReplicaServer:
     def _trace(self, request: TraceRequest) -> None:
         """Gather the pipeline's spans (waiting for its steps in flight) and send them."""
         try:
-            (traces,) = self.engine.pipeline.gather_trace(request.timeout_s)
+            (traces,) = self.pipeline.gather_trace(request.timeout_s)
             reply = TraceReply(request.token, traces)
         except BaseException as exc:
             reply = TraceReply(request.token, None, _picklable(exc))
@@ -153,7 +166,7 @@ class ReplicaServer:
                 results, self._outbox = list(self._outbox), deque()
                 replies, self._replies = list(self._replies), deque()
                 stopping = self._stop
-            health = self.engine.health
+            health = self.pipeline.health
             waited += _HEALTH_POLL_S if not results else 0.0
             if (
                 results or replies or health != last_health or waited >= STATUS_INTERVAL_S
@@ -161,7 +174,7 @@ class ReplicaServer:
             ):  # fmt: skip
                 waited, last_health = 0.0, health
                 try:
-                    send(self.conn, [*replies, Report(results, snapshot(self.engine))])
+                    send(self.conn, [*replies, Report(results, snapshot(self.pipeline))])
                 except OSError:
                     return
             if stopping or health == "dead":
@@ -172,11 +185,11 @@ class ReplicaServer:
                 return
 
 
-def snapshot(engine: Engine) -> Snapshot:
-    s = engine.stats
-    dead = engine.pipeline.cause_of_death
+def snapshot(pipeline: LocalPipeline) -> Snapshot:
+    s = pipeline.stats.snapshot()
+    dead = pipeline.cause_of_death
     return Snapshot(
-        health=engine.health,
+        health=pipeline.health,
         requests_finished=s.requests_finished,
         prompt_tokens_finished=s.prompt_tokens_finished,
         steps=s.steps,
@@ -191,7 +204,7 @@ def snapshot(engine: Engine) -> Snapshot:
         step_time_buckets=tuple(s.step_time_buckets),
         stage_busy_s=tuple(s.stage_busy_s),
         errors=dict(s.errors),
-        kv_blocks_free=engine.kv_blocks_free,
+        kv_blocks_free=pipeline.kv_blocks_free,
         cause=None if dead is None else str(dead),
     )
 
@@ -214,24 +227,25 @@ def main(argv: list[str] | None = None) -> None:
         # Our share of the host's cores (a pipeline of stage processes splits it further).
         torch.set_num_threads(start.config.cpu_threads)
     try:
-        engine = Engine.from_config(start.config)
+        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
+        pipeline = LocalPipeline(start.config)
         # A replica reports ready compiled: the front end routes by load, not by speed.
-        engine.wait_until_compiled()
+        pipeline.wait_until_compiled(None)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             send(conn, [StartFailed(_picklable(exc))])
         os._exit(1)
-    send(conn, [Ready(engine.deployment, os.getpid())])
+    send(conn, [Ready(pipeline.deployment, os.getpid())])
     freeze_startup_objects()
     if start.listen_path is not None:
-        accept_front_ends(engine, start.listen_path)
-    code = ReplicaServer(engine, conn).run()
+        accept_front_ends(pipeline, start.listen_path)
+    code = ReplicaServer(pipeline, conn).run()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def accept_front_ends(engine: Engine, path: str) -> None:
+def accept_front_ends(pipeline: LocalPipeline, path: str) -> None:
     """Serve every front end that connects to ``path`` (a thread each), from now on."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # left by the process this one replaces
@@ -242,10 +256,10 @@ def accept_front_ends(engine: Engine, path: str) -> None:
     def serve(conn: Connection) -> None:
         block_stop_signals()
         try:
-            send(conn, [Ready(engine.deployment, os.getpid())])
+            send(conn, [Ready(pipeline.deployment, os.getpid())])
         except OSError:
             return
-        ReplicaServer(engine, conn, owner=False).run()
+        ReplicaServer(pipeline, conn, owner=False).run()
         conn.close()
 
     def accept() -> None:

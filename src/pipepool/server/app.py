@@ -1,12 +1,12 @@
-"""The HTTP app: OpenAI's /v1/embeddings and /v1/models, vLLM's /pooling (``routes/openai.py``),
-/tokenize (vLLM's and TEI's forms) and /detokenize (``routes/tokens.py``), TEI's /embed and
-/info (``routes/tei.py``), sparse and multi-vector outputs: TEI's /embed_sparse and the
-``outputs`` of /v1/embeddings (``routes/retrieval.py``), Cohere's /v2/embed
-(``routes/cohere.py``), /rerank, /score and /classify of a classifier, and /rerank and /score
-of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and /version for
-operators (``routes/operators.py``), OpenAI's Files and Batches APIs (``routes/files.py``,
-``routes/batches.py``; ``batch_runner.py`` runs the batches). API docs at /docs, served from
-here (``docs.py``: no CDN, so they load offline)."""
+"""The HTTP app: OpenAI's /v1/embeddings and /v1/models (``routes/openai.py``), vLLM's /pooling
+(``routes/pooling.py``), /tokenize (vLLM's and TEI's forms) and /detokenize
+(``routes/tokens.py``), TEI's /embed and /info (``routes/tei.py``), sparse and multi-vector
+outputs: TEI's /embed_sparse and the ``outputs`` of /v1/embeddings (``routes/retrieval.py``),
+Cohere's /v2/embed (``routes/cohere.py``), /rerank, /score and /classify of a classifier, and
+/rerank and /score of a ColBERT or BGE-M3 model (``routes/scoring.py``), /health, /metrics and
+/version for operators (``routes/operators.py``), OpenAI's Files and Batches APIs
+(``routes/files.py``, ``routes/batches.py``; ``batch_runner.py`` runs the batches). API docs
+at /docs, served from here (``docs.py``: no CDN, so they load offline)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,20 @@ from .metrics import HttpMetrics, MetricsMiddleware
 from .models import ServedModels
 from .online_gate import OnlineRequests
 from .openapi import bound_by_server
-from .routes import batches, cohere, files, openai, operators, retrieval, scoring, tei, tokens
+from .routes import (
+    batches,
+    cohere,
+    files,
+    openai,
+    operators,
+    pooling,
+    retrieval,
+    scoring,
+    tei,
+    tei_predict,
+    tei_root,
+    tokens,
+)
 from .routes.shared import ServerState
 from .settings import ServerSettings
 from .turns import ClientTurns
@@ -30,9 +43,12 @@ __all__ = ["ServerState", "build_app"]
 
 ROUTERS = (
     openai.router,
+    pooling.router,
     tokens.router,
     operators.router,
     tei.router,
+    tei_predict.router,
+    tei_root.router,
     retrieval.router,
     cohere.router,
     scoring.router,
@@ -79,7 +95,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
 
 def _schema_as_answered(app: FastAPI, settings: ServerSettings, models: ServedModels) -> None:
     """The OpenAPI schema without FastAPI's 422 answers: a request that fails validation is
-    answered 400 with an OpenAI error body (``errors.py``), which each route lists; with the
+    answered 400 with an OpenAI error body (422 with TEI's on TEI's routes: ``errors.py``),
+    which each route lists; with the
     bounds of this server's settings and models (``openapi.py``)."""
     build = app.openapi
 
@@ -87,7 +104,9 @@ def _schema_as_answered(app: FastAPI, settings: ServerSettings, models: ServedMo
         schema = build()  # FastAPI's, cached on the app: stripped once
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.get("responses", {})
+                if "HTTPValidationError" in str(responses.get("422")):  # FastAPI's, not TEI's
+                    responses.pop("422")
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         bound_by_server(schema, settings, models)

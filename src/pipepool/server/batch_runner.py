@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from ..api.priority import background_work
+from ..core.priority import background_work
 from ..jobs.batch_lines import (
     BatchRequest,
     LineChecker,

@@ -37,7 +37,7 @@ class BatchThread:
     engines.
     Thousands of batch lines in flight, each a request through the app's routes, never queue
     in the event loop that answers online requests; their engine calls are background work
-    (``api.priority``), and their host work waits while an online request is in flight
+    (``core.priority``), and their host work waits while an online request is in flight
     (``online_gate``: every task step of this thread's loop, every call of its lane). Batches
     come from the server's state directory, within its limits. ``stopping()``: the server is
     shutting down (the runner stops sending lines)."""

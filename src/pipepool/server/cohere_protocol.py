@@ -1,6 +1,11 @@
-"""Request and response bodies of Cohere's v2 ``POST /v2/embed``: every text's embedding in
-each type asked for. Text only: ``images`` and ``inputs`` are refused by name. Unknown fields
-are ignored, as elsewhere (Cohere's client may send ``priority``)."""
+"""Request and response bodies of Cohere's embed routes, v2 ``POST /v2/embed`` and v1 ``POST
+/v1/embed``: every text's embedding in each type asked for. Text only: ``images`` and
+``inputs`` are refused by name. Every field of Cohere's spec is declared, honoured or refused
+by name; unknown fields follow ``protocol._Strict``.
+
+int8/uint8 are ``api/int8_scale.py``'s rule (one symmetric scale per model, so a text's
+integers are the same in any request) unless the caller gives ``ranges`` (pipepool's):
+sentence-transformers' buckets over those ranges. binary/ubinary pack the signs."""
 
 from __future__ import annotations
 
@@ -19,73 +24,59 @@ from pydantic import (
     field_validator,
 )
 
-from ..api.quantization import quantize_embeddings
-from .openapi import CheckedPositiveInt, Dimensions, Texts
+from ..api.quantization import quantize_embeddings, quantize_symmetric
+from .openapi import CheckedPositiveInt, Dimensions, Integer, Texts, TokenId
 from .protocol import _Strict, encode_array
 
-# The types of Cohere's embedding_types; the int8..ubinary ones are sentence-transformers'
-# precisions of the same names.
+# The types of Cohere's embedding_types; int8/uint8 as api/int8_scale.py makes them.
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_query", "search_document", "classification", "clustering"]
 Truncate = Literal["NONE", "START", "END"]
 _Finite = Annotated[StrictFloat, AllowInfNan(False)]
+# Cohere's priority, of which this server has one level (checked, with a message, not typed).
+_OnlyZero = Annotated[Integer, Field(json_schema_extra={"enum": [0]})]
 _Types = Annotated[list[EmbeddingType], Field(json_schema_extra={"minItems": 1})]
 # Refused by name when given (not null), so that a client learns why.
 _Refused = Annotated[Any, WithJsonSchema({"type": "null"})]
 # Two rows, minimums then maximums (rows of equal length: checked, not stated).
 _Ranges = Annotated[list[list[_Finite]], Field(json_schema_extra={"minItems": 2, "maxItems": 2})]
+_INPUT_TYPE_HELP = (
+    "search_query and search_document take the model's query and document prompts "
+    "(sentence-transformers' encode_query / encode_document); classification and clustering a "
+    "prompt of that name, where the model has one. Otherwise the model's default prompt, if any."
+)
+_TYPES_HELP = (
+    "float | int8 | uint8 | binary | ubinary | base64 (little-endian float32 bytes of each "
+    "vector). int8: round(127 * v / c), clipped to ±127, with c the model's fixed bound (the "
+    "largest component over pipepool's calibration texts); uint8: int8 + 128; the same text "
+    "gets the same integers in any request. binary/ubinary: the signs, 8 per byte."
+)
 
 
-class CohereEmbedRequest(_Strict):
-    """Cohere v2's embed body (text only), plus pipepool's ``ranges``."""
+class _CohereEmbedBody(_Strict):
+    """What Cohere's v1 and v2 embed bodies share (text only), plus pipepool's ``ranges``."""
 
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     images: _Refused = Field(None, description="Not supported: this server embeds text.")
-    inputs: _Refused = Field(None, description="Not supported: send texts.")
     texts: Texts = Field(description="The texts to embed.")
-    input_type: InputType = Field(
-        description="search_query and search_document take the model's query and document "
-        "prompts (sentence-transformers' encode_query / encode_document); classification and "
-        "clustering a prompt of that name, where the model has one. Otherwise the model's "
-        "default prompt, if any."
-    )
-    embedding_types: _Types = Field(
-        ["float"],
-        description="float | int8 | uint8 | binary | ubinary | base64 (little-endian float32 "
-        "bytes of each vector); each as sentence-transformers' quantize_embeddings makes it.",
-    )
     truncate: Truncate = Field(
         "END",
-        description="Texts over the model's length (or max_tokens): END cuts their end, START "
-        "their start, NONE answers 400.",
-    )
-    output_dimension: Dimensions | None = Field(
-        None, description="Matryoshka: keep the first N dimensions (then normalize)."
-    )
-    max_tokens: CheckedPositiveInt | None = Field(
-        None, description="Tokens of each text kept (truncate NONE: longer ones are 400)."
+        description="Texts over the model's length: END cuts their end, START their start, "
+        "NONE answers 400.",
     )
     ranges: _Ranges | None = Field(
         None,
-        description="pipepool's: int8/uint8 buckets as quantize_embeddings' ranges, [2, dim] "
-        "(each dimension's minimum, then maximum). Default: the range of this request's "
-        "vectors, which differs from request to request; send fixed ranges (from a "
-        "calibration set) to get comparable integers across requests.",
+        description="pipepool's: int8/uint8 as sentence-transformers' quantize_embeddings with "
+        "these ranges, [2, dim] (each dimension's minimum, then maximum), instead of the "
+        "model's fixed symmetric scale. Only with int8 or uint8 in embedding_types.",
     )
 
-    @field_validator("images", "inputs")
+    @field_validator("images")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError("this server embeds text only: send texts")
         return value
-
-    @field_validator("embedding_types")
-    @classmethod
-    def _some_types(cls, value: list[EmbeddingType]) -> list[EmbeddingType]:
-        if not value:
-            raise ValueError("give at least one of float, int8, uint8, binary, ubinary, base64")
-        return list(dict.fromkeys(value))  # each once, in the order asked
 
     @field_validator("ranges")
     @classmethod
@@ -95,9 +86,69 @@ class CohereEmbedRequest(_Strict):
         return value
 
 
+def _distinct(value: list[EmbeddingType] | None) -> list[EmbeddingType] | None:
+    if value is not None and not value:
+        raise ValueError("give at least one of float, int8, uint8, binary, ubinary, base64")
+    return None if value is None else list(dict.fromkeys(value))  # each once, in order asked
+
+
+class CohereEmbedRequest(_CohereEmbedBody):
+    """Cohere v2's embed body (text only), plus pipepool's ``ranges``."""
+
+    inputs: _Refused = Field(None, description="Not supported: send texts.")
+    input_type: InputType = Field(description=_INPUT_TYPE_HELP)
+    embedding_types: _Types = Field(["float"], description=_TYPES_HELP)
+    output_dimension: Dimensions | None = Field(
+        None, description="Matryoshka: keep the first N dimensions (then normalize)."
+    )
+    max_tokens: CheckedPositiveInt | None = Field(
+        None, description="Tokens of each text kept (truncate NONE: longer ones are 400)."
+    )
+    priority: _OnlyZero | None = Field(
+        None,
+        description="Cohere's request priority: only 0 (the default, Cohere's highest), which "
+        "every request here has; other values are refused (no priority levels here).",
+    )
+
+    @field_validator("inputs")
+    @classmethod
+    def _no_inputs(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("this server embeds text only: send texts")
+        return value
+
+    @field_validator("embedding_types")
+    @classmethod
+    def _some_types(cls, value: list[EmbeddingType]) -> list[EmbeddingType] | None:
+        return _distinct(value)
+
+    @field_validator("priority")
+    @classmethod
+    def _one_priority(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise ValueError(
+                "this server serves every request at priority 0 (Cohere's highest) and has no "
+                "other levels: leave priority out or send 0"
+            )
+        return value
+
+
+class CohereV1EmbedRequest(_CohereEmbedBody):
+    """Cohere v1's embed body (text only), plus pipepool's ``ranges``. Without
+    ``embedding_types`` the answer is v1's ``embeddings_floats``; with them, by type."""
+
+    input_type: InputType | None = Field(None, description=_INPUT_TYPE_HELP)
+    embedding_types: _Types | None = Field(None, description=_TYPES_HELP)
+
+    @field_validator("embedding_types")
+    @classmethod
+    def _some_types(cls, value: list[EmbeddingType] | None) -> list[EmbeddingType] | None:
+        return _distinct(value)
+
+
 class EmbeddingsByType(BaseModel):
     """One embedding per text, in text order, for each type asked for (no other type appears):
-    int8/uint8 are bucket numbers, binary/ubinary the signs packed 8 per byte."""
+    int8/uint8 the integers of the rule above, binary/ubinary the signs packed 8 per byte."""
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -110,8 +161,8 @@ class EmbeddingsByType(BaseModel):
 
 
 class CohereEmbedResponse(BaseModel):
-    """Cohere v2's embed answer: the embeddings by type, the texts, the tokens read in
-    ``meta.billed_units.input_tokens``."""
+    """Cohere's by-type embed answer (v2's only one; v1's with ``embedding_types``): the
+    embeddings by type, the texts, the tokens read in ``meta.billed_units.input_tokens``."""
 
     id: str
     embeddings: EmbeddingsByType
@@ -120,31 +171,100 @@ class CohereEmbedResponse(BaseModel):
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
 
 
+class CohereEmbedFloatsResponse(BaseModel):
+    """Cohere v1's answer without ``embedding_types``: one float vector per text."""
+
+    id: str
+    embeddings: list[list[float]]
+    texts: list[str]
+    meta: dict
+    response_type: Literal["embeddings_floats"] = "embeddings_floats"
+
+
 def embed_response(
     texts: list[str],
     vectors: np.ndarray,
-    types: list[EmbeddingType],
+    types: list[EmbeddingType] | None,
     num_tokens: list[int],
-    ranges: list[list[float]] | None,
+    int8: tuple[np.ndarray | None, float | None],
+    version: str,
 ) -> dict:
-    """The answer for ``vectors`` (``[n, dim]`` float32, one per text); raises
-    ``InvalidInputError`` for ``ranges`` that do not fit the vectors."""
-    limits = None if ranges is None else np.asarray(ranges)
+    """The answer for ``vectors`` (``[n, dim]`` float32, one per text); ``types`` None: v1's
+    floats answer. ``int8``: the caller's ranges, else the model's bound (one of them is given
+    where int8 or uint8 is asked for). Raises ``InvalidInputError`` for ranges that do not fit
+    the vectors."""
+    if types is None:
+        embeddings: Any = vectors.tolist()
+    else:
+        embeddings = {kind: _by_type(vectors, kind, *int8) for kind in types}
     return {
         "id": str(uuid.uuid4()),
-        "embeddings": {kind: _by_type(vectors, kind, limits) for kind in types},
+        "embeddings": embeddings,
         "texts": texts,
         "meta": {
-            "api_version": {"version": "2"},
+            "api_version": {"version": version},
             "billed_units": {"input_tokens": int(sum(num_tokens))},
         },
-        "response_type": "embeddings_by_type",
+        "response_type": "embeddings_floats" if types is None else "embeddings_by_type",
     }
 
 
-def _by_type(vectors: np.ndarray, kind: str, ranges: np.ndarray | None) -> list:
+def _by_type(
+    vectors: np.ndarray, kind: str, ranges: np.ndarray | None, bound: float | None
+) -> list:
     if kind == "float":
         return vectors.tolist()
     if kind == "base64":
         return [encode_array(v, "base64") for v in vectors]
-    return quantize_embeddings(vectors, kind, ranges).tolist()
+    if kind.endswith("binary") or ranges is not None:
+        return quantize_embeddings(vectors, kind, ranges).tolist()
+    assert bound is not None, "int8/uint8 without ranges need the model's bound"
+    return quantize_symmetric(vectors, kind, bound).tolist()
+
+
+# Cohere's bounds on /v1/tokenize's text and /v1/detokenize's tokens (its spec's).
+MAX_TOKENIZE_CHARS = 65536
+MAX_DETOKENIZE_TOKENS = 65536
+
+
+class CohereTokenizeRequest(_Strict):
+    """Cohere v1's ``POST /v1/tokenize``: one text to this model's tokens."""
+
+    text: StrictStr = Field(
+        description="The text, 1 to 65536 characters.",
+        json_schema_extra={"minLength": 1, "maxLength": MAX_TOKENIZE_CHARS},
+    )
+    model: StrictStr | None = Field(None, description="The served model name (default: that one).")
+
+
+class CohereTokenizeResponse(BaseModel):
+    """The text's tokens without special tokens (as Cohere's client tokenizes offline), and
+    each token's piece of the text: from where the previous token ended to where it ends, so
+    the pieces put together give the text back (a token that shares its characters with the
+    one before, as byte pieces of one character do, has an empty piece)."""
+
+    tokens: list[int]
+    token_strings: list[str]
+    meta: dict
+
+
+class CohereDetokenizeRequest(_Strict):
+    """Cohere v1's ``POST /v1/detokenize``: this model's token ids back to text."""
+
+    tokens: list[TokenId] = Field(
+        description="1 to 65536 token ids, each in [0, vocabulary size).",
+        json_schema_extra={"minItems": 1, "maxItems": MAX_DETOKENIZE_TOKENS},
+    )
+    model: StrictStr | None = Field(None, description="The served model name (default: that one).")
+
+
+class CohereDetokenizeResponse(BaseModel):
+    """The tokens' text, special tokens left out (as Cohere's client decodes offline)."""
+
+    text: str
+    meta: dict
+
+
+def v1_meta() -> dict:
+    """``meta`` of a Cohere v1 answer that bills nothing."""
+    return {"api_version": {"version": "1"}}

@@ -1,6 +1,14 @@
-"""Every error the server sends has OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``, so the official clients raise their usual
-exception classes (BadRequestError, AuthenticationError, RateLimitError, ...)."""
+"""The error bodies the server sends, one shape per route family (``error_shape``):
+
+- OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, on every route but TEI's, so the
+  official clients (openai, cohere, vLLM's) raise their usual exception classes
+  (BadRequestError, AuthenticationError, RateLimitError, ...);
+- text-embeddings-inference's, ``{"error": str, "error_type": str}`` with TEI's statuses, on
+  the routes only TEI defines (``TEI_PATHS``; ``/rerank`` and ``/tokenize``, which other
+  peers define too, keep OpenAI's): ``tei_answer`` maps each error to TEI's.
+
+An error is raised once, as an ``APIError`` (OpenAI's fields); its shape is chosen where it is
+answered, by the request it answers."""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from ..errors import EngineDeadError, InvalidInputError, PromptTooLongError
 
@@ -25,6 +34,8 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER = "server_error"
+# The code of a request with nothing in it to compute (TEI's Empty: 400 on TEI routes).
+EMPTY = "empty"
 
 # How long a refused client is told to wait, in milliseconds: about a second, spread evenly over
 # this range so that clients refused together do not come back together. A herd of retries is a
@@ -70,8 +81,59 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def response(self, scope: Scope | None = None) -> JSONResponse:
+        """The answer to the request of ``scope`` (its route family picks the body's shape:
+        ``error_shape``); OpenAI's shape where there is no request to look at."""
+        if scope is not None and error_shape(scope) == TEI:
+            status, error_type = tei_answer(self)
+            body = {"error": self.message, "error_type": error_type}
+            return _AsciiJSON(body, status_code=status, headers=self.headers)
         return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+OPENAI = "openai"
+TEI = "tei"
+
+# The routes only text-embeddings-inference defines: their errors have TEI's shape. POST / and
+# /invocations answer as TEI does (``routes/tei_root.py``).
+TEI_PATHS = frozenset(
+    {"/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/predict", "/similarity",
+     "/decode", "/info"}
+)  # fmt: skip
+
+
+def error_shape(scope: Scope) -> str:
+    """The error body's shape for the request of ``scope``: TEI's on ``TEI_PATHS``, OpenAI's
+    everywhere else (``/rerank`` and ``/tokenize`` serve OpenAI-family clients too)."""
+    return TEI if scope.get("path") in TEI_PATHS else OPENAI
+
+
+def tei_answer(err: APIError) -> tuple[int, str]:
+    """TEI's status and ``error_type`` for an error (its ``ErrorType`` and the status each
+    has): Empty 400 (no inputs, an empty text); Validation 413 (more inputs than
+    max_client_batch_size, a body over the limit), 422 (any other bad field or input, an input
+    too long); Backend 424 (a model that does not do what the route asks: an embedding model's
+    /predict); Overloaded 429; Unhealthy 503 (loading, engine failed, shutting down). Errors
+    TEI has no type for keep their status: 401 (Unauthorized), 405, 408 (Validation), 500
+    (Backend)."""
+    status, code = err.status, err.code
+    if status == 400:
+        if code == EMPTY:
+            return 400, "Empty"
+        if code == "too_many_inputs":
+            return 413, "Validation"
+        return 422, "Validation"
+    if status == 404 and code == "unsupported_task":
+        return 424, "Backend"
+    if status == 429:
+        return 429, "Overloaded"
+    if status == 503:
+        return 503, "Unhealthy"
+    if status == 401:
+        return 401, "Unauthorized"
+    if status >= 500:
+        return status, "Backend"
+    return status, "Validation"
 
 
 class _AsciiJSON(JSONResponse):
@@ -112,25 +174,27 @@ def model_not_found(name: str, served: tuple[str, ...] = ()) -> APIError:
 
 
 def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None:
-    """Route every failure, FastAPI's own included, through the OpenAI error body.
+    """Route every failure, FastAPI's own included, through the error body of its route's
+    family (``APIError.response``).
 
     ``on_error`` sees each error sent (for the error counters in /metrics).
     """
 
-    def send(err: APIError) -> JSONResponse:
+    def send(err: APIError, request: Request) -> JSONResponse:
         on_error(err)
-        return err.response()
+        return err.response(request.scope)
 
     # Starlette types every handler as taking any Exception (its stub cannot tie the handler to
     # the class it is registered for): each narrows to the class it is registered under.
-    async def api_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return send(exc)
+        return send(exc, request)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error".
-        return send(_wrong_content_type(request, exc) or _from_validation(exc))
+        # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error" (TEI's
+        # routes answer 422, ``tei_answer``).
+        return send(_wrong_content_type(request, exc) or _from_validation(exc), request)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -140,11 +204,12 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
         if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": _allowed_methods(request)}
         return send(
-            APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers)
+            APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers),
+            request,
         )
 
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return send(from_engine(exc))
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return send(from_engine(exc), request)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -205,11 +270,17 @@ def _from_validation(exc: RequestValidationError) -> APIError:
     # (e.g. "list[int]") and list indexes after it.
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
-    if kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {where}"
+    unknown = [
+        ".".join(str(part) for part in e.get("loc", ()) if part != "body")
+        for e in errors
+        if e.get("type") == "extra_forbidden"
+    ]
+    if kind == "extra_forbidden":  # every unknown field named, in OpenAI's words
+        several = "s" if len(unknown) > 1 else ""
+        message = f"Unrecognized request argument{several} supplied: {', '.join(unknown)}"
     else:
         message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"
-    more = len(errors) - 1
+    more = len(errors) - (len(unknown) if kind == "extra_forbidden" else 1)
     if more:
         message += f" (and {more} more problem{'s' if more > 1 else ''})"
     return APIError(400, message, param=param, code="invalid_value")

@@ -23,8 +23,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..api.engine import Engine
-from ..api.priority import is_background
-from ..api.submission import Submission
+from ..core.priority import is_background
+from ..core.submission import Submission
 from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
 from . import timing
@@ -93,11 +93,12 @@ class AsyncEngine:
         self._waiters: list[tuple[int, asyncio.Future[bool]]] = []
         # Tokenizers release the GIL; more threads than cores would only queue up.
         workers = threads or max(1, min(4, os.cpu_count() or 1))
+        self.tokenizer_threads = workers  # online requests' tokenising threads (TEI's /info)
         self._small = ThreadPoolExecutor(workers, thread_name_prefix="pipepool-tokenize")
         self._large = ThreadPoolExecutor(
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-large"
         )
-        # Background work (batch jobs, ``api.priority``) has a lane of its own: thousands of
+        # Background work (batch jobs, ``core.priority``) has a lane of its own: thousands of
         # batch lines queued for tokenising or serialising never hold up an online request,
         # and its threads wait while one is in flight (``online_gate``).
         self._background = BackgroundPool(
@@ -148,7 +149,7 @@ class AsyncEngine:
                     timing.add("lane", time.perf_counter() - queued)
                     return submit(engine)
 
-                # In this task's context, so that what marks the call (``api.priority``'s
+                # In this task's context, so that what marks the call (``core.priority``'s
                 # background work) reaches Engine.submit on the tokenising thread.
                 context = contextvars.copy_context()
                 loop = asyncio.get_running_loop()

@@ -138,7 +138,7 @@ class GuardMiddleware:
 
     async def _reject(self, err: APIError, scope, receive, send) -> None:
         self.on_error(err)
-        await err.response()(scope, receive, send)
+        await err.response(scope)(scope, receive, send)
 
 
 def lone_surrogate(body: bytes) -> APIError | None:

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..api.engine import Engine
-from ..api.submission import Submission
 from ..config import check_long_inputs
+from ..core.submission import Submission
 from ..intake.inputs import MAX_CHARS_PER_TOKEN
 from ..loading.deployment import Deployment
 from .errors import APIError

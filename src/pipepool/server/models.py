@@ -9,7 +9,6 @@ use the chosen model's ``front``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,13 +16,9 @@ from pathlib import Path
 
 from ..api.router import TASKS, model_tasks
 from ..errors import InvalidInputError
+from ..loading.model_folder import BUNDLED_MODEL_ID, hub_id_of_snapshot
 from .errors import SERVER, APIError, model_not_found
 from .front import AsyncEngine
-
-# What a client calls the bundled model when the server was started without --model.
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-# A folder in the Hugging Face cache: .../models--ORG--NAME/snapshots/REVISION
-_HF_CACHE_FOLDER = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
 @dataclass(frozen=True)
@@ -187,12 +182,12 @@ def served_model_names(model: str | None, extra: str | None = None) -> tuple[str
     local folder's name and the path as given."""
     names = [n.strip() for n in (extra or "").split(",") if n.strip()]
     if model is None:
-        names += [DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME.split("/")[1]]
+        names += [BUNDLED_MODEL_ID, BUNDLED_MODEL_ID.split("/")[1]]
     else:
         path = Path(model).expanduser()
-        cached = _HF_CACHE_FOLDER.search(path.as_posix())
-        if cached:
-            names += [f"{cached[1]}/{cached[2]}", cached[2]]
+        hub_id = hub_id_of_snapshot(path)
+        if hub_id:
+            names += [hub_id, hub_id.split("/")[1]]
         elif not path.is_dir() and model.count("/") == 1:  # a hub id
             names += [model, model.split("/")[1]]
         if path.is_dir():

@@ -3,7 +3,7 @@
 A batch's lines are answered in the server's own process (``batch_runner.py``), on a thread
 and event loop of their own, and their Python (parsing, routing, serialising each line's
 answer) shares the process's interpreter lock with the online requests. The engine already
-keeps batch work out of the steps that carry online requests (``api.priority``); this does the
+keeps batch work out of the steps that carry online requests (``core.priority``); this does the
 same for host time: while an online request is in flight in this process, the batch's event
 loop runs none of its tasks, and its tokenising and serialising lane takes no new work.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..api.priority import is_background
+from ..core.priority import is_background
 
 __all__ = ["GATE", "BackgroundPool", "OnlineGate", "OnlineRequests", "gated_task_factory"]
 
@@ -91,7 +91,7 @@ GATE = OnlineGate()  # the process's: its online requests, its background work
 
 class OnlineRequests:
     """ASGI middleware: every HTTP request that is not background work (a batch line,
-    ``api.priority``) counts as online in ``gate`` while the app answers it."""
+    ``core.priority``) counts as online in ``gate`` while the app answers it."""
 
     def __init__(self, app, gate: OnlineGate = GATE) -> None:
         self.app = app

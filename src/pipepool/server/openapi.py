@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchema
 
 from ..api.retrieval_scoring import pair_options
+from ..api.router import model_tasks
+from .pooling_tasks import POOLING_TASKS, pooling_tasks
 
 if TYPE_CHECKING:
     from ..api.engine import Engine
@@ -107,6 +109,8 @@ class ModelBounds:
     # Request options for some models only (``retrieval_scoring.pair_options``): the schema
     # offers a field marked PAIR_OPTION where its name is one of these.
     pair_options: frozenset[str] = frozenset()
+    # vLLM's /pooling tasks it does (``pooling_protocol.pooling_tasks``)
+    tasks: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, engine: Engine) -> ModelBounds:
@@ -117,6 +121,7 @@ class ModelBounds:
             max_model_len=d.max_model_len,
             prompt_names=tuple(sorted(engine.inputs.prompts)),
             pair_options=pair_options(d),
+            tasks=pooling_tasks(model_tasks(d)),
         )
 
     @classmethod
@@ -128,6 +133,7 @@ class ModelBounds:
             max_model_len=max(b.max_model_len for b in bounds),
             prompt_names=tuple(sorted({n for b in bounds for n in b.prompt_names})),
             pair_options=frozenset().union(*(b.pair_options for b in bounds)),
+            tasks=tuple(t for t in POOLING_TASKS if any(t in b.tasks for b in bounds)),
         )
 
 
@@ -162,6 +168,8 @@ def bound_schema(schema: dict, settings: ServerSettings, model: ModelBounds | No
             node["maxItems"] = settings.max_inputs_per_request
         elif bound == "prompt_names" and model is not None:
             node["enum"] = list(model.prompt_names)
+        elif bound == "tasks" and model is not None and model.tasks:
+            node["enum"] = list(model.tasks)
         elif bound == "vocab_size" and model is not None:
             node["maximum"] = model.vocab_size - 1
         elif bound in ("output_dim", "max_model_len") and model is not None:

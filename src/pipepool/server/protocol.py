@@ -1,18 +1,16 @@
-"""Request and response bodies of the HTTP API: OpenAI's /v1/embeddings, vLLM's /pooling and
-/tokenize, TEI's /embed and /tokenize. Unknown fields are ignored (logged at debug level):
-OpenAI clients and LangChain send fields of their own that change nothing here."""
+"""Request and response bodies of the HTTP API: OpenAI's /v1/embeddings, TEI's /embed and
+/embed_sparse, and the answers the routes share (vLLM's /pooling: ``pooling_protocol.py``; the
+tokenizer's routes: ``tokens_protocol.py``). Every request model takes only the fields it
+declares (``strict.py``: an unknown field is a 400 naming it); how vectors are written:
+``encoding.py``."""
 
 from __future__ import annotations
 
-import base64
-import logging
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-import torch
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictStr,
@@ -22,19 +20,18 @@ from pydantic import (
 )
 
 from ..loading.retrieval import OUTPUTS
+from .encoding import EmbedDtype, EncodingFormat, Endianness, Wire
+from .encoding import encode_array as encode_array  # cohere_protocol imports it from here
 from .openapi import (
     CheckedPositiveInt,
     Dimensions,
-    PromptName,
     Text,
     Texts,
-    TokenId,
     TokenIdLists,
     TokenIds,
     TruncateTokens,
-    inputs_bound,
-    one_of_fields,
 )
+from .strict import StrictRequest
 
 if TYPE_CHECKING:
     from ..api.retrieval import RetrievalOutputs, SparseEmbedding
@@ -47,24 +44,14 @@ _INPUT_HELP = (
 )
 
 
-log = logging.getLogger("pipepool.server")
-
 LongInputs = Literal["truncate", "error", "chunk"]
-EmbedDtype = Literal["float32", "float16", "bfloat16"]
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Names checked by the route (a 400 naming the choices), stated in the schema.
 _Outputs = Annotated[
     list[Annotated[StrictStr, Field(json_schema_extra={"enum": list(OUTPUTS)})]],
     Field(json_schema_extra={"minItems": 1}),
 ]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    def model_post_init(self, _context: Any) -> None:
-        if self.model_extra:
-            log.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+# The request models of the other route families derive from it by this name.
+_Strict = StrictRequest
 
 
 class InputsRequest(_Strict):
@@ -72,13 +59,23 @@ class InputsRequest(_Strict):
 
     input: Input = Field(description=_INPUT_HELP)
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: little-endian bytes of embed_dtype, as OpenAI sends them."
+    encoding_format: EncodingFormat = Field(
+        "float",
+        description="float: JSON numbers. base64: the bytes of embed_dtype in endianness, as "
+        "OpenAI sends them. bytes, bytes_only (vLLM's): those bytes as the body itself "
+        "(application/octet-stream), every input's one after the other; bytes adds a "
+        "'metadata' header (JSON: id, created, model, usage, and per input its byte range "
+        "and shape).",
     )
     embed_dtype: EmbedDtype = Field(
         "float32",
-        description="vLLM's: the type of the values sent. base64 holds its little-endian bytes; "
+        description="vLLM's: the type of the values sent. base64 and bytes hold its bytes; "
         "float, the values rounded through it (round to nearest even).",
+    )
+    endianness: Endianness = Field(
+        "native",
+        description="vLLM's: the byte order of base64 and bytes (native: the server's). "
+        "Numbers in JSON (float) have none.",
     )
     truncate_prompt_tokens: TruncateTokens | None = Field(
         None,
@@ -90,7 +87,44 @@ class InputsRequest(_Strict):
         description="Inputs over max_model_len: truncate, error (400), or chunk (embed every "
         "window, token-weighted mean). Default: the server's --long-inputs.",
     )
-    user: StrictStr | None = Field(None, description="Accepted for compatibility; not used.")
+    add_special_tokens: StrictBool = Field(
+        True,
+        description="vLLM's: false leaves out the special tokens the model adds to a text "
+        "([CLS], [SEP], BOS, ...); the model's default prompt stays. Token-id inputs are "
+        "taken as they are.",
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None,
+        description="vLLM's: where an input over truncate_prompt_tokens (or max_model_len, "
+        "where the server truncates) is cut. right (default) keeps its first tokens, left its "
+        "last; the special tokens stay.",
+    )
+    normalize: StrictBool | None = Field(
+        None,
+        description="L2-normalize each vector (default: what the model was trained with; "
+        "/pooling's token_embed: false).",
+    )
+    use_activation: StrictBool | None = Field(
+        None,
+        description="vLLM's newer name for normalize; on /pooling's classify and "
+        "token_classify, the model's activation (softmax, sigmoid) or, false, raw logits. "
+        "Given with normalize, the two must agree.",
+    )
+    user: StrictStr | None = Field(
+        None, description="OpenAI's end-user id, for abuse monitoring; it changes no answer."
+    )
+
+    @model_validator(mode="after")
+    def _normalize_agrees(self) -> InputsRequest:
+        given = {self.normalize, self.use_activation} - {None}
+        if len(given) > 1:
+            raise ValueError("normalize and use_activation (vLLM's name for it) disagree")
+        return self
+
+    @property
+    def normalized(self) -> bool | None:
+        """Whether to L2-normalize embeddings: normalize or use_activation, None if neither."""
+        return self.normalize if self.normalize is not None else self.use_activation
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -103,6 +137,11 @@ class InputsRequest(_Strict):
                 "input must be a string, a list of strings, a list of token ids, or a list "
                 "of token-id lists"
             ) from None
+
+    @property
+    def wire(self) -> Wire:
+        """How the answer writes its vectors."""
+        return Wire(self.encoding_format, self.embed_dtype, self.endianness)
 
     def inputs(self) -> list:
         """The inputs as the engine takes them: a list of strings or of token-id lists."""
@@ -122,15 +161,13 @@ class EmbeddingRequest(InputsRequest):
         None,
         description="Matryoshka: keep the first N dimensions (then normalize); dense only.",
     )
-    normalize: StrictBool | None = Field(
-        None, description="L2-normalize (default: what the model was trained with)."
-    )
     outputs: _Outputs | None = Field(
         None,
         description="What each data item carries, any of: dense (embedding), sparse "
         "(sparse_embedding), multi_vector (one vector per token), from one forward per input. "
         "Default: dense. A model gives only some (SPLADE: sparse; BGE-M3: all three; ColBERT: "
-        "multi_vector): asking for another is a 404 naming those it gives.",
+        "multi_vector): asking for another is a 400 naming those it gives. encoding_format "
+        "bytes carries dense vectors only.",
     )
     return_tokens: StrictBool = Field(
         False, description="sparse: each index's token string too (sparse_embedding.tokens)."
@@ -144,75 +181,6 @@ class EmbeddingRequest(InputsRequest):
         description="multi_vector of a ColBERT model: the query form (query prefix, [MASK] "
         "expansion to the query length) instead of the document form.",
     )
-
-
-class PoolingRequest(InputsRequest):
-    """vLLM's ``/pooling`` body: one embedding per token of each input."""
-
-    normalize: StrictBool = Field(False, description="L2-normalize every token embedding.")
-
-
-class TokenizeRequest(_Strict):
-    """vLLM's ``/tokenize`` body: one text, as ``prompt`` or ``input``."""
-
-    model_config = ConfigDict(json_schema_extra=one_of_fields("prompt", "input", "inputs"))
-
-    prompt: Text | None = Field(None, description="The text to tokenize.")
-    input: Text | None = Field(None, description="Same as prompt (give one of them).")
-    # TEI tokenizes an empty text, and an empty list, as it is.
-    inputs: StrictStr | Annotated[list[StrictStr], inputs_bound(min_items=0)] | None = Field(
-        None, description="TEI's form: one text or a list; answered as TEI answers."
-    )
-    model: StrictStr | None = None
-    add_special_tokens: Annotated[StrictBool, Field(json_schema_extra={"const": True})] = Field(
-        True, description="Must be true: the model's special tokens are part of every prompt."
-    )
-
-    @model_validator(mode="after")
-    def _one_text(self) -> TokenizeRequest:
-        given = [x for x in (self.prompt, self.input, self.inputs) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of prompt, input or inputs")
-        if not self.add_special_tokens:
-            raise ValueError("add_special_tokens=false is not supported")
-        return self
-
-    @property
-    def text(self) -> str:
-        """The text given as prompt or input; requests that give TEI's inputs have none."""
-        text = self.prompt if self.prompt is not None else self.input
-        assert text is not None, "the request gives inputs: it has no single text"
-        return text
-
-
-class DetokenizeRequest(_Strict):
-    """vLLM's ``POST /detokenize``: token ids of this model's tokenizer back to text."""
-
-    tokens: list[TokenId] = Field(description="Token ids, each in [0, vocabulary size).")
-    model: StrictStr | None = None
-
-
-class TEIEmbedSparseRequest(_Strict):
-    """Hugging Face text-embeddings-inference's ``POST /embed_sparse``."""
-
-    inputs: Text | Texts = Field(description="One text or a list of texts.")
-    truncate: StrictBool | None = Field(
-        None, description="Truncate inputs over max_model_len (default: the server's policy)."
-    )
-    truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
-    prompt_name: PromptName | None = Field(
-        None, description="One of the model's prompts, put before each text."
-    )
-
-    def texts(self) -> list[str]:
-        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
-
-
-class TEIEmbedRequest(TEIEmbedSparseRequest):
-    """Hugging Face text-embeddings-inference's ``POST /embed``."""
-
-    normalize: StrictBool = Field(True, description="L2-normalize (TEI's default: true).")
-    dimensions: Dimensions | None = None
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------
@@ -261,48 +229,6 @@ class EmbeddingResponse(BaseModel):
     usage: Usage
 
 
-class PoolingData(BaseModel):
-    """One input's token embeddings ``[num_tokens, hidden]`` (base64: row-major ``embed_dtype``)."""
-
-    object: Literal["pooling"] = "pooling"
-    index: int
-    data: list[list[float]] | str  # [num_tokens, hidden]; base64: row-major embed_dtype
-
-
-class PoolingResponse(BaseModel):
-    """vLLM's ``/pooling`` answer: one ``PoolingData`` per input, in input order."""
-
-    object: Literal["list"] = "list"
-    data: list[PoolingData]
-    model: str
-    usage: Usage
-
-
-class TokenizeResponse(BaseModel):
-    """vLLM's answer: every token of the text, never truncated (``count`` is the whole text's;
-    an input longer than max_model_len is truncated, refused or chunked by the model routes)."""
-
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class TEIToken(BaseModel):
-    """One token in TEI's ``/tokenize`` answer (a list of them per text)."""
-
-    id: int
-    text: str
-    special: bool
-    start: int | None  # character span in the text; None for special tokens
-    stop: int | None
-
-
-class DetokenizeResponse(BaseModel):
-    """vLLM's ``/detokenize`` answer: the text of the token ids, special tokens kept."""
-
-    prompt: str
-
-
 class ModelCard(BaseModel):
     """One served model name in ``/v1/models`` (``max_model_len`` and ``tasks`` once its
     model is loaded)."""
@@ -347,64 +273,21 @@ class HealthResponse(BaseModel):
     batch_store: dict[str, Any] | None = None
 
 
-def encode_array(
-    array: np.ndarray, encoding_format: str, embed_dtype: EmbedDtype = "float32"
-) -> list | str:
-    """A float32 vector (or matrix) as JSON, in ``embed_dtype``: nested floats (the values
-    rounded through it), or base64 of its little-endian bytes, row-major."""
-    if embed_dtype == "float32":
-        if encoding_format == "base64":
-            return _base64(np.ascontiguousarray(array, dtype="<f4"))
-        return array.tolist()
-    # torch rounds to float16 and bfloat16 to nearest even; numpy has no bfloat16.
-    narrow = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-    narrow = narrow.to(_TORCH_DTYPES[embed_dtype])
-    if encoding_format == "base64":
-        return _base64(narrow.view(torch.int16).numpy().astype("<i2", copy=False))
-    return narrow.float().numpy().tolist()
-
-
-def _base64(array: np.ndarray) -> str:
-    return base64.b64encode(array.tobytes()).decode("ascii")
-
-
 def embedding_response(
-    model: str,
-    outputs: list[np.ndarray],
-    num_tokens: list[int],
-    encoding_format: str,
-    embed_dtype: EmbedDtype = "float32",
+    model: str, outputs: list[np.ndarray], num_tokens: list[int], wire: Wire
 ) -> dict:
-    return _list_response(
-        model, "embedding", "embedding", outputs, num_tokens, encoding_format, embed_dtype
-    )
+    """OpenAI's ``/v1/embeddings`` answer (JSON ``wire`` formats)."""
+    return list_response(model, "embedding", "embedding", outputs, num_tokens, wire)
 
 
-def pooling_response(
-    model: str,
-    outputs: list[np.ndarray],
-    num_tokens: list[int],
-    encoding_format: str,
-    embed_dtype: EmbedDtype = "float32",
-) -> dict:
-    return _list_response(
-        model, "pooling", "data", outputs, num_tokens, encoding_format, embed_dtype
-    )
-
-
-def outputs_response(
-    model: str,
-    outputs: RetrievalOutputs,
-    encoding_format: str,
-    embed_dtype: EmbedDtype = "float32",
-) -> dict:
+def outputs_response(model: str, outputs: RetrievalOutputs, wire: Wire) -> dict:
     """``/v1/embeddings`` with ``outputs``: each data item with the outputs asked for and no
-    other (``encoding_format`` and ``embed_dtype`` apply to ``embedding``, the dense one)."""
+    other (``wire`` applies to ``embedding``, the dense one)."""
     data = []
     for i in range(len(outputs.num_tokens)):
         item: dict[str, Any] = {"object": "embedding", "index": i}
         if outputs.dense is not None:
-            item["embedding"] = encode_array(outputs.dense[i], encoding_format, embed_dtype)
+            item["embedding"] = wire.json(outputs.dense[i])
         if outputs.sparse is not None:
             sparse = outputs.sparse[i]
             item["sparse_embedding"] = {
@@ -437,21 +320,24 @@ def tei_sparse_response(sparse: list[SparseEmbedding]) -> list[list[dict]]:
     ]
 
 
-def _list_response(
+def list_response(
     model: str,
     kind: str,
     field: str,
     outputs: list[np.ndarray],
     num_tokens: list[int],
-    encoding_format: str,
-    embed_dtype: EmbedDtype,
+    wire: Wire,
+    head: dict | None = None,
 ) -> dict:
+    """A list answer of OpenAI's shape: per input ``{"object": kind, "index", field: its
+    output}`` in input order, the model, the usage; ``head``'s fields first (vLLM's ``id``
+    and ``created``)."""
     tokens = int(sum(num_tokens))
     return {
+        **(head or {}),
         "object": "list",
         "data": [
-            {"object": kind, "index": i, field: encode_array(out, encoding_format, embed_dtype)}
-            for i, out in enumerate(outputs)
+            {"object": kind, "index": i, field: wire.json(out)} for i, out in enumerate(outputs)
         ],
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

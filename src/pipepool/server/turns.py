@@ -1,4 +1,4 @@
-"""Each client's requests take one turn in the scheduler (``api.priority.client_turns``).
+"""Each client's requests take one turn in the scheduler (``core.priority.client_turns``).
 
 Calls take turns step by step; a client that sends a hundred requests at once would otherwise
 get a hundred turns to another client's one. Keyed by the client's address (``--fair-share
@@ -8,7 +8,7 @@ client``, the default). Behind a proxy every request has the proxy's address, so
 
 from __future__ import annotations
 
-from ..api.priority import client_turns
+from ..core.priority import client_turns
 
 FAIR_SHARES = ("client", "request")
 

@@ -32,7 +32,7 @@ import torch
 from ..models.base import StageModel
 
 if TYPE_CHECKING:
-    from .runner import StageSpec
+    from ..loading.stage_spec import StageSpec
 
 
 def compiled_layer_body(

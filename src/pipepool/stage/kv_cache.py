@@ -39,8 +39,3 @@ class KVCache:
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.layer(j) for j in range(self.storage.shape[0])]
-
-    @staticmethod
-    def bytes_per_token(layout: KVLayout, num_layers: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * layout.num_kv_heads * layout.head_dim * itemsize

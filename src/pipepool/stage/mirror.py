@@ -1,4 +1,4 @@
-"""A stage's own copy of request progress (DESIGN.md §1), and one step's requests as the
+"""A stage's own copy of request progress (docs/design.md §1), and one step's requests as the
 stage sees them.
 
 A request whose prompt fits in one step lives for that step only: its state is the step's

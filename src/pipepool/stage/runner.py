@@ -1,6 +1,6 @@
 """One pipeline stage: its layers, its KV cache, its per-request mirror.
 
-A step, the same on every stage whatever its role (DESIGN.md §1):
+A step, the same on every stage whatever its role (docs/design.md §1):
 
 1. register the plan's new requests in the mirror;
 2. check the mirror against the plan (expected ``num_computed_tokens``): the mirror check;
@@ -16,13 +16,12 @@ The role of a stage decides only what it sends, never what state it advances.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 import warnings
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,9 +31,8 @@ from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
 from ..layers import segment_sum
-from ..loading.classifier import ClassifierHead
 from ..loading.model_folder import ModelFolder
-from ..loading.retrieval import RetrievalHead
+from ..loading.stage_spec import StageSpec
 from ..loading.weights import Checkpoint
 from ..models import StageModel, family_of
 from ..tracing.stage import StageTrace, traced
@@ -49,40 +47,10 @@ from .pooling import PooledStep, Pooler
 from .token_heads import build_token_heads
 from .transport import Inbound, Outbound
 
+if TYPE_CHECKING:
+    from ..loading.deployment import Deployment
+
 _log = logging.getLogger("pipepool.stage")
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Where a stage sits in the pipeline and what it runs on."""
-
-    index: int
-    num_stages: int
-    layers: range
-    device: torch.device
-    dtype: torch.dtype
-    num_kv_blocks: int  # 0 for encoders
-    max_model_len: int
-    compile: bool  # torch.compile the layer bodies
-    graph_max_tokens: int  # largest step replayed as CUDA graphs (CUDA only); 0: none
-    # Compile while serving eagerly, not before the stage is ready (background_compile.py).
-    compile_in_background: bool = False
-    classifier: ClassifierHead | None = None  # a classifier's head, run by the last stage
-    retrieval: RetrievalHead | None = None  # sparse / multi-vector heads, run by the last stage
-    attn_kernel: str = "portable"  # chosen once, in the deployment
-    fused_kernels: bool = False  # the deployment's choice; the stage verifies them on its device
-    causal: bool = False  # the checkpoint's attention, decided once (models/checkpoint_math.py)
-    # Linear layers as dynamic int8 GEMMs (EngineConfig.dtype "int8"; CPU encoders), quantized
-    # once at load; ``dtype`` (float32) is then everything else's.
-    int8_linears: bool = False
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
 
 
 class BusyClock:
@@ -386,13 +354,11 @@ class StageRunner:
                 self.pooler.drop(rid)
 
 
-def runner_class(path: str) -> type[StageRunner]:
-    """The class a ``Deployment.stage_runner`` import path (``module:Class``) names."""
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, StageRunner)):
-        raise TypeError(f"stage_runner {path!r} is not a StageRunner")
-    return cls
+def new_runner(deployment: Deployment, spec: StageSpec) -> StageRunner:
+    """Load stage ``spec`` (one of ``deployment.stage_spec``'s) with the deployment's runner:
+    ``StageRunner``, or the subclass ``Deployment.stage_runner`` names."""
+    runner = deployment.stage_runner or StageRunner
+    return runner(deployment.config, deployment.folder, spec)
 
 
 def _allocate(model: torch.nn.Module, device: torch.device) -> None:

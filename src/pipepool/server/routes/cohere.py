@@ -1,62 +1,152 @@
-"""Cohere v2's ``POST /v2/embed``, so Cohere's client (``cohere.ClientV2.embed``) works as it
-is: each text's embedding in every type asked for, quantized as sentence-transformers'
-``quantize_embeddings`` does (``api/quantization.py``, as ``Engine.encode`` does). The same
-limits, errors, metrics and API key as ``/v1/embeddings`` (Cohere's rerank is in
-``scoring.py``)."""
+"""Cohere's embed routes, so Cohere's clients work as they are: v2's ``POST /v2/embed``
+(``cohere.ClientV2.embed``) and v1's ``POST /v1/embed`` (``cohere.Client.embed``), each text's
+embedding in every type asked for (``cohere_protocol``: int8/uint8 on the model's fixed scale,
+``api/int8_scale.py``); v1's ``/v1/tokenize`` and ``/v1/detokenize`` are in
+``cohere_tokens.py``, Cohere's rerank in ``scoring.py``. The same limits, errors, metrics and
+API key as ``/v1/embeddings``."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...api.st_compat import task_prompt_name
-from ...errors import EngineDeadError, InvalidInputError
+from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
-from .shared import ERRORS, json_answer, run_model_outputs, select_model
+from . import cohere_tokens
+from .shared import (
+    CLIENT_CLOSED,
+    ERRORS,
+    ClientGone,
+    json_answer,
+    model_of,
+    run_model_outputs,
+    select_model,
+    unless_client_leaves,
+)
 
 router = APIRouter(tags=["Cohere"])
+router.include_router(cohere_tokens.router)
 
 
 @router.post("/v2/embed", response_model=cp.CohereEmbedResponse, responses=ERRORS)
 async def embed(body: cp.CohereEmbedRequest, request: Request) -> Response:
     """Each text's embedding in every type of ``embedding_types``, in text order."""
+    return await _embed(
+        request,
+        body,
+        body.input_type,
+        body.embedding_types,
+        version="2",
+        dimensions=body.output_dimension,
+        max_tokens=body.max_tokens,
+    )
+
+
+@router.post(
+    "/v1/embed",
+    response_model=cp.CohereEmbedFloatsResponse | cp.CohereEmbedResponse,
+    responses=ERRORS,
+)
+async def embed_v1(body: cp.CohereV1EmbedRequest, request: Request) -> Response:
+    """Cohere v1: without ``embedding_types``, each text's float embedding
+    (``embeddings_floats``); with them, each text's embedding in every type asked for
+    (``embeddings_by_type``)."""
+    return await _embed(request, body, body.input_type, body.embedding_types, version="1")
+
+
+async def _embed(
+    request: Request,
+    body: cp.CohereEmbedRequest | cp.CohereV1EmbedRequest,
+    input_type: str | None,
+    types: list[cp.EmbeddingType] | None,
+    *,
+    version: str,
+    dimensions: int | None = None,
+    max_tokens: int | None = None,
+) -> Response:
+    """The embed answer of either version; ``types`` None: v1's floats answer."""
     model = select_model(request, body.model, "embed")
     try:
         engine = model.front.engine
-    except EngineDeadError as exc:  # loading, or failed to start: 503
+    except PipepoolError as exc:  # loading, or failed to start: 503
         raise from_engine(exc) from None
-    prompt_name = _prompt_name(engine, body.input_type)
+    int8 = _needs_int8(types, body.ranges)
+    prompt_name = _prompt_name(engine, input_type)
+    truncation = _truncation(engine, body.truncate, max_tokens, input_type, prompt_name)
     done = await run_model_outputs(
         request,
         body.texts,
         param="texts",
-        dimensions=body.output_dimension,
+        dimensions=dimensions,
         prompt_name=prompt_name,
-        **_truncation(engine, body, prompt_name),
+        **truncation,
     )
     if isinstance(done, Response):
         return done
-    if body.truncate == "NONE" and body.max_tokens is not None:
-        _refuse_over(done.num_tokens, body.max_tokens)
+    if body.truncate == "NONE" and max_tokens is not None:
+        _refuse_over(done.num_tokens, max_tokens)
     vectors = np.stack(done.outputs)  # [n, dim]
-    try:
-        return await json_answer(
-            request,
-            lambda: cp.embed_response(
-                body.texts, vectors, body.embedding_types, done.num_tokens, body.ranges
-            ),
-            vectors.size * len(body.embedding_types),
+    ranges = None if body.ranges is None else np.asarray(body.ranges)
+    bound = None
+    if int8 and ranges is None:
+        bound = engine.known_int8_bound(dimensions)
+        if bound is None:
+            calibrated = await _calibrate(request, dimensions)
+            if isinstance(calibrated, Response):
+                return calibrated
+            bound = calibrated
+
+    def build() -> dict:
+        return cp.embed_response(
+            body.texts, vectors, types, done.num_tokens, (ranges, bound), version
         )
-    except InvalidInputError as exc:  # ranges that do not fit the vectors
+
+    try:
+        return await json_answer(request, build, vectors.size * len(types or ["float"]))
+    except PipepoolError as exc:  # ranges that do not fit the vectors; the engine's errors
         raise from_engine(exc) from None
 
 
-def _prompt_name(engine: Engine, input_type: str) -> str | None:
+async def _calibrate(request: Request, dimensions: int | None) -> float | Response:
+    """The model's int8 bound for ``dimensions``, computed by the first request that needs it
+    (an engine call on the calibration texts, ``api/int8_scale.py``) on a tokenising thread,
+    never on the event loop; counted as one request in the model's queue. A bare Response
+    (499) if the client left meanwhile."""
+    front = model_of(request).front
+    computing = front.run_call(1, lambda engine: engine.int8_bound(dimensions))
+    try:
+        return await unless_client_leaves(request, computing)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def _needs_int8(types: Sequence[str] | None, ranges: list | None) -> bool:
+    """Whether int8 or uint8 is asked for; 400 for ``ranges`` without either (they would
+    place nothing)."""
+    int8 = bool({"int8", "uint8"} & set(types or ()))
+    if ranges is not None and not int8:
+        raise APIError(
+            400,
+            "ranges places int8/uint8 buckets: ask for int8 or uint8 in embedding_types, or "
+            "leave ranges out",
+            param="ranges",
+            code="invalid_value",
+        )
+    return int8
+
+
+def _prompt_name(engine: Engine, input_type: str | None) -> str | None:
     """The model's prompt for Cohere's ``input_type``: its query and document prompts as
     ``encode_query`` and ``encode_document`` pick them, else one named as the input type (for
-    classification and clustering); None: the model's default prompt, if any."""
+    classification and clustering); None: the model's default prompt, if any (also for no
+    input type, which Cohere v1 allows)."""
+    if input_type is None:
+        return None
     prompts = engine.inputs.prompts
     if input_type == "search_query":
         return task_prompt_name(prompts, "query")
@@ -65,22 +155,28 @@ def _prompt_name(engine: Engine, input_type: str) -> str | None:
     return input_type if input_type in prompts else None
 
 
-def _truncation(engine: Engine, body: cp.CohereEmbedRequest, prompt_name: str | None) -> dict:
+def _truncation(
+    engine: Engine,
+    truncate: str,
+    max_tokens: int | None,
+    input_type: str | None,
+    prompt_name: str | None,
+) -> dict:
     """The engine's options for Cohere's ``truncate`` and ``max_tokens``. START cuts tokens
     from the start of the prompted text, so it is refused where a prompt is put before the
     text: it would cut the prompt rather than the text."""
-    if body.truncate == "NONE":  # over max_tokens: refused once the lengths are known
+    if truncate == "NONE":  # over max_tokens: refused once the lengths are known
         return {"long_inputs": "error"}
     options: dict = {"long_inputs": "truncate"}
-    if body.max_tokens is not None:
-        options["truncate_prompt_tokens"] = min(body.max_tokens, engine.deployment.max_model_len)
-    if body.truncate == "END":
+    if max_tokens is not None:
+        options["truncate_prompt_tokens"] = min(max_tokens, engine.deployment.max_model_len)
+    if truncate == "END":
         return options
     name = prompt_name if prompt_name is not None else engine.inputs.default_prompt_name
     if name is not None and engine.inputs.prompts.get(name):
         raise APIError(
             400,
-            f"truncate START is not supported for input_type {body.input_type} on this model: "
+            f"truncate START is not supported for input_type {input_type} on this model: "
             f"its texts start with the model's {name!r} prompt, which START would cut instead "
             "of the text; use END or NONE",
             param="truncate",

@@ -1,19 +1,19 @@
-"""OpenAI's /v1/embeddings and /v1/models, and vLLM's /pooling (its /tokenize and /detokenize
-are in ``tokens.py``)."""
+"""OpenAI's /v1/embeddings and /v1/models (vLLM's /pooling is in ``pooling.py``, its /tokenize
+and /detokenize in ``tokens.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
-from . import retrieval, scoring
+from ..errors import APIError
+from ..pooling_protocol import answer_head
+from . import retrieval
 from .shared import (
     ERRORS,
     READ_ERRORS,
+    binary_answer,
     json_answer,
     model_of,
     run_model_outputs,
@@ -21,13 +21,22 @@ from .shared import (
     state_of,
 )
 
-# (model name, outputs, tokens per input, encoding format, embed dtype) -> response body
-Respond = Callable[[str, list[np.ndarray], list[int], str, protocol.EmbedDtype], dict]
-
 router = APIRouter()
 
+# The answer's media types: OpenAI's JSON, or vLLM's bytes (encoding_format bytes, bytes_only).
+VECTOR_ANSWERS = {
+    "content": {
+        "application/json": {},
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    }
+}
 
-@router.post("/v1/embeddings", response_model=protocol.EmbeddingResponse, responses=ERRORS)
+
+@router.post(
+    "/v1/embeddings",
+    response_model=protocol.EmbeddingResponse,
+    responses={**ERRORS, 200: VECTOR_ANSWERS},
+)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
     """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
     vector, the sparse vector and the token vectors the model gives (``retrieval.py``)."""
@@ -36,50 +45,36 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
         select_model(request, body.model, *tasks)
         outputs = retrieval.check_model_outputs(request, body.outputs)
         if outputs != ("dense",):
+            if body.wire.binary:
+                raise APIError(
+                    400,
+                    f"encoding_format {body.encoding_format} carries dense vectors only; ask "
+                    f"for {', '.join(outputs)} with encoding_format float or base64",
+                    param="encoding_format",
+                    code="invalid_value",
+                )
             return await retrieval.embeddings(body, request, outputs)
     else:
         select_model(request, body.model, "embed")
-    return await _run_model(
-        request,
-        body,
-        protocol.embedding_response,
-        dimensions=body.dimensions,
-        normalize=body.normalize,
-    )
-
-
-@router.post("/pooling", response_model=protocol.PoolingResponse, responses=ERRORS)
-async def pooling(body: protocol.PoolingRequest, request: Request) -> Response:
-    """Token embeddings (ALL pooling): one [num_tokens, hidden] matrix per input; on a token
-    classifier (``*ForTokenClassification``), each token's label probabilities instead
-    (vLLM's token_classify), one [num_tokens, num_labels] matrix per input."""
-    model = select_model(request, body.model, "embed", "classify_tokens")
-    engine = model.front.owner.engine
-    head = engine.deployment.classifier if engine is not None else None
-    if head is not None and head.per_token:
-        return await scoring.token_classify(body, request)
-    return await _run_model(
-        request, body, protocol.pooling_response, pooling="all", normalize=body.normalize
-    )
-
-
-async def _run_model(
-    request: Request, body: protocol.InputsRequest, respond: Respond, **options
-) -> Response:
-    model = model_of(request)
     done = await run_model_outputs(
         request,
         body.inputs(),
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
-        **options,
+        add_special_tokens=body.add_special_tokens,
+        dimensions=body.dimensions,
+        normalize=body.normalized,
     )
     if isinstance(done, Response):
         return done
-    name, fmt = model.names.response_name(body.model), body.encoding_format
+    name, wire = model_of(request).names.response_name(body.model), body.wire
+    if wire.binary:
+        head = {**answer_head("embd"), "model": name}
+        return await binary_answer(request, done.outputs, wire, head, done.num_tokens)
     return await json_answer(
         request,
-        lambda: respond(name, done.outputs, done.num_tokens, fmt, body.embed_dtype),
+        lambda: protocol.embedding_response(name, done.outputs, done.num_tokens, wire),
         sum(out.size for out in done.outputs),
     )
 

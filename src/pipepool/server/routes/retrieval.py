@@ -21,8 +21,8 @@ from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
 from ..limits import too_many_tokens
+from ..tei_protocol import TEIEmbedSparseRequest, long_inputs_of
 from .shared import (
-    ERRORS,
     check_task,
     json_answer,
     model_of,
@@ -30,6 +30,7 @@ from .shared import (
     select_model,
     state_of,
 )
+from .tei import TEI_ERRORS, tei_inputs
 
 router = APIRouter()
 
@@ -38,20 +39,19 @@ router = APIRouter()
     "/embed_sparse",
     tags=["TEI"],
     response_model=list[list[protocol.TEISparseValue]],
-    responses=ERRORS,
+    responses=TEI_ERRORS,
 )
-async def embed_sparse(body: protocol.TEIEmbedSparseRequest, request: Request) -> Response:
+async def embed_sparse(body: TEIEmbedSparseRequest, request: Request) -> Response:
     """One sparse vector per input, as TEI answers: its non-zeros as ``{index, value}``,
     indices ascending (SPLADE models; BGE-M3's lexical weights)."""
-    select_model(request, None, "sparse")
+    check_task(select_model(request, None, "sparse"), "sparse")
     check_model_outputs(request, ["sparse"])
     done = await encode(
         request,
-        body.texts(),
+        tei_inputs(request, body.items()),
         ("sparse",),
-        # TEI: truncate=false leaves the server's policy (its --long-inputs) in charge.
-        long_inputs="truncate" if body.truncate else None,
-        truncation_side=body.truncation_direction.lower(),
+        long_inputs=long_inputs_of(body.truncate),
+        truncation_side=body.side(),
         prompt_name=body.prompt_name,
     )
     if isinstance(done, Response):
@@ -67,6 +67,15 @@ async def embeddings(
 ) -> Response:
     """``/v1/embeddings`` asking for ``outputs`` (checked by ``check_model_outputs``), other
     than the dense vector alone."""
+    if not body.add_special_tokens:
+        raise APIError(
+            400,
+            f"add_special_tokens false applies to dense embeddings only; "
+            f"{', '.join(o for o in outputs if o != 'dense')} outputs are computed from the "
+            "model's own input form",
+            param="add_special_tokens",
+            code="invalid_value",
+        )
     if body.dimensions is not None:
         raise APIError(
             400,
@@ -82,8 +91,9 @@ async def embeddings(
         top_k=body.top_k,
         return_tokens=body.return_tokens,
         is_query=body.is_query,
-        normalize=body.normalize,
+        normalize=body.normalized,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
     )
     if isinstance(done, Response):
@@ -94,7 +104,7 @@ async def embeddings(
     size += done.dense.size if done.dense is not None else 0
     return await json_answer(
         request,
-        lambda: protocol.outputs_response(name, done, body.encoding_format, body.embed_dtype),
+        lambda: protocol.outputs_response(name, done, body.wire),
         size,
     )
 
@@ -105,16 +115,30 @@ def task_of(output: str) -> str:
 
 
 def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ...]:
-    """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none, 404 for one
-    the request's model does not give (``check_task``: each output is a task), 503 while it
-    loads."""
+    """The outputs asked for, in ``OUTPUTS`` order: 400 for a name that is none and for one
+    the request's model does not give (naming those it gives), 404 for a model that gives
+    none (``check_task``: it serves no embeddings), 503 while it loads."""
     model = model_of(request)
-    for output in dict.fromkeys(asked):
-        if output in OUTPUTS:
-            check_task(model, task_of(output))
     try:
-        return check_outputs(model.front.engine.deployment, asked)
-    except PipepoolError as exc:  # InvalidInputError: 400; loading or failed: 503
+        deployment = model.front.engine.deployment
+    except PipepoolError as exc:  # loading, or failed to start
+        raise from_engine(exc) from None
+    offered = model.tasks() or ()
+    gives = [o for o in OUTPUTS if task_of(o) in offered]
+    if not gives:
+        check_task(model, "embed")
+    missing = [o for o in dict.fromkeys(asked) if o in OUTPUTS and o not in gives]
+    if missing:
+        raise APIError(
+            400,
+            f"model {model.name} does not give {', '.join(missing)} outputs; it gives "
+            f"{', '.join(gives)}",
+            param="outputs",
+            code="unsupported_output",
+        )
+    try:
+        return check_outputs(deployment, asked)
+    except PipepoolError as exc:  # InvalidInputError: a name that is no output
         raise from_engine(exc) from None
 
 

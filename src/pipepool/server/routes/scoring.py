@@ -1,20 +1,23 @@
-"""The scoring routes of a classifier (cross-encoder, reranker): Cohere v2 / Jina ``POST
+"""The scoring routes of a classifier (cross-encoder, reranker): Cohere / Jina / vLLM ``POST
 /rerank`` (also ``/v1/rerank``, ``/v2/rerank``; TEI's body form too), vLLM's ``/score`` and
-``/classify``. The same limits, errors, metrics and API key as ``/v1/embeddings``: a request's
-pairs (or texts) are engine requests like any inputs, sharing steps with other clients.
-A ColBERT model reranks and scores by MaxSim, BGE-M3 by its weighted mix (``weights``):
-``Engine.submit_pairs`` computes those before it returns (``api/retrieval_scoring.py``)."""
+``/classify`` (what each field does: ``scoring_protocol``). The same limits, errors, metrics
+and API key as ``/v1/embeddings``: a request's pairs (or texts) are engine requests like any
+inputs, sharing steps with other clients. A ColBERT model reranks and scores by MaxSim,
+BGE-M3 by its weighted mix (``weights``): ``Engine.submit_pairs`` computes those before it
+returns (``api/retrieval_scoring.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
+from ...api.pair_options import best_chunk_scores
 from ...api.scoring import check_top_n, pair_up, ranking
-from ...api.submission import Submission
+from ...core.submission import Submission
 from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
 from ..errors import APIError, from_engine
@@ -24,6 +27,7 @@ from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
+    check_inputs,
     check_task,
     json_answer,
     model_of,
@@ -39,52 +43,72 @@ router = APIRouter(tags=["rerank, score, classify"])
 @router.post("/v1/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
 @router.post("/v2/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
 async def rerank(body: sp.RerankRequest, request: Request) -> Response:
-    """Documents by relevance to the query, most relevant first (Cohere v2 / Jina; with
-    ``texts`` instead of ``documents``, TEI's request and answer)."""
+    """Documents by relevance to the query, most relevant first (Cohere v1 / v2, Jina, vLLM;
+    with ``texts`` instead of ``documents``, TEI's request and answer)."""
+    body.check_form()
     documents = body.document_texts()
+    param = "texts" if body.tei else "documents"
     if not documents:
-        raise APIError(400, "documents is empty: send at least one document", param="documents")
+        raise APIError(400, f"{param} is empty: send at least one document", param=param)
     try:
         check_top_n(body.top_n)
     except InvalidInputError as exc:
         raise from_engine(exc) from None
+    activation, cut = body.activation(), body.truncation()
     n = len(documents)
+    chunk_owners: list[np.ndarray] = []  # each chunk's document, when documents are chunked
+
+    def submit(engine: Engine) -> Submission:
+        options: dict[str, Any] = dict(
+            use_activation=activation,
+            instruction=body.instruction,
+            max_tokens_per_doc=body.per_doc,
+            max_tokens_per_query=body.per_query,
+            truncate_prompt_tokens=cut.tokens,
+            long_inputs=cut.long_inputs,
+            weights=body.weights,
+        )
+        queries = [body.query] * n
+        if body.max_chunks_per_doc is None:
+            return engine.submit_pairs(queries, documents, truncation_side=cut.side, **options)
+        submission, owners = engine.submit_chunked_pairs(
+            queries, documents, max_chunks_per_doc=body.max_chunks_per_doc, **options
+        )
+        chunk_owners.append(owners)
+        return submission
+
     done = await _run(
         request,
         body.model,
         "rerank",
         n,
-        lambda engine: engine.submit_pairs(
-            [body.query] * n,
-            documents,
-            use_activation=body.activation(),
-            instruction=body.instruction,
-            max_tokens_per_doc=body.max_tokens_per_doc,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-            weights=body.weights,
-        ),
-        param="texts" if body.tei else "documents",
+        submit,
+        param=param,
         texts=[body.query, *documents],
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncate_prompt_tokens=cut.tokens,
+        prompts=n * (body.max_chunks_per_doc or 1),
     )
     if isinstance(done, Response):
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
+    if chunk_owners:
+        scores = best_chunk_scores(scores, chunk_owners[0])
     order = ranking(scores, body.top_n)
-    quoted = body.return_text if body.tei else body.return_documents is not False
-    size = n + (sum(map(len, documents)) if quoted else 0)
     if body.tei:
+        quoted = bool(body.return_text)
+        size = n + (sum(map(len, documents)) if quoted else 0)
         return await json_answer(
             request,
             lambda: sp.tei_rerank_response(documents, scores, order, return_text=quoted),
             size,
         )
+    returned = body.returned()
+    size = n + (sum(map(len, documents)) if returned is not None else 0)
     name = model_of(request).names.response_name(body.model)
+    answer_id = body.answer_id("rerank")
     return await json_answer(
         request,
-        lambda: sp.rerank_response(
-            name, documents, scores, order, done.num_tokens, return_documents=quoted
-        ),
+        lambda: sp.rerank_response(answer_id, name, returned, scores, order, done.num_tokens),
         size,
     )
 
@@ -92,12 +116,17 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
 @router.post("/score", response_model=sp.ScoreResponse, responses=ERRORS)
 @router.post("/v1/score", response_model=sp.ScoreResponse, responses=ERRORS)
 async def score(body: sp.ScoreRequest, request: Request) -> Response:
-    """One score per pair: text_1 against every text_2, or text_1[i] with text_2[i] (vLLM)."""
+    """One score per pair (vLLM): the first side's one text against every text of the
+    second, or the two sides' texts pairwise."""
+    first, second = body.sides
     try:
-        firsts, seconds = pair_up(body.text_1, body.text_2)
+        firsts, seconds = pair_up(
+            getattr(body, first), getattr(body, second), name_1=first, name_2=second
+        )
     except InvalidInputError as exc:
         raise from_engine(exc) from None
     activation = body.use_activation if body.use_activation is not None else True
+    cut = body.truncation()
     done = await _run(
         request,
         body.model,
@@ -108,19 +137,23 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
             seconds,
             use_activation=activation,
             instruction=body.instruction,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            max_tokens_per_doc=body.per_doc,
+            max_tokens_per_query=body.per_query,
+            truncate_prompt_tokens=cut.tokens,
+            truncation_side=cut.side,
             weights=body.weights,
         ),
-        param="text_2",
+        param=second,
         texts=[*firsts, *seconds],
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncate_prompt_tokens=cut.tokens,
     )
     if isinstance(done, Response):
         return done
     scores = np.array([out[0] for out in done.outputs], dtype=np.float32)
     name = model_of(request).names.response_name(body.model)
+    answer_id = body.answer_id("score")
     return await json_answer(
-        request, lambda: sp.score_response(name, scores, done.num_tokens), len(scores)
+        request, lambda: sp.score_response(answer_id, name, scores, done.num_tokens), len(scores)
     )
 
 
@@ -128,21 +161,24 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
 @router.post("/v1/classify", response_model=sp.ClassifyResponse, responses=ERRORS)
 async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     """Label probabilities and the top label per input (vLLM)."""
-    texts = body.texts()
-    if not texts:
-        raise APIError(400, "input is empty: send at least one text", param="input")
+    texts = body.inputs()
+    check_inputs(state_of(request), texts)
     activation = body.use_activation if body.use_activation is not None else True
+    cut = body.truncation()
     done = await _run(
         request,
         body.model,
         "classify",
         len(texts),
         lambda engine: engine.submit_classify(
-            texts, use_activation=activation, truncate_prompt_tokens=body.truncate_prompt_tokens
+            texts,
+            use_activation=activation,
+            truncate_prompt_tokens=cut.tokens,
+            truncation_side=cut.side,
         ),
         param="input",
         texts=texts,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncate_prompt_tokens=cut.tokens,
     )
     if isinstance(done, Response):
         return done
@@ -152,43 +188,11 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     labels = head.labels
     name = model.names.response_name(body.model)
     probs = np.stack(done.outputs).astype(np.float32, copy=False)
-    return await json_answer(
-        request, lambda: sp.classify_response(name, probs, labels, done.num_tokens), probs.size
-    )
-
-
-async def token_classify(body, request: Request) -> Response:
-    """``/pooling`` on a token classifier (vLLM's token_classify): every token's label
-    probabilities, one ``[num_tokens, num_labels]`` matrix per input."""
-    from ..protocol import pooling_response
-
-    texts = body.inputs()
-    if not texts:
-        raise APIError(400, "input is empty: send at least one text", param="input")
-    if not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "token classification takes texts", param="input")
-    done = await _run(
-        request,
-        body.model,
-        "classify_tokens",
-        len(texts),
-        lambda engine: engine.submit_classify(
-            texts, truncate_prompt_tokens=body.truncate_prompt_tokens, per_token=True
-        ),
-        param="input",
-        texts=texts,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
-    )
-    if isinstance(done, Response):
-        return done
-    name = model_of(request).names.response_name(body.model)
-    outputs = [np.asarray(out, dtype=np.float32) for out in done.outputs]
+    answer_id = body.answer_id("classify")
     return await json_answer(
         request,
-        lambda: pooling_response(
-            name, outputs, done.num_tokens, body.encoding_format, body.embed_dtype
-        ),
-        sum(out.size for out in outputs),
+        lambda: sp.classify_response(answer_id, name, probs, labels, done.num_tokens),
+        probs.size,
     )
 
 
@@ -202,16 +206,17 @@ async def _run(
     param: str,
     texts: Sequence,
     truncate_prompt_tokens: int | None,
+    prompts: int | None = None,
 ) -> Encoded | Response:
     """The shared path of the model routes: the model name and the task (404 for a model that
-    cannot do it), the server's limits (inputs and tokens per request), the tokenising lane
-    (by the size of ``texts``), the queue, the engine's errors as 4xx/5xx, and a 499 if the
-    client leaves meanwhile."""
+    cannot do it), the server's limits (``n`` inputs; the tokens of at most ``prompts``
+    prompts, default ``n``, per request), the tokenising lane (by the size of ``texts``), the
+    queue, the engine's errors as 4xx/5xx, and a 499 if the client leaves meanwhile."""
     state = state_of(request)
     served = select_model(request, model, task)
     check_task(served, task)
     check_input_count(state.settings, n, param)
-    bounded = bounded_scoring(state.settings, n, truncate_prompt_tokens, submit, param)
+    bounded = bounded_scoring(state.settings, prompts or n, truncate_prompt_tokens, submit, param)
     try:
         return await unless_client_leaves(request, served.front.run(n, bounded, texts))
     except ClientGone:

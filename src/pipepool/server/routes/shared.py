@@ -11,15 +11,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import Request, Response
 
 from ...api.engine import Engine
 from ...api.router import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
+from ..encoding import Wire, binary_response
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
-from ..front import Encoded, QueueFullError
-from ..limits import bounded_embedding, check_input_count
+from ..front import AnySubmission, Encoded, QueueFullError
+from ..limits import bounded_embedding, check_input_count, check_text_lengths
 from ..metrics import HttpMetrics
 from ..models import ServedModel, ServedModels
 from ..settings import ServerSettings
@@ -32,11 +34,12 @@ CLIENT_CLOSED = 499
 
 # What each error status means, for the OpenAPI schema.
 _MEANING = {
-    400: "Invalid request: a bad field, a lone surrogate, too many inputs or tokens (the message "
-    "names the limit and its flag); no model named where several could answer.",
+    400: "Invalid request: a bad or unknown field, a lone surrogate, too many inputs or tokens "
+    "(the message names the limit and its flag); no model named where several could answer; "
+    "outputs or a /pooling task the model does not give (the message names those it gives).",
     401: "Missing or wrong API key (a server started with --api-key).",
-    404: "Unknown model name, or a task the model cannot do (an embedding model's /rerank, "
-    "sparse outputs of a dense model): OpenAI's answer to a model used on an endpoint it does "
+    404: "Unknown model name, or a route the model cannot serve (an embedding model's /rerank, "
+    "a classifier's /v1/embeddings): OpenAI's answer to a model used on an endpoint it does "
     "not serve.",
     408: "The request body did not arrive within --body-timeout.",
     413: "Request body larger than --max-body-bytes.",
@@ -91,20 +94,54 @@ def model_of(request: Request) -> ServedModel:
 
 
 async def run_model_outputs(
-    request: Request, inputs: list, *, param: str = "input", **options
+    request: Request,
+    inputs: list,
+    *,
+    param: str = "input",
+    add_special_tokens: bool = True,
+    **options,
 ) -> Encoded | Response:
     """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
     outputs; a bare Response (499) if the client left meanwhile. ``param``: the request field
-    that holds the inputs, which the errors name. 404 for a model that does not embed."""
+    that holds the inputs, which the errors name. ``add_special_tokens`` false: texts go to
+    the model without the special tokens it adds (``plain_token_ids``). 404 for a model that
+    does not embed."""
     state, model = state_of(request), model_of(request)
     check_task(model, "embed")
     check_inputs(state, inputs, param)
     check_input_count(state.settings, len(inputs), param)
-    submit = bounded_embedding(state.settings, inputs, options, param)
+    if add_special_tokens or not isinstance(inputs[0], str):
+        submit = bounded_embedding(state.settings, inputs, options, param)
+    else:
+        check_text_lengths(state.settings, model.front.engine.deployment, inputs, param)
+        submit = _without_special_tokens(state.settings, inputs, options, param)
     try:
         return await unless_client_leaves(request, model.front.run(len(inputs), submit, inputs))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+
+
+def _without_special_tokens(
+    settings: ServerSettings, texts: list[str], options: dict[str, Any], param: str
+) -> Callable[[Engine], AnySubmission]:
+    """``bounded_embedding`` of the texts' ``plain_token_ids``, tokenised where it runs."""
+
+    def submit(engine: Engine) -> AnySubmission:
+        ids = plain_token_ids(engine, texts, param)
+        return bounded_embedding(settings, ids, options, param)(engine)
+
+    return submit
+
+
+def plain_token_ids(engine: Engine, texts: list[str], param: str = "input") -> list[np.ndarray]:
+    """Token ids of texts without the special tokens the model adds ([CLS], [SEP], BOS...):
+    vLLM's ``add_special_tokens: false``. The model's default prompt stays in front of each:
+    it is text the model expects, not a special token. Texts checked as the engine checks
+    them (empty, lone surrogates), errors naming ``param``."""
+    texts = engine.inputs.checked_texts(texts, None, None, param=param)
+    name = engine.inputs.default_prompt_name
+    prefix = engine.inputs.prompts[name] if name is not None else ""
+    return [engine.inputs.tokenizer.encode_plain(prefix + text) for text in texts]
 
 
 async def run_model_call(
@@ -145,6 +182,17 @@ async def json_answer(request: Request, build: Callable[[], Any], size: int = 0)
         lambda: json.dumps(build(), separators=(",", ":")), size=size
     )
     return Response(text, media_type="application/json")
+
+
+async def binary_answer(
+    request: Request, outputs: list[np.ndarray], wire: Wire, head: dict, num_tokens: list[int]
+) -> Response:
+    """vLLM's binary answer of ``outputs`` (``encoding.binary_response``), built on a
+    tokenising lane as ``json_answer`` builds JSON."""
+    size = sum(out.size for out in outputs)
+    return await model_of(request).front.offload(
+        lambda: binary_response(outputs, wire, head, num_tokens), size=size
+    )
 
 
 def check_task(model: ServedModel, task: str) -> None:

@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...errors import PipepoolError
-from .. import protocol
+from .. import tokens_protocol as tp
 from ..errors import APIError, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
 from ..models import ServedModel
-from .shared import TOKENIZER_ERRORS, ServerState, select_model, state_of
+from .shared import TOKENIZER_ERRORS, ServerState, plain_token_ids, select_model, state_of
 
 T = TypeVar("T")
 
@@ -33,41 +33,60 @@ _BATCH_CHARS = 1 << 16
 
 @router.post(
     "/tokenize",
-    response_model=protocol.TokenizeResponse | list[list[protocol.TEIToken]],
+    response_model=tp.TokenizeResponse | list[list[tp.TEIToken]],
     responses=TOKENIZER_ERRORS,
 )
-async def tokenize(body: protocol.TokenizeRequest, request: Request) -> Response:
+async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
     """Token ids of a text, special tokens (and the model's default prompt) included, as the
-    model routes see them before any truncation: ``count`` is the whole text's. With TEI's
-    ``inputs`` (one text or a list), TEI's answer: per text, its tokens as ``{id, text,
-    special, start, stop}``."""
+    model routes see them before any truncation: ``count`` is the whole text's. With
+    ``add_special_tokens`` false, the special tokens left out; with ``return_token_strs``,
+    each token's vocabulary string too (vLLM's ``token_strs``). With TEI's ``inputs`` (one
+    text or a list), TEI's answer: per text, its tokens as ``{id, text, special, start,
+    stop}``."""
     state = state_of(request)
     model = select_model(request, body.model)
     engine = _engine(model)
     if body.inputs is not None:
+        if body.return_token_strs:
+            raise APIError(
+                400,
+                "return_token_strs is vLLM's, for the prompt (or input) form; TEI's inputs "
+                "form gives each token's text already",
+                param="return_token_strs",
+                code="invalid_value",
+            )
         texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-        return await _tei_tokenize(state, model, engine, texts)
+        return await _tei_tokenize(state, model, engine, texts, body.add_special_tokens)
     param = "prompt" if body.prompt is not None else "input"
     text = body.text
     check_text_lengths(state.settings, engine.deployment, [text], param, listed=False)
 
-    def count() -> np.ndarray:
-        # "chunk": the engine neither truncates nor refuses a long text then.
-        (ids,) = engine.tokenize([text], long_inputs="chunk")
+    def count() -> dict:
+        if body.add_special_tokens:
+            # "chunk": the engine neither truncates nor refuses a long text then.
+            (ids,) = engine.tokenize([text], long_inputs="chunk")
+        else:
+            (ids,) = plain_token_ids(engine, [text], param)
         lengths = np.array([len(ids)])
         check_token_counts(
             state.settings, engine.deployment, lengths,
             first=0, counted_before=0, inputs=1, param=param, listed=False,
         )  # fmt: skip
-        return ids
+        answer = {
+            "tokens": ids.tolist(),
+            "count": len(ids),
+            "max_model_len": engine.deployment.max_model_len,
+        }
+        if body.return_token_strs:
+            backend = engine.inputs.tokenizer.backend
+            answer["token_strs"] = [backend.id_to_token(i) for i in answer["tokens"]]
+        return answer
 
-    ids = await _offloaded(model, count, len(text))
-    max_len = engine.deployment.max_model_len
-    return _json({"tokens": ids.tolist(), "count": len(ids), "max_model_len": max_len})
+    return _json(await _offloaded(model, count, len(text)))
 
 
-@router.post("/detokenize", response_model=protocol.DetokenizeResponse, responses=TOKENIZER_ERRORS)
-async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Response:
+@router.post("/detokenize", response_model=tp.DetokenizeResponse, responses=TOKENIZER_ERRORS)
+async def detokenize(body: tp.DetokenizeRequest, request: Request) -> Response:
     """The text of token ids of this model's tokenizer, special tokens included (vLLM)."""
     state = state_of(request)
     model = select_model(request, body.model)
@@ -92,7 +111,11 @@ async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> Resp
 
 
 async def _tei_tokenize(
-    state: ServerState, model: ServedModel, engine: Engine, texts: list[str]
+    state: ServerState,
+    model: ServedModel,
+    engine: Engine,
+    texts: list[str],
+    add_special_tokens: bool,
 ) -> Response:
     settings, deployment = state.settings, engine.deployment
     check_input_count(settings, len(texts), "inputs")
@@ -109,7 +132,7 @@ async def _tei_tokenize(
                 settings, deployment, lengths,
                 first=lo, counted_before=total, inputs=len(checked), param="inputs",
             )  # fmt: skip
-        return _dumps(tokenizer.describe(checked))
+        return _dumps(tokenizer.describe(checked, add_special_tokens=add_special_tokens))
 
     text = await _offloaded(model, describe, sum(map(len, texts)))
     return Response(text, media_type="application/json")

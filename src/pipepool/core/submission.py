@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..core.request import PoolingParams
+from .request import PoolingParams
 
 # ``Submission``'s ``on_result(rows, values)``: a step's finished rows and their outputs.
 ResultCallback = Callable[[np.ndarray, np.ndarray | list], None]
@@ -27,7 +27,7 @@ class Submission(Future):
     has not finished: the engine frees it.
     ``num_tokens`` is each input's prompt length after truncation (usage reports).
     ``background``: batch-job work, queued below online calls; ``client``: whose turns it
-    takes (``api.priority``).
+    takes (``core.priority``).
     """
 
     def __init__(

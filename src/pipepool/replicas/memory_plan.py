@@ -25,8 +25,13 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..errors import InvalidInputError
-from ..replicas.placement import plan_placement, visible_gpus
-from .deployment import GPU_MEMORY_UTILIZATION, ModelMemory, memory_needs, resolve_device_kind
+from ..loading.deployment import (
+    GPU_MEMORY_UTILIZATION,
+    ModelMemory,
+    memory_needs,
+    resolve_device_kind,
+)
+from .placement import plan_placement, visible_gpus
 
 _GIB = float(1 << 30)
 

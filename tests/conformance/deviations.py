@@ -1,0 +1,153 @@
+"""Where pipepool answers differently from a peer's OpenAPI document, and why: the reviewed list
+the conformance suite (tests/test_conformance.py) holds every schemathesis finding against.
+
+An entry names the peer, the operation as the document spells it ("POST /embed"; "*": every
+claimed operation of the peer), the check (schemathesis's name, or ``answered_2xx``) and, for
+response_schema_conformance, the response statuses it covers (``ERRORS``: the 4xx/5xx ones;
+None: any). Two kinds:
+- ``DELIBERATE``: pipepool does what the peer's server does, or refuses by name what it does
+  not honour, where the document says otherwise (a document looser than its own server).
+- ``PENDING``: a gap another part of the work closes (issue 56); such an entry is removed when
+  that part lands, which the suite shows by reporting it as no longer found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DELIBERATE = "deliberate"
+PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A finding the suite accepts: peer, operation ("*": all), check, kind and reason."""
+
+    peer: str
+    operation: str
+    check: str
+    kind: str
+    reason: str
+    statuses: tuple[int, ...] | None = None
+
+    def matches(self, finding) -> bool:
+        peer, operation, check = finding.key
+        return (
+            self.peer == peer
+            and self.operation in ("*", operation)
+            and self.check == check
+            and (self.statuses is None or finding.status in self.statuses)
+        )
+
+
+ERRORS = tuple(range(400, 600))
+
+
+def _d(
+    peer: str,
+    operation: str,
+    check: str,
+    reason: str,
+    kind: str = DELIBERATE,
+    statuses: tuple[int, ...] | None = None,
+) -> Deviation:
+    return Deviation(peer, operation, check, kind, reason, statuses)
+
+
+_TEI_ROUTES = "issue 56 item 3: TEI's route, not served yet (404)"
+_TEI_ERRORS = (
+    "issue 56 item 3: TEI routes answer TEI's error body {error, error_type}; today OpenAI's"
+)
+_TEI_IDS = "issue 56 item 3: token-id inputs, which TEI takes, are refused on this route"
+_COHERE_V1 = "issue 56 item 4: Cohere v1 route, not served yet (404)"
+
+DEVIATIONS: tuple[Deviation, ...] = (
+    # -- TEI (docs/openapi.json v1.9.3) ---------------------------------------------------------
+    _d("tei", "GET /info", "response_schema_conformance",
+       "issue 56 item 3: /info lacks fields TEI's Info requires (served_model_name, ...)", PENDING),
+    *(
+        _d("tei", op, check, _TEI_ROUTES, PENDING)
+        for op in ("POST /embed_all", "POST /predict", "POST /decode", "POST /similarity")
+        for check in ("answered_2xx", "status_code_conformance", "unsupported_method")
+    ),
+    *(
+        _d("tei", op, "response_schema_conformance", _TEI_ERRORS, PENDING, ERRORS)
+        for op in ("POST /embed", "POST /embed_sparse", "POST /rerank", "POST /tokenize")
+    ),
+    _d("tei", "POST /v1/embeddings", "response_schema_conformance",
+       "TEI documents its own error body for its /v1/embeddings; pipepool answers OpenAI's "
+       "there, as OpenAI's clients read it", statuses=ERRORS),
+    *(
+        _d("tei", op, "positive_data_acceptance", _TEI_IDS, PENDING)
+        for op in ("POST /embed", "POST /embed_sparse", "POST /v1/embeddings")
+    ),
+    _d("tei", "POST /v1/embeddings", "status_code_conformance",
+       "an unknown model name is a 404 (OpenAI's answer); TEI's document lists no 404"),
+    _d("tei", "POST /tokenize", "positive_data_acceptance",
+       "issue 56 item 3: add_special_tokens=false refused", PENDING),
+    _d("tei", "POST /rerank", "positive_data_acceptance",
+       "an empty texts list is refused (400), as TEI's router does (\"`texts` cannot be "
+       "empty\"); its document allows it"),
+    _d("tei", "POST /rerank", "negative_data_rejection",
+       "issue 56 item 1: truncation_direction is not validated on /rerank (accepted and "
+       "ignored)", PENDING),
+    # -- OpenAI (openai-openapi openapi.yaml) ---------------------------------------------------
+    _d("openai", "*", "status_code_conformance",
+       "OpenAI's document lists only 200 (and 429 on /embeddings); pipepool answers errors "
+       "(400, 401, 404) with OpenAI's error body and status, as OpenAI's API does"),
+    _d("openai", "POST /embeddings", "positive_data_acceptance",
+       "an empty input string is refused (400): the document's own description says input "
+       "\"cannot be an empty string\", its schema does not"),
+    _d("openai", "POST /embeddings", "negative_data_rejection",
+       "model may be left out when the server serves one model (vLLM's rule)"),
+    _d("openai", "GET /batches", "positive_data_acceptance",
+       "limit outside 1..100 is refused (400): the range the document's description gives, "
+       "which its schema does not enforce"),
+    _d("openai", "GET /files", "positive_data_acceptance",
+       "an empty purpose filter is refused (400)"),
+    *(
+        _d("openai", op, "response_schema_conformance",
+           "null where there is none (first_id/last_id of an empty list, status_details): "
+           "OpenAI's clients type these optional; the document marks none nullable")
+        for op in ("GET /batches", "GET /files", "GET /files/{file_id}", "POST /files")
+    ),
+    _d("openai", "GET /files/{file_id}/content", "content_type_conformance",
+       "a file's bytes are sent as application/octet-stream; the document says JSON"),
+    _d("openai", "POST /batches", "positive_data_acceptance",
+       "pipepool batches its own endpoints only (/v1/embeddings, /v1/rerank, ...): another "
+       "endpoint (/v1/responses, /v1/videos, ...) is a 400"),
+    _d("openai", "POST /batches", "answered_2xx",
+       "a batch needs an uploaded file of this server's requests: generated ids name none "
+       "(tests/test_batches.py covers creation)"),
+    *(
+        _d("openai", op, "answered_2xx",
+           "a generated batch id names no batch: 404 (tests/test_batches.py covers the route)")
+        for op in ("GET /batches/{batch_id}", "POST /batches/{batch_id}/cancel")
+    ),
+    _d("openai", "POST /files", "positive_data_acceptance",
+       "a purpose other than batch is refused (400): the server keeps files for batches "
+       "only"),
+    _d("openai", "POST /files", "negative_data_rejection",
+       "issue 56 item 1: a malformed expires_after is accepted and ignored", PENDING),
+    # -- Cohere (cohere-openapi.yaml) -----------------------------------------------------------
+    *(
+        _d("cohere", op, check, _COHERE_V1, PENDING)
+        for op in ("POST /v1/embed", "POST /v1/tokenize", "POST /v1/detokenize")
+        for check in ("answered_2xx", "unsupported_method")
+    ),
+    _d("cohere", "POST /v2/embed", "positive_data_acceptance",
+       "text only: images and image inputs are refused by name (400)"),
+    _d("cohere", "POST /v2/embed", "response_schema_conformance",
+       "the document requires a top-level api_version that its properties do not define; "
+       "pipepool answers meta.api_version, where Cohere's API and clients have it"),
+    _d("cohere", "POST /v2/rerank", "positive_data_acceptance",
+       "an empty documents list and max_tokens_per_doc=0 are refused (400)"),
+)  # fmt: skip
+
+
+def compare(peer: str, findings) -> tuple[list, list[Deviation]]:
+    """(findings of ``peer`` no deviation covers, deviations of ``peer`` no finding shows)."""
+    ours = [d for d in DEVIATIONS if d.peer == peer]
+    unexpected = [f for f in findings if not any(d.matches(f) for d in ours)]
+    stale = [d for d in ours if not any(d.matches(f) for f in findings)]
+    return unexpected, stale

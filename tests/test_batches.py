@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
+import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -339,14 +341,21 @@ def test_openapi_documents_the_batch_objects(server):
 
 
 def test_a_server_killed_mid_batch_finishes_it_when_started_again(tmp_path):
+    """The batch's input is pinned while it runs (so a kill never loses its answered lines),
+    and a clean stop leaves the database file alone a complete copy of the records."""
     lines = embedding_lines(BIG_LINES)
-    first = serve(tmp_path / "state", tmp_path / "first.log").wait_ready()
+    state = tmp_path / "state"
+    first = serve(state, tmp_path / "first.log").wait_ready()
     try:
         client = client_of(first)
         created = submit(client, lines)
         running = wait_batch(
             client, created.id, until=lambda b: b.request_counts.completed > 0 or b.status in FINAL
         )
+        with pytest.raises(openai.ConflictError) as pinned:
+            client.files.delete(created.input_file_id)
+        assert pinned.value.body["code"] == "file_in_use"  # type: ignore[index]
+        assert created.id in pinned.value.body["message"]  # type: ignore[index]
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
     finally:
@@ -370,7 +379,15 @@ def test_a_server_killed_mid_batch_finishes_it_when_started_again(tmp_path):
         for g, expected in zip(sample, online(second, [g["body"] for g in sample]), strict=True):
             assert_same_vectors(by_id[g["custom_id"]], expected)
     finally:
-        second.stop()
+        assert second.stop() == 0
+    wal = state / "batches.sqlite3-wal"
+    assert not wal.exists() or wal.stat().st_size == 0  # checkpointed at the stop
+    alone = tmp_path / "alone.sqlite3"
+    shutil.copyfile(state / "batches.sqlite3", alone)
+    with sqlite3.connect(alone) as db:
+        row = db.execute("SELECT status, completed FROM batches WHERE id = ?", (created.id,))
+        assert row.fetchone() == ("completed", BIG_LINES)
+    db.close()
 
 
 # -- in-process: the runner on a toy app ------------------------------------------------------

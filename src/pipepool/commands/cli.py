@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "ner": "tag named entities of texts with a token classifier",
     "serve": "run an OpenAI-, TEI- and Cohere-compatible embedding and rerank server",
     "run-batch": "run a file of OpenAI batch requests offline (vLLM's run-batch), resumable",
+    "batch-store": "check, back up or recover the Batch API's state directory (serve --state-dir)",
     "parity": "check vectors against transformers or PP=1, per request",
     "bench": "measure throughput against Hugging Face transformers",
 }

@@ -111,7 +111,8 @@ def _run(
     from ..api.engine import Engine
     from ..jobs.batch_lines import LineChecker, numbered_lines, read_lines
     from ..server.app import build_app
-    from ..server.batch_runner import Dispatcher, run_lines, window_for
+    from ..server.batch_runner import Dispatcher, run_lines
+    from ..server.batch_thread import window_for
     from ..server.front import AsyncEngine
     from ..server.models import ServedModels
     from ..server.owner import EngineOwner

@@ -235,6 +235,14 @@ def add_parser(sub, help: str) -> None:
     )
     add_env_argument(
         g,
+        "--max-concurrent-uploads",
+        type=int,
+        default=S.max_concurrent_uploads,
+        help="uploads to /v1/files one front-end process receives at once; one more waits "
+        f"--queue-wait for a slot, then is answered 429 (default {S.max_concurrent_uploads})",
+    )
+    add_env_argument(
+        g,
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -265,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.multiproc import run_torchrun_worker
     from ..parallel.rendezvous import torchrun_env
     from ..server.api_servers import ApiServers
-    from ..server.batch_runner import BatchThread
+    from ..server.batch_store import close_open_stores
+    from ..server.batch_thread import BatchThread
     from ..server.logs import log_config
     from ..server.online_gate import GATE
     from ..server.settings import ServerSettings
@@ -309,8 +318,13 @@ def run(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
+        max_concurrent_uploads=args.max_concurrent_uploads,
     )
     _check_queues(specs, settings)
+    # A damaged Batch store refuses the start, naming the file and the recovery command.
+    from ..server.store_check import open_checked
+
+    open_checked(settings.batch_state_dir)
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
     if len(specs) > 1:
@@ -378,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
             assert socket_dir is not None, "made for the API servers"
             shutil.rmtree(socket_dir, ignore_errors=True)
         batches.join(ANSWER_GRACE_S)
+        # Checkpointed: the database file alone is then a complete copy of the records.
+        close_open_stores()
         collections.stop()
         for model in models:
             model.front.close()

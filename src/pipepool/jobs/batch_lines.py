@@ -26,11 +26,13 @@ from ..errors import InvalidInputError
 
 __all__ = [
     "ENDPOINTS",
+    "LINE_ENVELOPE_BYTES",
     "BatchRequest",
     "FileCheck",
     "LineChecker",
     "LineError",
     "LineResult",
+    "LongLine",
     "WrittenLines",
     "answer_line",
     "check_file",
@@ -129,22 +131,57 @@ def answer_line(custom_id: str, status_code: int, body: bytes, is_json: bool) ->
     return text[: -len("null}}")].encode() + body + b'},"error":null}\n'
 
 
-def numbered_lines(file: BinaryIO) -> Iterator[tuple[int, bytes]]:
+@dataclass(frozen=True)
+class LongLine:
+    """A line longer than the reader's ``max_line_bytes``: its first bytes (where a custom_id
+    is looked for) and its length; the rest was skipped unread into memory."""
+
+    head: bytes
+    size: int
+
+
+# A line's room beyond its request body: its custom_id, method and url. A line longer than a
+# request body may be plus this is refused unread (``LongLine``).
+LINE_ENVELOPE_BYTES = 64 << 10
+_HEAD_BYTES = 4096  # of a long line, kept to find its custom_id
+_SKIP_BYTES = 1 << 20  # read at a time past a long line's head
+_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def numbered_lines(
+    file: BinaryIO, max_line_bytes: int | None = None
+) -> Iterator[tuple[int, bytes | LongLine]]:
     """(line number, line) for each line of ``file`` that is not blank, numbered from 1 over
-    every line. Read as it goes: a file of any size takes a line's memory."""
-    for number, raw in enumerate(file, start=1):
-        if raw.strip():
+    every line. Read as it goes: a file of any size takes a line's memory, and a line longer
+    than ``max_line_bytes`` (None: no bound) comes as a ``LongLine``, its bulk never held."""
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
+    number = 0
+    while raw := file.readline(limit):
+        number += 1
+        if limit > 0 and len(raw) == limit and not raw.endswith(b"\n"):
+            size = len(raw)
+            head = raw[:_HEAD_BYTES]
+            del raw
+            while (rest := file.readline(_SKIP_BYTES)) and not rest.endswith(b"\n"):
+                size += len(rest)
+            yield number, LongLine(head, size + len(rest))
+        elif raw.strip():
             yield number, raw
 
 
 async def read_lines(
-    path: Path, checker: LineChecker, skip: Callable[[BatchRequest | LineError], bool]
+    path: Path,
+    checker: LineChecker,
+    skip: Callable[[BatchRequest | LineError], bool],
+    *,
+    max_line_bytes: int | None = None,
 ) -> AsyncIterator[BatchRequest | LineError]:
     """The checked lines of a batch file, those ``skip`` keeps out left out, read as they are
-    asked for. Every line goes through ``checker`` (a repeated custom_id is found whether the
-    first line with it is skipped or not); the event loop gets a turn now and then."""
+    asked for (a line longer than ``max_line_bytes`` unparsed: ``LineChecker``). Every line
+    goes through ``checker`` (a repeated custom_id is found whether the first line with it is
+    skipped or not); the event loop gets a turn now and then."""
     with open(path, "rb") as file:
-        for count, (number, raw) in enumerate(numbered_lines(file), start=1):
+        for count, (number, raw) in enumerate(numbered_lines(file, max_line_bytes), start=1):
             item = checker.check(number, raw)
             if not skip(item):
                 yield item
@@ -161,7 +198,9 @@ class LineChecker:
         self.endpoint = endpoint
         self._seen: set[str] = set()
 
-    def check(self, line: int, raw: bytes) -> BatchRequest | LineError:
+    def check(self, line: int, raw: bytes | LongLine) -> BatchRequest | LineError:
+        if isinstance(raw, LongLine):
+            return self._too_long(line, raw)
         try:
             value = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -180,6 +219,26 @@ class LineChecker:
             )  # fmt: skip
         self._seen.add(custom_id)
         return self._request(line, custom_id, value)
+
+    def _too_long(self, line: int, raw: LongLine) -> LineError:
+        """A line too long to be a request this server takes, refused unparsed; named by the
+        custom_id its first bytes give (a repeat of an earlier one gets none)."""
+        found = _CUSTOM_ID.search(raw.head)
+        custom_id = None
+        if found is not None:
+            try:
+                custom_id = json.loads(b'"' + found[1] + b'"')
+            except ValueError:
+                custom_id = None
+        if custom_id in self._seen or not custom_id:
+            custom_id = None
+        else:
+            self._seen.add(custom_id)
+        return LineError(
+            line, custom_id, "line_too_large",
+            f"line {line} is {raw.size} bytes, more than a request may be (--max-body-bytes "
+            "and its line's envelope); it was not read", param="body",
+        )  # fmt: skip
 
     def _request(self, line: int, custom_id: str, value: dict) -> BatchRequest | LineError:
         method, url, body = value.get("method"), value.get("url"), value.get("body")
@@ -218,7 +277,9 @@ class FileCheck:
     errors: list[dict[str, Any]]  # entries of the batch's ``errors.data``
 
 
-def check_file(lines: Iterable[tuple[int, bytes]], endpoint: str, max_requests: int) -> FileCheck:
+def check_file(
+    lines: Iterable[tuple[int, bytes | LongLine]], endpoint: str, max_requests: int
+) -> FileCheck:
     """Validate a server batch's input file before it runs, as OpenAI does: a batch fails
     whole when it has more than ``max_requests`` requests, when a line calls another route than
     ``endpoint``, or when no line at all is a request (not a batch file). Other bad lines only
@@ -271,6 +332,7 @@ class WrittenLines:
         _cut_torn_tail(path)
         with open(path, "rb") as file:
             for number, raw in numbered_lines(file):
+                assert isinstance(raw, bytes), "read with no bound"
                 try:
                     value = json.loads(raw)
                 except ValueError:

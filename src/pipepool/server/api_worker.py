@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..replicas.shared import SharedReplicas
     from ..runtime.collector import QuietCollections, freeze_startup_objects
+    from .batch_store import close_open_stores
     from .front import AsyncEngine
     from .logs import log_config
     from .models import ModelNames, ServedModel, ServedModels
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             model.front.close()
         for model in served:
             model.front.owner.close()
+        close_open_stores()  # checkpointed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if server.started else 1)

@@ -7,7 +7,7 @@ validation, limits, error bodies and status codes as an HTTP client gets, inside
 ``run_lines`` keeps a window of lines in flight (thousands of inputs: full steps) and hands
 finished lines to a writer in groups. ``BatchRunner`` runs the unfinished batches of a state
 directory one after another (``batch_store.py`` makes it exactly once across kills), in the
-server's main process on a thread and event loop of its own (``BatchThread``), which yields
+server's main process on a thread and event loop of its own (``batch_thread.py``), which yields
 the process's host time to online requests (``online_gate.py``); ``pipepool
 run-batch`` runs a file through the same dispatcher and window.
 """
@@ -19,11 +19,10 @@ import fcntl
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -40,18 +39,12 @@ from ..jobs.batch_lines import (
     prompt_tokens,
     read_lines,
 )
-from ..runtime.signal_mask import block_stop_signals
-from .batch_store import UNFINISHED, BatchOutput, BatchRecord, BatchStore
-from .front import AsyncEngine
-from .online_gate import gated_task_factory
-from .settings import ServerSettings
-
-if TYPE_CHECKING:
-    from .models import ServedModels
+from .batch_output import BatchOutput
+from .batch_store import UNFINISHED, BatchRecord, BatchStore, StoreUnavailable
 
 __all__ = [
+    "WINDOW_INPUTS",
     "BatchRunner",
-    "BatchThread",
     "Dispatcher",
     "EngineFailedError",
     "run_lines",
@@ -68,6 +61,9 @@ WINDOW_LINES = 1024
 _RETRY_STATUSES = (429, 503)
 _RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 _CLIENT = "batch"  # the client address the app sees for a batch line
+# Pauses between two tries of a store that had a fault (disk full, I/O error): doubling to
+# the last, which a store that stays broken is tried at.
+_STORE_PAUSES_S = (0.25, 0.5, 1.0, 2.0)
 
 
 class EngineFailedError(Exception):
@@ -165,6 +161,9 @@ class BatchRunner:
     killed process left (``batch_store.py``: exactly once). One runner per state directory:
     a second one (another server on the same directory) waits for the first's lock.
 
+    A line longer than ``max_line_bytes`` (None: no bound) is answered ``line_too_large``
+    unread: the server would refuse its body anyway, and it is never held in memory whole.
+
     ``ready()``: the engine is loaded; ``stopping()``: the server is shutting down: no line
     is sent any more and the batch stays in progress (what was in flight when the event loop
     ended runs again at the next start)."""
@@ -175,6 +174,7 @@ class BatchRunner:
         dispatcher: Dispatcher,
         *,
         max_requests: int,
+        max_line_bytes: int | None = None,
         ready: Callable[[], bool],
         stopping: Callable[[], bool],
         window_inputs: int = WINDOW_INPUTS,
@@ -184,6 +184,7 @@ class BatchRunner:
         self.state_dir = state_dir
         self.dispatcher = dispatcher
         self.max_requests = max_requests
+        self.max_line_bytes = max_line_bytes
         self.ready = ready
         self.stopping = stopping
         self.window_inputs = window_inputs
@@ -200,27 +201,61 @@ class BatchRunner:
     async def run(self) -> None:
         """Once the state directory holds a store (a route made it: a server that is never
         sent a batch touches nothing), take its lock, then run batches as they come, until
-        cancelled or the server stops."""
+        cancelled or the server stops. A storage fault never ends it: the batch it stopped
+        waits, and goes on once the store can be written again (``_wait_for_store``)."""
         while not BatchStore.exists(self.state_dir):
             if self.stopping():
                 return
             await asyncio.sleep(self.poll_s)
         lock = await self._lock()
-        self._store = BatchStore(self.state_dir)
-        sweeper = asyncio.create_task(self._sweep())
         try:
-            while not self.stopping():
-                pending = self.store.unfinished() if self.ready() else []
-                for record in pending:
-                    if self.stopping():
-                        break
-                    await self._run_or_fail(record.id)
-                if not pending:
-                    await asyncio.sleep(self.poll_s)
+            self._store = await self._open_store()
+            if self._store is None:
+                return  # stopping
+            sweeper = asyncio.create_task(self._sweep())
+            try:
+                while not self.stopping():
+                    try:
+                        await self._run_pending()
+                    except StoreUnavailable as fault:
+                        log.warning("batches wait for the store: %s", fault.reason)
+                        await self._wait_for_store()
+            finally:
+                sweeper.cancel()
+                self.store.close()
         finally:
-            sweeper.cancel()
-            self.store.close()
             os.close(lock)
+
+    async def _run_pending(self) -> None:
+        pending = self.store.unfinished() if self.ready() else []
+        for record in pending:
+            if self.stopping():
+                break
+            await self._run_or_fail(record.id)
+        if not pending:
+            await asyncio.sleep(self.poll_s)
+
+    async def _open_store(self) -> BatchStore | None:
+        """The store, opened as soon as it can be (None: the server stops first)."""
+        pauses = iter(_STORE_PAUSES_S)
+        while not self.stopping():
+            try:
+                return BatchStore(self.state_dir)
+            except StoreUnavailable as fault:
+                log.warning("batches wait for the store: %s", fault.reason)
+                await asyncio.sleep(next(pauses, _STORE_PAUSES_S[-1]))
+        return None
+
+    async def _wait_for_store(self) -> None:
+        """Until a probe write succeeds (or the server stops)."""
+        pauses = iter(_STORE_PAUSES_S)
+        while not self.stopping():
+            await asyncio.sleep(next(pauses, _STORE_PAUSES_S[-1]))
+            try:
+                self.store.probe()
+            except StoreUnavailable:
+                continue
+            return
 
     async def run_batch(self, batch_id: str) -> None:
         """Take one batch as far as it goes now: to its end, or until the server stops."""
@@ -255,8 +290,8 @@ class BatchRunner:
         failed, which stops the runner: its batches resume at the next start."""
         try:
             await self.run_batch(batch_id)
-        except EngineFailedError:
-            raise
+        except (EngineFailedError, StoreUnavailable):
+            raise  # not the batch's fault: it resumes
         except Exception:
             log.exception("batch %s failed", batch_id)
             # The exception may name the server's files: the client is told only where to look.
@@ -268,10 +303,13 @@ class BatchRunner:
     async def _sweep(self) -> None:
         """End the batches cancelled while another one runs: they wait for nothing."""
         while True:
-            for record in self.store.unfinished():
-                if record.status == "cancelling" and record.id != self._active:
-                    self.store.cut_to_committed(record.id)
-                    self.store.finish(record.id, "cancelled")
+            try:
+                for record in self.store.unfinished():
+                    if record.status == "cancelling" and record.id != self._active:
+                        self.store.cut_to_committed(record.id)
+                        self.store.finish(record.id, "cancelled")
+            except StoreUnavailable:
+                pass  # tried again next time: the fault is on the store's health already
             await asyncio.sleep(self.poll_s)
 
     async def _validate(self, record: BatchRecord) -> None:
@@ -283,7 +321,8 @@ class BatchRunner:
 
         def check():
             with open(path, "rb") as file:
-                return check_file(numbered_lines(file), record.endpoint, self.max_requests)
+                lines = numbered_lines(file, self.max_line_bytes)
+                return check_file(lines, record.endpoint, self.max_requests)
 
         # Off the loop: a file of 200 MB takes a while to parse, and online requests go on.
         checked = await asyncio.to_thread(check)
@@ -306,7 +345,8 @@ class BatchRunner:
         path = self.store.path(record.input_file_id)
         stop = _StopCheck(self.store, record, self.stopping, self.clock)
         with BatchOutput(self.store, record) as bodies:
-            items = read_lines(path, LineChecker(record.endpoint), lambda i: i.line in done)
+            items = read_lines(path, LineChecker(record.endpoint), lambda i: i.line in done,
+                               max_line_bytes=self.max_line_bytes)  # fmt: skip
             all_sent = await run_lines(items, self.dispatcher, bodies.write, stop=stop,
                                        window_inputs=self.window_inputs)  # fmt: skip
             if all_sent or self.store.status(batch_id) == "cancelling":
@@ -317,7 +357,8 @@ class BatchRunner:
             done = self.store.done_lines(batch_id)
             expired = []
             async for item in read_lines(path, LineChecker(record.endpoint),
-                                         lambda i: i.line in done):  # fmt: skip
+                                         lambda i: i.line in done,
+                                         max_line_bytes=self.max_line_bytes):  # fmt: skip
                 expired.append(LineResult(item.line, False, _expired(item).output()))
             bodies.write(expired)
         self.store.finish(batch_id, "expired")
@@ -376,86 +417,6 @@ def _expired(item: BatchRequest | LineError) -> LineError:
 
 def _file_error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": None}
-
-
-def _log_failure_of(exc: BaseException) -> None:
-    if isinstance(exc, EngineFailedError):
-        log.warning("batches stopped: %s", exc)
-    else:
-        log.error("the batch runner failed", exc_info=exc)
-
-
-class BatchThread:
-    """The batches of a server's main process, run in a thread of their own: its own event
-    loop, and its own app (``build_app``) over its own ``AsyncEngine`` on each of the server's
-    engines.
-    Thousands of batch lines in flight, each a request through the app's routes, never queue
-    in the event loop that answers online requests; their engine calls are background work
-    (``core.priority``), and their host work waits while an online request is in flight
-    (``online_gate``: every task step of this thread's loop, every call of its lane). Batches
-    come from the server's state directory, within its limits. ``stopping()``: the server is
-    shutting down (the runner stops sending lines)."""
-
-    def __init__(
-        self, settings: ServerSettings, models: ServedModels, *, stopping: Callable[[], bool]
-    ) -> None:
-        from .app import build_app  # the app is built here, not imported by it
-
-        owners = [model.front.owner for model in models]
-        self.fronts = {
-            i: AsyncEngine(model.front.owner, max_queued=model.front.max_queued)
-            for i, model in enumerate(models)
-        }
-        dispatcher = Dispatcher(
-            build_app(settings, models.with_fronts(self.fronts)),
-            api_key=settings.api_key,
-            engine_failed=lambda: any(owner.error is not None for owner in owners),
-        )
-        self.runner = BatchRunner(
-            settings.batch_state_dir,
-            dispatcher,
-            max_requests=settings.max_batch_requests,
-            ready=lambda: all(owner.engine is not None for owner in owners),
-            stopping=stopping,
-            window_inputs=window_for(settings),
-        )
-        self._thread = threading.Thread(target=self._run, name="pipepool-batches", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        """Wait (``timeout`` seconds at most) for the runner to stop after ``stopping()``."""
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        for front in self.fronts.values():
-            front.close()
-
-    def _run(self) -> None:
-        block_stop_signals()  # SIGTERM and Ctrl-C are the server's
-
-        def gated_loop() -> asyncio.AbstractEventLoop:
-            # Every step of every task here waits while an online request is in flight.
-            loop = asyncio.new_event_loop()
-            loop.set_task_factory(gated_task_factory())
-            return loop
-
-        try:
-            with asyncio.Runner(loop_factory=gated_loop) as runner:
-                runner.run(self._serve())
-        except BaseException as exc:  # logged: a thread's exception would vanish
-            _log_failure_of(exc)
-
-    async def _serve(self) -> None:
-        try:
-            await self.runner.run()
-        finally:
-            await self.runner.dispatcher.aclose()
-
-
-def window_for(settings: ServerSettings) -> int:
-    """Inputs in flight for a batch: ``WINDOW_INPUTS``, or half the server's queue if less."""
-    return max(1, min(WINDOW_INPUTS, settings.max_queued_requests // 2))
 
 
 class _NotBatchLines(logging.Filter):

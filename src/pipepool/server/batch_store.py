@@ -5,156 +5,177 @@ server may read and write it at once) and ``files/<file id>``, one body per file
 output and error files are written under ids chosen when the batch is created, and become
 files (listed, readable) only when the batch ends.
 
-Exactly once: the runner appends finished lines to the output and error bodies, then commits,
-in one transaction, their input line numbers and the bodies' new lengths. A run that resumes
-after a kill cuts each body back to its committed length (dropping what was written and not
-committed, a torn line included) and skips the committed lines: each line is in the output
-once, and only the lines in flight at the kill are run again.
+The store's contract:
+
+- Exactly once: the runner appends finished lines to the output and error bodies, then
+  commits, in one transaction, their input line numbers and the bodies' new lengths. A run
+  that resumes after a kill or a storage fault cuts each body back to its committed length
+  (dropping what was written and not committed, a torn line included) and skips the committed
+  lines: each line is in the output once, and only the lines in flight are run again.
+- Every write is checked. A storage fault (``store_faults.py``: disk full, I/O error, damaged
+  or locked database) raises ``StoreUnavailable`` (the routes answer it 507 or 503 with the
+  reason) and marks the directory degraded on ``store_faults.HEALTH`` (``/health``,
+  ``/metrics``) until a write succeeds again; nothing half-done is committed.
+- A file's record and its body come and go together, in an order a crash cannot break: an
+  upload is written to ``files/.<id>.part``, its record committed, then the body renamed into
+  place; a deletion renames the body to ``files/.<id>.deleted``, commits, then unlinks it.
+  ``store_check.py`` finishes either at the next start.
+- The input file of an unfinished batch cannot be deleted (``FileInUse``): a batch resumed
+  after a kill always has the lines it was answering.
+- A store closed (``close_open_stores``, at a server's shutdown) is checkpointed into
+  ``batches.sqlite3`` (``PRAGMA wal_checkpoint(TRUNCATE)``), which alone is then a complete
+  copy of the records; ``store_check.py`` checks a store before a server serves it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from ..jobs.batch_lines import LineResult
+from .batch_records import (
+    ADDED_COLUMNS,
+    CANCELLABLE,
+    COMPLETION_WINDOW_S,
+    DB_NAME,
+    SCHEMA,
+    UNFINISHED,
+    BatchRecord,
+    FileRecord,
+    bodies_of,
+    file_values,
+    new_id,
+)
+from .store_faults import HEALTH, StoreHealth, StoreUnavailable
+from .store_io import Transaction, checked, rename_if_there, write_all
 
-__all__ = ["UNFINISHED", "BatchOutput", "BatchRecord", "BatchStore", "FileRecord"]
+__all__ = [
+    "CANCELLABLE",
+    "UNFINISHED",
+    "BatchRecord",
+    "BatchStore",
+    "FileInUse",
+    "FileRecord",
+    "StoreUnavailable",
+    "close_open_stores",
+    "new_id",
+]
 
-# A batch in one of these still has work for the runner; the others are final.
-UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
-CANCELLABLE = ("validating", "in_progress")
-_DB_NAME = "batches.sqlite3"
-COMPLETION_WINDOW_S = {"24h": 24 * 3600}
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY,
-    bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    filename TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    expires_at INTEGER  -- NULL: kept until deleted
-);
-CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: lists and the runner's queue
-    id TEXT NOT NULL UNIQUE,
-    endpoint TEXT NOT NULL,
-    input_file_id TEXT NOT NULL,
-    completion_window TEXT NOT NULL,
-    status TEXT NOT NULL,
-    metadata TEXT,  -- JSON
-    errors TEXT,  -- JSON: the entries of errors.data
-    created_at INTEGER NOT NULL,
-    expires_at INTEGER NOT NULL,
-    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
-    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
-    total INTEGER NOT NULL DEFAULT 0,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    output_file_id TEXT,  -- shown once the batch ended with an output line
-    error_file_id TEXT,
-    out_file TEXT NOT NULL,  -- the ids the output and error bodies are written under
-    err_file TEXT NOT NULL,
-    out_bytes INTEGER NOT NULL DEFAULT 0,  -- committed lengths of those bodies
-    err_bytes INTEGER NOT NULL DEFAULT 0,
-    input_tokens INTEGER NOT NULL DEFAULT 0,  -- prompt tokens of the answered lines (usage)
-    output_expires_s INTEGER  -- its output and error files expire this long after they are made
-);
-CREATE TABLE IF NOT EXISTS batch_lines_done (
-    batch_id TEXT NOT NULL,
-    line INTEGER NOT NULL,
-    PRIMARY KEY (batch_id, line)
-) WITHOUT ROWID;
-"""
+log = logging.getLogger("pipepool.server")
 
 
-@dataclass(frozen=True)
-class FileRecord:
-    """A stored file: OpenAI's file object fields."""
+class FileInUse(Exception):
+    """A file that cannot be deleted now: the input of ``batch_id``, which is ``status``."""
 
-    id: str
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str  # "batch" (uploaded) or "batch_output" (a batch's output or error file)
-    expires_at: int | None = None  # when it is deleted; None: kept until deleted
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """A batch as stored: OpenAI's batch object fields, and where its output goes."""
-
-    seq: int
-    id: str
-    endpoint: str
-    input_file_id: str
-    completion_window: str
-    status: str
-    metadata: str | None  # JSON
-    errors: str | None  # JSON list
-    created_at: int
-    expires_at: int
-    in_progress_at: int | None
-    finalizing_at: int | None
-    completed_at: int | None
-    failed_at: int | None
-    expired_at: int | None
-    cancelling_at: int | None
-    cancelled_at: int | None
-    total: int  # requests in the input file (0 while validating)
-    completed: int  # lines in the output body: answered with a 2xx
-    failed: int  # lines in the error body
-    output_file_id: str | None
-    error_file_id: str | None
-    out_file: str
-    err_file: str
-    out_bytes: int
-    err_bytes: int
-    input_tokens: int  # prompt tokens the answered lines read (OpenAI's usage)
-    output_expires_s: int | None  # output and error files expire this long after made
+    def __init__(self, file_id: str, batch_id: str, status: str) -> None:
+        super().__init__(f"file {file_id} is the input of batch {batch_id} ({status})")
+        self.file_id, self.batch_id, self.status = file_id, batch_id, status
 
 
 class BatchStore:
-    """Files and batches under one state directory. Every method is one short transaction,
-    so several processes may hold a store of the same directory; a store is used from one
-    thread (the event loop's)."""
+    """Files and batches under one state directory (see the module's contract). Every method
+    is one short transaction, so several processes may hold a store of the same directory; a
+    store is used from one thread at a time. Raises ``StoreUnavailable`` on a storage fault,
+    from any method, opening included."""
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = Path(state_dir)
         self.files_dir = self.dir / "files"
+        HEALTH.register(self.dir)
+        self._db = self._open()
+        _OPEN_STORES.add(self)
+
+    @checked(writes=None)
+    def _open(self) -> sqlite3.Connection:
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.dir / _DB_NAME, timeout=30, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL: a commit is in the WAL file when it returns, so a killed process loses none
-        # (only a power loss could); FULL would fsync every flush of finished lines.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        for table, column, kind in _ADDED_COLUMNS:  # a state directory of an earlier version
-            columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in columns:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        # check_same_thread off: the process closes its stores at shutdown from its main thread.
+        db = sqlite3.connect(
+            self.dir / DB_NAME, timeout=30, isolation_level=None, check_same_thread=False
+        )
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL: a commit is in the WAL file when it returns, so a killed process loses
+            # none (only a power loss could); FULL would fsync every flush of finished lines.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(SCHEMA)
+            for table, column, kind in ADDED_COLUMNS:  # a state directory of an earlier version
+                columns = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+                if column not in columns:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     @staticmethod
     def exists(state_dir: Path) -> bool:
         """Whether a store was made in ``state_dir``."""
-        return (Path(state_dir) / _DB_NAME).is_file()
+        return (Path(state_dir) / DB_NAME).is_file()
 
     def close(self) -> None:
-        self._db.close()
+        """Close the store, checkpointing its WAL into the database file."""
+        _OPEN_STORES.discard(self)
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:  # the state stays in the WAL, which the next start reads
+            log.warning("the batch store was not checkpointed at its close: %s", exc)
+        finally:
+            self._db.close()
+
+    def health(self) -> StoreHealth:
+        """The directory's health as this process saw it last (``store_faults.HEALTH``, shared
+        by every store of the directory in the process): ``ok``, or the fault's reason."""
+        return HEALTH.health(self.dir)
 
     def path(self, file_id: str) -> Path:
         """Where a file's body is (or will be) on disk."""
         assert "/" not in file_id and file_id.startswith("file-"), file_id
         return self.files_dir / file_id
+
+    @checked(writes="file")
+    def probe(self) -> None:
+        """A write to the database and to the files folder, to know whether the store can be
+        written again (the batch runner's, after a fault)."""
+        with self._transaction():
+            self._db.execute("UPDATE meta SET value = ? WHERE key = 'probe'", (int(time.time()),))
+        probe = self.files_dir / ".probe"
+        try:
+            with open(probe, "wb") as out:
+                out.write(b"\0" * (64 << 10))
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+
+    @checked(writes=None)
+    def opened(self, path: Path, flags: int) -> int:
+        """``os.open`` of a body under the store (its faults are the store's)."""
+        return os.open(path, flags, 0o600)
+
+    @checked(writes="file")
+    def append(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` at ``fd`` (``opened`` with O_APPEND), partial writes resumed."""
+        write_all(fd, data)
+
+    @checked(writes="file")
+    def sync(self, fd: int) -> None:
+        """``os.fsync`` of a body (``opened``): on disk before its record is committed."""
+        os.fsync(fd)
+
+    def free_bytes(self) -> int | None:
+        """Bytes free for this process in the state directory (None: the OS does not say)."""
+        try:
+            stat = os.statvfs(self.files_dir)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -163,6 +184,7 @@ class BatchStore:
         file_id = new_id("file-")
         return file_id, self.files_dir / f".{file_id}.part"
 
+    @checked(writes="db")
     def add_file(
         self,
         file_id: str,
@@ -175,13 +197,18 @@ class BatchStore:
         """Make the body written at ``part`` (``new_upload``) the file ``file_id``, kept for
         ``expires_after_s`` seconds (None: until deleted)."""
         size = part.stat().st_size
-        os.replace(part, self.path(file_id))
         now = int(time.time())
         expires = None if expires_after_s is None else now + expires_after_s
         record = FileRecord(file_id, size, now, filename, purpose, expires)
-        self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _values(record))
+        self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", file_values(record))
+        try:
+            os.replace(part, self.path(file_id))
+        except BaseException:
+            self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            raise
         return record
 
+    @checked(writes=None)
     def file(self, file_id: str) -> FileRecord | None:
         """A file's record; None where there is none or it has expired."""
         row = self._db.execute(
@@ -190,6 +217,7 @@ class BatchStore:
         ).fetchone()
         return FileRecord(**row) if row else None
 
+    @checked(writes=None)
     def delete_expired(self) -> int:
         """Delete the files whose time has come, but for the input of a batch still running
         (it is read to its end); how many went."""
@@ -200,6 +228,7 @@ class BatchStore:
         ).fetchall()
         return sum(self.delete_file(file_id) for (file_id,) in rows)
 
+    @checked(writes=None)
     def list_files(
         self, purpose: str | None, after: str | None, limit: int, *, newest_first: bool
     ) -> tuple[list[FileRecord], bool]:
@@ -216,15 +245,34 @@ class BatchStore:
         ).fetchall()
         return [FileRecord(**r) for r in rows[:limit]], len(rows) > limit
 
+    @checked(writes="db")
     def delete_file(self, file_id: str) -> bool:
-        """Remove a file, its record and body; False if there was none."""
-        deleted = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-        if deleted:
-            self.path(file_id).unlink(missing_ok=True)
-        return bool(deleted)
+        """Remove a file, its record and body; False if there was none. Raises ``FileInUse``
+        for the input of a batch not ended yet."""
+        body, gone = self.path(file_id), self.files_dir / f".{file_id}.deleted"
+        with self._transaction():
+            using = self._db.execute(
+                "SELECT id, status FROM batches WHERE input_file_id = ? AND status IN "
+                f"({', '.join('?' * len(UNFINISHED))}) ORDER BY seq LIMIT 1",
+                (file_id, *UNFINISHED),
+            ).fetchone()
+            if using is not None:
+                raise FileInUse(file_id, using["id"], using["status"])
+            if not self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount:
+                return False
+            moved = rename_if_there(body, gone)
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                if moved:
+                    os.replace(gone, body)
+                raise
+        gone.unlink(missing_ok=True)
+        return True
 
     # -- batches -------------------------------------------------------------------------------
 
+    @checked(writes="db")
     def create_batch(
         self,
         input_file_id: str,
@@ -249,10 +297,12 @@ class BatchStore:
         assert record is not None, "inserted just now"
         return record
 
+    @checked(writes=None)
     def batch(self, batch_id: str) -> BatchRecord | None:
         row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return BatchRecord(**row) if row else None
 
+    @checked(writes=None)
     def list_batches(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Up to ``limit`` batches, newest first, created before ``after`` (a batch id; None:
         from the newest); and whether there are more."""
@@ -263,6 +313,7 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows[:limit]], len(rows) > limit
 
+    @checked(writes=None)
     def unfinished(self) -> list[BatchRecord]:
         """Batches the runner has work on, oldest first."""
         marks = ", ".join("?" * len(UNFINISHED))
@@ -271,10 +322,12 @@ class BatchStore:
         ).fetchall()
         return [BatchRecord(**r) for r in rows]
 
+    @checked(writes=None)
     def status(self, batch_id: str) -> str | None:
         row = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return row[0] if row else None
 
+    @checked(writes="db")
     def move(self, batch_id: str, old: Iterable[str], new: str, **fields: Any) -> bool:
         """Set ``status`` to ``new`` (and ``new``'s timestamp to now, and ``fields``) if it is
         one of ``old``; whether it was. Every change of status goes through here, so that two
@@ -290,16 +343,19 @@ class BatchStore:
         ).rowcount
         return bool(changed)
 
+    @checked(writes="db")
     def set_total(self, batch_id: str, total: int) -> None:
         self._db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
         return self.move(batch_id, ("validating",), "failed", errors=json.dumps(errors))
 
+    @checked(writes=None)
     def done_lines(self, batch_id: str) -> set[int]:
         rows = self._db.execute("SELECT line FROM batch_lines_done WHERE batch_id = ?", (batch_id,))
         return {line for (line,) in rows}
 
+    @checked(writes="db")
     def record(
         self,
         batch_id: str,
@@ -323,9 +379,11 @@ class BatchStore:
                 (completed, failed, *sizes, tokens, batch_id),
             )
 
+    @checked(writes=None)
     def cut_to_committed(self, batch_id: str) -> None:
-        """Cut a batch's output and error bodies to their committed lengths (a killed run may
-        have written lines it did not commit, the last one torn)."""
+        """Cut a batch's output and error bodies to their committed lengths (a killed run, or
+        one a storage fault stopped, may have written lines it did not commit, the last one
+        torn)."""
         record = self.batch(batch_id)
         assert record is not None, batch_id
         for file_id, size in (
@@ -337,6 +395,7 @@ class BatchStore:
                 with open(path, "r+b") as body:
                     body.truncate(size)
 
+    @checked(writes="db")
     def finish(self, batch_id: str, status: str) -> None:
         """End a batch: its output and error bodies become files (those with a line), the
         batch says their ids, and its status becomes ``status`` (completed, cancelled,
@@ -346,7 +405,7 @@ class BatchStore:
         with self._transaction():
             record = self.batch(batch_id)
             assert record is not None, batch_id
-            bodies = _bodies(record)
+            bodies = bodies_of(record)
             shown = {kind: file_id if size else None for kind, (file_id, size) in bodies.items()}
             keep = record.output_expires_s
             expires = None if keep is None else now + keep
@@ -366,86 +425,17 @@ class BatchStore:
             if not size:
                 self.path(file_id).unlink(missing_ok=True)
 
-    def _transaction(self):
-        return _Transaction(self._db)
+    def _transaction(self) -> Transaction:
+        return Transaction(self._db)
 
 
-class BatchOutput:
-    """The output and error bodies of a batch in progress, open for appending (cut to their
-    committed lengths first: ``BatchStore.cut_to_committed``). ``write`` appends finished
-    lines, then commits them: the exactly-once step."""
-
-    def __init__(self, store: BatchStore, record: BatchRecord) -> None:
-        self.store, self.batch_id = store, record.id
-        self.sizes = [record.out_bytes, record.err_bytes]  # committed, then as written
-        self._paths = (store.path(record.out_file), store.path(record.err_file))
-        self._files: list[BinaryIO] = []
-
-    def __enter__(self) -> BatchOutput:
-        self._files = [open(path, "ab") for path in self._paths]  # noqa: SIM115
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        for file in self._files:
-            file.close()
-
-    def write(self, results: list[LineResult]) -> None:
-        if not results:
-            return
-        for index, file in enumerate(self._files):
-            data = b"".join(r.text for r in results if r.ok == (index == 0))
-            if data:
-                file.write(data)
-                file.flush()  # in the kernel's hands: a killed process loses none of it
-                self.sizes[index] += len(data)
-        completed = sum(r.ok for r in results)
-        self.store.record(
-            self.batch_id,
-            [r.line for r in results],
-            completed=completed,
-            failed=len(results) - completed,
-            sizes=(self.sizes[0], self.sizes[1]),
-            tokens=sum(r.tokens for r in results),
-        )
+# The stores this process holds, closed together at its shutdown (``close_open_stores``).
+_OPEN_STORES: set[BatchStore] = set()
+_CLOSING = threading.Lock()
 
 
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on an exception): the write lock is taken at the
-    start, so a transaction never fails half-way on another process's lock."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind, _value, _traceback) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
-
-
-def _bodies(record: BatchRecord) -> dict[str, tuple[str, int]]:
-    """A batch's output and error bodies: their file ids and committed lengths."""
-    return {
-        "output": (record.out_file, record.out_bytes),
-        "error": (record.err_file, record.err_bytes),
-    }
-
-
-def new_id(prefix: str) -> str:
-    """An id as OpenAI's look: a prefix and 24 random hex digits."""
-    return f"{prefix}{secrets.token_hex(12)}"
-
-
-def _values(record: FileRecord) -> tuple:
-    return (
-        record.id, record.bytes, record.created_at, record.filename, record.purpose,
-        record.expires_at,
-    )  # fmt: skip
-
-
-# Columns added after the first release of the store: (table, column, type).
-_ADDED_COLUMNS = (
-    ("files", "expires_at", "INTEGER"),
-    ("batches", "input_tokens", "INTEGER NOT NULL DEFAULT 0"),
-    ("batches", "output_expires_s", "INTEGER"),
-)
+def close_open_stores() -> None:
+    """Close every store this process holds, checkpointing each (at its shutdown)."""
+    with _CLOSING:
+        for store in list(_OPEN_STORES):
+            store.close()

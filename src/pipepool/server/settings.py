@@ -77,6 +77,9 @@ class ServerSettings:
     # accepted whole.
     max_batch_requests: int = 50_000
     max_batch_file_bytes: int = 200 << 20
+    # Uploads one front-end process receives at once (``upload_slots.py``): each streams to
+    # disk in a few megabytes of memory; past this they wait --queue-wait, then 429.
+    max_concurrent_uploads: int = 4
 
     @property
     def batch_state_dir(self) -> Path:
@@ -86,7 +89,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         positive = ("max_inputs_per_request", "max_tokens_per_request", "max_chunked_tokens")
         limits = ("max_body_bytes", "max_queued_requests", "max_batch_requests")
-        for name in (*positive, *limits, "max_batch_file_bytes"):
+        for name in (*positive, *limits, "max_batch_file_bytes", "max_concurrent_uploads"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
         if self.max_queued_requests < self.max_inputs_per_request:

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ... import __version__
 from .. import metrics, protocol
 from ..models import ServedModel
+from ..store_faults import batch_store_health, store_metrics
 from .shared import READ_ERRORS, errors_doc, state_of
 
 router = APIRouter()
@@ -35,7 +36,10 @@ async def health(
     good), ``closed`` (shutting down). With replicas (``--dp``), ``replicas`` gives each one's
     state. A server of several models gives each one's status and replicas in ``models``;
     ``?model=NAME`` asks about one model alone (200 when it is ``ok``). With
-    ``--api-server-count`` above 1, ``api_server`` says which front-end process answered."""
+    ``--api-server-count`` above 1, ``api_server`` says which front-end process answered.
+    Once the Batch API was used, ``batch_store`` says whether its store writes (``ok``) or
+    why not (``degraded``: disk full, I/O error); it does not change the status code, as
+    online requests are served either way."""
     state = state_of(request)
     served = list(state.models) if model is None else [state.models.select(model)]
     each = {m.name: _health_of(m) for m in served}
@@ -47,6 +51,9 @@ async def health(
         body.update(each[served[0].name])  # one model: its own body
     else:
         body["models"] = each
+    store = batch_store_health(state.settings.batch_state_dir)
+    if store is not None:
+        body["batch_store"] = store
     return JSONResponse(body, status_code=200 if worst == "ok" else 503)
 
 
@@ -74,6 +81,7 @@ async def prometheus(request: Request) -> PlainTextResponse:
     ``model``), HTTP counters."""
     state = state_of(request)
     text = metrics.render(state.models, state.http)
+    text += store_metrics(state.settings.batch_state_dir)
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 

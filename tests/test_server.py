@@ -561,6 +561,66 @@ def test_killed_stage_heals_under_load_and_no_client_sees_it(servers, engine):
     assert new_stage != stage and not _alive(stage)
 
 
+def test_a_stopped_stage_is_seen_within_15_s_and_its_requests_are_answered(servers, engine):
+    """SIGSTOP of the PP=2 server's stage process at default settings (the watchdog's learnt
+    bound: 10 s on a pipeline this fast): /health turns 503 ``degraded`` within 15 s of the
+    stop, the stages are restarted, and the requests in flight are answered after the heal,
+    every vector right."""
+    server = servers[2]
+    bodies = _mixed_requests(12)
+    want = {i: engine.embed(b) for i, b in enumerate(bodies)}
+    before = server.metrics()
+    # Past the watchdog's warm-up: the pipeline (maybe restarted above) returns results.
+    warm = httpx.post(server.url + "/v1/embeddings", json={"input": long_prompts()}, timeout=60)
+    assert warm.status_code == 200
+    assert server.metrics()["pipepool_steps_total"] - before["pipepool_steps_total"] > 16
+    stop_load = threading.Event()
+    answers: list[tuple[int, float, float, httpx.Response]] = []  # (body, sent, answered, r)
+
+    def load(k: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            i = k
+            while not stop_load.is_set():
+                sent = time.monotonic()
+                r = http.post(server.url + "/v1/embeddings", json={"input": bodies[i]})
+                answers.append((i, sent, time.monotonic(), r))
+                i = (i + 1) % len(bodies)
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    (stage,) = server.children()
+    try:
+        wait_for(lambda: len(answers) >= 6, what="the load's first answers")
+        os.kill(stage[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503,
+                 timeout=60, what="/health not ok")  # fmt: skip
+        seen_after = time.monotonic() - stopped
+        assert httpx.get(server.url + "/health").json()["status"] in ("degraded", "ok")
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 200,
+                 timeout=60, what="the healed pipeline")  # fmt: skip
+        healed = time.monotonic()
+        wait_for(lambda: any(a[1] > healed for a in answers), what="answers after the heal")
+    finally:
+        stop_load.set()
+        for t in threads:
+            t.join()
+        if _alive(stage):
+            os.kill(stage[0], signal.SIGCONT)
+    assert seen_after < 15.0, f"/health stayed ok {seen_after:.1f} s after the stop"
+    spanning = [a for a in answers if a[1] < stopped and a[2] > healed]
+    assert spanning, "no request was in flight across the stop and the heal"
+    for i, _, _, r in answers:
+        assert r.status_code == 200, r.text
+        for d, e in zip(r.json()["data"], want[i], strict=True):
+            assert_close(d["embedding"], e)
+    m = server.metrics()
+    assert m["pipepool_pipeline_restarts_total"] == before["pipepool_pipeline_restarts_total"] + 1
+    assert "the stage processes are hung" in server.log()
+    assert not _alive(stage)
+
+
 # -- shutdown (last: it stops both servers) -------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_text import assert_valid_and_unique
 from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tokenizers import Tokenizer
 
@@ -43,7 +44,8 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 90.0) -> ServerProcess:
-        """Poll /health until 200; ``health_seen`` keeps each distinct answer on the way."""
+        """Poll /health until ``ok`` (every model serves: a server of several answers 200 as
+        soon as one does); ``health_seen`` keeps each distinct answer on the way."""
         self.health_seen: list[tuple[int, dict]] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -56,7 +58,7 @@ class ServerProcess:
                 continue
             if (r.status_code, r.json()) not in self.health_seen:
                 self.health_seen.append((r.status_code, r.json()))
-            if r.status_code == 200:
+            if r.status_code == 200 and r.json()["status"] == "ok":
                 return self
             time.sleep(0.1)
         pytest.fail(f"server not ready after {timeout}s:\n{self.log()}")
@@ -344,6 +346,27 @@ def test_metrics_expose_engine_and_http_counters(server):
     assert m["pipepool_requests_finished_total"] >= 1
     assert m['pipepool_step_time_seconds_bucket{le="+Inf"}'] >= 1
     assert m['python_gc_collections_total{generation="0"}'] >= 1
+
+
+def test_metrics_write_each_series_once_by_the_prometheus_rules(server):
+    """Requests on one route answered by the model (200) and before any model was chosen (a
+    body that fails to parse: 400, a name no model has: 404) share their series in a server
+    of one model: each is written once, as the sum of both."""
+    before = assert_valid_and_unique(httpx.get(server.url + "/metrics").text)
+    route = server.url + "/v1/embeddings"
+    assert httpx.post(route, json={"input": "count me"}).status_code == 200
+    assert httpx.post(route, content=b"{not json").status_code == 400
+    assert httpx.post(route, json={"input": "x", "model": "nope"}).status_code == 404
+    after = assert_valid_and_unique(httpx.get(server.url + "/metrics").text)
+
+    def count(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="200") == 1
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="400") == 1
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="404") == 1
+    assert count("pipepool_http_request_duration_seconds_count", route="/v1/embeddings") == 3
 
 
 def _server_timing(response: httpx.Response) -> dict[str, float]:

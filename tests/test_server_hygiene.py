@@ -385,6 +385,7 @@ ANSWERS = {
     ("/version", "get"): READ_ROUTE,
     ("/health", "get"): {"200", "404", "500", "503"},  # 404: ?model= names no model
     ("/metrics", "get"): {"200", "500"},
+    ("/v2/models/{model}/ready", "get"): {"200", "404", "500", "503"},
     ("/v1/files", "post"): {"200", "400", "401", "408", "413", "500"},
     ("/v1/files", "get"): {"200", "400", "401", "500"},
     ("/v1/files/{file_id}", "get"): {"200", "401", "404", "500"},

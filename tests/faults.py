@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +24,23 @@ FAULTS = (
     "pool_on_non_last_stage",
     "keep_aborted_mirror",
     "drop_request",
+    "sleep_on_stage",  # not a slip: a slow stage, for the watchdog (``sleeps``)
 )
 _ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
+_SLEEPS_ENV = "PIPEPOOL_TEST_SLEEPS"  # step=seconds,step=seconds
 
 
-def install(monkeypatch, kind: str, *, stage: int = 0, step: int = 0) -> None:
+def install(
+    monkeypatch, kind: str, *, stage: int = 0, step: int = 0, sleeps: dict[int, float] | None = None
+) -> None:
     """From now until the test ends, engines started in this process (and their stage
-    processes) commit ``kind`` on ``stage`` from step ``step`` on."""
+    processes) commit ``kind`` on ``stage`` from step ``step`` on (``sleep_on_stage``: the
+    stage sleeps ``sleeps[step_id]`` seconds before each step listed)."""
     assert kind in FAULTS, kind
     import pipepool.driver.local
 
     monkeypatch.setenv(_ENV, f"{kind}:{stage}:{step}")
+    monkeypatch.setenv(_SLEEPS_ENV, ",".join(f"{k}={v}" for k, v in (sleeps or {}).items()))
     here = str(Path(__file__).resolve().parent)
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", here if not path else f"{here}{os.pathsep}{path}")
@@ -59,6 +66,8 @@ class FaultyRunner(StageRunner):
             on = spec.index == int(stage)
         self.fault = kind if on else None
         self.fault_step = int(step)
+        listed = (item.split("=") for item in os.environ.get(_SLEEPS_ENV, "").split(",") if item)
+        self.sleeps = {int(k): float(v) for k, v in listed}
         super()._load(config, folder, spec)
 
     def execute(self, plan: StepPlan, inbound, outbound):
@@ -66,6 +75,8 @@ class FaultyRunner(StageRunner):
             raise RuntimeError(
                 f"injected failure on stage {self.spec.index} at step {plan.step_id}"
             )
+        if self.fault == "sleep_on_stage":
+            time.sleep(self.sleeps.get(plan.step_id, 0.0))
         return super().execute(plan, inbound, outbound)
 
     def _pools(self) -> bool:

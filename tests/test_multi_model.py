@@ -279,9 +279,11 @@ def test_a_killed_model_heals_alone_and_loses_no_request(server, engines):
         time.sleep(1.0)  # under load: requests in flight on every model
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
+        health_codes, ready = set(), set()  # the server's /health; the classifier's readiness
         while _replica_pid(server, "classifier") in (pid, None):
             assert time.monotonic() < deadline, "the classifier did not come back"
-            time.sleep(0.2)
+            health_codes.add(httpx.get(server.url + "/health").status_code)
+            ready.add(httpx.get(server.url + "/v2/models/classifier/ready").status_code)
         back = len(answers["classifier"])
         while len(answers["classifier"]) < back + 2:  # answered by the new process
             assert time.monotonic() < deadline, "the classifier answers nothing"
@@ -291,6 +293,9 @@ def test_a_killed_model_heals_alone_and_loses_no_request(server, engines):
         for t in threads:
             t.join()
     assert set(answers["embedder"]) == {200} and set(answers["reranker"]) == {200}
+    # The others served on: the server stayed healthy for a load balancer, the classifier's
+    # own readiness said it was not serving while it restarted.
+    assert health_codes == {200} and 503 in ready
     # The killed model's requests waited for its restart (or, if they could not, a clear 503).
     assert set(answers["classifier"]) <= {200, 503}
     assert answers["classifier"].count(200) >= 2

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from pipepool.core.priority import background_work
 from pipepool.server.online_gate import (
+    BACKGROUND_SHARE,
     SETTLED_S,
     BackgroundPool,
     OnlineGate,
@@ -108,6 +109,34 @@ def test_a_background_loop_still_moves_under_online_requests_that_never_pause():
             background.wait_for(5)  # each step waited 10 ms at most
     finally:
         background.stop()
+
+
+def test_under_online_requests_that_never_pause_background_work_has_its_turn():
+    """A wait that online requests never let end early gives background work its turn: for
+    ``BACKGROUND_SHARE`` of the time (after a wait of ``max_wait_s``) it waits for nothing."""
+    now = [0.0]
+    gate = OnlineGate(max_wait_s=0.01, clock=lambda: now[0])
+    waits: list[float] = []
+    wait_for = gate._quiet.wait_for
+
+    def counted(predicate, timeout):
+        waits.append(timeout)
+        return wait_for(predicate, timeout)
+
+    gate._quiet.wait_for = counted  # type: ignore[method-assign]
+    turn = 0.01 * BACKGROUND_SHARE / (1 - BACKGROUND_SHARE)  # 1.1 ms after each 10 ms
+    with gate.online_request():
+        gate.wait_for_quiet()
+        assert waits == [0.01]
+        now[0] += 0.99 * turn
+        gate.wait_for_quiet()  # its turn: at once
+        assert waits == [0.01]
+        now[0] += 0.02 * turn
+        gate.wait_for_quiet()  # the turn is over: it waits again
+        assert waits == [0.01, 0.01]
+    now[0] = 0.0  # no online request in flight: no wait, turn or not
+    gate.wait_for_quiet()
+    assert waits == [0.01, 0.01]
 
 
 def test_a_background_pool_runs_no_call_while_an_online_request_is_in_flight():

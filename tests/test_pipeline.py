@@ -324,6 +324,33 @@ def test_a_hung_stage_is_declared_by_the_watchdog_and_the_pipeline_heals(qwen3_p
         assert engine.health == "ok"
 
 
+def test_slow_steps_the_learnt_bound_allows_do_not_fire_the_watchdog(qwen3_path, monkeypatch):
+    """The default (learnt) bound, its numbers scaled down tenfold so the test is quick: a first
+    step that compiles (unbounded), a slow step among the first results (warm-up room) and,
+    once steps take 0.1 s, a step of 0.8 s (ten times the longest recent wait) are waited for:
+    no restart, every answer right. The same floor alone (0.3 s) would fire at each of them."""
+    from pipepool.driver.watchdog import WaitBound
+
+    monkeypatch.setattr(WaitBound, "FLOOR_S", 0.3)
+    monkeypatch.setattr(WaitBound, "WARMUP_S", 1.2)
+    monkeypatch.setattr(WaitBound, "WINDOW", 6)  # the warm-up's waits are forgotten by step 24
+    steady = dict.fromkeys(range(12, 24), 0.1)
+    sleeps = {0: 1.5, 3: 0.8, **steady, 24: 0.8}
+    faults.install(monkeypatch, "sleep_on_stage", stage=1, sleeps=sleeps)
+    prompts = [f"{i} {p}" for i in range(2) for p in long_prompts()]
+    with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=7, normalize=False) as ref:
+        want = ref.embed(prompts)
+    engine = pipepool.Engine(
+        str(qwen3_path), pipeline_parallel_size=2, max_num_batched_tokens=7, normalize=False
+    )
+    assert engine.config.step_timeout_s is None  # the default: learnt
+    with engine:
+        got = engine.embed(prompts)
+        assert engine.stats.steps > max(sleeps)  # every listed sleep was slept
+        assert engine.stats.pipeline_restarts == 0
+        assert _per_request_min_cosine(got, want) >= MIN_COSINE
+
+
 def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3_path, monkeypatch):
     # Every fresh pipeline fails again at its step 2.
     faults.install(monkeypatch, "raise_on_stage", stage=1, step=2)

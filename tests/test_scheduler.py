@@ -23,7 +23,7 @@ from pipepool.core.digest import Digest, expected_digest
 from pipepool.core.kv_blocks import BlockAllocator
 from pipepool.core.plan import StepPlan, StepResult
 from pipepool.core.request import PoolingParams, RequestBatch
-from pipepool.core.scheduler import Scheduler
+from pipepool.core.scheduler import BACKGROUND_SHARE, Scheduler
 
 PARAMS = PoolingParams(pooling="mean")
 
@@ -79,6 +79,7 @@ class Tracker:
         self.finished: dict[int, float] = {}
         self.aborted: set[int] = set()
         self.plans = 0
+        self.owed = 0.0  # tokens background work is owed (the scheduler's background_owed)
         self._next_id = 0
 
     def add(
@@ -114,6 +115,9 @@ class Tracker:
         assert plan.num_reqs <= s.max_num_seqs, "max_num_seqs exceeded"
         assert plan.num_tokens == int((plan.ends - plan.starts).sum())
         new_ids = plan.new.request_ids.tolist()
+        # Background work's share: owed tokens, it goes first for them, online work filling
+        # the rest (the scheduler's rule, kept here alongside).
+        share = self._background_waiting() and int(self.owed) > 0
         expected_tokens = []
         for rid, start, end in zip(
             plan.req_ids.tolist(), plan.starts.tolist(), plan.ends.tolist(), strict=True
@@ -128,7 +132,7 @@ class Tracker:
             if self.encoder:
                 assert (start, end) == (0, self.prompt_lens[rid]), "encoders never chunk"
             if start == 0:
-                self._check_admission_order(rid, set(new_ids))
+                self._check_admission_order(rid, set(new_ids), share)
                 i = new_ids.index(rid)
                 assert plan.new.prompt_lens[i] == self.prompt_lens[rid]
                 if s.blocks is not None:
@@ -140,13 +144,43 @@ class Tracker:
         if plan.num_reqs:
             assert np.array_equal(plan.token_ids, np.concatenate(expected_tokens))
         kinds = {self.batches[rid].background for rid in new_ids}
-        assert len(kinds) < 2, "a step that starts online requests starts no background ones"
+        if not share:
+            assert len(kinds) < 2, "a step that starts online requests starts no background ones"
+        background = sum(
+            end - start
+            for rid, start, end in zip(plan.req_ids.tolist(), plan.starts.tolist(),
+                                       plan.ends.tolist(), strict=True)
+            if self.batches[rid].background
+        )  # fmt: skip
+        started = [
+            (self.batches[rid].background, end)
+            for rid, start, end in zip(plan.req_ids.tolist(), plan.starts.tolist(),
+                                       plan.ends.tolist(), strict=True)
+            if start == 0
+        ]  # fmt: skip
+        if share and not oversized_alone and any(not kind for kind, _ in started):
+            # Beside online work it starts, background work takes what it is owed, no more.
+            taken = sum(end for kind, end in started if kind)
+            assert taken <= int(self.owed), "background work took more than it was owed"
+        if not background and not self._background_waiting():
+            self.owed = 0.0
+        else:
+            owed = self.owed + BACKGROUND_SHARE * plan.num_tokens - background
+            self.owed = min(max(owed, -s.max_num_batched_tokens), s.max_num_batched_tokens)
 
-    def _check_admission_order(self, rid: int, new_ids: set[int]) -> None:
+    def _background_waiting(self) -> bool:
+        """Whether a background request has not started (nor been aborted)."""
+        return any(
+            self.batches[r].background and r not in self.chunks and r not in self.aborted
+            for r in self.arrival
+        )
+
+    def _check_admission_order(self, rid: int, new_ids: set[int], share: bool) -> None:
         """Fair admission: the earlier requests of ``rid``'s batch started already, and so
         did some request of every call that arrived before its call in its queue, unless
         ``rid``'s batch goes in whole in this plan (a small call); an online request overtakes
-        any background one. (Aborted requests excepted.)"""
+        any background one, except in background work's share of the steps (``share``).
+        (Aborted requests excepted.)"""
         batch = self.batches[rid]
 
         def started(r: int) -> bool:
@@ -166,7 +200,7 @@ class Tracker:
                 assert whole or any(started(r) for r in requests), (
                     f"request {rid} started before call {call}, which arrived earlier"
                 )
-            elif batch.background:  # online work all goes first
+            elif batch.background and not share:  # online work all goes first
                 waiting = [r for r in requests if not started(r)]
                 assert not waiting, f"background request {rid} overtook online {waiting}"
 
@@ -617,6 +651,31 @@ def test_background_work_takes_only_steps_without_online_work(chunked):
         t.collect(plan)
     run(t)
     assert sorted(t.finished) == list(range(23))
+    t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_background_work_gets_a_tenth_of_the_tokens_however_busy_online_work_keeps_them(chunked):
+    """Online calls that always wait (a new one each step) would starve a batch job: it is
+    owed ``BACKGROUND_SHARE`` of the tokens planned, and goes first for what it is owed, in
+    small parts (online work fills each step)."""
+    s = make_scheduler(16, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    job = t.add(*[4] * 40, background=True)
+    t.add(4, 4, 4, 4)
+    total = background = 0
+    for _ in range(100):
+        t.add(4, 4, 4, 4)  # online work is always waiting
+        plan = s.schedule()
+        t.check(plan)
+        t.collect(plan)
+        assert plan.num_tokens == 16
+        total += plan.num_tokens
+        background += sum(4 for r in plan.req_ids.tolist() if job.first_id <= r < job.end_id)
+        # Owed at most a prompt and one step's share; ahead by less than a prompt.
+        assert abs(background - BACKGROUND_SHARE * total) <= 4 + BACKGROUND_SHARE * 16
+    assert background >= 150
+    run(t)
     t.assert_drained()
 
 

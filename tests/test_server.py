@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_text import assert_valid_and_unique
 from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tokenizers import Tokenizer
 
@@ -43,7 +44,8 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 90.0) -> ServerProcess:
-        """Poll /health until 200; ``health_seen`` keeps each distinct answer on the way."""
+        """Poll /health until ``ok`` (every model serves: a server of several answers 200 as
+        soon as one does); ``health_seen`` keeps each distinct answer on the way."""
         self.health_seen: list[tuple[int, dict]] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -56,7 +58,7 @@ class ServerProcess:
                 continue
             if (r.status_code, r.json()) not in self.health_seen:
                 self.health_seen.append((r.status_code, r.json()))
-            if r.status_code == 200:
+            if r.status_code == 200 and r.json()["status"] == "ok":
                 return self
             time.sleep(0.1)
         pytest.fail(f"server not ready after {timeout}s:\n{self.log()}")
@@ -347,6 +349,27 @@ def test_metrics_expose_engine_and_http_counters(server):
     assert m['python_gc_collections_total{generation="0"}'] >= 1
 
 
+def test_metrics_write_each_series_once_by_the_prometheus_rules(server):
+    """Requests on one route answered by the model (200) and before any model was chosen (a
+    body that fails to parse: 400, a name no model has: 404) share their series in a server
+    of one model: each is written once, as the sum of both."""
+    before = assert_valid_and_unique(httpx.get(server.url + "/metrics").text)
+    route = server.url + "/v1/embeddings"
+    assert httpx.post(route, json={"input": "count me"}).status_code == 200
+    assert httpx.post(route, content=b"{not json").status_code == 400
+    assert httpx.post(route, json={"input": "x", "model": "nope"}).status_code == 404
+    after = assert_valid_and_unique(httpx.get(server.url + "/metrics").text)
+
+    def count(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="200") == 1
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="400") == 1
+    assert count("pipepool_http_requests_total", route="/v1/embeddings", status="404") == 1
+    assert count("pipepool_http_request_duration_seconds_count", route="/v1/embeddings") == 3
+
+
 def _server_timing(response: httpx.Response) -> dict[str, float]:
     entries = (entry.split(";dur=") for entry in response.headers["server-timing"].split(", "))
     return {name: float(ms) for name, ms in entries}
@@ -560,6 +583,66 @@ def test_killed_stage_heals_under_load_and_no_client_sees_it(servers, engine):
     assert_kv_blocks_all_free(server)
     (new_stage,) = server.children()
     assert new_stage != stage and not _alive(stage)
+
+
+def test_a_stopped_stage_is_seen_within_15_s_and_its_requests_are_answered(servers, engine):
+    """SIGSTOP of the PP=2 server's stage process at default settings (the watchdog's learnt
+    bound: 10 s on a pipeline this fast): /health turns 503 ``degraded`` within 15 s of the
+    stop, the stages are restarted, and the requests in flight are answered after the heal,
+    every vector right."""
+    server = servers[2]
+    bodies = _mixed_requests(12)
+    want = {i: engine.embed(b) for i, b in enumerate(bodies)}
+    before = server.metrics()
+    # Past the watchdog's warm-up: the pipeline (maybe restarted above) returns results.
+    warm = httpx.post(server.url + "/v1/embeddings", json={"input": long_prompts()}, timeout=60)
+    assert warm.status_code == 200
+    assert server.metrics()["pipepool_steps_total"] - before["pipepool_steps_total"] > 16
+    stop_load = threading.Event()
+    answers: list[tuple[int, float, float, httpx.Response]] = []  # (body, sent, answered, r)
+
+    def load(k: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            i = k
+            while not stop_load.is_set():
+                sent = time.monotonic()
+                r = http.post(server.url + "/v1/embeddings", json={"input": bodies[i]})
+                answers.append((i, sent, time.monotonic(), r))
+                i = (i + 1) % len(bodies)
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    (stage,) = server.children()
+    try:
+        wait_for(lambda: len(answers) >= 6, what="the load's first answers")
+        os.kill(stage[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503,
+                 timeout=60, what="/health not ok")  # fmt: skip
+        seen_after = time.monotonic() - stopped
+        assert httpx.get(server.url + "/health").json()["status"] in ("degraded", "ok")
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 200,
+                 timeout=60, what="the healed pipeline")  # fmt: skip
+        healed = time.monotonic()
+        wait_for(lambda: any(a[1] > healed for a in answers), what="answers after the heal")
+    finally:
+        stop_load.set()
+        for t in threads:
+            t.join()
+        if _alive(stage):
+            os.kill(stage[0], signal.SIGCONT)
+    assert seen_after < 15.0, f"/health stayed ok {seen_after:.1f} s after the stop"
+    spanning = [a for a in answers if a[1] < stopped and a[2] > healed]
+    assert spanning, "no request was in flight across the stop and the heal"
+    for i, _, _, r in answers:
+        assert r.status_code == 200, r.text
+        for d, e in zip(r.json()["data"], want[i], strict=True):
+            assert_close(d["embedding"], e)
+    m = server.metrics()
+    assert m["pipepool_pipeline_restarts_total"] == before["pipepool_pipeline_restarts_total"] + 1
+    assert "the stage processes are hung" in server.log()
+    assert not _alive(stage)
 
 
 # -- shutdown (last: it stops both servers) -------------------------------------------------

@@ -389,6 +389,7 @@ ANSWERS = {
     ("/version", "get"): READ_ROUTE,
     ("/health", "get"): {"200", "404", "500", "503"},  # 404: ?model= names no model
     ("/metrics", "get"): {"200", "500"},
+    ("/v2/models/{model}/ready", "get"): {"200", "404", "500", "503"},
     # The Batch store's routes answer a storage fault 503, or 507 when its disk is full.
     ("/v1/files", "post"): {"200", "400", "401", "408", "413", "429", "500", "503", "507"},
     ("/v1/files", "get"): {"200", "400", "401", "500", "503", "507"},

@@ -148,15 +148,16 @@ class EngineConfig:
         5, "restart the stage processes after one dies, up to N times in 5 minutes (0: fail)"
     )
     # A stage process that stops answering (stopped, deadlocked, a wedged device) would hold
-    # every request forever: once a step's result is this late it is treated as dead, and the
-    # pipeline heals as for a killed stage (driver/watchdog.py).
-    # 300 s as vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: far above any step of a healthy
-    # pipeline (an 8B step on the CPU included), which a false alarm would restart for nothing.
-    step_timeout_s: float = option(
-        300.0,
-        "seconds a step's result may take, plus 10 ms per token of the step, before its stage "
-        "processes count as hung and are restarted (0: wait forever; stage processes only, "
-        "from the second step of a pipeline on)",
+    # every request forever: once the loop has waited on the stages past a bound they count as
+    # dead, and the pipeline heals as for a killed stage (driver/watchdog.py). By default the
+    # bound is learnt from the pipeline's own waits (WaitBound: max(10 s, 10x the longest recent
+    # one)), so a stopped stage of a fast pipeline is seen in seconds and a slow one keeps room.
+    step_timeout_s: float | None = option(
+        None,
+        "fixed bound, in seconds, on a wait for the stages (plus 10 ms per token of the step) "
+        "before they count as hung and are restarted; 0: wait forever (default: learnt from "
+        "the pipeline's own steps, max(10 s, 10x the longest of its recent waits), 60 s or "
+        "more for its first steps; stage processes only, from a pipeline's first result on)",
     )
     # Expected-state checks of docs/design.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
@@ -264,7 +265,7 @@ class EngineConfig:
                 f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}",
                 param="attention",
             )
-        if self.step_timeout_s < 0:
+        if self.step_timeout_s is not None and self.step_timeout_s < 0:
             raise InvalidInputError("step_timeout_s must be >= 0", param="step_timeout_s")
         if self.stage_restarts < 0:
             raise InvalidInputError("stage_restarts must be >= 0", param="stage_restarts")

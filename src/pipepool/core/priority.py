@@ -5,9 +5,11 @@ A batch job (the server's Batch API, ``pipepool run-batch``) marks its calls as 
 with ``background_work()``; every engine call made inside it, in this thread or in a task or
 thread that copied this context (``contextvars.copy_context``), is queued behind every online
 call not yet admitted and goes only into steps that take no online work, so a step that
-carries online requests is as short as they make it. Work already admitted into a step runs to
-its end whatever comes later: online latency is bounded by the steps in flight, not by the
-size of a batch.
+carries online requests is as short as they make it, save for its share: while it waits it is
+owed a tenth of the tokens planned, paid in small parts beside the online work
+(``core.scheduler.BACKGROUND_SHARE``), so that a batch moves under any online load. Work
+already admitted into a step runs to its end whatever comes later: online latency is bounded
+by the steps in flight, not by the size of a batch.
 
 Clients' turns: calls take turns step by step (``core.scheduler``), each call one turn. Calls
 made inside ``client_turns(key)`` share one turn, that of client ``key``: a client with a

@@ -4,7 +4,9 @@ Policy, in one place:
 - Admitted requests whose prompt is only partly scheduled come first (they are older than
   anything waiting), then waiting ones: online batches, then background ones (batch jobs,
   ``RequestBatch.background``), which go only into steps that take no online work: a step
-  that carries online requests stays as short as they make it.
+  that carries online requests stays as short as they make it. Except that background work
+  is never starved: while it waits it is owed ``BACKGROUND_SHARE`` (a tenth) of the tokens
+  planned, and a step goes to it first for what it is owed (online work filling the rest).
 - Within a queue, each call's requests go in its order, and a small call never waits for
   large ones: while several batches wait, every batch whose rest fits an equal share of the
   step (tokens and seats) goes in whole first. Then batches go in arrival order, one taking
@@ -94,6 +96,13 @@ class _Queue(deque[RequestBatch]):
             self.extend(rest + mine)
 
 
+# The share of the tokens planned that background work (batch jobs) is owed while it waits,
+# however busy online calls keep the engine: a batch moves under any online load. It is
+# paid in small parts, step by step (never a whole step of background work while online work
+# waits), so online latency stays as it was.
+BACKGROUND_SHARE = 0.1
+
+
 class _PlanBuilder:
     """Collects one plan's rows as array slices (each ``take`` adds one or many rows)."""
 
@@ -111,6 +120,7 @@ class _PlanBuilder:
         self.block_ids: list[np.ndarray] = []  # those blocks, row order
         self.new: list[_NewPart] = []
         self.batches: dict[int, RequestBatch] = {}
+        self.background_tokens = 0  # of background batches (``RequestBatch.background``)
 
     @property
     def empty(self) -> bool:
@@ -139,6 +149,8 @@ class _PlanBuilder:
         self.budget -= len(tokens)
         self.seqs -= len(ids)
         self.batches[batch.first_id] = batch
+        if batch.background:
+            self.background_tokens += len(tokens)
 
     def build(
         self, step_id: int, freed: tuple[int, ...], expected: np.ndarray | None
@@ -272,6 +284,9 @@ class Scheduler:
         self._ledgers: dict[int, Ledger] = {}  # plans in flight, by step id
         self._freed: list[int] = []  # aborted ids the stages must drop, sent with the next plan
         self._next_step = 0
+        # Tokens background work is owed (its share of the steps planned while it waited, less
+        # what it got), within one step's budget either way.
+        self.background_owed = 0.0
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -325,6 +340,7 @@ class Scheduler:
             self._free_blocks(split)
         if step.empty and not self._freed:
             return None
+        self._settle_background_share(step)
         expected = None
         if self.verify_state:
             step_id = self._next_step
@@ -359,21 +375,38 @@ class Scheduler:
 
     def _admit(self, step: _PlanBuilder) -> None:
         """First chunks of waiting requests while budget and seats last: online ones, or if
-        there are none, background ones."""
-        for queue in (self.waiting, self.background):
-            seats = step.seqs
-            if len(queue) > 1:
-                if queue[0].call == queue.served:
-                    # The head's call had its turn in an earlier step: the others go first.
-                    queue.to_back(queue[0].call)
-                self._admit_small(queue, step)
-            self._admit_from(queue, step)
-            if queue:
-                # The step is full, or the head waits for a step of its own or for KV blocks
-                # (which nobody may take before it): nothing behind it starts now.
-                return
-            if step.seqs < seats:
-                return  # online work took part of the step: no background work joins it
+        there are none, background ones; but background work owed its share of the tokens
+        (``BACKGROUND_SHARE``) goes first for what it is owed, online work filling the rest."""
+        owed = int(self.background_owed)
+        if self.background and owed > 0 and not step.full:
+            budget = step.budget
+            step.budget = min(budget, owed)  # what is owed, no more: a small part of the step
+            self._admit_queue(self.background, step)
+            step.budget = budget - (min(budget, owed) - step.budget)
+        seats = step.seqs
+        self._admit_queue(self.waiting, step)
+        if not self.waiting and step.seqs == seats:  # online work took none of the step
+            self._admit_queue(self.background, step)
+
+    def _settle_background_share(self, step: _PlanBuilder) -> None:
+        """After a step is planned: background work that waits is owed its share of it, less
+        what it got."""
+        if not self.background and not step.background_tokens:
+            self.background_owed = 0.0  # nothing waits: nothing is owed
+            return
+        planned = step.limit - step.budget
+        owed = self.background_owed + BACKGROUND_SHARE * planned - step.background_tokens
+        self.background_owed = min(max(owed, -step.limit), step.limit)
+
+    def _admit_queue(self, queue: _Queue, step: _PlanBuilder) -> None:
+        """First chunks of ``queue``'s requests in its fair order, while budget and seats last
+        (and its head does not wait: nothing behind it starts before it)."""
+        if len(queue) > 1:
+            if queue[0].call == queue.served:
+                # The head's call had its turn in an earlier step: the others go first.
+                queue.to_back(queue[0].call)
+            self._admit_small(queue, step)
+        self._admit_from(queue, step)
 
     def _admit_small(self, queue: _Queue, step: _PlanBuilder) -> None:
         """Whole what is left of every batch in ``queue`` that fits an equal share of the step

@@ -55,6 +55,11 @@ log = logging.getLogger("pipepool")
 _CLOSE_JOIN_S = 0.3
 
 
+def _largest(inflight: deque[tuple[StepPlan, float]]) -> int:
+    """The tokens of the largest plan in flight (0: none)."""
+    return max((plan.num_tokens for plan, _ in inflight), default=0)
+
+
 def _nothing() -> None:
     """After a slice is enqueued: nothing to wait for."""
 
@@ -170,6 +175,7 @@ class LocalPipeline:
             return True  # compiled before the pipeline was ready, or not at all
         if not self._executor.wait_compiled(timeout):
             return False
+        self._watchdog.compiled()  # the compiled bodies' first runs may be slow
         self._run_probe()  # the stages install the compiled bodies between two steps: this one
         return True
 
@@ -329,8 +335,12 @@ class LocalPipeline:
                 if tr is not None:
                     tr.submitted(t0)
                     t0 = tr.span("schedule", t0, plan)
-                executor.submit(plan)
-                self._watchdog.submitted(plan.num_tokens)
+                # Stage 0 may run here, and the hand-over waits on the next stages: bounded too.
+                self._watchdog.waiting(max(plan.num_tokens, _largest(inflight)))
+                try:
+                    executor.submit(plan)
+                finally:
+                    self._watchdog.waited()
                 self._handed_over(plan)
                 if tr is not None:
                     tr.span("submit", t0, plan)
@@ -338,7 +348,11 @@ class LocalPipeline:
                 self.stats.on_plan(plan)
             if inflight:
                 t0 = now() if tr is not None else 0
-                result = executor.collect()
+                self._watchdog.waiting(_largest(inflight))
+                try:
+                    result = executor.collect()
+                finally:
+                    self._watchdog.waited()
                 self._watchdog.collected()
                 plan, submitted = inflight.popleft()
                 if tr is not None:

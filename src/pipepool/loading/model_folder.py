@@ -7,7 +7,6 @@ process loads only its own tensors later (``weights.py``).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelLoadError
+from .st_dense import DenseModule, read_json, read_st_dense
 
 if TYPE_CHECKING:
     from .multi_vector import MultiVectorModules
@@ -36,25 +36,6 @@ _ST_LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-_ST_ACTIVATIONS = {
-    "torch.nn.modules.linear.Identity": "identity",
-    "torch.nn.modules.activation.Tanh": "tanh",
-    "torch.nn.modules.activation.ReLU": "relu",
-    "torch.nn.modules.activation.GELU": "gelu",
-    "torch.nn.modules.activation.Sigmoid": "sigmoid",
-    "torch.nn.modules.activation.SiLU": "silu",
-}
-
-
-@dataclass(frozen=True)
-class DenseModule:
-    """A sentence-transformers ``Dense`` head applied to the pooled vector (``2_Dense``)."""
-
-    path: Path  # folder holding config.json and the weights
-    in_features: int
-    out_features: int
-    bias: bool
-    activation: str  # a key of layers.activation.ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -256,7 +237,7 @@ def read_model_folder(model: str | os.PathLike | None) -> ModelFolder:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model folder?")
-    hf_config = _read_json(config_file)
+    hf_config = read_json(config_file)
     architectures = hf_config.get("architectures") or []
     if not architectures:
         raise ModelLoadError(f"{config_file} names no architecture ('architectures' is empty)")
@@ -270,22 +251,14 @@ def read_model_folder(model: str | os.PathLike | None) -> ModelFolder:
     )
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from None
-
-
 def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
     st_config = path / "config_sentence_transformers.json"
-    extra = _read_json(st_config) if st_config.is_file() else {}
+    extra = read_json(st_config) if st_config.is_file() else {}
     _check_st_model_type(st_config, extra.get("model_type"))
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = _read_json(modules_file)
+    modules = read_json(modules_file)
     pooling, normalize, dense, splade, colbert_dense = None, False, [], None, []
     ordered = sorted(modules, key=lambda m: m.get("idx", 0))
     kinds = [_st_module_kind(modules_file, m.get("type", "")) for m in ordered]
@@ -341,15 +314,13 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             "SpladePooling module, nothing else"
         )
     bert_config = path / "sentence_bert_config.json"
-    max_seq_length = (
-        _read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
-    )
+    max_seq_length = read_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     if max_seq_length is None:
         # sentence-transformers 6 saves no max_seq_length there: it truncates at the
         # tokenizer's model_max_length (capped later at the model's positions, as it does).
         tokenizer_config = path / "tokenizer_config.json"
         if tokenizer_config.is_file():
-            limit = _read_json(tokenizer_config).get("model_max_length")
+            limit = read_json(tokenizer_config).get("model_max_length")
             max_seq_length = limit if isinstance(limit, int) and limit > 0 else None
     return SentenceTransformersInfo(
         pooling=pooling,
@@ -373,14 +344,14 @@ def _read_multi_vector(
     from .multi_vector import read_multi_vector_modules  # it reads Dense modules from here
 
     bert_config = path / "sentence_bert_config.json"
-    transformer = _read_json(bert_config) if bert_config.is_file() else {}
+    transformer = read_json(bert_config) if bert_config.is_file() else {}
     return read_multi_vector_modules(
         path, list(zip(ordered, kinds, strict=True)), extra, transformer
     )
 
 
 def _read_splade_pooling(folder: Path) -> tuple[str, str]:
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json")
     known = {"pooling_strategy", "activation_function", "embedding_dimension",
              "word_embedding_dimension", "chunk_size"}  # fmt: skip
     unknown = sorted(set(config) - known)
@@ -443,7 +414,7 @@ def _check_st_transformer(
     """The Transformer module's own settings that change what it computes; ``fill_mask``:
     whether a SpladePooling module reads its token logits; ``multi_vector``: whether it is a
     MultiVectorEncoder's, whose late-interaction settings multi_vector.py reads."""
-    config = _read_json(bert_config) if bert_config.is_file() else {}
+    config = read_json(bert_config) if bert_config.is_file() else {}
     if config.get("transformer_task") == "fill-mask" and not fill_mask:
         raise ModelLoadError(
             f"{bert_config}: transformer_task 'fill-mask' (token logits) is supported under a "
@@ -495,7 +466,7 @@ def _check_st_transformer(
 
 
 def _read_st_pooling(folder: Path) -> str:
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json")
     mode = config.get("pooling_mode")
     if mode is None:
         active = [m for key, m in _ST_LEGACY_POOLING_KEYS.items() if config.get(key)]
@@ -511,24 +482,3 @@ def _read_st_pooling(folder: Path) -> str:
     if config.get("include_prompt") is False:
         raise ModelLoadError(f"{folder}: include_prompt=false (INSTRUCTOR-style) is not supported")
     return _ST_POOLING[mode]
-
-
-def read_st_dense(folder: Path, default_activation: str = "Tanh") -> DenseModule:
-    """A sentence-transformers Dense module's folder (``default_activation``: where its config
-    names none)."""
-    config = _read_json(folder / "config.json")
-    fallback = "torch.nn.modules.activation.Tanh"
-    if default_activation == "Identity":
-        fallback = "torch.nn.modules.linear.Identity"
-    activation = config.get("activation_function", fallback)
-    if activation not in _ST_ACTIVATIONS:
-        raise ModelLoadError(f"{folder}: Dense activation {activation!r} is not supported")
-    if config.get("use_residual"):
-        raise ModelLoadError(f"{folder}: Dense with use_residual is not supported")
-    return DenseModule(
-        path=folder,
-        in_features=int(config["in_features"]),
-        out_features=int(config["out_features"]),
-        bias=bool(config.get("bias", True)),
-        activation=_ST_ACTIVATIONS[activation],
-    )

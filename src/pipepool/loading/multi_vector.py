@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .model_folder import DenseModule, read_st_dense
+from .st_dense import DenseModule, read_st_dense
 
 MULTI_VECTOR_ENCODER = "MultiVectorEncoder"
 # The modules a MultiVectorEncoder folder may hold (their class names, sentence-transformers').

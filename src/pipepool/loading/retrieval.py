@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .model_folder import DenseModule, ModelFolder
+from .model_folder import ModelFolder
 from .multi_vector import MultiVectorModules
+from .st_dense import DenseModule
 
 OUTPUTS = ("dense", "sparse", "multi_vector")
 

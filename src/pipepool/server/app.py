@@ -37,6 +37,7 @@ from .routes import (
 )
 from .routes.shared import ServerState
 from .settings import ServerSettings
+from .store_faults import store_check
 from .turns import ClientTurns
 
 __all__ = ["ServerState", "build_app"]
@@ -73,6 +74,7 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     paths = {getattr(route, "path", "") for router in ROUTERS for route in router.routes}
     http = HttpMetrics(frozenset(paths - {""}))
     state = ServerState(settings, models, http)
+    state.checks.add("batch_store", store_check(settings.batch_state_dir))
     app.state.pipepool = state
     install_handlers(app, http.on_error)
     # Added last = runs first: metrics count what the guards turn away.

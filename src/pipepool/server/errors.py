@@ -209,7 +209,12 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
         )
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return send(from_engine(exc), request)
+        # Starlette answers an unexpected exception from its outermost middleware, then raises
+        # it on to uvicorn, which closes the connection: the answer says so, so that a
+        # keep-alive client opens a new connection rather than write into a closed one.
+        response = send(from_engine(exc), request)
+        response.headers["Connection"] = "close"
+        return response
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -34,6 +34,12 @@ MIN_BODY_RATE = 16 << 10  # bytes per second
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 
 
+def is_public(path: str) -> bool:
+    """Whether ``path`` is open without the key: ``PUBLIC_PATHS``, and each model's readiness
+    probe (``/v2/models/NAME/ready``)."""
+    return path in PUBLIC_PATHS or (path.startswith("/v2/models/") and path.endswith("/ready"))
+
+
 class GuardMiddleware:
     """ASGI middleware in front of every route: the API key, the body-size bound (from
     Content-Length and while reading), the body's pace (``body_timeout_s``) and lone surrogates
@@ -60,7 +66,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # lower-case byte names, as ASGI guarantees
-        if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
+        if self.api_key is not None and not is_public(scope["path"]):
             err = self._check_key(headers.get(b"authorization"))
             if err is not None:
                 await self._reject(err, scope, receive, send)

@@ -20,6 +20,7 @@ from ..core.stats import STEP_BUCKETS
 from . import timing
 from .errors import APIError
 from .front import AsyncEngine
+from .health import ComponentHealth
 from .models import ServedModels
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,6 +37,13 @@ class _Histogram:
         self.counts = [0] * len(self.bounds)  # cumulative, as Prometheus wants
         self.count = 0
         self.sum = 0.0
+
+    def add(self, other: _Histogram) -> None:
+        """Count ``other``'s observations in this one too (same bounds)."""
+        assert other.bounds == self.bounds
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.count += other.count
+        self.sum += other.sum
 
     def observe(self, value: float) -> None:
         self.count += 1
@@ -140,12 +148,24 @@ def _log_access(scope, status: int, seconds: float) -> None:
     )  # fmt: skip
 
 
-def render(models: ServedModels, http: HttpMetrics) -> str:
+def render(
+    models: ServedModels, http: HttpMetrics, components: dict[str, ComponentHealth] | None = None
+) -> str:
+    """The text of /metrics; ``components``: the server's other components' health
+    (``health.HealthChecks``)."""
     out = _Text()
     several = len(models) > 1
     for model in models:
         _model_metrics(out.labelled(model=model.name) if several else out, model.front)
     _http_metrics(out, http, by_model=several)
+    if components:
+        out.family(
+            "pipepool_component_ok",
+            "gauge",
+            "1 while a component other than the models (the batch store) works, 0 while it is "
+            "degraded (/health says why)",
+            [({"component": name}, int(c.ok)) for name, c in sorted(components.items())],
+        )
     return out.text()
 
 
@@ -215,13 +235,22 @@ def _http_metrics(out: _Text, http: HttpMetrics, *, by_model: bool) -> None:
         "objects the front-end process's cycle collector freed, by generation",
         [({"generation": str(g)}, s["collected"]) for g, s in enumerate(stats)],
     )
+    # One model: its requests and those no model answered (a 404, a body that failed to
+    # parse) share their series, which carry no model label; each is written once.
+    requests: Counter[tuple[str, int, str]] = Counter()
+    for (route, status, model), n in http.requests.items():
+        requests[(route, status, model if by_model else "")] += n
+    latency: dict[tuple[str, str], _Histogram] = {}
+    for (route, model), hist in http.latency.items():
+        key = (route, model if by_model else "")
+        latency.setdefault(key, _Histogram(hist.bounds)).add(hist)
     out.family(
         "pipepool_http_requests_total",
         "counter",
         "HTTP requests answered, by route, status and (of several models) model",
         [
             ({"route": r, "status": str(s), **({"model": m} if by_model else {})}, n)
-            for (r, s, m), n in sorted(http.requests.items())
+            for (r, s, m), n in sorted(requests.items())
         ],
     )
     out.family(
@@ -231,7 +260,7 @@ def _http_metrics(out: _Text, http: HttpMetrics, *, by_model: bool) -> None:
         [({"type": t, "code": c}, n) for (t, c), n in sorted(http.errors.items())],
     )
     out.header("pipepool_http_request_duration_seconds", "histogram", "HTTP request latency")
-    for (route, model), hist in sorted(http.latency.items()):
+    for (route, model), hist in sorted(latency.items()):
         out.histogram_samples(
             "pipepool_http_request_duration_seconds",
             hist.bounds,

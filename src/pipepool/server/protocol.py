@@ -255,24 +255,6 @@ class VersionResponse(BaseModel):
     version: str
 
 
-class ModelHealth(BaseModel):
-    """One model's health in ``/health``."""
-
-    status: str
-    replicas: list[str] | None = None
-
-
-class HealthResponse(BaseModel):
-    """``ok`` (200); ``loading``, ``degraded``, ``dead``, ``failed`` or ``closed`` (503)."""
-
-    status: str
-    api_server: int | None = None  # which front-end process answered (--api-server-count > 1)
-    replicas: list[str] | None = None  # each replica's state (--dp > 1), of a lone model
-    models: dict[str, ModelHealth] | None = None  # each model's own, by the name it answers
-    # The Batch store's health (``store_faults.StoreHealth.body``), once the Batch API was used.
-    batch_store: dict[str, Any] | None = None
-
-
 def embedding_response(
     model: str, outputs: list[np.ndarray], num_tokens: list[int], wire: Wire
 ) -> dict:

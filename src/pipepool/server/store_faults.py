@@ -17,18 +17,20 @@ import errno
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SERVER, APIError
+from .health import ComponentHealth
 
 __all__ = [
     "HEALTH",
     "StoreHealth",
     "StoreHealthBoard",
     "StoreUnavailable",
-    "batch_store_health",
     "fault_of",
+    "store_check",
     "store_metrics",
 ]
 
@@ -61,12 +63,6 @@ class StoreHealth:
     full: bool = False
     since: float | None = None
     errors: int = 0
-
-    def body(self) -> dict[str, object]:
-        """As ``/health`` shows it."""
-        if self.ok:
-            return {"status": "ok"}
-        return {"status": "degraded", "reason": self.reason, "since": self.since}
 
 
 class StoreUnavailable(APIError):
@@ -160,9 +156,17 @@ def _key(state_dir: Path) -> Path:
 HEALTH = StoreHealthBoard()
 
 
-def batch_store_health(state_dir: Path) -> dict[str, object] | None:
-    """The store's health as ``/health`` shows it; None when no store was used here."""
-    return HEALTH.health(state_dir).body() if HEALTH.known(state_dir) else None
+def store_check(state_dir: Path) -> Callable[[], ComponentHealth]:
+    """The store's check for ``/health`` and ``/metrics`` (``health.HealthChecks``): ok until a
+    storage fault, then not ok, with the fault, until a write succeeds again."""
+
+    def check() -> ComponentHealth:
+        if not HEALTH.known(state_dir):
+            return ComponentHealth(ok=True)  # no store was used here
+        health = HEALTH.health(state_dir)
+        return ComponentHealth(ok=health.ok, detail=None if health.ok else health.reason)
+
+    return check
 
 
 def store_metrics(state_dir: Path) -> str:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..loading.model_folder import DenseModule
+from ..loading.st_dense import DenseModule
 from ..loading.weights import load_linear
 
 

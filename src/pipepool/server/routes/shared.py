@@ -21,6 +21,7 @@ from .. import protocol
 from ..encoding import Wire, binary_response
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
 from ..front import AnySubmission, Encoded, QueueFullError
+from ..health import HealthChecks
 from ..limits import bounded_embedding, check_input_count, check_text_lengths
 from ..metrics import HttpMetrics
 from ..models import ServedModel, ServedModels
@@ -73,6 +74,8 @@ class ServerState:
     models: ServedModels
     http: HttpMetrics
     started: int = field(default_factory=lambda: int(time.time()))
+    # The components other than the models that /health and /metrics report (health.py).
+    checks: HealthChecks = field(default_factory=HealthChecks)
 
 
 def state_of(request: Request) -> ServerState:

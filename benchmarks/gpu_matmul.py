@@ -1,4 +1,4 @@
-"""bf16 matmul rate of every visible GPU, one at a time (8192^3, as GPU-NOTES.md's peak):
+"""bf16 matmul rate of every visible GPU, one at a time (8192^3):
 tells a GPU that is slower on its own from one slowed down by its neighbour."""
 
 from __future__ import annotations

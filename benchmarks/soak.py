@@ -22,7 +22,8 @@ N, and the end level the median of the last --growth-window answers. The report 
 single-sample figure (the sample at --growth-from against the last one) and the least-squares
 trend from --growth-from on, in percent per 10,000 answers. A sample every 100 answers puts 20
 samples in a window: the bundled model's PP=1 levels then agreed within +-2.5% from run to run,
-where 8 samples a window (every 250) let them land +-10% apart (BENCHMARKS.md, issue 16).
+where 8 samples a window (every 250) let them land +-10% apart (docs/benchmarks/http-server.md,
+issue 16).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Both need the GIL. A call whose inputs come in several slices (``Engine.submit``
 enqueues a slice at a time) waits after each slice while the backlog — tokens enqueued and in
 no plan handed to the stages yet — holds a whole step, so the loop thread is not starved; and
 the loop, short of a step while such a call is still enqueueing, waits briefly for its next
-slice rather than send a short step. Why, with the measurements: BENCHMARKS.md.
+slice rather than send a short step. Why, with the measurements:
+docs/benchmarks/gpu-short-inputs.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 _PACE_S = 0.05
 # A step that starts an idle pipeline holds at most this share of the step budget where steps
 # overlap (``overlap_steps``, CUDA's default): the device starts sooner, and the next step, a
-# whole one, is built while this one runs (BENCHMARKS.md).
+# whole one, is built while this one runs (docs/benchmarks/gpu-short-inputs.md).
 _IDLE_STEP_SHARE = 0.5
 
 

@@ -33,7 +33,7 @@ MAX_CHARS_PER_TOKEN = 250
 # Inputs per slice (``token_slices``): the first slice is what the device waits for before its
 # first kernel; each later one, twice the last up to SLICE, is prepared while the device
 # computes the steps of those before (paced by ``Engine._slice_intake``). 8192 short queries
-# on an H200, passes alternated in one process (BENCHMARKS.md): 512 then
+# on an H200, passes alternated in one process (docs/benchmarks/gpu-short-inputs.md): 512 then
 # 2048 each 27.8-28.1 ms a call against 28.4-29.3 for 1024 each; 512 doubling to 2048 within
 # noise of 1024 doubling to 2048, and of 1024 each on a slower host; a first slice of 256 was
 # 8-10% slower (its step too short to hide the next one's preparation).
@@ -41,7 +41,7 @@ FIRST_SLICE = 512
 # Token-id arrays pack in bulk at ~0.3 us each (texts tokenise far slower), so their first slice
 # is larger: with a step that starts an idle pipeline capped at half the budget
 # (``IntakePacer.idle_step_tokens``), it holds that step and the start of the next, which the loop
-# then builds while the first runs (BENCHMARKS.md).
+# then builds while the first runs (docs/benchmarks/gpu-short-inputs.md).
 FIRST_SLICE_IDS = 1024
 SLICE = 2048
 

@@ -18,8 +18,8 @@ log = logging.getLogger("pipepool.intake")
 # Up to this many texts (or pairs) are tokenised one by one on the calling thread. The Rust
 # tokenizer's batch call runs on one thread pool for the whole process, whose workers take an
 # outside call only once they have finished the parts of those before it: a one-text request
-# would wait there behind every large request of every model in the process (BENCHMARKS.md,
-# issue 35: the flood's tail).
+# would wait there behind every large request of every model in the process
+# (docs/benchmarks/several-models.md, issue 35: the flood's tail).
 ON_THIS_THREAD = 8
 # Characters of a batch from which it goes to the tokenizer's helper, where it has one
 # (``use_helper``): about 4k tokens, whose ids take a fraction of a millisecond to gather

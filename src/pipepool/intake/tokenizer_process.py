@@ -1,11 +1,11 @@
 """A model's tokenizer in a process of its own, for its large batches.
 
-A server of several models tokenises every model's requests in its one front-end process. A
-large batch keeps a thread there busy in Python with the interpreter's lock held: the token
-ids gathered from the Rust encodings into one array, the encodings freed. Every other model's
-requests need that lock at each step of their way (the event loop, their own tokenising, the
-replica sockets), so under a flood of large requests on one model the others' slowest requests
-waited for it (BENCHMARKS.md, issue 35). A helper process holding the same tokenizer file does
+A server of several models tokenises every model's requests in its one front-end process. A large
+batch keeps a thread there busy in Python with the interpreter's lock held: the token ids gathered
+from the Rust encodings into one array, the encodings freed. Every other model's requests need that
+lock at each step of their way (the event loop, their own tokenising, the replica sockets), so under
+a flood of large requests on one model the others' slowest requests waited for it
+(docs/benchmarks/several-models.md, issue 35). A helper process holding the same tokenizer file does
 that work instead; only the texts and the finished arrays cross the socket between them.
 """
 
@@ -26,7 +26,8 @@ from .tokenizer import HelperLost, Tokenizer
 # front-end process has a helper per model, and a flood on one model keeps every one of its
 # helpers busy at once: with a pool of the host's size each, their threads outnumbered the
 # cores several times over, and the other models' requests waited for a core in the event loops
-# (BENCHMARKS.md, issue 35). One model's helpers together take at most this share of the cores.
+# (docs/benchmarks/several-models.md, issue 35). One model's helpers together take at most
+# this share of the cores.
 _HELPERS_SHARE = 0.5
 # A helper that has not answered a call in this long is taken for hung, and killed: the largest
 # request a server takes (--max-tokens-per-request's 300k tokens) tokenises in about a second.

@@ -12,7 +12,8 @@ The one interface every model uses is :func:`attend`. It
 Kernels (``choose_kernel`` picks one per stage, at load):
 
 - ``triton``: :mod:`.triton_attention` (CUDA, fp16/bf16, power-of-two head sizes 32-256):
-  1.5-2.9x the flash op below on the steps of short requests we run (BENCHMARKS.md);
+  1.5-2.9x the flash op below on the steps of short requests we run
+  (docs/benchmarks/gpu-short-inputs.md);
 - ``flash``: aten's variable-length flash-attention op, called directly (CUDA, fp16/bf16);
 - ``varlen``: the same op through ``torch.nn.attention.varlen.varlen_attn``, whose custom-op
   wrapper costs tens of microseconds of Python per call and imports ``torch._dynamo`` (seconds

@@ -1,11 +1,11 @@
 """GeGLU with the tanh-approximated GELU (Gemma's MLP): ``gelu_tanh(gate) * up`` from the fused
 gate|up projection, one Triton kernel on CUDA.
 
-Why: inductor's kernel for it, compiled dynamic in the number of tokens, was 7.7% of
-Gemma-2-2B's kernel time at 16k tokens a step on an H200, and moved 0.9-1.4 TB/s on its own;
-this one moves 2.8-3.7 TB/s, 2.3-2.7x faster (``benchmarks/gemma_mlp.py``, BENCHMARKS.md). A
-program takes one token's block of columns, and the GELU is computed as ``x * sigmoid(2u)``:
-the same function as ``0.5 x (1 + tanh(u))``, from one exponential.
+Why: inductor's kernel for it, compiled dynamic in the number of tokens, was 7.7% of Gemma-2-2B's
+kernel time at 16k tokens a step on an H200, and moved 0.9-1.4 TB/s on its own; this one moves
+2.8-3.7 TB/s, 2.3-2.7x faster (``benchmarks/gemma_mlp.py``, docs/benchmarks/gpu-families.md). A
+program takes one token's block of columns, and the GELU is computed as ``x * sigmoid(2u)``: the
+same function as ``0.5 x (1 + tanh(u))``, from one exponential.
 
 Rounding follows the eager ops it replaces: the GELU rounded to the model's dtype, then the
 product. Where the two fp32 GELUs straddle a rounding boundary, a result sits one ulp from

@@ -11,7 +11,7 @@ the call, and one more row holding +1 and -1 joins the tile, so the call's scale
 point always span exactly [-1, 1]; the output rows are multiplied back and the bias added in
 fp32. With one scale per tile, a token's result depended on the largest activation of every
 request sharing its step (the worst text's cosine fell from 0.973 to 0.955 when two replicas
-batched passages differently, BENCHMARKS.md issue 36); now a row's result is the same,
+batched passages differently, docs/benchmarks/cpu.md issue 36); now a row's result is the same,
 bit for bit, whatever else is in the tile.
 
 Kernel choice, measured on MiniLM shapes (2048 rows; 384 -> 1152, 384, 1536 and 1536 -> 384;

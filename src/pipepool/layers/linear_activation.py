@@ -4,7 +4,7 @@ On CUDA in bf16/fp16 a GELU after a linear runs in cuBLASLt's bias + GELU epilog
 (``torch._addmm_activation``): the activation is applied while the GEMM's output tile is in
 registers, instead of a second kernel that reads and writes the whole [tokens, intermediate]
 activation again. MiniLM's FFN-in at 32,768 rows on an H200: 84.7 µs against 135.9 µs for
-linear + GELU (BENCHMARKS.md).
+linear + GELU (docs/benchmarks/gpu-short-inputs.md).
 
 cuBLASLt's epilogue is GELU's tanh form. For checkpoints that ask for the erf form ("gelu")
 that differs from the exact value by at most 4.7e-4, below one bf16 step for any activation

@@ -1,10 +1,10 @@
 """Sums of contiguous row ranges of a step's hidden states, in fp32, as one Triton kernel.
 
-Why: MEAN pooling sums each request's rows. ``index_add_`` over a per-row slot array does it
-with an fp32 copy of the whole step and atomic adds: 0.13 ms of a 3 ms MiniLM step on an H200
-(BENCHMARKS.md), and a 256 KiB slot array to upload. A request's rows are contiguous
-in the packed batch, so one program per (range, block of columns) reads its rows once, adds
-them in fp32 registers and writes the sum.
+Why: MEAN pooling sums each request's rows. ``index_add_`` over a per-row slot array does it with an
+fp32 copy of the whole step and atomic adds: 0.13 ms of a 3 ms MiniLM step on an H200
+(docs/benchmarks/gpu-short-inputs.md), and a 256 KiB slot array to upload. A request's rows are
+contiguous in the packed batch, so one program per (range, block of columns) reads its rows once,
+adds them in fp32 registers and writes the sum.
 """
 
 from __future__ import annotations

@@ -156,11 +156,11 @@ if triton is not None:
         # of len_q sits at key position len_k - len_q + i); bidirectional rows are whole
         # prompts, query i at position i (their keys may be only the first len_k rows).
         positions = rows + (len_k - len_q) if CAUSAL else rows
-        # Keys [lo, a) go masked, [a, b) unmasked, [b, hi) masked. Bidirectional rows see
-        # every key, so only the last block is masked (10% faster on MiniLM's W1 steps);
-        # causal blocks are all masked: splitting their loop measured slower (BENCHMARKS.md,
-        # issue 10); a bidirectional window leaves unmasked the blocks every row of the
-        # block sees whole.
+        # Keys [lo, a) go masked, [a, b) unmasked, [b, hi) masked. Bidirectional rows see every key,
+        # so only the last block is masked (10% faster on MiniLM's W1 steps); causal blocks are all
+        # masked: splitting their loop measured slower (docs/benchmarks/gpu-short-inputs.md,
+        # issue 10); a bidirectional window leaves unmasked the blocks every row of the block sees
+        # whole.
         lo = 0
         hi = len_k
         a = 0

@@ -37,7 +37,7 @@ _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on 
 # pooling, delivery), so a step of MiniLM-sized compute must be larger for the device, not
 # the host, to set the pace. Measured on an H200, MiniLM shape, engine only, tok/s at 32k /
 # 48k / 64k (two processes each): W4 10.8-9.5M / 12.0M / 11.4-12.0M, W1 12.2M / 12.5M / 12.5M
-# (BENCHMARKS.md; with the device 2.05 ms a 32k step, the host set the
+# (docs/benchmarks/gpu-short-inputs.md; with the device 2.05 ms a 32k step, the host set the
 # pace there). Only models of MiniLM's size (~20 MFLOP a token) reach 64k; bge-small gets 32k.
 # On CPU, steps whose activations stay in cache (2048 measured 1.4x faster than 16384).
 _CUDA_STEP_TOKENS = 16384
@@ -85,7 +85,7 @@ class Deployment:
     # Each enqueued slice of a call runs longest prompt first (results still come back in input
     # order). On the CPU an encoder attends in one kernel call per run of equal-length
     # requests (layers/grouped_attention.py), so steps of equal lengths make fewer, longer
-    # calls: +6% texts/s on 2,000 texts (BENCHMARKS.md). On CUDA the
+    # calls: +6% texts/s on 2,000 texts (docs/benchmarks/cpu.md). On CUDA the
     # varlen kernels do not care, and decoders chunk prompts across steps: input order.
     length_sorted: bool
     # Attention kernel (portable | flash | varlen) and the fused Triton kernels of the layer

@@ -141,7 +141,8 @@ class StageModel(nn.Module):
     def attention_block_rows(self) -> int | None:
         """The Triton attention kernel's BLOCK_M where this model runs it from a work list (an
         encoder: its steps carry the list, which lets a CUDA graph hold its whole forward),
-        else None. Causal steps launch a grid from the step: faster there (BENCHMARKS.md)."""
+        else None. Causal steps launch a grid from the step: faster there
+        (docs/benchmarks/gpu-short-inputs.md)."""
         if self.attn_kernel != "triton" or self.causal:
             return None
         return triton_attention.block_rows(self.attention_shape.head_dim)
@@ -191,8 +192,8 @@ def compile_layer_fn(fn, *, round_like_eager: bool):
     ``round_like_eager``: round to bf16/fp16 wherever eager does (inductor's
     ``emulate_precision_casts``), so compiled vectors equal eager ones. The decoders need it:
     without it a per-token ALL output fell to cosine 0.99878 against fp32 on the GPU
-    (BENCHMARKS.md). It costs: the all-MiniLM-L6-v2 shape ran W1 at 2.16M tokens/s with it and
-    2.83M without (one H200, same call), so encoders, whose compiled parts
+    (docs/benchmarks/gpu-short-inputs.md). It costs: the all-MiniLM-L6-v2 shape ran W1 at 2.16M
+    tokens/s with it and 2.83M without (one H200, same call), so encoders, whose compiled parts
     (embeddings; output projection, residual, LayerNorm, MLP) only gain precision from fewer
     roundings, go without.
 

@@ -47,7 +47,7 @@ class QuietCollections:
     under a flood of large requests, every few seconds, each walking every object in flight and
     holding the GIL throughout, which pauses every request of the process at once. With this
     class the front end of an H200 server ran no full collection during a 15 s flood
-    (BENCHMARKS.md, issue 35). From ``start()``, automatic
+    (docs/benchmarks/several-models.md, issue 35). From ``start()``, automatic
     collections are young ones only (generations 0 and 1, where most cyclic garbage dies), and a
     thread of this class runs the full one: when ``quiet()`` says the process is quiet (the
     server: ``OnlineGate.settled``), or after ``every_s`` without a quiet moment.

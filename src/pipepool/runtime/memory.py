@@ -12,7 +12,7 @@ per process, with no plateau.
 A low fixed threshold (1 MiB, an earlier version of this module) kept those blocks out of the
 heap, at the price of page faults on every one of them, every step: on the CPU, where a step's
 activations are MiBs each, that was 30% of the engine's throughput (system time 23 s of 100 s
-on the bundled model; BENCHMARKS.md). So the thresholds are now fixed high
+on the bundled model; docs/benchmarks/cpu.md). So the thresholds are now fixed high
 (``MMAP_THRESHOLD``: every activation of a CPU step at the default token budget comes from the
 heap and is reused step after step; ``TRIM_THRESHOLD``: a free does not shrink the heap only for
 the next step to grow it again), and the holes are dealt with by the trimmer below.
@@ -31,7 +31,7 @@ operator and input shape, 1,024 by default. A step's token count takes any value
 budget, so the cache fills with shapes that rarely recur, a few hundred KiB each: an engine
 on the CPU held 940-1,080 MB after 3,000 varied calls with the default and 726-798 MB with
 ``ONEDNN_CACHE_CAPACITY`` entries, a cache that is full within the first few hundred requests
-(BENCHMARKS.md). PyTorch's oneDNN bindings (ideep) keep a second cache of their own
+(docs/benchmarks/http-server.md). PyTorch's oneDNN bindings (ideep) keep a second cache of their own
 for some ops, the fused linear + residual add among them (``layers/cpu_linear.py``), 1,024
 entries by default (``LRU_CACHE_CAPACITY``), each holding a compiled kernel of ~250 KiB per
 row count: a CPU server filled it slowly, ~250 MB over its first ~8,000 requests, and its

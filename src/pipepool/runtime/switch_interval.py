@@ -1,13 +1,13 @@
 """The interpreter's thread switch interval while engines run.
 
-The engine's loop thread prepares and launches every step; other threads of the process
-(callers packing or tokenising their inputs, the HTTP server) run Python too. A thread that
-wants the GIL waits until its holder blocks or the switch interval (5 ms by default) runs out,
-and on a GPU a step of a small model takes about 3 ms: at the start of a call of 8192 short
-queries the loop thread lost 2-4 ms per step to the caller's thread, the GPU waiting
-(BENCHMARKS.md "Sixth pass": W4 on the MiniLM shape, busy 0.79-0.80 of the wall
-at 5 ms, 0.84-0.86 at 0.5 ms). So an open engine lowers the interval, process-wide, and the
-last one closed puts back what it found, unless someone changed it meanwhile.
+The engine's loop thread prepares and launches every step; other threads of the process (callers
+packing or tokenising their inputs, the HTTP server) run Python too. A thread that wants the GIL
+waits until its holder blocks or the switch interval (5 ms by default) runs out, and on a GPU a step
+of a small model takes about 3 ms: at the start of a call of 8192 short queries the loop thread lost
+2-4 ms per step to the caller's thread, the GPU waiting (docs/benchmarks/gpu-short-inputs.md, "Sixth
+pass": W4 on the MiniLM shape, busy 0.79-0.80 of the wall at 5 ms, 0.84-0.86 at 0.5 ms). So an open
+engine lowers the interval, process-wide, and the last one closed puts back what it found, unless
+someone changed it meanwhile.
 """
 
 from __future__ import annotations

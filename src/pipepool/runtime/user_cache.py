@@ -4,7 +4,7 @@
 CPython compiles a module's source to bytecode on its first import and keeps it next to the
 source (``__pycache__``) unless writing is switched off (``PYTHONDONTWRITEBYTECODE``) or the
 directory is read-only. torch installed that way compiles thousands of its modules again at
-every start: 4.6 s of a start on the GPU machine (BENCHMARKS.md). There,
+every start: 4.6 s of a start on the GPU machine (docs/benchmarks/startup-and-host.md). There,
 ``keep_bytecode`` points CPython at a bytecode directory of our own (``sys.pycache_prefix``)
 and lets it write there, so every start after the first reads bytecode instead.
 

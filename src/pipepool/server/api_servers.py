@@ -1,14 +1,14 @@
 """The other HTTP front-end processes of ``pipepool serve --api-server-count K``.
 
-One Python process parses, validates, tokenises, routes and serialises every request under one
-GIL; on a small model that process, not the GPUs, sets the server's throughput (see
-BENCHMARKS.md: about 0.6M tokens/s of short queries with one core busy). With K > 1 the main
-process binds the port and owns the replicas (their processes, restarts and placement), and
+One Python process parses, validates, tokenises, routes and serialises every request under one GIL;
+on a small model that process, not the GPUs, sets the server's throughput (see
+docs/benchmarks/http-server.md: about 0.6M tokens/s of short queries with one core busy). With K > 1
+the main process binds the port and owns the replicas (their processes, restarts and placement), and
 K - 1 processes started here serve on the same listening socket (the kernel hands each new
-connection to one of the processes waiting to accept), each linked to every replica of every
-served model (``replicas/shared.py``; model i's replicas listen in ``model_socket_dir``). Each
-front end keeps its own queue per model (``--max-queued-requests``, a model's
-``max_queued_requests``): a model's 429 is decided by the process that took the request.
+connection to one of the processes waiting to accept), each linked to every replica of every served
+model (``replicas/shared.py``; model i's replicas listen in ``model_socket_dir``). Each front end
+keeps its own queue per model (``--max-queued-requests``, a model's ``max_queued_requests``): a
+model's 429 is decided by the process that took the request.
 
 Each process is watched: one that dies is started again after a backoff (bounded as a
 replica's restarts are); on shutdown each is sent SIGTERM, drains its requests as the main

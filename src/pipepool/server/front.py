@@ -61,7 +61,8 @@ LARGE_REQUEST = 1 << 16
 # serialise, and the event loop does it itself: it holds the interpreter's lock already, where
 # a lane's thread would wait for it twice (to start, and to hand the result back) while the
 # threads of other requests, and other models, hold it in turns — the wait is the slowest
-# small requests' time under a flood (BENCHMARKS.md, issue 35); the work is tens of µs.
+# small requests' time under a flood (docs/benchmarks/several-models.md, issue 35); the work
+# is tens of µs.
 INLINE_SIZE = 1024
 # A request of at most this many inputs (TEI's default client batch) may use the last
 # 1/SMALL_REQUEST_RESERVE of the queue, which larger ones may not while others are queued.
@@ -213,7 +214,7 @@ class AsyncEngine:
         Retry-After says, is so held to a request per ``queue_wait`` on each connection, and
         the server reads and parses its request that often, not at the client's pace: at 50
         retries a second from 96 clients the refusals alone left the other models' slowest
-        requests 5-9x slower (BENCHMARKS.md, issue 35)."""
+        requests 5-9x slower (docs/benchmarks/several-models.md, issue 35)."""
         if self._limit(n) >= self.pending + n:
             self.pending += n
             return

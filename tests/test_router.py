@@ -78,7 +78,7 @@ def test_models_lists_each_models_tasks(router):
 
 
 _SPLADE = SpladeHead((), "gelu", 1e-12, 30522, "max", "relu")
-_COLBERT = ColbertHead((), 1, 2, 32, 180, True, False, 103, ())
+_COLBERT = ColbertHead((), 1, 2, 32, 180, True, False, 103, (), 32)
 _NER = ClassifierHead("token", 3, ("O", "PER", "LOC"), "softmax", "pair")
 
 

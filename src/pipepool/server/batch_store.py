@@ -70,6 +70,12 @@ __all__ = [
 log = logging.getLogger("pipepool.server")
 
 
+def is_file_id(file_id: str) -> bool:
+    """Whether ``file_id`` has the form of this store's file ids (``file-`` and hex digits):
+    anything else names no file, and must never reach a path."""
+    return file_id.startswith("file-") and file_id[5:].isalnum() and file_id.isascii()
+
+
 class FileInUse(Exception):
     """A file that cannot be deleted now: the input of ``batch_id``, which is ``status``."""
 
@@ -136,7 +142,7 @@ class BatchStore:
 
     def path(self, file_id: str) -> Path:
         """Where a file's body is (or will be) on disk."""
-        assert "/" not in file_id and file_id.startswith("file-"), file_id
+        assert is_file_id(file_id), file_id
         return self.files_dir / file_id
 
     @checked(writes="file")
@@ -249,6 +255,8 @@ class BatchStore:
     def delete_file(self, file_id: str) -> bool:
         """Remove a file, its record and body; False if there was none. Raises ``FileInUse``
         for the input of a batch not ended yet."""
+        if not is_file_id(file_id):
+            return False  # no file has that id: none could have been stored under it
         body, gone = self.path(file_id), self.files_dir / f".{file_id}.deleted"
         with self._transaction():
             using = self._db.execute(

@@ -147,3 +147,78 @@ def test_a_classifier_cannot_be_late_chunked(cross_encoder_path):
         pytest.raises(pipepool.InvalidInputError, match="late_chunking is not supported"),
     ):
         engine.embed(CHUNKS, late_chunking=True)
+
+
+# -- over HTTP: /v1/embeddings with Jina's late_chunking, and a batch line ------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_server import ServerProcess
+
+    s = ServerProcess([], tmp_path_factory.mktemp("late-chunking") / "server.log")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def test_the_server_late_chunks_as_the_engine_does(server, minilm_path):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    answer = client.embeddings.create(
+        model="all-MiniLM-L6-v2", input=CHUNKS, extra_body={"late_chunking": True}
+    )
+    got = np.array([d.embedding for d in answer.data])
+    assert cosine(got, _reference(minilm_path, CHUNKS)).min() >= MIN_COSINE
+    with pipepool.Engine(str(minilm_path)) as engine:
+        alone = engine.embed(CHUNKS)
+        ran = sum(len(t) for t in engine.tokenize([" ".join(CHUNKS)]))
+    assert cosine(got, alone).max() < 0.99  # not each chunk embedded alone
+    assert answer.usage.prompt_tokens == ran  # the document's tokens, its specials included
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"outputs": ["sparse"]}, "late_chunking"),
+        ({"truncate_prompt_tokens": 8}, "late_chunking"),
+        ({"truncation_side": "left"}, "truncation_side"),
+        ({"add_special_tokens": False}, "add_special_tokens"),
+    ],
+)
+def test_what_late_chunking_cannot_honour_is_a_400_naming_it(server, extra, param):
+    import httpx
+
+    body = {"input": CHUNKS, "late_chunking": True, **extra}
+    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_batch_line_late_chunks_as_the_route_does(tmp_path, minilm_path):
+    import json
+    import subprocess
+    import sys
+
+    lines = [
+        {"custom_id": "late", "method": "POST", "url": "/v1/embeddings",
+         "body": {"input": CHUNKS, "late_chunking": True}},
+        {"custom_id": "alone", "method": "POST", "url": "/v1/embeddings",
+         "body": {"input": CHUNKS}},
+    ]  # fmt: skip
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    done = subprocess.run(
+        [sys.executable, "-m", "pipepool", "run-batch", "-i", str(source), "-o", str(output)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answers = {x["custom_id"]: x for x in map(json.loads, output.read_text().splitlines())}
+    vectors = {
+        k: np.array([d["embedding"] for d in v["response"]["body"]["data"]])
+        for k, v in answers.items()
+    }
+    assert cosine(vectors["late"], _reference(minilm_path, CHUNKS)).min() >= MIN_COSINE
+    assert cosine(vectors["late"], vectors["alone"]).max() < 0.99

@@ -30,7 +30,7 @@ from ..intake.long_inputs import CombinedSubmission, split_windows, window_param
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
 from .cross_encoder import CrossEncoderMethods
-from .late_chunking import LateChunkedText, late_chunk
+from .late_chunking import late_chunk_texts
 from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
@@ -125,26 +125,16 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         through the model together and pooled chunk by chunk (``late_chunking.py`` states the
         rule; documents longer than the model's context are split into overlapping windows)."""
         if late_chunking:
-            if truncate_prompt_tokens is not None or long_inputs not in (None, "chunk"):
-                raise InvalidInputError(
-                    "late_chunking embeds the whole document (over-long ones in overlapping "
-                    "windows): truncate_prompt_tokens and long_inputs do not apply",
-                    param="late_chunking",
-                )
-            if truncation_side != "right":
-                raise InvalidInputError(
-                    "late_chunking does not truncate: truncation_side does not apply",
-                    param="truncation_side",
-                )
-            chunks = self.inputs.items(inputs)
-            if not chunks or not all(isinstance(c, str) for c in chunks):
-                raise InvalidInputError(
-                    "late_chunking takes the chunks of one document as a list of strings",
-                    param="input",
-                )
-            prompt = self.inputs.prompt_text(prompt_name)
-            document = LateChunkedText.from_chunks(chunks, prompt)
-            return late_chunk(self, document, dimensions=dimensions, normalize=normalize)
+            return late_chunk_texts(
+                self,
+                inputs,
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side,
+                prompt_name=prompt_name,
+                long_inputs=long_inputs,
+            ).vectors
         return self.submit(
             inputs,
             dimensions=dimensions,

@@ -58,16 +58,61 @@ class LateChunkedText:
         return cls(prompt + " ".join(chunks), tuple(spans))
 
 
+@dataclass(frozen=True)
+class LateChunks:
+    """One document's chunk vectors, and the tokens each chunk cost: its own tokens, the
+    first chunk also every token the model ran besides (special tokens, a prompt, tokens
+    between chunks, macro-chunk overlaps), so that they add up to what was computed."""
+
+    vectors: np.ndarray  # [num_chunks, dim] float32
+    num_tokens: list[int]  # per chunk
+
+
+def late_chunk_texts(
+    engine: Engine,
+    chunks,
+    *,
+    dimensions: int | None = None,
+    normalize: bool | None = None,
+    truncate_prompt_tokens: int | None = None,
+    truncation_side: str = "right",
+    prompt_name: str | None = None,
+    long_inputs: str | None = None,
+) -> LateChunks:
+    """``Engine.embed(chunks, late_chunking=True)``: ``chunks`` (strings, as ``embed`` takes
+    inputs) are consecutive chunks of one document, joined with one space after the model's
+    prompt. Truncation options are refused by name: the whole document is embedded."""
+    if truncate_prompt_tokens is not None or long_inputs not in (None, "chunk"):
+        raise InvalidInputError(
+            "late_chunking embeds the whole document (over-long ones in overlapping windows): "
+            "truncate_prompt_tokens and long_inputs do not apply",
+            param="late_chunking",
+        )
+    if truncation_side != "right":
+        raise InvalidInputError(
+            "late_chunking does not truncate: truncation_side does not apply",
+            param="truncation_side",
+        )
+    items = engine.inputs.items(chunks)
+    if not items or not all(isinstance(c, str) for c in items):
+        raise InvalidInputError(
+            "late_chunking takes the chunks of one document as a list of strings", param="input"
+        )
+    prompt = engine.inputs.prompt_text(prompt_name)
+    document = LateChunkedText.from_chunks(items, prompt)
+    return late_chunk(engine, document, dimensions=dimensions, normalize=normalize)
+
+
 def late_chunk(
     engine: Engine,
     document: LateChunkedText,
     *,
     dimensions: int | None = None,
     normalize: bool | None = None,
-) -> np.ndarray:
-    """One vector per span of ``document``, ``[num_spans, dim]`` float32, by the module's
-    rule. Raises InvalidInputError naming a chunk without tokens, or what the model cannot
-    late-chunk (a classifier, a sparse or multi-vector head, Dense modules after pooling)."""
+) -> LateChunks:
+    """One vector per span of ``document``, by the module's rule. Raises InvalidInputError
+    naming a chunk without tokens, or what the model cannot late-chunk (a classifier, a
+    sparse or multi-vector head, Dense modules after pooling)."""
     _check_model(engine)
     tok = engine.inputs.tokenizer.backend
     encoding = tok.encode(document.text, add_special_tokens=False)
@@ -80,13 +125,15 @@ def late_chunk(
                 f"chunk {c} has no tokens (an empty or blank chunk cannot be embedded)",
                 param="input",
             )
-    states = _token_states(engine, ids)  # [n, hidden]
+    states, ran = _token_states(engine, ids)  # [n, hidden], tokens computed
     sums = np.zeros((len(document.spans), states.shape[1]), dtype=np.float64)
     kept = owner >= 0
     np.add.at(sums, owner[kept], states[kept])
-    counts = np.bincount(owner[kept], minlength=len(document.spans))[:, None]
-    vectors = (sums / counts).astype(np.float32)  # [chunks, hidden]
-    return _finish(engine, vectors, dimensions, normalize)
+    counts = np.bincount(owner[kept], minlength=len(document.spans))
+    vectors = (sums / counts[:, None]).astype(np.float32)  # [chunks, hidden]
+    num_tokens = counts.tolist()
+    num_tokens[0] += ran - sum(num_tokens)
+    return LateChunks(_finish(engine, vectors, dimensions, normalize), num_tokens)
 
 
 def macro_windows(n: int, width: int) -> list[tuple[int, int, int]]:
@@ -113,9 +160,10 @@ def _owners(starts: np.ndarray, spans: tuple[tuple[int, int], ...]) -> np.ndarra
     return owner
 
 
-def _token_states(engine: Engine, ids: np.ndarray) -> np.ndarray:
+def _token_states(engine: Engine, ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Final hidden states ``[n, hidden]`` of the content tokens ``ids``, each from the
-    earliest macro-chunk that holds it, the model's special tokens around every window."""
+    earliest macro-chunk that holds it, the model's special tokens around every window; and
+    the number of tokens the model ran."""
     prefix, suffix = _special_tokens(engine)
     width = engine.deployment.max_model_len - len(prefix) - len(suffix)
     if width < 2:
@@ -132,7 +180,7 @@ def _token_states(engine: Engine, ids: np.ndarray) -> np.ndarray:
     for (lo, hi, first_kept), out in zip(windows, outputs, strict=True):
         rows = out[len(prefix) : len(prefix) + (hi - lo)]  # [hi - lo, hidden]
         parts.append(rows[first_kept - lo :])
-    return np.concatenate(parts) if parts else np.zeros((0, 1), np.float32)
+    return np.concatenate(parts), sum(len(p) for p in prompts)
 
 
 def _special_tokens(engine: Engine) -> tuple[np.ndarray, np.ndarray]:

@@ -181,6 +181,13 @@ class EmbeddingRequest(InputsRequest):
         description="multi_vector of a ColBERT model: the query form (query prefix, [MASK] "
         "expansion to the query length) instead of the document form.",
     )
+    late_chunking: StrictBool = Field(
+        False,
+        description="Jina's: the inputs are consecutive chunks of one document (texts), run "
+        "through the model as one and each pooled from the document's token states (late "
+        "chunking; documents longer than the model's context in overlapping windows). Dense "
+        "outputs only; no truncation options.",
+    )
 
 
 # -- responses (built as plain dicts for speed; the models document them in /docs) ----------

@@ -8,8 +8,10 @@ from fastapi import APIRouter, Request, Response
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError
+from ..front import Encoded
 from ..pooling_protocol import answer_head
 from . import retrieval
+from .late_chunking import late_chunked
 from .shared import (
     ERRORS,
     READ_ERRORS,
@@ -39,7 +41,16 @@ VECTOR_ANSWERS = {
 )
 async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
     """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
-    vector, the sparse vector and the token vectors the model gives (``retrieval.py``)."""
+    vector, the sparse vector and the token vectors the model gives (``retrieval.py``); with
+    ``late_chunking``, the chunks of one document (``late_chunking.py``)."""
+    if body.late_chunking and body.outputs not in (None, ["dense"]):
+        raise APIError(
+            400,
+            "late_chunking gives dense vectors only: ask for sparse or multi_vector outputs "
+            "without it",
+            param="late_chunking",
+            code="invalid_value",
+        )
     if body.outputs is not None:
         tasks = [retrieval.task_of(o) for o in body.outputs if o in OUTPUTS]
         select_model(request, body.model, *tasks)
@@ -56,18 +67,23 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
             return await retrieval.embeddings(body, request, outputs)
     else:
         select_model(request, body.model, "embed")
-    done = await run_model_outputs(
-        request,
-        body.inputs(),
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncation_side=body.truncation_side or "right",
-        long_inputs=body.long_inputs,
-        add_special_tokens=body.add_special_tokens,
-        dimensions=body.dimensions,
-        normalize=body.normalized,
-    )
-    if isinstance(done, Response):
-        return done
+    answered: Encoded | Response
+    if body.late_chunking:
+        answered = await late_chunked(request, body)
+    else:
+        answered = await run_model_outputs(
+            request,
+            body.inputs(),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            truncation_side=body.truncation_side or "right",
+            long_inputs=body.long_inputs,
+            add_special_tokens=body.add_special_tokens,
+            dimensions=body.dimensions,
+            normalize=body.normalized,
+        )
+    if isinstance(answered, Response):
+        return answered
+    done = answered
     name, wire = model_of(request).names.response_name(body.model), body.wire
     if wire.binary:
         head = {**answer_head("embd"), "model": name}

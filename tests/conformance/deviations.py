@@ -54,43 +54,46 @@ def _d(
     return Deviation(peer, operation, check, kind, reason, statuses)
 
 
-_TEI_ROUTES = "issue 56 item 3: TEI's route, not served yet (404)"
-_TEI_ERRORS = (
-    "issue 56 item 3: TEI routes answer TEI's error body {error, error_type}; today OpenAI's"
+_IDS_OUT = (
+    "token ids outside the model's vocabulary are refused (422 / 400 naming the input): the "
+    "document's schema allows any integer; TEI's router checks them too"
 )
-_TEI_IDS = "issue 56 item 3: token-id inputs, which TEI takes, are refused on this route"
-_COHERE_V1 = "issue 56 item 4: Cohere v1 route, not served yet (404)"
+_NO_MODEL = "model may be left out when the server serves one model (vLLM's rule)"
+_NO_BODY = "a request without a body has nothing to work on: refused (400), not answered empty"
 
 DEVIATIONS: tuple[Deviation, ...] = (
     # -- TEI (docs/openapi.json v1.9.3) ---------------------------------------------------------
-    _d("tei", "GET /info", "response_schema_conformance",
-       "issue 56 item 3: /info lacks fields TEI's Info requires (served_model_name, ...)", PENDING),
     *(
-        _d("tei", op, check, _TEI_ROUTES, PENDING)
-        for op in ("POST /embed_all", "POST /predict", "POST /decode", "POST /similarity")
-        for check in ("answered_2xx", "status_code_conformance", "unsupported_method")
-    ),
-    *(
-        _d("tei", op, "response_schema_conformance", _TEI_ERRORS, PENDING, ERRORS)
-        for op in ("POST /embed", "POST /embed_sparse", "POST /rerank", "POST /tokenize")
+        _d("tei", op, "response_schema_conformance",
+           "OpenAI's error body: /rerank and /tokenize are shared with vLLM, Jina and Cohere, "
+           "whose clients read OpenAI's body (TEI's own routes answer TEI's)", statuses=ERRORS)
+        for op in ("POST /rerank", "POST /tokenize")
     ),
     _d("tei", "POST /v1/embeddings", "response_schema_conformance",
        "TEI documents its own error body for its /v1/embeddings; pipepool answers OpenAI's "
        "there, as OpenAI's clients read it", statuses=ERRORS),
     *(
-        _d("tei", op, "positive_data_acceptance", _TEI_IDS, PENDING)
-        for op in ("POST /embed", "POST /embed_sparse", "POST /v1/embeddings")
+        _d("tei", op, "positive_data_acceptance", _IDS_OUT)
+        for op in ("POST /embed", "POST /embed_all", "POST /embed_sparse", "POST /v1/embeddings",
+                   "POST /decode")
     ),
     _d("tei", "POST /v1/embeddings", "status_code_conformance",
        "an unknown model name is a 404 (OpenAI's answer); TEI's document lists no 404"),
     _d("tei", "POST /tokenize", "positive_data_acceptance",
-       "issue 56 item 3: add_special_tokens=false refused", PENDING),
+       "a prompt_name the model does not have is refused by name, never dropped"),
+    _d("tei", "POST /similarity", "positive_data_acceptance",
+       "a prompt_name the model does not have is refused by name, never dropped"),
     _d("tei", "POST /rerank", "positive_data_acceptance",
        "an empty texts list is refused (400), as TEI's router does (\"`texts` cannot be "
        "empty\"); its document allows it"),
     _d("tei", "POST /rerank", "negative_data_rejection",
-       "issue 56 item 1: truncation_direction is not validated on /rerank (accepted and "
-       "ignored)", PENDING),
+       "truncation_direction: null is read as the field left out (its default, right)"),
+    _d("tei", "POST /predict", "negative_data_rejection",
+       "[\"text\"] is taken as a batch of one text, as TEI's router deserialises it; the "
+       "document's schema wants each batch item an array"),
+    _d("tei", "POST /predict", "positive_data_acceptance",
+       "an empty text is refused (400 Empty), as TEI's router refuses it; its document allows "
+       "it"),
     # -- OpenAI (openai-openapi openapi.yaml) ---------------------------------------------------
     _d("openai", "*", "status_code_conformance",
        "OpenAI's document lists only 200 (and 429 on /embeddings); pipepool answers errors "
@@ -127,19 +130,25 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _d("openai", "POST /files", "positive_data_acceptance",
        "a purpose other than batch is refused (400): the server keeps files for batches "
        "only"),
-    _d("openai", "POST /files", "negative_data_rejection",
-       "issue 56 item 1: a malformed expires_after is accepted and ignored", PENDING),
     # -- Cohere (cohere-openapi.yaml) -----------------------------------------------------------
     *(
-        _d("cohere", op, check, _COHERE_V1, PENDING)
-        for op in ("POST /v1/embed", "POST /v1/tokenize", "POST /v1/detokenize")
-        for check in ("answered_2xx", "unsupported_method")
+        _d("cohere", op, "negative_data_rejection", _NO_MODEL)
+        for op in ("POST /v1/tokenize", "POST /v1/detokenize")
     ),
+    *(
+        _d("cohere", op, "positive_data_acceptance", _NO_BODY)
+        for op in ("POST /v1/tokenize", "POST /v1/detokenize")
+    ),
+    _d("cohere", "POST /v1/embed", "positive_data_acceptance",
+       "text only: images and image inputs are refused by name (400)"),
     _d("cohere", "POST /v2/embed", "positive_data_acceptance",
        "text only: images and image inputs are refused by name (400)"),
-    _d("cohere", "POST /v2/embed", "response_schema_conformance",
-       "the document requires a top-level api_version that its properties do not define; "
-       "pipepool answers meta.api_version, where Cohere's API and clients have it"),
+    *(
+        _d("cohere", op, "response_schema_conformance",
+           "the document requires a top-level api_version that its properties do not define; "
+           "pipepool answers meta.api_version, where Cohere's API and clients have it")
+        for op in ("POST /v1/embed", "POST /v2/embed")
+    ),
     _d("cohere", "POST /v2/rerank", "positive_data_acceptance",
        "an empty documents list and max_tokens_per_doc=0 are refused (400)"),
 )  # fmt: skip

@@ -24,11 +24,20 @@ CHUNKS = [
 def _reference(path, chunks: list[str], *, normalize: bool = True) -> np.ndarray:
     """The rule computed with transformers on the joined document: tokens assigned to chunks by
     where they start (a chunk's span begins at the space before it), specials left out."""
+    bounds, at = [], 0
+    for i, chunk in enumerate(chunks):
+        bounds.append((at - 1 if i else at, at + len(chunk)))
+        at += len(chunk) + 1
+    return _span_reference(path, " ".join(chunks), bounds, normalize=normalize)
+
+
+def _span_reference(path, text: str, bounds, *, normalize: bool = True) -> np.ndarray:
+    """Each span's mean final hidden state (tokens by where they start, specials left out)
+    over one transformers pass of ``text``."""
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32).eval()
-    text = " ".join(chunks)
     enc = tokenizer(
         text, return_offsets_mapping=True, return_special_tokens_mask=True, return_tensors="pt"
     )
@@ -38,10 +47,6 @@ def _reference(path, chunks: list[str], *, normalize: bool = True) -> np.ndarray
         ).last_hidden_state[0]
     starts = [s for s, _ in enc["offset_mapping"][0].tolist()]
     special = enc["special_tokens_mask"][0].tolist()
-    bounds, at = [], 0
-    for i, chunk in enumerate(chunks):
-        bounds.append((at - 1 if i else at, at + len(chunk)))
-        at += len(chunk) + 1
     out = []
     for lo, hi in bounds:
         rows = [j for j, s in enumerate(starts) if not special[j] and lo <= s < hi]
@@ -222,3 +227,68 @@ def test_a_batch_line_late_chunks_as_the_route_does(tmp_path, minilm_path):
     }
     assert cosine(vectors["late"], _reference(minilm_path, CHUNKS)).min() >= MIN_COSINE
     assert cosine(vectors["late"], vectors["alone"]).max() < 0.99
+
+
+# -- the command line: documents in, chunk vectors out ----------------------------------------
+
+
+def test_embed_late_chunking_reads_separated_lines_and_jsonl_documents(tmp_path, minilm_path):
+    import json
+
+    from pipepool.commands.cli import main
+
+    sep = " | "
+    line = sep.join(CHUNKS[:3])
+    (tmp_path / "docs.txt").write_text(line + "\n")
+    spans_doc = {"text": "Hello world. A second part here.", "spans": [[0, 12], [13, 32]]}
+    (tmp_path / "docs.jsonl").write_text(json.dumps(CHUNKS) + "\n" + json.dumps(spans_doc) + "\n")
+    out_txt, out_jsonl = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base = ["embed", "--model", str(minilm_path), "--late-chunking"]
+    assert main([*base, "--chunk-separator", sep, "--input", str(tmp_path / "docs.txt"),
+                 "--output", str(out_txt)]) == 0  # fmt: skip
+    assert main([*base, "--input", str(tmp_path / "docs.jsonl"), "--output", str(out_jsonl)]) == 0
+
+    rows = [json.loads(x) for x in out_txt.read_text().splitlines()]
+    bounds, at = [], 0
+    for piece in CHUNKS[:3]:  # each piece where it stands in the line; separators nobody's
+        bounds.append((at, at + len(piece)))
+        at += len(piece) + len(sep)
+    assert [(r["document"], r["chunk"], r["start"], r["end"]) for r in rows] == [
+        (0, c, lo, hi) for c, (lo, hi) in enumerate(bounds)
+    ]
+    want = _span_reference(minilm_path, line, bounds)
+    assert cosine(np.array([r["embedding"] for r in rows]), want).min() >= MIN_COSINE
+
+    rows = [json.loads(x) for x in out_jsonl.read_text().splitlines()]
+    assert [(r["document"], r["chunk"]) for r in rows] == [(0, 0), (0, 1), (0, 2), (0, 3),
+                                                           (1, 0), (1, 1)]  # fmt: skip
+    got = np.array([r["embedding"] for r in rows])
+    assert cosine(got[:4], _reference(minilm_path, CHUNKS)).min() >= MIN_COSINE
+    want = _span_reference(minilm_path, spans_doc["text"], spans_doc["spans"])
+    assert cosine(got[4:], want).min() >= MIN_COSINE
+
+
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--chunk-separator", "|", "--truncate-prompt-tokens", "4", "a|b"],
+         "--truncate-prompt-tokens does not apply"),
+        (["a|b"], "needs --chunk-separator"),
+        (["--chunk-separator", "|", "--output-type", "sparse", "a|b"],
+         "--output-type does not apply"),
+    ],
+)  # fmt: skip
+def test_embed_late_chunking_refuses_what_it_cannot_honour(minilm_path, capsys, extra, says):
+    from pipepool.commands.cli import main
+
+    assert main(["embed", "--model", str(minilm_path), "--late-chunking", *extra]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_spans_that_overlap_or_leave_the_text_are_refused():
+    from pipepool.api.late_chunking import LateChunkedText
+
+    with pytest.raises(pipepool.InvalidInputError, match="span 1"):
+        LateChunkedText.from_spans("abcdef", [(0, 3), (2, 5)])
+    with pytest.raises(pipepool.InvalidInputError, match="span 0"):
+        LateChunkedText.from_spans("abc", [(0, 9)])

@@ -45,6 +45,7 @@ class LateChunkedText:
 
     text: str
     spans: tuple[tuple[int, int], ...]
+    prompt_chars: int = 0  # the prompt's length: ``text`` from there on is the document
 
     @classmethod
     def from_chunks(cls, chunks: list[str], prompt: str = "") -> LateChunkedText:
@@ -55,7 +56,27 @@ class LateChunkedText:
             at += len(chunk)
             spans.append((start, at))
             at += 1
-        return cls(prompt + " ".join(chunks), tuple(spans))
+        return cls(prompt + " ".join(chunks), tuple(spans), len(prompt))
+
+    @classmethod
+    def from_spans(
+        cls, text: str, spans: list[tuple[int, int]], prompt: str = ""
+    ) -> LateChunkedText:
+        """A document and its chunks' character spans ``[start, end)``, in order and not
+        overlapping; raises InvalidInputError naming a span that is not."""
+        at = 0
+        for c, (lo, hi) in enumerate(spans):
+            if not at <= lo < hi <= len(text):
+                raise InvalidInputError(
+                    f"span {c} [{lo}, {hi}) is not within the text ({len(text)} characters) "
+                    "after the span before it, or is empty",
+                    param="spans",
+                )
+            at = hi
+        if not spans:
+            raise InvalidInputError("a document needs at least one span", param="spans")
+        shift = len(prompt)
+        return cls(prompt + text, tuple((lo + shift, hi + shift) for lo, hi in spans), shift)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
 from ..loading.model_folder import model_display_name
-from . import embed_corpus
+from . import embed_corpus, embed_late
 from .common import add_engine_args, engine_config
 from .input_lines import empty_text_ids, located
 
@@ -94,6 +94,18 @@ def add_parser(sub, help: str) -> None:
         type=int,
         help="keep only the first N tokens of every input (-1: max_model_len)",
     )
+    p.add_argument(
+        "--late-chunking",
+        action="store_true",
+        help="each input is one document: one vector per chunk, each pooled from one pass over "
+        "the whole document (late chunking). Chunks: --chunk-separator for text lines and TEXT "
+        "arguments, or a .jsonl --input of chunk lists or {text, spans} objects "
+        "(commands/embed_late.py)",
+    )
+    p.add_argument(
+        "--chunk-separator",
+        help="--late-chunking: what separates a text's chunks (e.g. ' | '); it belongs to no chunk",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     embed_corpus.add_arguments(p)
     add_engine_args(p)
@@ -123,10 +135,21 @@ def check_output(output: Path | None, output_type: str = "dense") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.late_chunking:
+        return _late_chunked(args)
     if args.output_dir is not None:
+        if args.chunk_separator is not None:
+            raise InvalidInputError(
+                "--chunk-separator applies to --late-chunking only", param="chunk_separator"
+            )
         return embed_corpus.run(args)
     from ..api.engine import Engine  # torch only now: `pipepool embed --help` stays quick
     from . import embed_outputs
+
+    if args.chunk_separator is not None:
+        raise InvalidInputError(
+            "--chunk-separator applies to --late-chunking only", param="chunk_separator"
+        )
 
     try:
         inputs = read_inputs(args.texts, args.input, keep_blank=args.keep_blank, errors=args.errors)
@@ -167,6 +190,27 @@ def run(args: argparse.Namespace) -> int:
             f"{stats.steps} steps, {stats.chunked_requests} chunked prompts",
             file=sys.stderr,
         )
+    return 0
+
+
+def _late_chunked(args: argparse.Namespace) -> int:
+    """``--late-chunking``: documents in, chunk vectors out (``embed_late.py``)."""
+    from ..api.engine import Engine
+
+    embed_late.check_args(args)
+    started = time.perf_counter()
+    with Engine.from_config(engine_config(args)) as engine:
+        prompt = engine.inputs.prompt_text(args.prompt_name)
+        documents = embed_late.read_documents(args, prompt)
+        vectors = embed_late.embed_documents(engine, documents, args)
+        embed_late.write(vectors, documents, args.output)
+        chunks, tokens = sum(len(v) for v in vectors), engine.stats.prompt_tokens_finished
+        name = model_display_name(Path(engine.model_path))
+    print(
+        f"late-chunked {len(documents)} documents into {chunks} chunk vectors ({tokens} "
+        f"tokens) with {name} in {time.perf_counter() - started:.2f}s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -135,7 +135,7 @@ def test_a_full_disk_stalls_the_batch_and_freeing_space_lets_it_finish(tmpfs, tm
         assert degraded
         reason = store_health(server)["reason"]
         assert "No space left on device" in reason or "SQLITE_FULL" in reason, reason
-        assert server.metrics()["pipepool_batch_store_healthy"] == 0
+        assert server.metrics()['pipepool_component_ok{component="batch_store"}'] == 0
         stalled = client.batches.retrieve(created.id)  # reads still work
         assert stalled.status == "in_progress" and stalled.request_counts.completed < LINES
         with pytest.raises(openai.APIStatusError) as refused:
@@ -152,7 +152,7 @@ def test_a_full_disk_stalls_the_batch_and_freeing_space_lets_it_finish(tmpfs, tm
         batch = wait_batch(client, created.id)
         assert_exactly_once(client, batch, lines)
         assert store_health(server) == {"status": "ok"}
-        assert server.metrics()["pipepool_batch_store_healthy"] == 1
+        assert server.metrics()['pipepool_component_ok{component="batch_store"}'] == 1
         again = submit(client, embedding_lines(5, prefix="after"))  # new batches run too
         assert wait_batch(client, again.id).status == "completed"
         assert client.files.delete(created.input_file_id).deleted  # ended: no longer pinned

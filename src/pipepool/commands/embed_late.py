@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,7 +116,9 @@ def write(vectors: list[np.ndarray], documents: list[LateChunkedText], output: P
     if output is not None and output.suffix == ".npy":
         np.save(output, np.concatenate(vectors))
         return
-    with open(output, "w", encoding="utf-8") if output is not None else _stdout() as f:
+    with (
+        open(output, "w", encoding="utf-8") if output is not None else nullcontext(sys.stdout) as f
+    ):
         for d, (doc, rows) in enumerate(zip(documents, vectors, strict=True)):
             for c, ((lo, hi), v) in enumerate(zip(doc.spans, rows, strict=True)):
                 lo, hi = lo - doc.prompt_chars, hi - doc.prompt_chars
@@ -126,14 +129,6 @@ def write(vectors: list[np.ndarray], documents: list[LateChunkedText], output: P
                     row = {"document": d, "chunk": c, "start": lo, "end": hi,
                            "embedding": v.tolist()}  # fmt: skip
                     f.write(json.dumps(row) + "\n")
-
-
-class _stdout:
-    def __enter__(self):
-        return sys.stdout
-
-    def __exit__(self, *exc) -> None:
-        sys.stdout.flush()
 
 
 def _json_lines(path: Path):

@@ -65,15 +65,9 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])  # lower-case byte names, as ASGI guarantees
-        if self.api_key is not None and not is_public(scope["path"]):
-            err = self._check_key(headers.get(b"authorization"))
-            if err is not None:
-                await self._reject(err, scope, receive, send)
-                return
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(self._too_large(), scope, receive, send)
+        refused = self._refused_by_headers(scope)
+        if refused is not None:
+            await self._reject(refused, scope, receive, send)
             return
         chunks, size = [], 0
         started = time.monotonic()
@@ -104,6 +98,19 @@ class GuardMiddleware:
             await self._reject(err, scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
+
+    def _refused_by_headers(self, scope) -> APIError | None:
+        """What the request's headers alone refuse it for: a missing or wrong API key (not on
+        the public routes), or a declared body over ``max_body_bytes``."""
+        headers = dict(scope["headers"])  # lower-case byte names, as ASGI guarantees
+        if self.api_key is not None and not is_public(scope["path"]):
+            err = self._check_key(headers.get(b"authorization"))
+            if err is not None:
+                return err
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return self._too_large()
+        return None
 
     def _check_key(self, header: bytes | None) -> APIError | None:
         assert self.api_key is not None, "checked only on a server that has a key"

@@ -170,15 +170,13 @@ def store_check(state_dir: Path) -> Callable[[], ComponentHealth]:
 
 
 def store_metrics(state_dir: Path) -> str:
-    """The store's series in Prometheus' text format (empty when no store was used here)."""
+    """The store's fault count in Prometheus' text format (empty when no store was used here);
+    whether it works now is ``pipepool_component_ok{component="batch_store"}``
+    (``store_check``)."""
     if not HEALTH.known(state_dir):
         return ""
     health = HEALTH.health(state_dir)
     return (
-        "# HELP pipepool_batch_store_healthy 1 while the Batch store's writes succeed, 0 after "
-        "a storage fault (disk full, I/O error, damaged database) until one succeeds again\n"
-        "# TYPE pipepool_batch_store_healthy gauge\n"
-        f"pipepool_batch_store_healthy {int(health.ok)}\n"
         "# HELP pipepool_batch_store_faults_total storage faults the Batch store met\n"
         "# TYPE pipepool_batch_store_faults_total counter\n"
         f"pipepool_batch_store_faults_total {health.errors}\n"

@@ -59,15 +59,9 @@ class _UploadGuard(GuardMiddleware):
     arrives; its 413 names the batch file limit."""
 
     async def stream(self, scope, receive, send) -> None:
-        headers = dict(scope["headers"])
-        if self.api_key is not None:
-            err = self._check_key(headers.get(b"authorization"))
-            if err is not None:
-                await self._reject(err, scope, receive, send)
-                return
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(self._too_large(), scope, receive, send)
+        refused = self._refused_by_headers(scope)
+        if refused is not None:
+            await self._reject(refused, scope, receive, send)
             return
         await self.app(scope, self._metered(receive), send)
 

@@ -28,6 +28,7 @@ from .shared import (
     select_model,
     unless_client_leaves,
 )
+from .tokens import served_engine
 
 router = APIRouter(tags=["Cohere"])
 router.include_router(cohere_tokens.router)
@@ -71,10 +72,7 @@ async def _embed(
 ) -> Response:
     """The embed answer of either version; ``types`` None: v1's floats answer."""
     model = select_model(request, body.model, "embed")
-    try:
-        engine = model.front.engine
-    except PipepoolError as exc:  # loading, or failed to start: 503
-        raise from_engine(exc) from None
+    engine = served_engine(model)
     int8 = _needs_int8(types, body.ranges)
     prompt_name = _prompt_name(engine, input_type)
     truncation = _truncation(engine, body.truncate, max_tokens, input_type, prompt_name)

@@ -11,13 +11,11 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from ...api.engine import Engine
-from ...errors import PipepoolError
 from .. import cohere_protocol as cp
-from ..errors import APIError, from_engine
-from ..limits import check_text_lengths, check_token_counts, too_many_tokens
-from ..models import ServedModel
+from ..errors import APIError
+from ..limits import check_text_lengths, check_token_counts
 from .shared import TOKENIZER_ERRORS, json_answer, select_model, state_of
+from .tokens import check_token_ids, served_engine
 
 router = APIRouter(tags=["Cohere"])
 
@@ -27,7 +25,7 @@ async def tokenize(body: cp.CohereTokenizeRequest, request: Request) -> Response
     """The text's token ids (no special tokens) and each token's piece of the text."""
     state = state_of(request)
     model = select_model(request, body.model)
-    engine = _engine(model)
+    engine = served_engine(model)
     text = body.text
     if not 1 <= len(text) <= cp.MAX_TOKENIZE_CHARS:
         raise APIError(
@@ -62,7 +60,7 @@ async def detokenize(body: cp.CohereDetokenizeRequest, request: Request) -> Resp
     """The text of token ids of this model's tokenizer, special tokens left out."""
     state = state_of(request)
     model = select_model(request, body.model)
-    engine = _engine(model)
+    engine = served_engine(model)
     tokens = body.tokens
     if not 1 <= len(tokens) <= cp.MAX_DETOKENIZE_TOKENS:
         raise APIError(
@@ -72,31 +70,14 @@ async def detokenize(body: cp.CohereDetokenizeRequest, request: Request) -> Resp
             param="tokens",
             code="invalid_value",
         )
-    if len(tokens) > state.settings.max_tokens_per_request:
-        raise too_many_tokens(state.settings, len(tokens), "tokens")
+    check_token_ids(state.settings, engine, tokens)
     tokenizer = engine.inputs.tokenizer
-    vocab = tokenizer.vocab_size
-    for i, token in enumerate(tokens):
-        if not 0 <= token < vocab:
-            raise APIError(
-                400,
-                f"tokens {i} is {token}, outside this model's vocabulary [0, {vocab})",
-                param="tokens",
-                code="invalid_value",
-            )
 
     def build() -> dict:
         text = tokenizer.backend.decode(tokens, skip_special_tokens=True)
         return {"text": text, "meta": cp.v1_meta()}
 
     return await json_answer(request, build, len(tokens))
-
-
-def _engine(model: ServedModel) -> Engine:
-    try:
-        return model.front.engine
-    except PipepoolError as exc:  # loading, or failed to start: 503
-        raise from_engine(exc) from None
 
 
 def token_pieces(text: str, offsets: list[tuple[int, int]]) -> list[str]:

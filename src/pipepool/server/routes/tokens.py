@@ -20,6 +20,7 @@ from .. import tokens_protocol as tp
 from ..errors import APIError, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
 from ..models import ServedModel
+from ..settings import ServerSettings
 from .shared import TOKENIZER_ERRORS, ServerState, plain_token_ids, select_model, state_of
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
     stop}``."""
     state = state_of(request)
     model = select_model(request, body.model)
-    engine = _engine(model)
+    engine = served_engine(model)
     if body.inputs is not None:
         if body.return_token_strs:
             raise APIError(
@@ -90,19 +91,9 @@ async def detokenize(body: tp.DetokenizeRequest, request: Request) -> Response:
     """The text of token ids of this model's tokenizer, special tokens included (vLLM)."""
     state = state_of(request)
     model = select_model(request, body.model)
-    engine = _engine(model)
-    if len(body.tokens) > state.settings.max_tokens_per_request:
-        raise too_many_tokens(state.settings, len(body.tokens), "tokens")
+    engine = served_engine(model)
+    check_token_ids(state.settings, engine, body.tokens)
     tokenizer = engine.inputs.tokenizer
-    vocab = tokenizer.vocab_size
-    for i, token in enumerate(body.tokens):
-        if not 0 <= token < vocab:
-            raise APIError(
-                400,
-                f"tokens {i} is {token}, outside this model's vocabulary [0, {vocab})",
-                param="tokens",
-                code="invalid_value",
-            )
     prompt = await model.front.offload(
         lambda: tokenizer.backend.decode(body.tokens, skip_special_tokens=False),
         size=len(body.tokens),
@@ -138,11 +129,28 @@ async def _tei_tokenize(
     return Response(text, media_type="application/json")
 
 
-def _engine(model: ServedModel) -> Engine:
+def served_engine(model: ServedModel) -> Engine:
+    """The model's engine; a 503 while it loads or after it failed to start."""
     try:
         return model.front.engine
     except PipepoolError as exc:
         raise from_engine(exc) from None
+
+
+def check_token_ids(settings: ServerSettings, engine: Engine, tokens: list[int]) -> None:
+    """A detokenize request's ``tokens``: at most --max-tokens-per-request of them, each in the
+    model's vocabulary; else a 400 naming the first that is not."""
+    if len(tokens) > settings.max_tokens_per_request:
+        raise too_many_tokens(settings, len(tokens), "tokens")
+    vocab = engine.inputs.tokenizer.vocab_size
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab:
+            raise APIError(
+                400,
+                f"tokens {i} is {token}, outside this model's vocabulary [0, {vocab})",
+                param="tokens",
+                code="invalid_value",
+            )
 
 
 async def _offloaded(model: ServedModel, fn: Callable[[], T], size: int) -> T:

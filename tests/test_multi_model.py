@@ -104,6 +104,55 @@ def test_models_lists_three_with_their_tasks(server):
     assert tasks["classifier"] == ["classify"]  # offered for classify only
 
 
+def test_model_cards_read_by_the_openai_and_cohere_clients(server, minilm_path):
+    import cohere
+    import openai
+
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    assert {m.id for m in oa.models.list()} >= {"embedder", "reranker", "classifier", "clf"}
+    card = oa.models.retrieve("clf")
+    assert (card.id, card.owned_by, card.model_extra["root"]) == ("clf", "pipepool", "classifier")
+    # A name no model answers to (a folder given a name is not one) is OpenAI's 404.
+    assert httpx.get(f"{server.url}/v1/models/{minilm_path}").status_code == 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oa.models.retrieve("nope")
+
+    co = cohere.Client(base_url=server.url, api_key="unused")
+    got = co.models.get("reranker")
+    assert (got.name, sorted(got.endpoints), got.default_endpoints) == (
+        "reranker",
+        ["classify", "rerank"],
+        ["rerank"],  # classify has two models here: a request naming none must name one
+    )
+    assert got.context_length == httpx.get(server.url + "/v1/models").json()["data"][1][
+        "max_model_len"
+    ]
+    assert {m.name for m in co.models.list(endpoint="embed").models} == {"embedder"}
+    assert {m.name for m in co.models.list(endpoint="classify").models} == {
+        "reranker",
+        "classifier",
+        "clf",
+    }
+    assert co.models.list(endpoint="classify", default_only=True).models == []
+    # Pages: every card once, in order, then no next page.
+    names, token = [], None
+    while True:
+        page = co.models.list(page_size=2, page_token=token)
+        names += [m.name for m in page.models]
+        token = page.next_page_token
+        if token is None:
+            break
+    assert names == [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]]
+    for query, param in [
+        ("endpoint=chat", "endpoint"),
+        ("default_only=true", "default_only"),
+        ("page_size=0", "page_size"),
+        ("page_token=x", "page_token"),
+    ]:
+        r = httpx.get(f"{server.url}/v1/models?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_each_route_answers_as_its_model_alone(server, engines):
     out = _post(server, "/v1/embeddings", {"model": "embedder", "input": TEXTS}).json()
     assert out["model"] == "embedder"

@@ -384,7 +384,8 @@ ANSWERS = {
     ("/decode", "post"): TEI_MODEL_ROUTE - {"424", "429"},
     **{(path, "post"): TOKENIZER_ROUTE for path in ("/tokenize", "/v1/tokenize")},
     **{(path, "post"): TOKENIZER_ROUTE for path in ("/detokenize", "/v1/detokenize")},
-    ("/v1/models", "get"): READ_ROUTE,
+    ("/v1/models", "get"): READ_ROUTE | {"400"},  # Cohere's filters and pages
+    ("/v1/models/{model}", "get"): READ_ROUTE | {"404"},
     ("/info", "get"): READ_ROUTE,
     ("/version", "get"): READ_ROUTE,
     ("/health", "get"): {"200", "404", "500", "503"},  # 404: ?model= names no model

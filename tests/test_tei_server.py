@@ -388,6 +388,25 @@ def test_tei_routes_answer_tei_errors(request, path, body, status, error_type, s
     assert_tei_error(post(server, path, body), status, error_type, says)
 
 
+def test_tei_forms_of_shared_routes_answer_tei_errors(reranker_server, server):
+    """/rerank with ``texts`` and /tokenize with ``inputs`` are TEI's requests: TEI's errors,
+    from validation and from the route alike; the other peers' forms keep OpenAI's."""
+    r = post(reranker_server, "/rerank", {"query": "a", "texts": []})
+    assert_tei_error(r, 400, "Empty", "texts is empty")
+    r = post(reranker_server, "/rerank", {"query": "a", "texts": ["b"], "top_k": 1})
+    assert_tei_error(r, 422, "Validation", "top_k")
+    r = post(reranker_server, "/rerank", {"query": "a", "texts": "b"})
+    assert_tei_error(r, 422, "Validation", "texts")
+    r = post(server, "/tokenize", {"model": "minilm", "inputs": "a", "return_token_strs": True})
+    assert_tei_error(r, 422, "Validation", "return_token_strs")
+    r = post(server, "/tokenize", {"model": "minilm", "inputs": "a", "x": 1})
+    assert_tei_error(r, 422, "Validation", "x")
+    assert_error(post(reranker_server, "/rerank", {"query": "a", "documents": []}), 400,
+                 "invalid_request_error", param="documents")  # fmt: skip
+    r = post(server, "/tokenize", {"model": "minilm", "prompt": "a", "x": 1})
+    assert_error(r, 400, "invalid_request_error")
+
+
 def test_a_lone_surrogate_is_422_and_the_connection_serves_on(server):
     with httpx.Client(timeout=30, headers=JSON) as http:
         r = http.post(server.url + "/embed", content=rb'{"inputs": ["ok", "x\ud800"]}')

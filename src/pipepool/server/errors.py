@@ -4,8 +4,9 @@
   official clients (openai, cohere, vLLM's) raise their usual exception classes
   (BadRequestError, AuthenticationError, RateLimitError, ...);
 - text-embeddings-inference's, ``{"error": str, "error_type": str}`` with TEI's statuses, on
-  the routes only TEI defines (``TEI_PATHS``; ``/rerank`` and ``/tokenize``, which other
-  peers define too, keep OpenAI's): ``tei_answer`` maps each error to TEI's.
+  the routes only TEI defines (``TEI_PATHS``), and on ``/rerank`` and ``/tokenize``, which other
+  peers define too, for a body in TEI's form (``TEI_FORMS``: ``texts``, ``inputs``):
+  ``tei_answer`` maps each error to TEI's.
 
 An error is raised once, as an ``APIError`` (OpenAI's fields); its shape is chosen where it is
 answered, by the request it answers."""
@@ -102,10 +103,34 @@ TEI_PATHS = frozenset(
 )  # fmt: skip
 
 
+# Routes other peers define too, where a body with this field is TEI's request: its errors
+# have TEI's shape, as its answer has.
+TEI_FORMS = {
+    "/rerank": "texts",
+    "/v1/rerank": "texts",
+    "/v2/rerank": "texts",
+    "/tokenize": "inputs",
+}
+_SHAPE = "pipepool_error_shape"  # the request's shape, where its body chose it (scope's state)
+
+
 def error_shape(scope: Scope) -> str:
-    """The error body's shape for the request of ``scope``: TEI's on ``TEI_PATHS``, OpenAI's
-    everywhere else (``/rerank`` and ``/tokenize`` serve OpenAI-family clients too)."""
-    return TEI if scope.get("path") in TEI_PATHS else OPENAI
+    """The error body's shape for the request of ``scope``: TEI's on ``TEI_PATHS`` and for a
+    body in TEI's form (``answer_as_tei``), OpenAI's everywhere else."""
+    if scope.get("path") in TEI_PATHS or scope.get("state", {}).get(_SHAPE) == TEI:
+        return TEI
+    return OPENAI
+
+
+def answer_as_tei(scope: Scope) -> None:
+    """Answer the request of ``scope`` in TEI's error shape: its body is in TEI's form."""
+    scope.setdefault("state", {})[_SHAPE] = TEI
+
+
+def in_tei_form(scope: Scope, body: Any) -> bool:
+    """Whether ``body`` (parsed JSON) is TEI's form of a route other peers define too."""
+    field = TEI_FORMS.get(scope.get("path", ""))
+    return field is not None and isinstance(body, dict) and field in body
 
 
 def tei_answer(err: APIError) -> tuple[int, str]:
@@ -194,6 +219,8 @@ def install_handlers(app: FastAPI, on_error: Callable[[APIError], None]) -> None
         assert isinstance(exc, RequestValidationError)
         # FastAPI answers 422 with its own body; OpenAI clients expect 400 and "error" (TEI's
         # routes answer 422, ``tei_answer``).
+        if in_tei_form(request.scope, exc.body):
+            answer_as_tei(request.scope)
         return send(_wrong_content_type(request, exc) or _from_validation(exc), request)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:

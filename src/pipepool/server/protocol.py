@@ -247,13 +247,25 @@ class ModelCard(BaseModel):
     root: str  # the model this name is for: the name its responses carry
     max_model_len: int | None = None  # once the model is loaded
     tasks: list[str] | None = None  # what it does (api.router.TASKS), once loaded
+    # Cohere's fields (its client's models.get / models.list; server/model_cards.py).
+    name: str
+    is_deprecated: bool = False
+    endpoints: list[str]
+    default_endpoints: list[str]
+    finetuned: bool = False
+    context_length: int | None = None
+    tokenizer_url: str | None = None
+    features: list[str] | None = None
 
 
 class ModelList(BaseModel):
-    """OpenAI's ``/v1/models`` answer: every name the server's models answer to."""
+    """OpenAI's ``/v1/models`` answer (``data``), which is also Cohere's (``models``, the
+    same cards, and ``next_page_token``): every name the server's models answer to."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    models: list[ModelCard]
+    next_page_token: str | None = None
 
 
 class VersionResponse(BaseModel):

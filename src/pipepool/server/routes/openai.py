@@ -3,19 +3,22 @@ and /detokenize in ``tokens.py``)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError
 from ..front import Encoded
+from ..model_cards import CardQuery, model_card
+from ..models import ServedModel
 from ..pooling_protocol import answer_head
 from . import retrieval
 from .late_chunking import late_chunked
 from .shared import (
     ERRORS,
-    READ_ERRORS,
+    ServerState,
     binary_answer,
+    errors_doc,
     json_answer,
     model_of,
     run_model_outputs,
@@ -95,27 +98,42 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     )
 
 
-@router.get("/v1/models", response_model=protocol.ModelList, responses=READ_ERRORS)
-async def models(request: Request) -> dict:
+@router.get("/v1/models", response_model=protocol.ModelList, responses=errors_doc(400, 401, 500))
+async def models(
+    request: Request,
+    endpoint: str | None = Query(None, description="Cohere's filter: models for this endpoint."),
+    default_only: bool = Query(False, description="Cohere's filter: the endpoint's default only."),
+    page_size: int | None = Query(None, description="Cohere's page size (1-1000)."),
+    page_token: str | None = Query(None, description="Cohere's next_page_token."),
+) -> dict:
     """Every name this server answers to, a card per name (a model folder's path is accepted
     but not listed); each card says which model it names (``root``: the name responses carry)
-    and, once that model has loaded, what it does (``tasks``) and its longest input."""
+    and, once that model has loaded, what it does (``tasks``) and its longest input. Read by
+    OpenAI's and Cohere's clients alike (``model_cards.py``)."""
+    query = CardQuery(endpoint, default_only, page_size, page_token)
+    query.check()
     state = state_of(request)
-    cards = []
-    for model in state.models:
-        engine = model.front.owner.engine
-        tasks = model.tasks()
-        for name in model.names.shown:
-            card = {
-                "id": name,
-                "object": "model",
-                "created": state.started,
-                "owned_by": "pipepool",
-                "root": model.name,
-            }
-            if engine is not None:
-                card["max_model_len"] = engine.deployment.max_model_len
-            if tasks is not None:
-                card["tasks"] = list(tasks)
-            cards.append(card)
-    return {"object": "list", "data": cards}
+    cards = [_card(state, name, model) for model in state.models for name in model.names.shown]
+    page, next_token = query.page([c for c in cards if query.keeps(c)])
+    return {"object": "list", "data": page, "models": page, "next_page_token": next_token}
+
+
+@router.get(
+    "/v1/models/{model:path}",
+    response_model=protocol.ModelCard,
+    responses=errors_doc(401, 404, 500),
+)
+async def model(request: Request, model: str) -> dict:
+    """The card of one name (OpenAI's ``models.retrieve``, Cohere's ``models.get``): any name
+    the server answers to, a folder path included (its card carries the first name); 404
+    ``model_not_found`` for any other."""
+    state = state_of(request)
+    served = state.models.select(model)
+    name = model if model in served.names.shown else served.name
+    return _card(state, name, served)
+
+
+def _card(state: ServerState, name: str, model: ServedModel) -> dict:
+    engine = model.front.owner.engine
+    max_len = engine.deployment.max_model_len if engine is not None else None
+    return model_card(name, model, state.models, state.started, max_len)

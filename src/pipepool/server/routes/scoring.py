@@ -20,7 +20,7 @@ from ...api.scoring import check_top_n, pair_up, ranking
 from ...core.submission import Submission
 from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
-from ..errors import APIError, from_engine
+from ..errors import EMPTY, APIError, answer_as_tei, from_engine
 from ..front import Encoded
 from ..limits import bounded_scoring, check_input_count
 from .shared import (
@@ -44,12 +44,19 @@ router = APIRouter(tags=["rerank, score, classify"])
 @router.post("/v2/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
 async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     """Documents by relevance to the query, most relevant first (Cohere v1 / v2, Jina, vLLM;
-    with ``texts`` instead of ``documents``, TEI's request and answer)."""
+    with ``texts`` instead of ``documents``, TEI's request, answer and errors)."""
+    if body.tei:
+        answer_as_tei(request.scope)
     body.check_form()
     documents = body.document_texts()
     param = "texts" if body.tei else "documents"
     if not documents:
-        raise APIError(400, f"{param} is empty: send at least one document", param=param)
+        raise APIError(
+            400,
+            f"{param} is empty: send at least one document",
+            param=param,
+            code=EMPTY if body.tei else None,
+        )
     try:
         check_top_n(body.top_n)
     except InvalidInputError as exc:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 from ...api.engine import Engine
 from ...errors import PipepoolError
 from .. import tokens_protocol as tp
-from ..errors import APIError, from_engine
+from ..errors import APIError, answer_as_tei, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
 from ..models import ServedModel
 from ..settings import ServerSettings
@@ -43,7 +43,9 @@ async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
     ``add_special_tokens`` false, the special tokens left out; with ``return_token_strs``,
     each token's vocabulary string too (vLLM's ``token_strs``). With TEI's ``inputs`` (one
     text or a list), TEI's answer: per text, its tokens as ``{id, text, special, start,
-    stop}``."""
+    stop}`` (and TEI's errors)."""
+    if body.inputs is not None:
+        answer_as_tei(request.scope)
     state = state_of(request)
     model = select_model(request, body.model)
     engine = served_engine(model)

@@ -124,9 +124,10 @@ def test_model_cards_read_by_the_openai_and_cohere_clients(server, minilm_path):
         ["classify", "rerank"],
         ["rerank"],  # classify has two models here: a request naming none must name one
     )
-    assert got.context_length == httpx.get(server.url + "/v1/models").json()["data"][1][
-        "max_model_len"
-    ]
+    assert (
+        got.context_length
+        == httpx.get(server.url + "/v1/models").json()["data"][1]["max_model_len"]
+    )
     assert {m.name for m in co.models.list(endpoint="embed").models} == {"embedder"}
     assert {m.name for m in co.models.list(endpoint="classify").models} == {
         "reranker",

@@ -249,3 +249,31 @@ def test_rerank_and_score_lines_on_a_cross_encoder(cross_encoder_path, tmp_path)
             assert np.abs(np.array(got) - expected).max() <= 1e-4
             scores = [d["score"] for d in answers[f"score-{i}"]["body"]["data"]]
             assert np.abs(np.array(scores) - expected).max() <= 1e-4
+
+
+def test_cohere_embed_lines_v1_and_v2(minilm_path, tmp_path):
+    texts = [SENTENCES[i] for i in range(5)]
+    lines = [
+        {"custom_id": "v1", "method": "POST", "url": "/v1/embed", "body": {"texts": texts}},
+        {"custom_id": "v2", "method": "POST", "url": "/v2/embed",
+         "body": {"texts": texts, "input_type": "search_document", "embedding_types": ["float"]}},
+    ]  # fmt: skip
+    batch, output = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    done = subprocess.run(
+        command(batch, output, ["--model", str(minilm_path)]),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answers = {x["custom_id"]: x["response"] for x in read(output)}
+    assert answers["v1"]["status_code"] == answers["v2"]["status_code"] == 200
+    with pipepool.Engine(str(minilm_path)) as engine:
+        expected = engine.embed(texts)
+    got = {
+        "v1": answers["v1"]["body"]["embeddings"],
+        "v2": answers["v2"]["body"]["embeddings"]["float"],
+    }
+    for vectors in got.values():
+        assert len(vectors) == len(texts)
+        for row, want in zip(vectors, expected, strict=True):
+            assert cosine(np.array(row), want) >= MIN_COSINE

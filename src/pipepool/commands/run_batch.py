@@ -39,7 +39,7 @@ def add_parser(sub, help: str) -> None:
         type=Path,
         required=True,
         help="the batch file: one request per line, {custom_id, method: POST, url, body}, url "
-        "one of /v1/embeddings, /v1/rerank, /v1/score, /v1/classify, /v2/embed",
+        "one of /v1/embeddings, /v1/rerank, /v1/score, /v1/classify, /v1/embed, /v2/embed",
     )
     p.add_argument(
         "-o",

@@ -43,7 +43,7 @@ __all__ = [
 
 # The routes a batch line may call: the model-running routes of OpenAI's, vLLM's and Cohere's
 # APIs that this server answers.
-ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v2/embed")
+ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/embed", "/v2/embed")
 # vLLM's encoding formats whose answer is bytes, not JSON (``server/encoding.py``).
 _BINARY_FORMATS = ("bytes", "bytes_only")
 # Fields whose list length is the number of engine inputs a body asks for (``count_inputs``).
@@ -103,7 +103,8 @@ class LineResult:
 
 
 # Where an answer's usage says how many prompt tokens it read: every route's answer ends with
-# it ("usage": {"prompt_tokens": N, ...}; Cohere's /v2/embed: "billed_units": {"input_tokens": N}).
+# it ("usage": {"prompt_tokens": N, ...}; Cohere's /v1/embed and /v2/embed: "billed_units":
+# {"input_tokens": N}).
 _TOKENS = re.compile(rb'"(?:prompt_tokens|input_tokens)":(\d+)')
 _USAGE_TAIL = 512
 

@@ -17,7 +17,9 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
     "cancelled",
 ]  # fmt: skip
-Endpoint = Literal["/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v2/embed"]
+Endpoint = Literal[
+    "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/embed", "/v2/embed"
+]
 assert set(get_args(Endpoint)) == set(ENDPOINTS), "one list of the routes a batch may call"
 
 

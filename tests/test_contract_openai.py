@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_server import ServerProcess
 from test_server_limits import assert_error
+from test_tei_server import assert_tei_error
 from tiny_models import MIN_COSINE, SENTENCES, cosine
 from tokenizers import Tokenizer
 
@@ -317,7 +318,7 @@ def test_tei_tokenize_leaves_special_tokens_out(server, tokenizer):
     with_specials = ok(post(server, "/tokenize", {"inputs": texts}))
     assert [t["special"] for t in with_specials[0]] == [True, False, False, True]
     r = post(server, "/tokenize", {"inputs": texts, "return_token_strs": True})
-    assert_error(r, 400, "invalid_request_error", param="return_token_strs")
+    assert_tei_error(r, 422, "Validation", "return_token_strs")  # TEI's form: TEI's error
 
 
 # -- 6. outputs a model does not give ---------------------------------------------------------

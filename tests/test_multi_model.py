@@ -135,6 +135,7 @@ def test_model_cards_read_by_the_openai_and_cohere_clients(server, minilm_path):
         "clf",
     }
     assert co.models.list(endpoint="classify", default_only=True).models == []
+    assert co.models.list(endpoint="chat").models == []  # Cohere's, but no model here chats
     # Pages: every card once, in order, then no next page.
     names, token = [], None
     while True:
@@ -145,7 +146,8 @@ def test_model_cards_read_by_the_openai_and_cohere_clients(server, minilm_path):
             break
     assert names == [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]]
     for query, param in [
-        ("endpoint=chat", "endpoint"),
+        ("endpoint=translate", "endpoint"),
+        ("page_size=2.5", "page_size"),
         ("default_only=true", "default_only"),
         ("page_size=0", "page_size"),
         ("page_token=x", "page_token"),

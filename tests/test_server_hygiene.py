@@ -16,6 +16,7 @@ import httpx
 import pytest
 from test_server import ServerProcess, _free_port, wait_for
 from test_server_limits import assert_error
+from test_tei_server import assert_tei_error
 from tiny_models import SENTENCES
 from tokenizers import Tokenizer
 
@@ -102,15 +103,17 @@ def post(server: ServerProcess, path: str, body: dict, **kwargs) -> httpx.Respon
 )
 def test_a_10mb_tokenize_is_refused_naming_the_limit(server, body, code, flag):
     r = post(server, "/tokenize", body)
-    assert_error(r, 400, "invalid_request_error", code=code, says=flag)
+    if "inputs" in body:  # TEI's form: TEI's error
+        assert_tei_error(r, 422, "Validation", flag)
+    else:
+        assert_error(r, 400, "invalid_request_error", code=code, says=flag)
     assert post(server, "/tokenize", {"inputs": "still here"}).status_code == 200
 
 
 def test_a_100000_input_tokenize_is_refused_naming_the_limit(server):
     r = post(server, "/tokenize", {"inputs": ["a"] * 100_000})
-    err = assert_error(r, 400, "invalid_request_error", "too_many_inputs", "inputs")
-    assert f"at most {MAX_INPUTS}" in err["message"]
-    assert "--max-inputs-per-request" in err["message"]
+    message = assert_tei_error(r, 413, "Validation", f"at most {MAX_INPUTS}")
+    assert "--max-inputs-per-request" in message
 
 
 def _text_of(tokenizer: Tokenizer, count: int) -> str:
@@ -173,7 +176,7 @@ def test_tokens_per_request_are_bounded(server, tokenizer):
     ("path", "body", "param"),
     [
         ("/rerank", {"query": "q", "documents": SENTENCES[:8]}, "documents"),
-        ("/v1/rerank", {"query": "q", "texts": SENTENCES[:8]}, "texts"),
+        ("/v1/rerank", {"query": "q", "documents": SENTENCES[:8]}, "documents"),
         ("/score", {"text_1": SENTENCES[:8], "text_2": SENTENCES[8:16]}, "text_2"),
         ("/classify", {"input": SENTENCES[:8]}, "input"),
     ],
@@ -208,17 +211,30 @@ SURROGATES = [
     ("/v1/embeddings", b'{"input": ["ok", "a\xed\xa0\x80"]}', "input 1"),
     ("/pooling", r'{"input": "\udfff"}', "input"),
     ("/tokenize", r'{"prompt": "x\ud800"}', "prompt"),
-    ("/tokenize", r'{"inputs": ["x\udbff"]}', "inputs 0"),
     ("/detokenize", r'{"tokens": [1], "model": "\ud800"}', "model"),
     ("/rerank", r'{"query": "q\ud800", "documents": ["a"]}', "query"),
     ("/v1/rerank", r'{"query": "q", "documents": ["a", {"text": "\ud800"}]}', "documents 1.text"),
-    ("/v2/rerank", r'{"query": "q", "texts": ["\udc00"]}', "texts 0"),
+    ("/v2/rerank", r'{"query": "q", "documents": ["\udc00"]}', "documents 0"),
     ("/score", r'{"text_1": "\ud800", "text_2": "b"}', "text_1"),
     ("/v1/score", r'{"text_1": "a", "text_2": ["b", "c\udc00"]}', "text_2 1"),
     ("/classify", r'{"input": ["\ud800"]}', "input 0"),
     ("/v1/classify", r'{"input": "a", "instruction\ud800": 1}', "a field name"),
     ("/v1/rerank", r'{"query": "q", "documents": [{"\udc00": 1}]}', "a field name in documents 0"),
 ]
+
+
+JSON_BODY = {"Content-Type": "application/json"}
+
+
+def test_lone_surrogate_in_a_tei_form_is_tei_422(server):
+    for path, body, names in [
+        ("/tokenize", r'{"inputs": ["x\udbff"]}', "inputs 0"),
+        ("/rerank", r'{"query": "q", "texts": ["\udc00"]}', "texts 0"),
+    ]:
+        r = httpx.post(server.url + path, content=body.encode(), headers=JSON_BODY, timeout=30)
+        assert assert_tei_error(r, 422, "Validation", "lone surrogate").startswith(
+            f"{names} is not valid Unicode"
+        )
 
 
 @pytest.mark.parametrize(("path", "body", "names"), SURROGATES)
@@ -253,8 +269,8 @@ NOT_BOOLEANS = [
     ("/pooling", {"input": "a", "normalize": 1}, "normalize"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
     ("/rerank", {"query": "q", "documents": ["a"], "return_documents": 0}, "return_documents"),
-    ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": "false"}, "raw_scores"),
-    ("/rerank", {"query": "q", "texts": ["a"], "return_text": 1}, "return_text"),
+    ("/rerank", {"query": "q", "documents": ["a"], "raw_scores": "false"}, "raw_scores"),
+    ("/rerank", {"query": "q", "documents": ["a"], "return_text": 1}, "return_text"),
     ("/score", {"text_1": "a", "text_2": "b", "use_activation": 0}, "use_activation"),
     ("/classify", {"input": "a", "activation": 1}, "activation"),
 ]
@@ -371,9 +387,10 @@ def test_tei_and_tokenizer_routes_are_labelled_by_their_route_in_metrics(server)
 MODEL_ROUTE = {"200", "400", "401", "404", "408", "413", "429", "500", "503"}
 TOKENIZER_ROUTE = {"200", "400", "401", "404", "408", "413", "500", "503"}
 READ_ROUTE = {"200", "401", "500"}
-MODEL_ROUTES = ("/v1/embeddings", "/pooling", "/rerank", "/v1/rerank", "/v2/rerank")
+MODEL_ROUTES = ("/v1/embeddings", "/pooling")
 MODEL_ROUTES += ("/score", "/v1/score", "/classify", "/v1/classify", "/v2/embed")
 MODEL_ROUTES += ("/v1/embed",)
+RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
 # TEI's routes answer TEI's statuses (422 validation, 424 a task the model does not do).
 TEI_MODEL_ROUTE = {"200", "400", "401", "408", "413", "422", "424", "429", "500", "503"}
 TEI_MODEL_ROUTES = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/predict")
@@ -382,7 +399,10 @@ ANSWERS = {
     **{(path, "post"): MODEL_ROUTE for path in MODEL_ROUTES},
     **{(path, "post"): TEI_MODEL_ROUTE for path in TEI_MODEL_ROUTES},
     ("/decode", "post"): TEI_MODEL_ROUTE - {"424", "429"},
-    **{(path, "post"): TOKENIZER_ROUTE for path in ("/tokenize", "/v1/tokenize")},
+    # TEI's form of a route other peers define too answers TEI's statuses as well.
+    **{(path, "post"): MODEL_ROUTE | {"422", "424"} for path in RERANK_ROUTES},
+    ("/tokenize", "post"): TOKENIZER_ROUTE | {"422"},
+    ("/v1/tokenize", "post"): TOKENIZER_ROUTE,
     **{(path, "post"): TOKENIZER_ROUTE for path in ("/detokenize", "/v1/detokenize")},
     ("/v1/models", "get"): READ_ROUTE | {"400"},  # Cohere's filters and pages
     ("/v1/models/{model}", "get"): READ_ROUTE | {"404"},

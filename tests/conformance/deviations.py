@@ -151,6 +151,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _d("cohere", "POST /v2/rerank", "positive_data_acceptance",
        "an empty documents list and max_tokens_per_doc=0 are refused (400)"),
+    _d("cohere", "GET /v1/models", "positive_data_acceptance",
+       "what the document's descriptions call invalid is refused (400 naming it): page_size "
+       "outside 1-1000 or not whole, default_only without endpoint"),
+    _d("openai", "GET /models/{model}", "allow_header_conformance",
+       "DELETE (deleting a fine-tuned model) is not served: pipepool serves no fine-tuned "
+       "models; 405 with Allow: GET"),
 )  # fmt: skip
 
 

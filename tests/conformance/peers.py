@@ -35,6 +35,7 @@ CLAIMED: dict[str, dict[str, tuple[str, ...]]] = {
     "openai": {
         "/embeddings": ("POST",),
         "/models": ("GET",),
+        "/models/{model}": ("GET",),
         "/files": ("POST", "GET"),
         "/files/{file_id}": ("GET", "DELETE"),
         "/files/{file_id}/content": ("GET",),
@@ -49,6 +50,8 @@ CLAIMED: dict[str, dict[str, tuple[str, ...]]] = {
         "/v1/embed": ("POST",),
         "/v1/tokenize": ("POST",),
         "/v1/detokenize": ("POST",),
+        "/v1/models": ("GET",),
+        "/v1/models/{model}": ("GET",),
     },
 }
 CLAIMED_PATHS = {peer: tuple(paths) for peer, paths in CLAIMED.items()}

@@ -16,7 +16,9 @@ import re
 import time
 from collections.abc import Callable
 
-from .errors import AUTHENTICATION, APIError
+from starlette.types import Scope
+
+from .errors import AUTHENTICATION, APIError, answer_as_tei, in_tei_form
 
 # A UTF-16 surrogate (U+D800-U+DFFF) as JSON's escape (a pair makes one character, a lone one a
 # string that UTF-8 cannot encode: no tokenizer takes it, no answer quoting it can be sent), or
@@ -93,7 +95,7 @@ class GuardMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        err = lone_surrogate(body)
+        err = lone_surrogate(body, scope)
         if err is not None:
             await self._reject(err, scope, receive, send)
             return
@@ -154,10 +156,11 @@ class GuardMiddleware:
         await err.response(scope)(scope, receive, send)
 
 
-def lone_surrogate(body: bytes) -> APIError | None:
+def lone_surrogate(body: bytes, scope: Scope | None = None) -> APIError | None:
     """The 400 for a JSON body with a lone surrogate in any string (``"\\ud800"``), naming
     where (``input 1``, ``documents 2.text``, ``text_1``); None for any other body (a body that
-    is not JSON is the route's to refuse). Bodies with no surrogate in them are not parsed."""
+    is not JSON is the route's to refuse). Bodies with no surrogate in them are not parsed.
+    ``scope``: the request's, marked for TEI's error shape where the body is in TEI's form."""
     escaped = b"\\u" in body and _ESCAPED_SURROGATE.search(body) is not None
     if not escaped and not (b"\xed" in body and _RAW_SURROGATE.search(body) is not None):
         return None
@@ -168,6 +171,8 @@ def lone_surrogate(body: bytes) -> APIError | None:
     found = _first_lone_surrogate(value)
     if found is None:
         return None  # pairs only: each a character of its own
+    if scope is not None and in_tei_form(scope, value):
+        answer_as_tei(scope)
     path, text, is_key = found
     where = str(path[0]) if path else ""
     where += "".join(f" {p}" if isinstance(p, int) else f".{p}" for p in path[1:])

@@ -27,7 +27,10 @@ COHERE_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "rerank": ("rerank",),
     "classify": ("classify",),
 }
-# Cohere's page_size bounds (its API reference: 1-1000, default 20).
+# Every endpoint Cohere's document names (its CompatibleEndpoint); those pipepool does not serve
+# list no model.
+COHERE_ALL_ENDPOINTS = ("chat", "embed", "classify", "summarize", "rerank", "rate", "generate")
+# Cohere's page_size bounds (its document's description: 1-1000, default 20).
 _MAX_PAGE_SIZE = 1000
 
 
@@ -66,11 +69,12 @@ def model_card(
         "endpoints": endpoints_of(tasks),
         "default_endpoints": default_endpoints(model, models),
         "finetuned": False,
-        "context_length": max_model_len,
-        "tokenizer_url": None,
-        "features": None,
+        "features": [],
     }
+    # Cohere's document types both as present: unknown ones (a loading model's length; no
+    # tokenizer file is served) are left out, not null.
     if max_model_len is not None:
+        card["context_length"] = max_model_len
         card["max_model_len"] = max_model_len
     if tasks is not None:
         card["tasks"] = list(tasks)
@@ -85,24 +89,25 @@ class CardQuery:
 
     endpoint: str | None = None
     default_only: bool = False
-    page_size: int | None = None
+    page_size: float | None = None  # a number in Cohere's document; a whole one is a size
     page_token: str | None = None
 
     def check(self) -> None:
-        """400, naming the parameter, for a query Cohere would refuse."""
-        if self.endpoint is not None and self.endpoint not in COHERE_ENDPOINTS:
+        """400, naming the parameter, for a query Cohere's document calls invalid."""
+        if self.endpoint is not None and self.endpoint not in COHERE_ALL_ENDPOINTS:
             raise APIError(
                 400,
-                f"endpoint {self.endpoint!r}: this server's models answer only "
-                f"{', '.join(COHERE_ENDPOINTS)}",
+                f"endpoint {self.endpoint!r}: Cohere's endpoints are "
+                f"{', '.join(COHERE_ALL_ENDPOINTS)}",
                 param="endpoint",
             )
         if self.default_only and self.endpoint is None:
             raise APIError(400, "default_only needs an endpoint", param="default_only")
-        if self.page_size is not None and not 1 <= self.page_size <= _MAX_PAGE_SIZE:
+        size = self.page_size
+        if size is not None and not (size.is_integer() and 1 <= size <= _MAX_PAGE_SIZE):
             raise APIError(
                 400,
-                f"page_size must be 1-{_MAX_PAGE_SIZE}, got {self.page_size}",
+                f"page_size must be a whole number 1-{_MAX_PAGE_SIZE}, got {size}",
                 param="page_size",
             )
         if self.page_token is not None and not self.page_token.isdigit():
@@ -115,6 +120,8 @@ class CardQuery:
     def keeps(self, card: dict) -> bool:
         if self.endpoint is None:
             return True
+        if self.endpoint not in COHERE_ENDPOINTS:
+            return False  # an endpoint no model here answers (chat, generate, ...)
         listed = card["default_endpoints"] if self.default_only else card["endpoints"]
         return self.endpoint in listed
 
@@ -123,5 +130,5 @@ class CardQuery:
         start = int(self.page_token or 0)
         if self.page_size is None:
             return cards[start:], None
-        end = start + self.page_size
+        end = start + int(self.page_size)
         return cards[start:end], (str(end) if end < len(cards) else None)

@@ -253,9 +253,8 @@ class ModelCard(BaseModel):
     endpoints: list[str]
     default_endpoints: list[str]
     finetuned: bool = False
-    context_length: int | None = None
-    tokenizer_url: str | None = None
-    features: list[str] | None = None
+    context_length: int | None = None  # left out while the model loads
+    features: list[str] = []
 
 
 class ModelList(BaseModel):

@@ -98,12 +98,17 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     )
 
 
-@router.get("/v1/models", response_model=protocol.ModelList, responses=errors_doc(400, 401, 500))
+@router.get(
+    "/v1/models",
+    response_model=protocol.ModelList,
+    response_model_exclude_none=True,  # Cohere's document types its fields as never null
+    responses=errors_doc(400, 401, 500),
+)
 async def models(
     request: Request,
     endpoint: str | None = Query(None, description="Cohere's filter: models for this endpoint."),
     default_only: bool = Query(False, description="Cohere's filter: the endpoint's default only."),
-    page_size: int | None = Query(None, description="Cohere's page size (1-1000)."),
+    page_size: float | None = Query(None, description="Cohere's page size (1-1000)."),
     page_token: str | None = Query(None, description="Cohere's next_page_token."),
 ) -> dict:
     """Every name this server answers to, a card per name (a model folder's path is accepted
@@ -121,6 +126,7 @@ async def models(
 @router.get(
     "/v1/models/{model:path}",
     response_model=protocol.ModelCard,
+    response_model_exclude_none=True,
     responses=errors_doc(401, 404, 500),
 )
 async def model(request: Request, model: str) -> dict:

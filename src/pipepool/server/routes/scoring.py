@@ -35,13 +35,17 @@ from .shared import (
     state_of,
     unless_client_leaves,
 )
+from .tei import TEI_FORM_ERRORS
 
 router = APIRouter(tags=["rerank, score, classify"])
 
 
-@router.post("/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
-@router.post("/v1/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
-@router.post("/v2/rerank", response_model=sp.RerankAnswer, responses=ERRORS)
+_RERANK_ERRORS = {**ERRORS, **TEI_FORM_ERRORS}  # TEI's form answers TEI's statuses
+
+
+@router.post("/rerank", response_model=sp.RerankAnswer, responses=_RERANK_ERRORS)
+@router.post("/v1/rerank", response_model=sp.RerankAnswer, responses=_RERANK_ERRORS)
+@router.post("/v2/rerank", response_model=sp.RerankAnswer, responses=_RERANK_ERRORS)
 async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     """Documents by relevance to the query, most relevant first (Cohere v1 / v2, Jina, vLLM;
     with ``texts`` instead of ``documents``, TEI's request, answer and errors)."""

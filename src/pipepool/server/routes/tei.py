@@ -53,6 +53,10 @@ def tei_errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 TEI_ERRORS = tei_errors_doc(400, 401, 408, 413, 422, 424, 429, 500, 503)
 TEI_TOKENIZER_ERRORS = tei_errors_doc(400, 401, 408, 413, 422, 500, 503)
+# What a route other peers define too answers besides OpenAI's statuses for a body in TEI's
+# form (``errors.TEI_FORMS``): /rerank's ``texts``, /tokenize's ``inputs``.
+TEI_FORM_ERRORS = tei_errors_doc(422, 424)
+TEI_TOKENIZER_FORM_ERRORS = tei_errors_doc(422)
 
 
 def tei_inputs(request: Request, items: list, param: str = "inputs") -> list:

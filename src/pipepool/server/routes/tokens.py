@@ -22,6 +22,7 @@ from ..limits import check_input_count, check_text_lengths, check_token_counts, 
 from ..models import ServedModel
 from ..settings import ServerSettings
 from .shared import TOKENIZER_ERRORS, ServerState, plain_token_ids, select_model, state_of
+from .tei import TEI_TOKENIZER_FORM_ERRORS
 
 T = TypeVar("T")
 
@@ -35,7 +36,7 @@ _BATCH_CHARS = 1 << 16
 @router.post(
     "/tokenize",
     response_model=tp.TokenizeResponse | list[list[tp.TEIToken]],
-    responses=TOKENIZER_ERRORS,
+    responses={**TOKENIZER_ERRORS, **TEI_TOKENIZER_FORM_ERRORS},
 )
 async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
     """Token ids of a text, special tokens (and the model's default prompt) included, as the

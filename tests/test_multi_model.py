@@ -226,6 +226,34 @@ def test_unknown_model_and_wrong_task_are_404(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_task"
 
 
+def test_the_server_routes_as_a_router_of_the_same_models(server, engines):
+    """The shared rule (``api.routing.route``) over real HTTP: each case answered as a
+    ``Router`` of the same models answers it, with the same message."""
+    router = pipepool.Router.from_engines(engines)  # not closed: the engines are the module's
+    cases = [
+        ("/v1/embeddings", {"model": "nope", "input": "x"},
+         lambda: router.embed(["x"], model="nope"), 404, "model_not_found"),
+        ("/classify", {"input": "x"}, lambda: router.classify(["x"]), 400, "model_required"),
+        ("/v1/embeddings", {"input": "x", "outputs": ["sparse"]},
+         lambda: router.embed_sparse(["x"]), 404, "unsupported_task"),
+    ]  # fmt: skip
+    for path, body, call, status, code in cases:
+        r = _post(server, path, body)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (status, code, "model")
+        with pytest.raises(InvalidInputError) as e:
+            call()
+        if code != "model_not_found":  # the server's 404 keeps OpenAI's wording
+            assert error["message"] == str(e.value)
+    out = _post(server, "/v1/embeddings", {"input": "x"}).json()
+    assert router.engine(task="embed") is engines[out["model"]]
+    # vLLM's /pooling: its task, where given, is what the model must do.
+    out = _post(server, "/pooling", {"input": "x", "task": "embed"}).json()
+    assert out["model"] == "embedder"
+    r = _post(server, "/pooling", {"input": "x"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "model_required")
+
+
 def test_health_and_metrics_per_model(server):
     body = httpx.get(server.url + "/health").json()
     assert body["status"] == "ok"

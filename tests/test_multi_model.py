@@ -27,6 +27,9 @@ from pipepool.intake.tokenizer_process import helper_threads
 from pipepool.loading.deployment import ModelMemory
 from pipepool.replicas.memory_plan import MemoryPlanError, plan_memory, share_memory
 
+# Slow: real `pipepool serve` processes of three models.
+pytestmark = pytest.mark.slow
+
 QUEUE = 64  # the classifier's own queue (the others': the server's 512)
 INPUTS = 32  # --max-inputs-per-request
 BUDGET = 16  # the classifier's step budget: its long prompts take several steps

@@ -24,6 +24,9 @@ from tokenizers import Tokenizer
 
 import pipepool
 
+# Slow: real `pipepool serve` processes at PP=1 and PP=2, stages killed under load.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-qwen3"
 BUDGET = 32  # small, so that long prompts always take several steps
 SHUTDOWN_S = 1.0  # --shutdown-timeout of the PP=1 server

@@ -100,7 +100,8 @@ ANSWERS = {
 
 def _router_answer(router: Router, name: str | None, task: str | None) -> object:
     try:
-        return next(n for n, e in router._engines.items() if e is router.engine(name, task))
+        picked = router.engine(name, task)
+        return next(n for n, _ in router.models if router.engine(n) is picked)
     except InvalidInputError as exc:
         return ANSWERS[type(exc)]
 

@@ -1,18 +1,20 @@
 """Test-only faults a stage can be made to commit, each a stage-local slip that the lockstep
-checks of docs/design.md §1 must catch. Never shipped: a test installs one (``install``), which
-makes every engine it starts run ``FaultyRunner`` (a StageRunner subclass) through
-``Deployment.stage_runner``; stage processes unpickle that class from this module too (the
-tests folder is put on their PYTHONPATH) and read the fault from the environment."""
+checks of docs/design.md §1 must catch. Never shipped, and the product has no switch for them:
+a test installs one (``install``), which makes ``stage.runner.new_runner`` build
+``FaultyRunner`` (a StageRunner subclass) instead of ``StageRunner``, in this process by
+``monkeypatch`` and in every process started meanwhile (stage processes, a CLI's) through
+``fault_site/sitecustomize.py``: Python imports it at the start of a process that has it on its
+path, and it installs the fault there when the environment names one."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 
+import pipepool.stage.runner
 from pipepool.core.plan import StepPlan
 from pipepool.stage.mirror import StepView
 from pipepool.stage.runner import StageRunner
@@ -26,8 +28,12 @@ FAULTS = (
     "drop_request",
     "sleep_on_stage",  # not a slip: a slow stage, for the watchdog (``sleeps``)
 )
-_ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
+ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
 _SLEEPS_ENV = "PIPEPOOL_TEST_SLEEPS"  # step=seconds,step=seconds
+_HERE = Path(__file__).resolve().parent
+# Put first on a started process's path (PYTHONPATH, or the parent's sys.path, which stage
+# processes are given), with this folder, so that the process can import this module.
+_SITE = _HERE / "fault_site"
 
 
 def install(
@@ -37,29 +43,28 @@ def install(
     processes) commit ``kind`` on ``stage`` from step ``step`` on (``sleep_on_stage``: the
     stage sleeps ``sleeps[step_id]`` seconds before each step listed)."""
     assert kind in FAULTS, kind
-    import pipepool.driver.local
-
-    monkeypatch.setenv(_ENV, f"{kind}:{stage}:{step}")
+    monkeypatch.setenv(ENV, f"{kind}:{stage}:{step}")
     monkeypatch.setenv(_SLEEPS_ENV, ",".join(f"{k}={v}" for k, v in (sleeps or {}).items()))
-    here = str(Path(__file__).resolve().parent)
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", here if not path else f"{here}{os.pathsep}{path}")
-    plan = pipepool.driver.local.deployment_for
-    monkeypatch.setattr(
-        pipepool.driver.local, "deployment_for", lambda config: with_faults(plan(config))
-    )
+    paths = [str(_SITE), str(_HERE)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    for path in reversed(paths[:2]):
+        monkeypatch.syspath_prepend(path)
+    monkeypatch.setattr(pipepool.stage.runner, "StageRunner", FaultyRunner)
 
 
-def with_faults(deployment):
-    """The deployment, its stages run by ``FaultyRunner``."""
-    return dataclasses.replace(deployment, stage_runner=FaultyRunner)
+def install_in_this_process() -> None:
+    """``install`` for the life of a process started while a test had a fault installed
+    (``fault_site/sitecustomize.py`` calls it): its stages run ``FaultyRunner``."""
+    pipepool.stage.runner.StageRunner = FaultyRunner
 
 
 class FaultyRunner(StageRunner):
     """A StageRunner that commits the fault named in the environment, on its stage."""
 
     def _load(self, config, folder, spec) -> None:
-        kind, stage, step = os.environ[_ENV].split(":")
+        kind, stage, step = os.environ[ENV].split(":")
         if kind == "skip_post_step_on_non_last_stage":
             on = not spec.is_last
         else:

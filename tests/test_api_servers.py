@@ -19,6 +19,9 @@ from tiny_models import MIN_COSINE, cosine
 
 import pipepool
 
+# Slow: real `pipepool serve` processes with several API server processes.
+pytestmark = pytest.mark.slow
+
 BUDGET = 32
 
 

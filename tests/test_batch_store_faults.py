@@ -46,6 +46,9 @@ from pipepool.server.batch_store import BatchStore, close_open_stores
 from pipepool.server.store_admin import backup
 from pipepool.server.store_check import find_problems, open_checked
 
+# Slow: real `pipepool serve` processes, killed and restarted.
+pytestmark = pytest.mark.slow
+
 TMPFS_BYTES = 24 << 20
 BIG_UPLOAD = 120 << 20  # the figure: its upload may grow the server's RSS < 60 MB
 RSS_GROWTH_LIMIT = 60 << 20

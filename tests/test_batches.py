@@ -33,6 +33,9 @@ from pipepool.server.batch_runner import BatchRunner, Dispatcher
 from pipepool.server.batch_store import BatchStore
 from pipepool.server.front import AsyncEngine
 
+# Slow: real `pipepool serve` processes running Batch API jobs.
+pytestmark = pytest.mark.slow
+
 BATCH_LINES = 300  # good requests in the main batch (benchmarks/batch_latency.py runs 5,000)
 BIG_LINES = 600  # a batch long enough to be caught half-way (cancel, kill)
 KEY = "batch-key"

@@ -20,6 +20,9 @@ import pytest
 from test_server import ServerProcess
 from tiny_models import MIN_COSINE, SENTENCES, cosine
 
+# Slow: real `pipepool serve` processes driven by the official clients.
+pytestmark = pytest.mark.slow
+
 TEXTS = SENTENCES[:4]
 SHORT = "all-MiniLM-L6-v2"
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"

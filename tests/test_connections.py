@@ -26,6 +26,9 @@ from test_server import ServerProcess, _free_port, wait_for
 from pipepool.server.connections import MAX_HEADER_BYTES, ConnectionGuard, guarded_protocol
 from pipepool.server.metrics import ConnectionCounts
 
+# Slow: real `pipepool serve` processes held by slow clients until their timeouts.
+pytestmark = pytest.mark.slow
+
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
 PER_CLIENT = 4

@@ -23,6 +23,9 @@ from pipepool.commands.common import BOOLEAN_WORDS, env_name
 from pipepool.config import EngineConfig
 from pipepool.loading import model_folder
 
+# Slow: ten real `pipepool serve` processes started to be refused.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _no_pipepool_variables(monkeypatch):

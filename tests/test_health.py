@@ -25,6 +25,9 @@ from pipepool.server.owner import EngineOwner
 from pipepool.server.settings import ServerSettings
 from pipepool.server.uvicorn_server import build_server
 
+# Slow: several models' engines, a stage killed.
+pytestmark = pytest.mark.slow
+
 KEY = "sesame"
 
 

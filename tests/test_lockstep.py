@@ -46,7 +46,6 @@ class SteppedPipeline:
         self.deployment = plan_deployment(config)
         if fault is not None:
             faults.install(monkeypatch, fault[0], stage=fault[1])
-            self.deployment = faults.with_faults(self.deployment)
         self.executor = start_executor(self.deployment)
         d = self.deployment
         self.scheduler = Scheduler(

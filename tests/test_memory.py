@@ -180,6 +180,9 @@ import sys, threading
 import numpy as np
 from pipepool.runtime.memory import trim_heap
 
+# Slow: a fresh process per allocator measurement.
+pytestmark = pytest.mark.slow
+
 def rss_mb():
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith("VmRSS:"))

@@ -27,6 +27,9 @@ from pipepool.intake.tokenizer_process import helper_threads
 from pipepool.loading.deployment import ModelMemory
 from pipepool.replicas.memory_plan import MemoryPlanError, plan_memory, share_memory
 
+# Slow: real `pipepool serve` processes of three models.
+pytestmark = pytest.mark.slow
+
 QUEUE = 64  # the classifier's own queue (the others': the server's 512)
 INPUTS = 32  # --max-inputs-per-request
 BUDGET = 16  # the classifier's step budget: its long prompts take several steps
@@ -276,6 +279,34 @@ def test_unknown_model_and_wrong_task_are_404(server):
     # beyond classify: it cannot embed here.
     r = _post(server, "/v1/embeddings", {"model": "classifier", "input": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_task"
+
+
+def test_the_server_routes_as_a_router_of_the_same_models(server, engines):
+    """The shared rule (``api.routing.route``) over real HTTP: each case answered as a
+    ``Router`` of the same models answers it, with the same message."""
+    router = pipepool.Router.from_engines(engines)  # not closed: the engines are the module's
+    cases = [
+        ("/v1/embeddings", {"model": "nope", "input": "x"},
+         lambda: router.embed(["x"], model="nope"), 404, "model_not_found"),
+        ("/classify", {"input": "x"}, lambda: router.classify(["x"]), 400, "model_required"),
+        ("/v1/embeddings", {"input": "x", "outputs": ["sparse"]},
+         lambda: router.embed_sparse(["x"]), 404, "unsupported_task"),
+    ]  # fmt: skip
+    for path, body, call, status, code in cases:
+        r = _post(server, path, body)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (status, code, "model")
+        with pytest.raises(InvalidInputError) as e:
+            call()
+        if code != "model_not_found":  # the server's 404 keeps OpenAI's wording
+            assert error["message"] == str(e.value)
+    out = _post(server, "/v1/embeddings", {"input": "x"}).json()
+    assert router.engine(task="embed") is engines[out["model"]]
+    # vLLM's /pooling: its task, where given, is what the model must do.
+    out = _post(server, "/pooling", {"input": "x", "task": "embed"}).json()
+    assert out["model"] == "embedder"
+    r = _post(server, "/pooling", {"input": "x"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "model_required")
 
 
 def test_health_and_metrics_per_model(server):

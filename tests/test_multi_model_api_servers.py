@@ -24,6 +24,9 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 
 import pipepool
 
+# Slow: real `pipepool serve` processes of several models and API servers.
+pytestmark = pytest.mark.slow
+
 TEXTS = [*SENTENCES[:3], *long_prompts()[1:3]]
 
 

@@ -25,6 +25,9 @@ from pipepool.parity import (
 )
 from pipepool.parity.compare import cosine_rows, fill_row, score_request
 
+# Slow: parity reports over PP=2 pipelines.
+pytestmark = pytest.mark.slow
+
 # Caps the built-in prompts at 256 tokens (the tiny Qwen3 allows 4096): still several chunks
 # at both budgets, and fast.
 SMALL = ["--max-model-len", "256"]

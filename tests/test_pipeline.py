@@ -507,6 +507,9 @@ _EXITS_BUSY = """
 import sys
 from pipepool import Engine
 
+# Slow: pipelines of stage processes, killed and restarted.
+pytestmark = pytest.mark.slow
+
 engine = Engine(sys.argv[1], device="cpu")
 text = "keep the engine busy with a long enough input " * 12
 calls = [engine.submit([text] * 8) for _ in range(60)]

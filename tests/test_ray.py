@@ -31,8 +31,12 @@ from ray.data.block import BlockAccessor  # noqa: E402
 from pipepool import Engine, InvalidInputError  # noqa: E402
 from pipepool.ray import EmbedBatches  # noqa: E402
 
-# Ray Data's own code warns about its deprecated settings when it prints its context.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+# Slow: a Ray cluster started. Ray Data's own code warns about its deprecated settings when
+# it prints its context.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"),
+]
 MARKER = "PIPEPOOL_RAY_TEST_TOKEN"
 WORDS = [
     *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "pipeline"),

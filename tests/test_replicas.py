@@ -24,6 +24,9 @@ from pipepool.replicas.messages import Snapshot
 from pipepool.replicas.pipeline import ReplicaPipeline
 from pipepool.replicas.routing import split_rows
 
+# Slow: replica processes, killed and restarted.
+pytestmark = pytest.mark.slow
+
 BUDGET = 32  # small, so long prompts take several steps on every replica
 OPTIONS = {"max_num_batched_tokens": BUDGET}
 

@@ -15,6 +15,9 @@ import pipepool
 from pipepool.commands.cli import main
 from pipepool.parity.score_sweep import same_order
 
+# Slow: parity of rerankers over PP=2 pipelines.
+pytestmark = pytest.mark.slow
+
 QUERY = "How do pipeline stages stay in lockstep?"
 DOCUMENTS = SENTENCES[:5]
 

@@ -15,6 +15,9 @@ from tiny_models import SENTENCES, long_prompts
 
 import pipepool
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 KEY = "rerank-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "ms-marco-tiny"

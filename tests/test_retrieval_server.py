@@ -18,6 +18,9 @@ from test_server_limits import assert_error
 
 import pipepool
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 BUDGET = 32  # tokens per step: the long texts take several steps
 TEXTS = [
     "the cat sat on the mat, and the cat slept.",

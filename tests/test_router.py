@@ -16,7 +16,7 @@ import tiny_retrieval
 
 import pipepool
 from pipepool import Engine, InvalidInputError, ModelLoadError, ModelNotFoundError, Router
-from pipepool.api.router import model_tasks
+from pipepool.api.routing import model_tasks
 from pipepool.core.classifier_head import ClassifierHead
 from pipepool.loading.retrieval import ColbertHead, SpladeHead, outputs_of
 

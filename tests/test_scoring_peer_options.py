@@ -17,6 +17,9 @@ from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import SENTENCES, long_prompts
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 MODEL = "bge-reranker-tiny"
 MAX_LEN = 128  # the server's max_model_len: the longer documents below are over it
 TOLERANCE = 1e-4

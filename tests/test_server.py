@@ -24,6 +24,9 @@ from tokenizers import Tokenizer
 
 import pipepool
 
+# Slow: real `pipepool serve` processes at PP=1 and PP=2, stages killed under load.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-qwen3"
 BUDGET = 32  # small, so that long prompts always take several steps
 SHUTDOWN_S = 1.0  # --shutdown-timeout of the PP=1 server
@@ -261,6 +264,19 @@ def test_raw_http_every_input_form(server, engine, tokenizer):
                 assert set(d) == {"object", "index", "embedding"}
                 assert d["object"] == "embedding" and d["index"] == i
                 assert_close(decode(d["embedding"]) if fmt == "base64" else d["embedding"], e)
+
+
+def test_an_empty_text_is_400_and_a_blank_one_is_a_text(server, engine):
+    """docs/python-api.md, "Empty and blank inputs", over HTTP: "" is refused naming it, as
+    OpenAI (and TEI, its own way) refuse it; a whitespace-only text is embedded."""
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["fine", ""]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "input 1 is an empty string" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/embed", json={"inputs": ["fine", ""]})
+    assert (r.status_code, r.json()["error_type"]) == (400, "Empty"), r.text
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [" \t "]})
+    assert r.status_code == 200, r.text
+    assert_close(r.json()["data"][0]["embedding"], engine.embed([" \t "])[0])
 
 
 def test_extensions_normalize_and_truncate(server, engine):

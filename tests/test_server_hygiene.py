@@ -23,6 +23,9 @@ from tokenizers import Tokenizer
 import pipepool
 from pipepool.server.settings import ServerSettings
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 MAX_LEN = 128
 DEFAULTS = ServerSettings()  # the limits this server runs with
 MAX_CHUNKED = DEFAULTS.max_chunked_tokens

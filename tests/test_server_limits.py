@@ -21,6 +21,9 @@ from tiny_models import SENTENCES, long_prompts
 import pipepool
 from pipepool.server.errors import RETRY_AFTER_MS
 
+# Slow: real `pipepool serve` processes at PP=2, queues filled.
+pytestmark = pytest.mark.slow
+
 KEY = "s3cret-key"
 MODEL = "tiny"
 MAX_INPUTS = 4

@@ -16,6 +16,9 @@ from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import SENTENCES
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-4
 MAX_INPUTS = 8
 TEXTS = SENTENCES[:4]

@@ -23,6 +23,9 @@ from tiny_models import MIN_COSINE, cosine, long_prompts
 
 import pipepool
 
+# Slow: torchrun launches.
+pytestmark = pytest.mark.slow
+
 BUDGET = "16"  # tokens per step: the long prompts chunk
 _TIMEOUT_S = 180
 

@@ -26,6 +26,9 @@ import pipepool
 from pipepool.api.quantization import quantize_symmetric
 from pipepool.server.protocol import encode_array
 
+# Slow: real `pipepool serve` processes.
+pytestmark = pytest.mark.slow
+
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = SENTENCES[:6]
 TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]

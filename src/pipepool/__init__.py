@@ -24,7 +24,7 @@ _EXPORTS = {
     "EngineDeadError": "errors",
     "InvalidInputError": "errors",
     "ModelLoadError": "errors",
-    "ModelNotFoundError": "api.router",
+    "ModelNotFoundError": "api.routing",
     "PipepoolError": "errors",
     "PromptTooLongError": "errors",
     "StageFailure": "errors",
@@ -51,7 +51,8 @@ __all__ = [
 if TYPE_CHECKING:
     from .api.engine import Engine
     from .api.quantization import quantize_embeddings
-    from .api.router import ModelNotFoundError, Router
+    from .api.router import Router
+    from .api.routing import ModelNotFoundError
     from .config import EngineConfig
     from .core.submission import Submission
     from .errors import (

@@ -36,6 +36,7 @@ from .scoring import ScoringMethods, refuse_embedding
 from .st_compat import SentenceTransformerMethods
 
 if TYPE_CHECKING:
+    from ..intake.token_budget import TokenBudget
     from ..tracing import TraceSummary
 
 log = logging.getLogger("pipepool")
@@ -182,9 +183,11 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         truncation_side: str = "right",
         prompt_name: str | None = None,
         long_inputs: str | None = None,
+        budget: TokenBudget | None = None,
     ) -> Submission | CombinedSubmission:
         """Validate, tokenise and enqueue; returns the call's future once every input is
-        enqueued.
+        enqueued. ``budget``: the most tokens the call may have (``TokenBudget``; a server's
+        request limits), counted on the slices tokenised here.
 
         Raises InvalidInputError naming the input if any input is bad; then nothing of the
         call stays queued (slices already enqueued are cancelled). Long lists are tokenised
@@ -202,6 +205,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
             truncation_side=truncation_side,
             prompt_name=prompt_name,
             long_inputs=policy,
+            budget=budget,
         )
         if (
             not isinstance(inputs, str)

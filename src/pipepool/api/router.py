@@ -17,62 +17,22 @@ from typing import TYPE_CHECKING, Any
 from ..config import EngineConfig
 from ..errors import InvalidInputError
 from .engine import Engine
-from .retrieval_scoring import scores_pairs_itself
+from .routing import (
+    OUTPUT_TASKS,
+    RoutedModel,
+    model_tasks,
+    route,
+)
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..loading.deployment import Deployment
     from .retrieval import RetrievalOutputs, SparseEmbedding
     from .scoring import Classification, RerankResult
 
 log = logging.getLogger("pipepool")
 
-# Every task a model may have, in the order ``model_tasks`` lists them. Each is one Engine
-# method family: embed (embed, encode, pool, ...), sparse (embed_sparse), multi_vector
-# (embed_multi_vector), score / rerank (pairs), classify (one row of labels per text),
-# classify_tokens (a token classifier's labels per token).
-TASKS = ("embed", "sparse", "multi_vector", "score", "rerank", "classify", "classify_tokens")
-# encode_outputs' outputs as tasks.
-_OUTPUT_TASKS = {"dense": "embed", "sparse": "sparse", "multi_vector": "multi_vector"}
-
 ModelSpec = str | os.PathLike[str] | Mapping[str, Any]
-
-
-class ModelNotFoundError(InvalidInputError):
-    """A call named a model the router does not hold (``param`` is "model"; ``names``: those it
-    holds)."""
-
-    def __init__(self, name: object, names: Sequence[str]) -> None:
-        super().__init__(
-            f"no model named {name!r}; the models are: {', '.join(names)}", param="model"
-        )
-        self.name = name
-        self.names = tuple(names)
-
-    def __reduce__(self):  # built again from its two arguments
-        return (type(self), (self.name, self.names))
-
-
-def model_tasks(deployment: Deployment) -> tuple[str, ...]:
-    """What a model can be asked to do, in ``TASKS`` order: "embed", "sparse" and
-    "multi_vector" for the outputs it gives (``deployment.outputs``) where it is no classifier
-    (a classifier's hidden states are not embeddings); "score" and "rerank" for a one-label
-    classifier and for a model that scores pairs from its retrieval outputs (ColBERT, BGE-M3);
-    "classify" for a sequence classifier; "classify_tokens" for a token classifier."""
-    head = deployment.classifier
-    tasks: set[str] = set()
-    if head is None:
-        tasks.update(_OUTPUT_TASKS[o] for o in deployment.outputs)
-        if scores_pairs_itself(deployment):
-            tasks.update(("score", "rerank"))
-    elif head.per_token:
-        tasks.add("classify_tokens")
-    else:
-        tasks.add("classify")
-        if head.can_rerank:
-            tasks.update(("score", "rerank"))
-    return tuple(t for t in TASKS if t in tasks)
 
 
 class Router:
@@ -85,24 +45,26 @@ class Router:
     engine starts (``InvalidInputError`` naming the model), and several models share the
     host's memory by a plan made first (``replicas.memory_plan``: on GPU each causal model's KV
     cache is its share of what is left; ``MemoryPlanError``, with the numbers, where they do
-    not fit). If an engine fails to start, those
-    already started are closed and its error is raised with a note naming the model.
-    ``Router.from_engines`` takes engines already started.
+    not fit). If an engine fails to start, those already started are closed and its error is
+    raised with a note naming the model. A mapping of engines already started (every model an
+    ``Engine``, no options) is taken as is; ``Router.from_engines`` says so by its name.
+    Which model answers a call is ``routing.route``'s rule, the server's too.
 
     The router owns its engines: ``close()`` (or leaving a ``with`` block) closes them all.
     Methods are as thread-safe as the engines': the router never changes after it is built.
     """
 
-    def __init__(self, models: Mapping[str, ModelSpec], **options: Any) -> None:
+    def __init__(self, models: Mapping[str, ModelSpec | Engine], **options: Any) -> None:
         if "model" in options:
             raise InvalidInputError(
                 "a Router's models are named in its first argument, not by model=",
                 param="model",
             )
-        configs = {name: _config(name, spec, options) for name, spec in _named(models).items()}
-        if len(configs) > 1:
-            configs = _planned(configs)
-        self._adopt(_start_all(configs))
+        self._engines = _started(_named(models), options)
+        # What each model can do, in the router's order; fixed, as a model's deployment is.
+        self._routed = [
+            RoutedModel((name,), model_tasks(e.deployment)) for name, e in self._engines.items()
+        ]
 
     @classmethod
     def from_engines(cls, engines: Mapping[str, Engine]) -> Router:
@@ -114,52 +76,26 @@ class Router:
                     f"{type(engine).__name__} (Router(...) starts engines from paths)",
                     param="models",
                 )
-        router = object.__new__(cls)
-        router._adopt(dict(engines))
-        return router
-
-    def _adopt(self, engines: dict[str, Engine]) -> None:
-        self._engines = engines
-        # What each model can do, in the router's order; fixed, as a model's deployment is.
-        self._tasks = {name: model_tasks(e.deployment) for name, e in engines.items()}
+        return cls(engines)
 
     # -- routing ------------------------------------------------------------------------------
 
     @property
     def models(self) -> list[tuple[str, tuple[str, ...]]]:
         """(name, tasks) per model, in the order the router was given them (``model_tasks``)."""
-        return list(self._tasks.items())
+        return [(m.name, m.tasks or ()) for m in self._routed]
 
     def engine(self, name: str | None = None, task: str | None = None) -> Engine:
         """The engine named ``name``, whatever ``task`` is (its own methods refuse what it
-        cannot do, saying what it does instead); with no name, the only model that can do
-        ``task`` (no task either: the only model). Raises ``ModelNotFoundError`` for a name
-        the router does not hold, ``InvalidInputError`` naming the choices where no model, or
-        more than one, fits."""
-        if task is not None and task not in TASKS:
-            raise InvalidInputError(
-                f"unknown task {task!r}; tasks are: {', '.join(TASKS)}", param="task"
-            )
+        cannot do, saying what it does instead); with no name, the only model, else the only
+        one that can do ``task`` (``routing.route``). Raises ``ModelNotFoundError`` for a name
+        the router does not hold, ``ModelRequiredError`` / ``NoModelForTaskError`` (both
+        ``InvalidInputError``) naming the choices where more than one, or none, fits."""
         return self._route(name, () if task is None else (task,))
 
     def _route(self, name: str | None, tasks: tuple[str, ...]) -> Engine:
-        if name is not None:
-            if name not in self._engines:
-                raise ModelNotFoundError(name, list(self._engines))
-            return self._engines[name]
-        able = [n for n, can in self._tasks.items() if set(tasks) <= set(can)]
-        if len(able) == 1:
-            return self._engines[able[0]]
-        what = " and ".join(tasks) or "this call"
-        if not able:
-            listing = "; ".join(f"{n} ({', '.join(can) or 'nothing'})" for n, can in self.models)
-            raise InvalidInputError(
-                f"no model here can do {what}; the models are: {listing}", param="model"
-            )
-        raise InvalidInputError(
-            f"{len(able)} models can do {what} ({', '.join(able)}): name one with model=",
-            param="model",
-        )
+        """The engine the shared rule picks (``routing.route``)."""
+        return list(self._engines.values())[route(self._routed, name, tasks)]
 
     # -- calls, each the routed engine's method ---------------------------------------------
 
@@ -190,7 +126,7 @@ class Router:
         """``Engine.encode_outputs`` of ``model`` (None: the only model that gives every one
         of ``outputs``; the engine checks them)."""
         wanted = [outputs] if isinstance(outputs, str) else list(outputs)
-        tasks = tuple(_OUTPUT_TASKS[o] for o in wanted if o in _OUTPUT_TASKS)
+        tasks = tuple(OUTPUT_TASKS[o] for o in wanted if o in OUTPUT_TASKS)
         return self._route(model, tasks).encode_outputs(inputs, outputs, **options)
 
     def score(self, text_1, text_2, *, model: str | None = None, **options: Any) -> np.ndarray:
@@ -245,6 +181,37 @@ def _named(models: Mapping[str, Any]) -> Mapping[str, Any]:
                 f"model names must be non-empty strings, got {name!r}", param="models"
             )
     return models
+
+
+def _started(
+    models: Mapping[str, ModelSpec | Engine], options: Mapping[str, Any]
+) -> dict[str, Engine]:
+    """The router's engines: ``models`` as given where every one is a started ``Engine``
+    (``options`` then refused: they apply to the engines a router starts), else one engine
+    started per spec, those of several models sharing the host's memory by a plan made
+    first."""
+    started = [name for name, spec in models.items() if isinstance(spec, Engine)]
+    if not started:
+        configs = {
+            name: _config(name, spec, options)
+            for name, spec in models.items()
+            if not isinstance(spec, Engine)  # none is, here
+        }
+        return _start_all(_planned(configs) if len(configs) > 1 else configs)
+    if len(started) < len(models):
+        raise InvalidInputError(
+            f"models {', '.join(map(repr, started))} are started Engines and the others are "
+            "not: give a router started engines only, or only models to start (one memory "
+            "plan covers the models a router starts)",
+            param="models",
+        )
+    if options:
+        raise InvalidInputError(
+            f"option {next(iter(options))!r} applies to the models a router starts; these "
+            "engines are started already",
+            param=next(iter(options)),
+        )
+    return {name: e for name, e in models.items() if isinstance(e, Engine)}  # every one
 
 
 def _config(name: str, spec: ModelSpec, shared: Mapping[str, Any]) -> EngineConfig:

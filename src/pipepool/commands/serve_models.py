@@ -6,7 +6,7 @@ The file holds one table per model, its key the name clients send::
     [models.embedder]
     model = "/srv/models/bge-small-en-v1.5"   # folder or hub id (required)
     aliases = ["bge-small"]                   # more names clients may send
-    tasks = ["embed"]                         # offer it for these only (api.router.TASKS)
+    tasks = ["embed"]                         # offer it for these only (api.routing.TASKS)
     max_queued_requests = 4096                # its own queue (429 past it)
     dtype = "float16"                         # any engine option, by its EngineConfig name
     data_parallel_size = 2

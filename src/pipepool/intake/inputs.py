@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from ..loading.deployment import Deployment
 from ..loading.retrieval import ColbertHead, M3Head, M3Layout
 from ..models import family_of
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .token_budget import TokenBudget
 
 # A text longer than this many characters per token of the limit is refused (or, when
 # truncation was asked for, cut to it) before it is tokenised: tokenising is the expensive part,
@@ -121,6 +125,7 @@ class InputPreparer:
         prompt_name: str | None = None,
         long_inputs: str = "error",
         slice_size: int | None = None,
+        budget: TokenBudget | None = None,
     ) -> Iterator[TokenSlice]:
         """Validate the options and, for texts, every input up front (empties, lengths in
         characters), then tokenise and length-check a slice at a time: ``FIRST_SLICE`` texts
@@ -130,7 +135,8 @@ class InputPreparer:
         the first slice is out before the last is looked at; an error names the input either way.
         Inputs as ``items`` takes them. ``long_inputs`` (see ``EngineConfig``): "truncate"
         cuts inputs to max_model_len, "chunk" lets them through whole (the engine splits them
-        into windows), "error" refuses them."""
+        into windows), "error" refuses them. ``budget``: the call held to it
+        (``TokenBudget.counted``: refused before any slice is out where it is over)."""
         items = self.items(inputs)
         if len(items) == 0:
             raise InvalidInputError(
@@ -146,17 +152,41 @@ class InputPreparer:
             )
         keep = "first" if truncation_side == "right" else "last"
         if all(isinstance(x, str) for x in items):
-            checked = self.checked_texts(items, limit, longest, keep)
-            texts = self._with_prompt(checked, prompt_name)
-            for lo, hi in _slice_bounds(len(texts), slice_size):
-                flat, lengths = self.tokenizer.encode_flat(
-                    texts[lo:hi], max_tokens=limit, keep=keep
-                )
-                self._check_lengths(lo, lengths, longest)
-                yield TokenSlice(lo, flat, lengths)
-            return
-        if prompt_name is not None:
+            parts = self._text_slices(items, limit, longest, keep, prompt_name, slice_size)
+        elif prompt_name is not None:
             raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")
+        else:
+            parts = self._id_slices(items, limit, longest, keep, slice_size)
+        if budget is not None:  # counted on these slices: no tokenising of its own
+            bounds = [b for b in (limit, longest) if b is not None]
+            parts = budget.counted(parts, len(items), min(bounds) if bounds else None)
+        yield from parts
+
+    def _text_slices(
+        self,
+        texts: list[str],
+        limit: int | None,
+        longest: int | None,
+        keep: str,
+        prompt_name: str | None,
+        slice_size: int | None,
+    ) -> Iterator[TokenSlice]:
+        """``token_slices`` of texts: all checked first, then tokenised a slice at a time."""
+        texts = self._with_prompt(self.checked_texts(texts, limit, longest, keep), prompt_name)
+        for lo, hi in _slice_bounds(len(texts), slice_size):
+            flat, lengths = self.tokenizer.encode_flat(texts[lo:hi], max_tokens=limit, keep=keep)
+            self._check_lengths(lo, lengths, longest)
+            yield TokenSlice(lo, flat, lengths)
+
+    def _id_slices(
+        self,
+        items: list,
+        limit: int | None,
+        longest: int | None,
+        keep: str,
+        slice_size: int | None,
+    ) -> Iterator[TokenSlice]:
+        """``token_slices`` of token-id inputs, checked a slice at a time."""
         arrays = None  # every input as an array, once a slice needs the item-by-item check
         for lo, hi in _slice_bounds(len(items), slice_size, FIRST_SLICE_IDS):
             packed = _pack_arrays(items[lo:hi]) if arrays is None else None

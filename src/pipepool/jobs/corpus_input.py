@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import InvalidInputError
+from ..intake.text_files import is_blank
 from .corpus_parquet import ParquetRows, parquet_id_kind
 from .corpus_rows import CorpusSpec, Entry, IdKind, RowError, id_kind_of
 
@@ -166,9 +167,12 @@ def _undecodable(exc: UnicodeDecodeError, raw: bytes) -> str:
 
 def _txt_entry(row: int, raw: bytes) -> Entry:
     try:
-        return (row, row, raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return RowError(row, row, _undecodable(exc, raw))
+    if is_blank(text):  # a blank line is no record (docs/python-api.md, empty and blank inputs)
+        return RowError(row, row, "a blank line, no text")
+    return (row, row, text)
 
 
 def _jsonl_entry(row: int, raw: bytes, spec: CorpusSpec, kind: IdKind) -> Entry:

@@ -9,7 +9,6 @@ import hashlib
 import json
 import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,9 +25,6 @@ from .model_folder import ModelFolder, read_model_folder
 from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
 from .stage_spec import StageSpec
 from .weights import Checkpoint
-
-if TYPE_CHECKING:
-    from ..stage.runner import StageRunner
 
 _CPU_KV_BYTES = 4 << 30  # address space reserved for the KV cache per stage on CPU
 # Default token budget of a step (EngineConfig.max_num_batched_tokens). On CUDA at least
@@ -105,10 +101,6 @@ class Deployment:
     classifier: ClassifierHead | None = None
     # Sparse and multi-vector heads (retrieval.py): SPLADE, BGE-M3, ColBERT; None: dense only.
     retrieval: RetrievalHead | None = None
-    # What runs each stage: None for ``stage.runner.StageRunner``, or a subclass of it that
-    # changes one of its steps (the tests' fault injection gives one). A class, never a
-    # function: the plan is pickled to stage processes and fingerprinted by its fields' reprs.
-    stage_runner: type[StageRunner] | None = None
 
     @property
     def outputs(self) -> tuple[str, ...]:

@@ -11,12 +11,14 @@ an OpenAI error body naming the limit and the flag that sets it.
 The body size (``--max-body-bytes``, 413) is checked before any of these, by ``guards``.
 
 A text's token count exists only once it is tokenised, so texts are first held to the bound in
-characters the engine uses (``MAX_CHARS_PER_TOKEN`` per token). An embedding request bounded in
+characters the engine uses (``MAX_CHARS_PER_TOKEN`` per token). An embedding request goes to
+the engine with its token budget (``request_budget``, ``intake.token_budget``): one bounded in
 advance (every input cut or refused at a known length L, and its inputs × L within the limit)
-goes to the engine as it is; any other is tokenised here first, slice by slice, and refused as
-soon as its count passes a limit, before anything of it is enqueued. Pairs are tokenised by the
-engine in one piece and enqueued at once: a pair request not bounded in advance is counted
-then, and cancelled at once if over (at most a step of its work done).
+is enqueued as it is tokenised; any other is counted on the engine's own token slices, and
+refused as soon as its count passes a limit, before anything of it is enqueued (each text
+tokenised once). Pairs are tokenised by the engine in one piece and enqueued at once: a pair
+request not bounded in advance is counted then, and cancelled at once if over (at most a step
+of its work done).
 
 Every function here runs on a tokenising thread (``AsyncEngine.run``) unless it says otherwise.
 """
@@ -32,6 +34,7 @@ from ..api.engine import Engine
 from ..config import check_long_inputs
 from ..core.submission import Submission
 from ..intake.inputs import MAX_CHARS_PER_TOKEN
+from ..intake.token_budget import InputOverBudgetError, TokenBudget, TokenBudgetError
 from ..loading.deployment import Deployment
 from .errors import APIError
 from .front import AnySubmission
@@ -101,14 +104,7 @@ def check_token_counts(
     over = np.flatnonzero(lengths > longest)
     if len(over):
         i = int(over[0])
-        raise APIError(
-            400,
-            f"{_item(param, first + i, listed)} has {int(lengths[i])} tokens; this server "
-            f"takes at most {longest} tokens of one input, chunked or not "
-            "(--max-chunked-tokens, or max_model_len where larger)",
-            param=param,
-            code="context_length_exceeded",
-        )
+        raise _input_too_long(param, first + i, int(lengths[i]), longest, listed)
     total = counted_before + int(lengths.sum())
     if total > settings.max_tokens_per_request:
         counted = first + len(lengths)
@@ -132,42 +128,40 @@ def too_many_tokens(
     )
 
 
+def request_budget(settings: ServerSettings, deployment: Deployment) -> TokenBudget:
+    """The token budget of one request (``--max-tokens-per-request``; one input at most
+    ``longest_input``), which the engine counts on the slices it tokenises."""
+    return TokenBudget(settings.max_tokens_per_request, longest_input(settings, deployment))
+
+
+def over_budget(
+    settings: ServerSettings, exc: TokenBudgetError | InputOverBudgetError, param: str
+) -> APIError:
+    """The 400 of an engine call refused by its ``request_budget``, worded as
+    ``check_token_counts`` words it (the flag that sets the limit named)."""
+    if isinstance(exc, TokenBudgetError):
+        return too_many_tokens(settings, exc.counted, param, exc.complete)
+    return _input_too_long(param, exc.index or 0, exc.tokens, exc.limit, listed=True)
+
+
 def bounded_embedding(
     settings: ServerSettings, inputs: list, options: dict[str, Any], param: str = "input"
 ) -> Callable[[Engine], AnySubmission]:
     """``Engine.submit(inputs, **options)`` within the limits, for ``AsyncEngine.run``;
-    ``param``: the request field that holds the inputs, which the errors name."""
+    ``param``: the request field that holds the inputs, which the errors name. Each text is
+    tokenised once, by the engine, which counts the request's budget on those tokens."""
 
     def submit(engine: Engine) -> AnySubmission:
         d = engine.deployment
         policy = check_long_inputs(options.get("long_inputs") or engine.config.long_inputs)
-        each = _tokens_per_input(d, options.get("truncate_prompt_tokens"), policy)
-        if each is not None and len(inputs) * each <= settings.max_tokens_per_request:
-            return engine.submit(inputs, **options)
         if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
             check_text_lengths(settings, d, inputs, param)
-        ids, total = [], 0
-        slices = engine.inputs.token_slices(
-            inputs,
-            truncate_prompt_tokens=options.get("truncate_prompt_tokens"),
-            truncation_side=options.get("truncation_side", "right"),
-            prompt_name=options.get("prompt_name"),
-            long_inputs=policy,
-        )
-        for part in slices:  # refused at the first slice over a limit
-            total = check_token_counts(
-                settings, d, part.lengths,
-                first=part.first, counted_before=total, inputs=len(inputs), param=param,
-            )  # fmt: skip
-            ids += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
-        # Token ids now: validated, prompt-prefixed and truncated already; not tokenised again.
-        return engine.submit(
-            ids,
-            pooling=options.get("pooling"),
-            dimensions=options.get("dimensions"),
-            normalize=options.get("normalize"),
-            long_inputs=policy,
-        )
+        try:
+            return engine.submit(
+                inputs, **{**options, "long_inputs": policy}, budget=request_budget(settings, d)
+            )
+        except (TokenBudgetError, InputOverBudgetError) as exc:
+            raise over_budget(settings, exc, param) from None
 
     return submit
 
@@ -209,6 +203,17 @@ def _tokens_per_input(d: Deployment, truncate: Any, policy: str) -> int | None:
     if truncate == -1 or policy != "chunk":
         return d.max_model_len
     return None
+
+
+def _input_too_long(param: str, index: int, tokens: int, longest: int, listed: bool) -> APIError:
+    return APIError(
+        400,
+        f"{_item(param, index, listed)} has {tokens} tokens; this server takes at most "
+        f"{longest} tokens of one input, chunked or not (--max-chunked-tokens, or "
+        "max_model_len where larger)",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def _item(param: str, index: int, listed: bool) -> str:

@@ -2,8 +2,9 @@
 
 A server serves one model or several (``pipepool serve --model a=PATH --model b=PATH``), each
 with its own engine, queue (``AsyncEngine``: its own 429) and names. A request is answered by
-the model it names, or, where it names none, by the only model that can do what it asks (as
-``api.router.Router`` picks one): that choice is made here, once per request, and the routes
+the model ``api.routing.route`` picks, the rule ``api.router.Router`` follows too: the one it
+names, or, where it names none, the only model, else the only one that can do what it asks.
+That choice is made here, once per request, its errors answered as HTTP errors, and the routes
 use the chosen model's ``front``.
 """
 
@@ -14,7 +15,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from ..api.router import TASKS, model_tasks
+from ..api.routing import (
+    TASKS,
+    ModelLoadingError,
+    ModelNotFoundError,
+    ModelRequiredError,
+    NoModelForTaskError,
+    RoutedModel,
+    model_tasks,
+    route,
+)
 from ..errors import InvalidInputError
 from ..loading.model_folder import BUNDLED_MODEL_ID, hub_id_of_snapshot
 from .errors import SERVER, APIError, model_not_found
@@ -24,7 +34,7 @@ from .front import AsyncEngine
 @dataclass(frozen=True)
 class ModelNames:
     """The names clients may send for one model; the first is the one responses carry.
-    ``tasks``: what the model is offered for (None: all it can do, ``api.router.TASKS``)."""
+    ``tasks``: what the model is offered for (None: all it can do, ``api.routing.TASKS``)."""
 
     names: tuple[str, ...]
     tasks: tuple[str, ...] | None = None
@@ -70,7 +80,7 @@ class ServedModel:
         return self.names.name
 
     def tasks(self) -> tuple[str, ...] | None:
-        """What this model answers (``api.router.TASKS``), None until it has loaded: what it
+        """What this model answers (``api.routing.TASKS``), None until it has loaded: what it
         can do (``model_tasks``), less what the server was told not to offer it for."""
         engine = self.front.owner.engine
         if engine is None:
@@ -129,50 +139,24 @@ class ServedModels:
         return ServedModels([m.with_front(front_of[i]) for i, m in enumerate(self.models)])
 
     def select(self, name: str | None, tasks: Sequence[str] = ()) -> ServedModel:
-        """The model a request asks for: the one named ``name``, or with no name the only one
-        that does one of ``tasks`` (any model with no tasks given). 404 for a name no model
-        has; with no name: 400 when several models could answer (naming them), 503 while the
-        one that could is still loading, 404 when none can. Whether the named model does the
-        task is the route's check (``check_task``): 404 ``unsupported_task``."""
-        if name is not None:
-            model = self._by_name.get(name)
-            if model is None:
-                raise model_not_found(name, self.shown_names)
-            return model
-        if len(self.models) == 1:
-            return self.models[0]
-        able, loading = [], []
-        for model in self.models:
-            offered = model.tasks()
-            if offered is None:
-                loading.append(model)
-            elif not tasks or any(t in offered for t in tasks):
-                able.append(model)
-        if len(able) + len(loading) > 1:
-            raise APIError(
-                400,
-                "this server serves several models"
-                + (f" that do {' or '.join(tasks)}" if tasks else "")
-                + f': name one as "model": {", ".join(m.name for m in able + loading)}',
-                param="model",
-                code="model_required",
-            )
-        if able:
-            return able[0]
-        if loading:
-            raise APIError(
-                503,
-                f"model {loading[0].name} is still loading; retry shortly",
-                type=SERVER,
-                code="engine_unavailable",
-            )
-        raise APIError(
-            404,
-            f"no model of this server does {' or '.join(tasks)}. The models: "
-            + "; ".join(f"{m.name} ({', '.join(m.tasks() or ()) or 'nothing'})" for m in self),
-            param="model",
-            code="unsupported_task",
-        )
+        """The model a request asks for (``api.routing.route``: the one named ``name``, or
+        with no name the only model, else the only one doing every one of ``tasks``), the
+        rule's errors as HTTP answers: 404 ``model_not_found`` for a name no model has; with
+        no name, 400 ``model_required`` when several models could answer (naming them), 503
+        while the one that could is still loading, 404 ``unsupported_task`` when none can.
+        Whether a model chosen by name (or as the only one) does the task is the route's check
+        (``check_task``): 404 ``unsupported_task``, naming what it does."""
+        routed = [RoutedModel(m.names.names, m.tasks()) for m in self.models]
+        try:
+            return self.models[route(routed, name, tasks)]
+        except ModelNotFoundError:
+            raise model_not_found(str(name), self.shown_names) from None
+        except ModelRequiredError as exc:
+            raise APIError(400, str(exc), param="model", code="model_required") from None
+        except ModelLoadingError as exc:
+            raise APIError(503, str(exc), type=SERVER, code="engine_unavailable") from None
+        except NoModelForTaskError as exc:
+            raise APIError(404, str(exc), param="model", code="unsupported_task") from None
 
 
 def served_model_names(model: str | None, extra: str | None = None) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchema
 
 from ..api.retrieval_scoring import pair_options
-from ..api.router import model_tasks
+from ..api.routing import model_tasks
 from .pooling_tasks import POOLING_TASKS, pooling_tasks
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""vLLM's ``/pooling`` tasks as pipepool's models do them (``api.router.TASKS``).
+"""vLLM's ``/pooling`` tasks as pipepool's models do them (``api.routing.TASKS``).
 
 vLLM names what a pooling model computes by ``task``: ``embed`` (one pooled vector per
 input, what ``/v1/embeddings`` gives), ``token_embed`` (one vector per token), ``classify``
@@ -13,7 +13,7 @@ from __future__ import annotations
 # "embed&token_classify"), like any name, are a 400 naming the model's tasks (the route's
 # check); the schema offers those of the server's models (``openapi.bound_schema``).
 POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
-# What each of pipepool's tasks (``api.router.TASKS``) does of vLLM's, in vLLM's order of
+# What each of pipepool's tasks (``api.routing.TASKS``) does of vLLM's, in vLLM's order of
 # preference for a request without ``task``.
 TASKS_OF = {
     "embed": ("embed", "token_embed"),
@@ -27,6 +27,6 @@ EMBEDDING_TASKS = ("embed", "token_embed")
 
 def pooling_tasks(model_tasks: tuple[str, ...]) -> tuple[str, ...]:
     """vLLM's tasks a model does, in vLLM's order of preference (the first is its default),
-    from what it does (``api.router.TASKS``)."""
+    from what it does (``api.routing.TASKS``)."""
     done = {t for task in model_tasks for t in TASKS_OF.get(task, ())}
     return tuple(t for t in _PREFERENCE if t in done)

@@ -246,7 +246,7 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str  # the model this name is for: the name its responses carry
     max_model_len: int | None = None  # once the model is loaded
-    tasks: list[str] | None = None  # what it does (api.router.TASKS), once loaded
+    tasks: list[str] | None = None  # what it does (api.routing.TASKS), once loaded
     # Cohere's fields (its client's models.get / models.list; server/model_cards.py).
     name: str
     is_deprecated: bool = False

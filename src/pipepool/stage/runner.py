@@ -96,7 +96,7 @@ class StageRunner:
     request by its chunk, whatever its role), the drop of finished requests, and the digest of
     its state for the next stage or the driver. Plans are applied strictly in order, by one
     thread. The steps of ``execute`` are methods (``_view``, ``_post_step``, ``_drop``,
-    ``_pools``) so that a subclass named by ``Deployment.stage_runner`` can change one.
+    ``_pools``), each one job that can be read, timed and checked alone.
     """
 
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:
@@ -355,10 +355,8 @@ class StageRunner:
 
 
 def new_runner(deployment: Deployment, spec: StageSpec) -> StageRunner:
-    """Load stage ``spec`` (one of ``deployment.stage_spec``'s) with the deployment's runner:
-    ``StageRunner``, or the subclass ``Deployment.stage_runner`` names."""
-    runner = deployment.stage_runner or StageRunner
-    return runner(deployment.config, deployment.folder, spec)
+    """Load stage ``spec`` (one of ``deployment.stage_spec``'s): its ``StageRunner``."""
+    return StageRunner(deployment.config, deployment.folder, spec)
 
 
 def _allocate(model: torch.nn.Module, device: torch.device) -> None:

@@ -15,7 +15,7 @@ from ..front import Encoded
 from ..limits import bounded_scoring, check_input_count
 from ..models import ServedModel
 from ..pooling_protocol import PoolingRequest, PoolingResponse, answer_head
-from ..pooling_tasks import EMBEDDING_TASKS, pooling_tasks
+from ..pooling_tasks import EMBEDDING_TASKS, TASKS_OF, pooling_tasks
 from ..protocol import list_response
 from .openai import VECTOR_ANSWERS
 from .shared import (
@@ -34,7 +34,7 @@ from .shared import (
 
 router = APIRouter()
 
-# vLLM's classification tasks as pipepool's (``api.router.TASKS``).
+# vLLM's classification tasks as pipepool's (``api.routing.TASKS``).
 _CLASSIFIER_TASKS = {"classify": "classify", "token_classify": "classify_tokens"}
 
 
@@ -43,7 +43,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     """vLLM's pooling API: per input, what ``task`` computes (default: the model's task) —
     embed: its vector; token_embed: ``[num_tokens, hidden]``; classify: its label
     probabilities; token_classify: ``[num_tokens, num_labels]``."""
-    model = select_model(request, body.model, "embed", "classify", "classify_tokens")
+    model = select_model(request, body.model, *_routing_tasks(body.task))
     task = _task(model, body.task)
     if task in EMBEDDING_TASKS:
         token_embed = task == "token_embed"
@@ -72,6 +72,13 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         ),
         sum(out.size for out in outputs),
     )
+
+
+def _routing_tasks(asked: str | None) -> tuple[str, ...]:
+    """What a request of /pooling's ``task`` needs of a model (``api.routing.TASKS``), for
+    the shared routing rule; none for no task (the model's own), nor for one /pooling does not
+    have (``_task`` refuses it, naming the chosen model's tasks)."""
+    return tuple(t for t, does in TASKS_OF.items() if asked in does)
 
 
 def _task(model: ServedModel, asked: str | None) -> str:

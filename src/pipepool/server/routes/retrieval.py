@@ -110,7 +110,7 @@ async def embeddings(
 
 
 def task_of(output: str) -> str:
-    """The task (``api.router.TASKS``) of giving ``output``."""
+    """The task (``api.routing.TASKS``) of giving ``output``."""
     return "embed" if output == "dense" else output
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import Request, Response
 
 from ...api.engine import Engine
-from ...api.router import model_tasks
+from ...api.routing import model_tasks
 from ...errors import PipepoolError
 from .. import protocol
 from ..encoding import Wire, binary_response
@@ -163,7 +163,7 @@ async def run_model_call(
         return Response(status_code=CLIENT_CLOSED)
 
 
-# Each task (``api.router.TASKS``) as a 404 names it: what it gives, and what model gives it.
+# Each task (``api.routing.TASKS``) as a 404 names it: what it gives, and what model gives it.
 _TASKS = {
     "embed": ("embeddings", "an embedding model"),
     "sparse": ("sparse outputs", "a SPLADE or BGE-M3 model"),
@@ -199,7 +199,7 @@ async def binary_answer(
 
 
 def check_task(model: ServedModel, task: str) -> None:
-    """404 where ``model`` cannot do ``task`` (one of ``api.router.TASKS``), or is not offered
+    """404 where ``model`` cannot do ``task`` (one of ``api.routing.TASKS``), or is not offered
     for it, as OpenAI answers a model used on an endpoint it does not serve; 503 while the
     model loads."""
     try:

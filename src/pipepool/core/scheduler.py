@@ -323,6 +323,21 @@ class Scheduler:
     def has_schedulable(self) -> bool:
         return bool(self.running or self.waiting or self.background or self._freed)
 
+    def light_call_waits(self, light_tokens: int) -> bool:
+        """Whether a light call waits beside another call's work: an online call none of
+        whose waiting requests is scheduled yet, of at most ``light_tokens`` in all, while
+        another call has requests waiting (online or background) or split across steps (a
+        step of theirs would hold the light one up: ``driver.shared_steps``). Goes over the
+        queues' batches, not their requests."""
+        rest: dict[int, int] = {}  # call -> its waiting tokens (one under way: over the bound)
+        for b in self.waiting:
+            tokens = b.num_tokens if b.cursor == 0 else light_tokens + 1
+            rest[b.call] = rest.get(b.call, 0) + tokens
+        if not any(tokens <= light_tokens for tokens in rest.values()):
+            return False
+        calls = set(rest) | {s.batch.call for s in self.running} | {b.call for b in self.background}
+        return len(calls) > 1
+
     # -- planning -------------------------------------------------------------------------
 
     def schedule(self, max_tokens: int | None = None) -> StepPlan | None:

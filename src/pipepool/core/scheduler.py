@@ -13,7 +13,9 @@ Policy, in one place:
   what fits; a call that had that turn and still has requests left goes to the back of its
   queue at the next step (all its batches: a call's slices are one call), so large calls take
   turns step by step.
-- A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
+- A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests, or
+  the smaller budget the driver gives it (``schedule(max_tokens)``): shorter steps while a
+  light call waits beside other calls' work (``light_call_waits``, ``driver.shared_steps``).
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
   plans in FIFO order, so the KV the next chunk reads is always written first). A prompt

@@ -34,11 +34,11 @@ def test_a_light_call_is_seen_only_beside_another_calls_work():
     s = encoder_scheduler()
     s.add(batch(0, *[8] * 20))  # a large call alone
     assert not s.light_call_waits(8)
-    s.add(batch(20, 3, call=0))  # a small later slice of that same call: still one call
+    s.add(batch(20, 6, call=0))  # a small later slice of that same call: still one call
     assert not s.light_call_waits(8)
     s.add(batch(21, 2, 3))  # another call, small: light, beside the large one
     assert s.light_call_waits(8)
-    assert not s.light_call_waits(4), "5 tokens are not light at 4"
+    assert not s.light_call_waits(4), "5 tokens are not light at 4, nor the slice's 6"
     s.schedule()  # every small call's rest fits its share: admitted, no longer waiting
     assert not s.light_call_waits(8)
 
@@ -59,7 +59,8 @@ def test_a_partly_admitted_call_is_not_light_whatever_is_left_of_it():
     assert large.cursor and other.cursor  # both under way, each with more than 8 tokens left
     assert not s.light_call_waits(1000), "calls under way are not light, however little is left"
     s.add(batch(10, 8, 8, 8))
-    assert s.light_call_waits(24), "a call none of whose requests ran: light, up to 24 tokens"
+    assert not s.light_call_waits(23)
+    assert s.light_call_waits(24), "a batch none of whose requests ran: light, up to 24 tokens"
 
 
 def test_background_work_beside_a_light_call_counts_as_other_work():

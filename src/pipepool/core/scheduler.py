@@ -37,6 +37,7 @@ work per step grows with the number of requests only inside numpy.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -326,19 +327,21 @@ class Scheduler:
         return bool(self.running or self.waiting or self.background or self._freed)
 
     def light_call_waits(self, light_tokens: int) -> bool:
-        """Whether a light call waits beside another call's work: an online call none of
-        whose waiting requests is scheduled yet, of at most ``light_tokens`` in all, while
-        another call has requests waiting (online or background) or split across steps (a
-        step of theirs would hold the light one up: ``driver.shared_steps``). Goes over the
-        queues' batches, not their requests."""
-        rest: dict[int, int] = {}  # call -> its waiting tokens (one under way: over the bound)
-        for b in self.waiting:
-            tokens = b.num_tokens if b.cursor == 0 else light_tokens + 1
-            rest[b.call] = rest.get(b.call, 0) + tokens
-        if not any(tokens <= light_tokens for tokens in rest.values()):
-            return False
-        calls = set(rest) | {s.batch.call for s in self.running} | {b.call for b in self.background}
-        return len(calls) > 1
+        """Whether a light call waits beside another call's work: an online batch of at most
+        ``light_tokens``, none of it scheduled yet, while another call has requests waiting
+        (online or background) or split across steps (a step of theirs would hold the light
+        one up: ``driver.shared_steps``). A large call's slices are large, but for the last
+        one's rest. Stops at the first such pair: a queue of many light calls costs two."""
+        light: int | None = None  # the call of a light batch found
+        calls: set[int] = {s.batch.call for s in self.running}
+        for b in itertools.chain(self.waiting, self.background):
+            fresh = not b.background and b.cursor == 0
+            if light is None and fresh and b.num_tokens <= light_tokens:
+                light = b.call
+            calls.add(b.call)
+            if light is not None and len(calls) > 1:
+                return True
+        return False
 
     # -- planning -------------------------------------------------------------------------
 

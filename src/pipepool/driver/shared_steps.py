@@ -25,9 +25,9 @@ from ..core.scheduler import Scheduler
 # one such step in flight and then runs in one.
 STEP_S = 0.02
 # How long after light calls last met other work steps stay short: light clients send again
-# within it (a client whose request is answered waits for it before its next one), so a large
-# call's steps do not grow back to the whole budget between two of their requests.
-MEMORY_S = 2.0
+# within it, so a large call's steps do not grow back to the whole budget between two of their
+# requests (the first light request after a quiet spell waits for a whole step in flight).
+MEMORY_S = 10.0
 # A call of at most this share of the step budget is light (1/8: 256 tokens of the CPU's 2,048).
 LIGHT_SHARE = 8
 # Steps of fewer tokens are not timed (their fixed cost would read as a slow token), and no

@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 import pytest
-from test_server import ServerProcess
+from test_server import ServerProcess, wait_for
 
 LIGHT = {"input": "hello"}
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"]
@@ -50,6 +50,12 @@ async def in_flight(server: ServerProcess, name: str, at_least: float) -> None:
     await asyncio.wait_for(reached(), 120)
 
 
+def gauge(server: ServerProcess, name: str) -> float:
+    """The gauge ``name`` of the server's one model."""
+    (value,) = [v for k, v in server.metrics().items() if k.split("{")[0] == name]
+    return value
+
+
 def test_a_light_request_is_answered_while_another_clients_2048_texts_run(server):
     big = {"input": [text(20, i) for i in range(2048)]}
 
@@ -64,6 +70,7 @@ def test_a_light_request_is_answered_while_another_clients_2048_texts_run(server
             await asyncio.gather(large, return_exceptions=True)
 
     asyncio.run(scenario())
+    wait_for(lambda: gauge(server, "pipepool_running_requests") == 0, 120, "the engine idle")
 
 
 def test_a_light_request_is_answered_while_a_large_tokenize_is_written(server):

@@ -15,6 +15,12 @@ Three phases, each printed as it ends:
 
 Targets (issue 37): phase 2's one-word latency within 2 s; phase 3's one-word clients served
 (no 429 storm); after the disconnect, a one-word request answered within 1 s.
+
+    python benchmarks/fairness.py --hostile [big chunked tokenize all] [--seconds 20]
+
+instead runs issue 57's loads (``fairness_hostile.py``): four light clients alone, then beside
+each hostile load; per load the light clients' quiet p99, loaded p99 and their ratio (target
+within 3x on the CPU), and the tokens a second the server embedded meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections import Counter
 
 import httpx
 import numpy as np
+from fairness_hostile import LOADS, run_hostile
 from served import start_server
 
 WORDS = [
@@ -146,6 +153,13 @@ def main() -> int:
     p.add_argument("--probe-interval", type=float, default=0.25)
     p.add_argument("--heavy-seconds", type=float, default=30.0)
     p.add_argument("--server-arg", action="append", default=[], help="more serve flags")
+    p.add_argument(
+        "--hostile", nargs="*", choices=LOADS, default=None,
+        help="issue 57's loads instead of the phases above (none named: all of them); "
+        "fairness_hostile.py says what each is",
+    )  # fmt: skip
+    p.add_argument("--seconds", type=float, default=20.0, help="--hostile: light seconds a load")
+    p.add_argument("--heavy-words", type=int, default=130, help="--hostile: words a big text")
     args = p.parse_args()
     flags = ["--log-level", "warning", "--no-access-log"]
     if args.model:
@@ -153,6 +167,15 @@ def main() -> int:
     flags += ["--max-inputs-per-request", str(args.max_inputs_per_request)]
     flags += ["--max-tokens-per-request", str(args.max_tokens_per_request)]
     server, url = start_server(flags + args.server_arg)
+    if args.hostile is not None:
+        try:
+            # Words of the chunked text: within the default --max-chunked-tokens (32,768).
+            run_hostile(url, args.seconds, args.hostile or list(LOADS),
+                        args.max_inputs_per_request, args.heavy_words, 28_000)  # fmt: skip
+        finally:
+            server.terminate()
+            server.wait(60)
+        return 0
     try:
         idle = asyncio.run(phase_idle(url, 30))
         # Words of a maximal request's texts: their tokens add up to 95% of the request limit.

@@ -13,7 +13,9 @@ Policy, in one place:
   what fits; a call that had that turn and still has requests left goes to the back of its
   queue at the next step (all its batches: a call's slices are one call), so large calls take
   turns step by step.
-- A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
+- A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests, or
+  the smaller budget the driver gives it (``schedule(max_tokens)``): shorter steps while a
+  light call waits beside other calls' work (``light_call_waits``, ``driver.shared_steps``).
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
   plans in FIFO order, so the KV the next chunk reads is always written first). A prompt
@@ -35,6 +37,7 @@ work per step grows with the number of requests only inside numpy.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -322,6 +325,23 @@ class Scheduler:
 
     def has_schedulable(self) -> bool:
         return bool(self.running or self.waiting or self.background or self._freed)
+
+    def light_call_waits(self, light_tokens: int) -> bool:
+        """Whether a light call waits beside another call's work: an online batch of at most
+        ``light_tokens``, none of it scheduled yet, while another call has requests waiting
+        (online or background) or split across steps (a step of theirs would hold the light
+        one up: ``driver.shared_steps``). A large call's slices are large, but for the last
+        one's rest. Stops at the first such pair: a queue of many light calls costs two."""
+        light: int | None = None  # the call of a light batch found
+        calls: set[int] = {s.batch.call for s in self.running}
+        for b in itertools.chain(self.waiting, self.background):
+            fresh = not b.background and b.cursor == 0
+            if light is None and fresh and b.num_tokens <= light_tokens:
+                light = b.call
+            calls.add(b.call)
+            if light is not None and len(calls) > 1:
+                return True
+        return False
 
     # -- planning -------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from .inbox import AbortCall, AddBatch, GatherTrace, InboxMessage
 from .owners import Owners
 from .pacing import IntakePacer
 from .probe import probe_call
+from .shared_steps import SharedSteps
 from .watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class LocalPipeline:
             lock, d.max_num_batched_tokens, d.overlap_steps,
             ended=lambda: self._stop or self._dead is not None,
         )  # fmt: skip
+        # Short steps while light calls share the pipeline, where steps do not overlap.
+        self._shared_steps = SharedSteps(d.max_num_batched_tokens, enabled=not d.overlap_steps)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -328,7 +331,7 @@ class LocalPipeline:
                 if inflight and self._pacer.short_of_a_step() and self._next_slice_arrived():
                     self._apply_inbox(self._take_inbox())
                 t0 = now() if tr is not None else 0
-                plan = scheduler.schedule(None if inflight else self._pacer.idle_step_tokens())
+                plan = scheduler.schedule(self._step_budget(scheduler, bool(inflight)))
                 if plan is None:
                     break
                 submitted = time.perf_counter()
@@ -358,7 +361,9 @@ class LocalPipeline:
                 if tr is not None:
                     t0 = tr.span("wait result", t0, plan)
                 ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
-                self.stats.on_result(plan, result, time.perf_counter() - submitted)
+                took = time.perf_counter() - submitted
+                self._shared_steps.timed(plan.num_tokens, took)
+                self.stats.on_result(plan, result, took)
                 self._deliver(result, ledger)
                 if tr is not None:
                     end = tr.span("deliver", t0, plan)
@@ -369,6 +374,16 @@ class LocalPipeline:
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
+
+    def _step_budget(self, scheduler: Scheduler, busy: bool) -> int | None:
+        """The next step's token budget (None: the whole budget): smaller for a step that
+        starts an idle pipeline (``IntakePacer.idle_step_tokens``) and while light calls share
+        the pipeline (``SharedSteps``)."""
+        budgets = (
+            None if busy else self._pacer.idle_step_tokens(),
+            self._shared_steps.budget(scheduler, time.perf_counter()),
+        )
+        return min((b for b in budgets if b is not None), default=None)
 
     def _handed_over(self, plan: StepPlan) -> None:
         """A plan is with the stages: its tokens leave the backlog (``IntakePacer``)."""

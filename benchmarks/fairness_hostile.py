@@ -1,0 +1,168 @@
+"""Light clients' latency under hostile loads (issue 57 part 7), for ``fairness.py --hostile``.
+
+Four light clients (each its own loopback address, as separate hosts would be: the server takes
+turns per client address) send a one-word ``/v1/embeddings`` request, wait ``THINK_S``, and
+again. Their p99 is measured alone (quiet), then beside each hostile load, each from a client of
+its own address sending again as soon as it is answered:
+
+- big: requests of --max-inputs-per-request texts (``--heavy-words`` words each);
+- chunked: one text of about --max-chunked-tokens tokens with ``long_inputs: "chunk"`` (its
+  windows of max_model_len tokens run as requests of their own);
+- tokenize: TEI's ``/tokenize`` with ``TOKENIZE_INPUTS`` inputs;
+- all: the three at once.
+
+Printed per load: quiet p99, loaded p99, their ratio (target <= 3), the hostile client's
+answers and its throughput (tokens of answered embedding requests a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import httpx
+import numpy as np
+
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+    "wizards", "quietly", "hex",
+]  # fmt: skip
+LIGHT_CLIENTS = 4
+THINK_S = 0.05  # a light client's pause between its requests
+TOKENIZE_INPUTS = 100_000
+LOADS = ("big", "chunked", "tokenize", "all")
+
+
+def text(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(n_words))
+
+
+def client(url: str, address: str, timeout: float) -> httpx.AsyncClient:
+    """A client whose connections come from ``address`` (any 127.x.y.z is this host)."""
+    transport = httpx.AsyncHTTPTransport(local_address=address)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+
+
+def p99_ms(latencies: list[float]) -> float:
+    return float(np.percentile(np.array(latencies) * 1000, 99)) if latencies else float("nan")
+
+
+async def light_clients(url: str, stop: asyncio.Event) -> tuple[list[float], Counter]:
+    """The light clients' latencies (200s) and statuses until ``stop``."""
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+
+    async def one(k: int) -> None:
+        async with client(url, f"127.0.1.{k + 1}", 120) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = await c.post("/v1/embeddings", json={"input": "hello"})
+                took = time.perf_counter() - t
+                statuses[r.status_code] += 1
+                if r.status_code == 200:
+                    latencies.append(took)
+                await asyncio.sleep(THINK_S)
+
+    await asyncio.gather(*(one(k) for k in range(LIGHT_CLIENTS)))
+    return latencies, statuses
+
+
+class Hostile:
+    """One hostile client's loop: sends ``body`` to ``route`` again as soon as answered."""
+
+    def __init__(self, name: str, route: str, body: dict, address: str) -> None:
+        self.name, self.route, self.body, self.address = name, route, body, address
+        self.statuses: Counter = Counter()
+
+    async def run(self, url: str, stop: asyncio.Event) -> None:
+        async with client(url, self.address, 1200) as c:
+            while not stop.is_set():
+                r = await c.post(self.route, json=self.body)
+                self.statuses[r.status_code] += 1
+                if r.status_code == 429:
+                    await asyncio.sleep(0.05)
+
+
+def hostiles(load: str, inputs: int, words: int, chunk_words: int) -> list[Hostile]:
+    big = Hostile(
+        "big", "/v1/embeddings", {"input": [text(words, i) for i in range(inputs)]}, "127.0.2.1"
+    )
+    chunked = Hostile(
+        "chunked", "/v1/embeddings",
+        {"input": text(chunk_words, 0), "long_inputs": "chunk"}, "127.0.2.2",
+    )  # fmt: skip
+    many = [text(1 + i % 7, i) for i in range(TOKENIZE_INPUTS)]
+    tokenize = Hostile("tokenize", "/tokenize", {"inputs": many}, "127.0.2.3")
+    every = {"big": [big], "chunked": [chunked], "tokenize": [tokenize]}
+    return [big, chunked, tokenize] if load == "all" else every[load]
+
+
+async def tokens_finished(url: str) -> float:
+    """The server's count of prompt tokens embedded (``/metrics``)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        text = (await c.get("/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pipepool_prompt_tokens_finished_total")
+    )
+
+
+async def measure(
+    url: str, seconds: float, load: list[Hostile]
+) -> tuple[list[float], Counter, float]:
+    """Light latencies over ``seconds`` beside ``load`` (started 2 s before; its clients leave
+    with their requests in flight at the end). Returns (latencies, statuses, tokens a second
+    the server embedded meanwhile: the hostile clients', the light ones' a few)."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(h.run(url, stop)) for h in load]
+    if load:
+        await asyncio.sleep(2)
+    before, t0 = await tokens_finished(url), time.perf_counter()
+    light = asyncio.create_task(light_clients(url, stop))
+    await asyncio.sleep(seconds)
+    stop.set()
+    latencies, statuses = await light
+    rate = (await tokens_finished(url) - before) / (time.perf_counter() - t0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(1)  # the server drops what they left
+    return latencies, statuses, rate
+
+
+def run_hostile(url: str, seconds: float, loads: list[str], inputs: int, words: int,
+                chunk_words: int) -> None:  # fmt: skip
+    """Quiet, then each load of ``loads``: one line each, then the table."""
+
+    async def phase(load: list[Hostile]):
+        return await measure(url, seconds, load)
+
+    run: Callable[[list[Hostile]], Awaitable] = phase
+    quiet, statuses, rate = asyncio.run(run([]))
+    q99 = p99_ms(quiet)
+    print(
+        f"quiet: {len(quiet)} light answers ({dict(statuses)}), p50 "
+        f"{np.median(quiet) * 1000:.1f} ms, p99 {q99:.1f} ms; {rate:,.0f} tok/s",
+        flush=True,
+    )
+    rows = []
+    for name in loads:
+        load = hostiles(name, inputs, words, chunk_words)
+        latencies, statuses, rate = asyncio.run(run(load))
+        l99 = p99_ms(latencies)
+        answers = "; ".join(f"{h.name} {dict(h.statuses)}" for h in load)
+        heavy = f"{rate:,.0f} tok/s embedded; answers {answers}"
+        print(
+            f"{name}: {len(latencies)} light answers ({dict(statuses)}), p50 "
+            f"{np.median(latencies) * 1000:.1f} ms, p99 {l99:.1f} ms = {l99 / q99:.1f}x quiet; "
+            f"{heavy}",
+            flush=True,
+        )
+        rows.append((name, l99, l99 / q99, heavy))
+    print("\n| load | quiet p99 | loaded p99 | ratio (target <= 3) | hostile clients |")
+    print("|---|---:|---:|---:|---|")
+    for name, l99, ratio, heavy in rows:
+        print(f"| {name} | {q99:.1f} ms | {l99:.1f} ms | {ratio:.1f}x | {heavy} |")

@@ -54,6 +54,21 @@ def test_lanes_answer_in_order_and_raise_what_an_item_raised(two_threads):
     assert lanes.map(lambda i: i + 1, [1, 2]) == [2, 3]  # the lanes still serve
 
 
+def test_lanes_serve_calls_from_several_threads_at_once(two_threads):
+    lanes = cpu_lanes.CpuLanes(2)
+    answers: dict[int, list[int]] = {}
+
+    def call(k: int) -> None:
+        answers[k] = lanes.map(lambda i: i * k, list(range(50)))
+
+    callers = [threading.Thread(target=call, args=(k,)) for k in range(1, 4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert answers == {k: [i * k for i in range(50)] for k in range(1, 4)}
+
+
 def test_lanes_run_under_the_callers_inference_mode(two_threads):
     lanes = cpu_lanes.CpuLanes(2)
     with torch.inference_mode():

@@ -36,12 +36,13 @@ class CpuLanes:
 
     ``map(fn, items)`` runs ``fn`` on every item, at most ``size`` at a time, under the
     caller's grad / inference mode, and returns the results in order (the first exception
-    raised, once every item is done). One call at a time; not for use across ``fork``."""
+    raised, once every item is done). Calls from several threads (engines of one process)
+    share the lanes, items taken first come first; ``fn`` must not call ``map``. Not for use
+    across ``fork``."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # one map at a time
         default = torch.get_num_threads()
         started = threading.Barrier(size + 1)
         for i in range(size):
@@ -65,14 +66,13 @@ class CpuLanes:
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        with self._lock:
-            futures: list[Future] = []
-            for item in items:
-                futures.append(Future())
-                self._jobs.put((fn, item, inference, grad, futures[-1]))
-            for future in futures:
-                future.exception()  # wait for all: no lane may still write when we return
-            return [future.result() for future in futures]
+        futures: list[Future] = []
+        for item in items:
+            futures.append(Future())
+            self._jobs.put((fn, item, inference, grad, futures[-1]))
+        for future in futures:
+            future.exception()  # wait for all: no lane may still write when we return
+        return [future.result() for future in futures]
 
 
 _pools: dict[tuple[int, int], CpuLanes] = {}

@@ -5,8 +5,10 @@ of a layer tens of MB: the element-wise ops (GELU, LayerNorm, residual adds) and
 projections become memory-bound. Encoder requests do not interact, so the CPU runs a step as
 tiles of a few thousand tokens through all of its layers, each tile's activations staying in
 cache. Sorting by length first makes equal lengths neighbours, so attention runs as few long
-groups of equal-length requests (:mod:`.grouped_attention`). Decoders (KV cache, chunks) keep
-the step whole for attention and run only the per-token MLP block in row tiles.
+groups of equal-length requests (:mod:`.grouped_attention`). With several intra-op threads
+the tiles run side by side, one per single-threaded lane (:mod:`.cpu_lanes`). Decoders (KV
+cache, chunks) keep the step whole for attention and run only the per-token MLP block in row
+tiles.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata, prefix_key_rows
+from .cpu_lanes import MIN_LANE_TOKENS
 
 # Tokens per tile: measured on 2 Sapphire Rapids cores with all-MiniLM-L6-v2 (hidden 384,
 # intermediate 1536) - throughput was flat from 1k to 4k tokens and fell at 8k and beyond.
@@ -37,13 +40,18 @@ class Tile:
 
 
 def plan_tiles(
-    cu_q: np.ndarray, tile_tokens: int | None = None, key_lens: np.ndarray | None = None
+    cu_q: np.ndarray,
+    tile_tokens: int | None = None,
+    key_lens: np.ndarray | None = None,
+    lanes: int = 1,
 ) -> list[Tile]:
     """Whole-prompt requests (bidirectional, no cache) sorted by length, longest first, cut
     into tiles of at most about ``tile_tokens`` (default CPU_TILE_TOKENS) tokens: the sorted
     step is cut into equal spans, and a tile takes every request that starts within its span
     (so a request longer than a span makes a tile of its own). ``key_lens``: each request's
-    keys are its first ``key_lens`` tokens (``AttentionMetadata.key_lens``); None: all."""
+    keys are its first ``key_lens`` tokens (``AttentionMetadata.key_lens``); None: all.
+    ``lanes``: tiles computed side by side (``cpu_lanes``): their number a multiple of it,
+    where each lane gets at least ``MIN_LANE_TOKENS``, so that every lane gets as much work."""
     tile_tokens = tile_tokens or CPU_TILE_TOKENS
     lens = np.diff(cu_q)
     if not len(lens):
@@ -54,7 +62,10 @@ def plan_tiles(
     begins = ends - lens_sorted
     # Equal spans (no short last tile, where a GEMM of a few hundred rows is less efficient).
     total = int(ends[-1])
-    span = -(-total // -(-total // tile_tokens))  # ceil(total / number of tiles)
+    count = -(-total // tile_tokens)
+    if lanes > 1 and total >= lanes * MIN_LANE_TOKENS:
+        count = -(-count // lanes) * lanes
+    span = -(-total // count)
     # Request i of the sorted order starts at token begins[i] of the sorted step.
     rows = np.repeat(cu_q[order] - begins, lens_sorted) + np.arange(int(cu_q[-1]))
     tile_of = begins // span

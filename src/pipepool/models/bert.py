@@ -15,10 +15,10 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_linear, int8_linear
+from ..layers import cpu_lanes, cpu_linear, int8_linear
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
-from ..layers.cpu_tiles import plan_tiles
+from ..layers.cpu_tiles import Tile, plan_tiles
 from ..layers.linear_activation import linear_activation
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .score_heads import build_score_head
@@ -288,12 +288,14 @@ class EncoderStage(StageModel):
         return self._forward_rows(x, inputs)
 
     def _forward_tiles(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """CPU: the step as cache-sized tiles of length-sorted requests (layers/cpu_tiles.py)."""
+        """CPU: the step as cache-sized tiles of length-sorted requests (layers/cpu_tiles.py),
+        side by side on single-threaded lanes (layers/cpu_lanes.py)."""
         fused = self._fused_on_cpu()
         if len(inputs.attn.cu_q_host) <= 2:  # at most one request: nothing to sort or cut
             return self._forward_rows(x, inputs, fused)
         out = x.new_empty((x.shape[0], self.hidden_size), dtype=self._param_dtype())
-        for tile in plan_tiles(inputs.attn.cu_q_host, key_lens=inputs.attn.key_lens):
+
+        def forward_tile(tile: Tile) -> None:
             types = inputs.token_type_ids
             tile_inputs = StepInputs(
                 inputs.positions.index_select(0, tile.rows),
@@ -302,6 +304,13 @@ class EncoderStage(StageModel):
             )
             y = self._forward_rows(x.index_select(0, tile.rows), tile_inputs, fused)
             out.index_copy_(0, tile.rows, y)
+
+        # Lanes for the eager layers only: a torch.compile'd body is not run from two threads.
+        lanes = cpu_lanes.lanes_here() if self.post is post_attention else None
+        tiles = plan_tiles(
+            inputs.attn.cu_q_host, key_lens=inputs.attn.key_lens, lanes=lanes.size if lanes else 1
+        )
+        cpu_lanes.run_tiles(forward_tile, tiles, lanes)
         return out
 
     def _param_dtype(self) -> torch.dtype:

@@ -22,7 +22,7 @@ from ..models import Family, StageModel, family_of
 from ..models.base import kv_bytes_per_token
 from ..models.checkpoint_math import check_config, decide_causal
 from .classifier import read_classifier
-from .model_folder import ModelFolder, read_model_folder
+from .model_folder import ModelFolder, read_model_folder, tower_folder
 from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
 from .stage_spec import StageSpec
 from .weights import Checkpoint
@@ -187,7 +187,7 @@ def plan_deployment(
     pooling = config.pooling or (st.pooling if st and st.pooling else None)
     pooling = pooling or family.default_pooling
     normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
-    output_dim = st.dense[-1].out_features if st and st.dense else whole.hidden_size
+    output_dim = st.dense[-1].out_features if st and st.dense else whole.output_size
     if classifier is not None:
         if config.pooling is not None:
             raise InvalidInputError(
@@ -239,7 +239,7 @@ def plan_deployment(
         causal=causal,
         hidden_size=whole.hidden_size,
         output_dim=output_dim,
-        vocab_size=int(hf["vocab_size"]),
+        vocab_size=family.vocab_size(hf),
         max_model_len=max_len,
         pooling=pooling,
         normalize=normalize,
@@ -289,7 +289,7 @@ class _ModelParts:
 
 
 def _read_model(config: EngineConfig, device_kind: str) -> _ModelParts:
-    folder = read_model_folder(config.model)
+    folder = tower_folder(read_model_folder(config.model), config.tower)
     family = family_of(folder.architecture)
     hf = folder.hf_config
     check_config(hf, family=family.name, decoder=family.decoder, architecture=folder.architecture)

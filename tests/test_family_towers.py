@@ -1,0 +1,157 @@
+"""Dual encoders (CLIP, SigLIP) against transformers on the same weights (fp32 CPU): texts
+through the text tower (CLIP's causal one chunked to a 16-token budget), images through the
+vision tower, at PP=1 and PP=2 (stage processes); the image preprocessing against the
+checkpoint's transformers image processor; and the refusals of untrusted image inputs."""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
+from tiny_towers import make_clip, make_siglip, png_bytes, sample_images
+
+import pipepool
+from pipepool.errors import InvalidInputError
+
+BUDGET = 16
+
+
+@pytest.fixture(scope="module")
+def tower_paths(model_dir) -> dict[str, Path]:
+    return {"clip": make_clip(model_dir / "clip"), "siglip": make_siglip(model_dir / "siglip")}
+
+
+def _reference(kind: str, path: Path):
+    import transformers
+
+    model_cls = {"clip": transformers.CLIPModel, "siglip": transformers.SiglipModel}[kind]
+    proc_cls = {
+        "clip": transformers.CLIPImageProcessorPil,
+        "siglip": transformers.SiglipImageProcessorPil,
+    }[kind]
+    return model_cls.from_pretrained(path).eval(), proc_cls.from_pretrained(path)
+
+
+def _pooled(output) -> np.ndarray:
+    """get_*_features' vectors (transformers 5 returns the output object with them pooled)."""
+    return getattr(output, "pooler_output", output).numpy()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_towers_match_transformers(tower_paths, kind, pp):
+    path = tower_paths[kind]
+    model, processor = _reference(kind, path)
+    images = sample_images()
+    texts = long_prompts()[:4] + SENTENCES[:3]
+    with pipepool.Engine(
+        str(path), pipeline_parallel_size=pp, max_num_batched_tokens=BUDGET
+    ) as engine:
+        text_vectors = engine.embed(texts, normalize=False)
+        image_vectors = engine.embed(images, normalize=False)
+        ids = engine.tokenize(texts)
+    assert max(len(i) for i in ids) > BUDGET  # some texts span several steps
+    with torch.no_grad():
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        want_images = _pooled(model.get_image_features(pixel_values=pixels))
+        want_texts = [_pooled(model.get_text_features(input_ids=torch.tensor([i])))[0] for i in ids]
+    assert image_vectors.shape == want_images.shape
+    worst_image = float(cosine(image_vectors, want_images).min())
+    worst_text = float(cosine(text_vectors, np.stack(want_texts)).min())
+    assert worst_image >= MIN_COSINE, f"{kind} PP={pp} images: cosine {worst_image}"
+    assert worst_text >= MIN_COSINE, f"{kind} PP={pp} texts: cosine {worst_text}"
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_pixel_values_equal_transformers_processor(tower_paths, kind):
+    """The engine's preprocessing gives exactly the processor's pixel_values (RGBA, L and P
+    modes, portrait and landscape, an image smaller than the crop)."""
+    from pipepool.api.images import VisionTower  # noqa: F401 (the module the engine uses)
+    from pipepool.intake.images import ImageProcessing
+
+    path = tower_paths[kind]
+    _, processor = _reference(kind, path)
+    processing = ImageProcessing.from_folder(path, kind, 32)
+    for image in sample_images():
+        want = processor(images=[image], return_tensors="np")["pixel_values"][0]
+        got = processing.pixel_values(image)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def clip_engine(tower_paths, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(sample_images()[0]))
+    with pipepool.Engine(str(tower_paths["clip"]), allowed_local_media_path=str(folder)) as engine:
+        yield engine, folder
+
+
+def test_image_forms_agree(clip_engine):
+    """A PIL image, its PNG bytes and a file under the allowed folder give the same vector."""
+    engine, folder = clip_engine
+    image = sample_images()[0]
+    vectors = engine.embed([image, png_bytes(image), folder / "cat.png"])
+    assert float(cosine(vectors, vectors[[0, 0, 0]]).min()) >= MIN_COSINE
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)  # normalised
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels (its data is one empty row)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0"))
+
+
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        (b"not an image at all", "not a decodable image"),
+        (_png_header(30_000, 30_000), "over the limit"),
+        (Path("/etc/hostname"), "outside the allowed folder"),
+    ],
+)
+def test_bad_images_are_refused_by_index(clip_engine, item, says):
+    engine, _ = clip_engine
+    good = sample_images()[1]
+    start = time.monotonic()
+    with pytest.raises(InvalidInputError, match=rf"input 1: .*{says}"):
+        engine.embed([good, item])
+    assert time.monotonic() - start < 1.0
+    assert engine.embed([good]).shape == (1, 24)  # the engine goes on serving
+
+
+def test_image_call_refusals(clip_engine):
+    engine, _ = clip_engine
+    image = sample_images()[0]
+    with pytest.raises(InvalidInputError, match="input 1: a call embeds images or texts"):
+        engine.embed([image, "a text"])
+    for option, value in [("truncate_prompt_tokens", 4), ("prompt_name", "query")]:
+        with pytest.raises(InvalidInputError, match=f"{option} applies to texts"):
+            engine.embed([image], **{option: value})
+    with pytest.raises(InvalidInputError, match="images pool as the vision tower does"):
+        engine.pool([image], pooling="mean")
+    with pytest.raises(InvalidInputError, match="late_chunking"):
+        engine.embed([image], late_chunking=True)
+
+
+def test_local_files_refused_without_a_folder(tower_paths):
+    refused = pytest.raises(InvalidInputError, match="input 0: local image files are refused")
+    with pipepool.Engine(str(tower_paths["siglip"])) as engine, refused:
+        engine.embed([Path("/tmp/x.png")])
+
+
+def test_text_model_refuses_images():
+    refused = pytest.raises(InvalidInputError, match="embeds text only")
+    with pipepool.Engine() as engine, refused:  # the bundled all-MiniLM-L6-v2
+        engine.embed([sample_images()[0]])

@@ -155,3 +155,51 @@ def test_text_model_refuses_images():
     refused = pytest.raises(InvalidInputError, match="embeds text only")
     with pipepool.Engine() as engine, refused:  # the bundled all-MiniLM-L6-v2
         engine.embed([sample_images()[0]])
+
+
+def test_clip_text_must_end_with_its_pooled_eos(clip_engine):
+    """transformers pools CLIP's first EOS; pipepool pools the last token: an input where they
+    differ is refused, naming it (a text spelling the EOS out, token ids without it)."""
+    engine, _ = clip_engine
+    ids = [int(t) for t in engine.tokenize(["a photo of a cat"])[0]]
+    with pytest.raises(InvalidInputError, match="input 1: CLIP pools its EOS token"):
+        engine.embed([ids, ids[:-1]])
+    with pytest.raises(InvalidInputError, match="input 0: CLIP pools its EOS token"):
+        engine.embed(["a cat <|endoftext|> and a dog"])
+    assert engine.embed([ids]).shape == (1, 24)
+
+
+def test_sentence_transformers_folder(tower_paths, model_dir):
+    """sentence-transformers 6's save of a CLIP model (one multimodal Transformer module): the
+    same vectors as its ``encode`` for texts and images, unnormalised as it leaves them."""
+    from sentence_transformers import SentenceTransformer
+    from tiny_towers import make_clip_st
+
+    path = make_clip_st(tower_paths["clip"], model_dir / "clip-st")
+    texts = SENTENCES[:4]
+    with pipepool.Engine(str(path)) as engine:
+        got_texts, got_images = engine.embed(texts), engine.embed(sample_images())
+    model = SentenceTransformer(str(path), device="cpu")
+    want_texts, want_images = model.encode(texts), model.encode(sample_images())
+    for got, want in ((got_texts, want_texts), (got_images, want_images)):
+        assert float(cosine(got, want).min()) >= MIN_COSINE
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1),
+                                   rtol=1e-5)  # fmt: skip
+
+
+def test_sentence_transformers_folder_refusals(tower_paths, model_dir):
+    import json
+    import shutil
+
+    from tiny_towers import make_clip_st
+
+    from pipepool.errors import ModelLoadError
+
+    path = make_clip_st(tower_paths["clip"], model_dir / "clip-st-audio")
+    config_file = path / "sentence_bert_config.json"
+    config = json.loads(config_file.read_text())
+    config["modality_config"]["audio"] = {"method": "forward", "method_output_name": "x"}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"modality_config\['audio'\]"):
+        pipepool.Engine(str(path))
+    shutil.rmtree(path)

@@ -30,6 +30,9 @@ def make_clip(path: Path, seed: int = 0) -> Path:
         vision_config=dict(**_TOWER, image_size=IMAGE_SIZE, patch_size=PATCH),
         projection_dim=24,
     )  # fmt: skip
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["pad_token"] = "<|endoftext|>"  # as CLIP's tokenizer pads
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     torch.manual_seed(seed)
     CLIPModel(config).save_pretrained(path)
     crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
@@ -77,3 +80,12 @@ def png_bytes(image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def make_clip_st(clip: Path, path: Path) -> Path:
+    """The tiny CLIP as sentence-transformers 6 saves it: one multimodal Transformer module
+    (get_text_features / get_image_features), its processor in processor_config.json."""
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(clip), device="cpu").save(str(path))
+    return path

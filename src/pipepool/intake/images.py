@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidInputError, ModelLoadError
-from ..loading.st_dense import read_json
+from ..loading.st_dual_encoder import processor_config
 
 # Still-image formats PIL may open for an input; every other decoder stays out of reach.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -46,6 +46,7 @@ _READ = {
     "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
     "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb",
 }  # fmt: skip
+# The processor's bookkeeping, which changes nothing it computes.
 _IGNORED = {
     "image_processor_type",
     "processor_class",
@@ -73,8 +74,7 @@ class ImageProcessing:
 
     @classmethod
     def from_folder(cls, folder: Path, kind: str, image_size: int) -> ImageProcessing:
-        file = folder / "preprocessor_config.json"
-        given = read_json(file) if file.is_file() else {}
+        file, given = processor_config(folder)
         kind_of = given.get("image_processor_type")
         if kind_of is not None and kind_of not in _PROCESSORS[kind]:
             raise ModelLoadError(f"{file}: image_processor_type {kind_of!r} is not a {kind} one")

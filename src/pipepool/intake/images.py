@@ -186,6 +186,7 @@ def decode_image(item, index: int, limits: ImageLimits):
             f"input {index}: an image is a PIL image, bytes or a pathlib.Path, got "
             f"{type(item).__name__}",
             param="input",
+            index=index,
         )
     try:
         with warnings.catch_warnings():  # our own limit decides, below PIL's refusal
@@ -198,26 +199,31 @@ def decode_image(item, index: int, limits: ImageLimits):
     except Image.DecompressionBombError as exc:  # PIL's own bound, from the header too
         raise InvalidInputError(
             f"input {index}: the image is over the limit of {limits.max_pixels} pixels "
-            f"(max_image_pixels) or PIL's: {exc}",
+            f"(max_image_pixels), as its header says (PIL: {exc})",
             param="input",
+            index=index,
         ) from None
     except Exception as exc:  # PIL raises many kinds for bad data: all are bad input
         raise InvalidInputError(
             f"input {index}: not a decodable image ({', '.join(IMAGE_FORMATS)}): "
             f"{type(exc).__name__}: {exc}",
             param="input",
+            index=index,
         ) from None
     return image
 
 
 def _check_pixels(width: int, height: int, index: int, limits: ImageLimits) -> None:
     if width < 1 or height < 1:
-        raise InvalidInputError(f"input {index}: an empty image ({width}x{height})", param="input")
+        raise InvalidInputError(
+            f"input {index}: an empty image ({width}x{height})", param="input", index=index
+        )
     if width * height > limits.max_pixels:
         raise InvalidInputError(
             f"input {index}: the image is {width}x{height} = {width * height} pixels, over the "
             f"limit of {limits.max_pixels} (max_image_pixels)",
             param="input",
+            index=index,
         )
 
 
@@ -227,18 +233,21 @@ def _read_local(path: Path, index: int, limits: ImageLimits) -> bytes:
             f"input {index}: local image files are refused unless the engine allows a folder "
             "(allowed_local_media_path / --allowed-local-media-path)",
             param="input",
+            index=index,
         )
     root = limits.local_folder.resolve()
     target = path.resolve()
     if not target.is_relative_to(root):
         raise InvalidInputError(
-            f"input {index}: {path} is outside the allowed folder {root}", param="input"
+            f"input {index}: {path} is outside the allowed folder {root}",
+            param="input",
+            index=index,
         )
     try:
         return target.read_bytes()
     except OSError as exc:
         raise InvalidInputError(
-            f"input {index}: cannot read {path}: {exc.strerror}", param="input"
+            f"input {index}: cannot read {path}: {exc.strerror}", param="input", index=index
         ) from None
 
 
@@ -280,5 +289,6 @@ def image_inputs(inputs) -> list | None:
             f"input {text}: a call embeds images or texts, not both (input {kinds.index(True)} "
             "is an image)",
             param="input",
+            index=text,
         )
     return list(inputs)

@@ -32,9 +32,17 @@ def clip_path(model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(clip_path, tmp_path_factory):
+def media(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(sample_images()[0]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(clip_path, media, tmp_path_factory):
     log = tmp_path_factory.mktemp("images-server") / "serve.log"
-    s = ServerProcess(["--model", str(clip_path), "--served-model-name", "clip"], log)
+    args = ["--model", str(clip_path), "--served-model-name", "clip"]
+    s = ServerProcess([*args, "--allowed-local-media-path", str(media)], log)
     try:
         yield s.wait_ready()
     finally:
@@ -83,6 +91,7 @@ def test_cohere_client_images_equal_the_python_api(server, clip_path):
         ("https://example.com/cat.png", "images[1] is a remote URL"),
         ("data:text/plain;base64,AAAA", "images[1] has media type 'text/plain'"),
         ("data:image/png;base64,@@@", "images[1]: its base64 payload"),
+        ("file:///etc/hostname", "images[1]: /etc/hostname is outside the allowed folder"),
     ],
 )
 def test_bad_images_are_fast_400s_naming_the_input(server, uri, says):
@@ -106,3 +115,11 @@ def test_image_requests_refuse_the_texts_options(server):
     assert_error(r, 400, "invalid_request_error", param="embedding_types", says="need ranges")
     r = embed(server, images=[good], input_type="search_document")
     assert_error(r, 400, "invalid_request_error", param="input_type", says="goes with images")
+
+
+def test_files_under_the_allowed_folder(server, media):
+    inline = embed(server, images=[data_uri(png_bytes(sample_images()[0]))])
+    local = embed(server, images=[f"file://{media / 'cat.png'}"])
+    assert local.status_code == 200, local.text
+    got = np.array(local.json()["embeddings"]["float"])
+    assert float(cosine(got, np.array(inline.json()["embeddings"]["float"])).min()) >= MIN_COSINE

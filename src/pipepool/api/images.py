@@ -135,6 +135,12 @@ def submit_images(
     and are refused by name; ``dimensions`` and ``normalize`` as for texts."""
     if vision is None:
         d = inputs.deployment
+        if d.folder.architecture in DUAL_ENCODERS:  # Engine.from_config on shared pipelines
+            raise InvalidInputError(
+                "this engine shares the text tower's pipeline only (front ends of "
+                "--api-server-count); image inputs go to an engine that opened both towers",
+                param="input",
+            )
         raise InvalidInputError(
             f"this model ({d.folder.architecture}) embeds text only; image inputs need a dual "
             "encoder (CLIPModel, SiglipModel)",

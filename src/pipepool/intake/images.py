@@ -179,9 +179,12 @@ def decode_image(item, index: int, limits: ImageLimits):
     if isinstance(item, Image.Image):
         _check_pixels(item.width, item.height, index, limits)
         return item
+    source: io.BytesIO | Path
     if isinstance(item, Path):
-        item = _read_local(item, index, limits)
-    if not isinstance(item, (bytes, bytearray, memoryview)):
+        source = _local_file(item, index, limits)  # PIL reads the header, then what it needs
+    elif isinstance(item, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(item)
+    else:
         raise InvalidInputError(
             f"input {index}: an image is a PIL image, bytes or a pathlib.Path, got "
             f"{type(item).__name__}",
@@ -191,7 +194,7 @@ def decode_image(item, index: int, limits: ImageLimits):
     try:
         with warnings.catch_warnings():  # our own limit decides, below PIL's refusal
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(bytes(item)), formats=IMAGE_FORMATS)
+            image = Image.open(source, formats=IMAGE_FORMATS)
             _check_pixels(image.width, image.height, index, limits)  # from the header alone
             image.load()
     except InvalidInputError:
@@ -227,7 +230,7 @@ def _check_pixels(width: int, height: int, index: int, limits: ImageLimits) -> N
         )
 
 
-def _read_local(path: Path, index: int, limits: ImageLimits) -> bytes:
+def _local_file(path: Path, index: int, limits: ImageLimits) -> Path:
     if limits.local_folder is None:
         raise InvalidInputError(
             f"input {index}: local image files are refused unless the engine allows a folder "
@@ -243,12 +246,9 @@ def _read_local(path: Path, index: int, limits: ImageLimits) -> bytes:
             param="input",
             index=index,
         )
-    try:
-        return target.read_bytes()
-    except OSError as exc:
-        raise InvalidInputError(
-            f"input {index}: cannot read {path}: {exc.strerror}", param="input", index=index
-        ) from None
+    if not target.is_file():
+        raise InvalidInputError(f"input {index}: {path} is not a file", param="input", index=index)
+    return target
 
 
 def patch_rows(pixels: np.ndarray, patch: int, width: int, class_token: bool) -> np.ndarray:

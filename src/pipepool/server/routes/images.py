@@ -1,5 +1,6 @@
-"""Image inputs over HTTP (Cohere's ``/v2/embed`` ``images``): data URIs only. A remote URL
-is never fetched (400 naming the input); the bytes go to ``Engine.submit``, which refuses bad
+"""Image inputs over HTTP (Cohere's ``/v2/embed`` ``images``): data URIs, and ``file://``
+URIs under ``--allowed-local-media-path``. A remote URL is never fetched (400 naming the
+input); the bytes go to ``Engine.submit``, which refuses bad
 or oversized images by index before decoding (``intake/images.py``), decoding and resizing
 on a tokenising lane, off the event loop."""
 
@@ -9,6 +10,7 @@ import base64
 import binascii
 import io
 import re
+from pathlib import Path
 
 from fastapi import Request, Response
 
@@ -28,16 +30,21 @@ from .shared import (
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif")
 
 
-def data_uri_bytes(uris: list[str], param: str) -> list[bytes]:
-    """Each ``data:image/...;base64,...`` URI's bytes; 400 naming ``param[i]`` for any other
-    form (remote URLs included: this server fetches nothing)."""
-    blobs = []
+def data_uri_bytes(uris: list[str], param: str) -> list[bytes | Path]:
+    """Each ``data:image/...;base64,...`` URI's bytes, and each ``file://`` URI's path (the
+    engine reads it only under ``--allowed-local-media-path``, as vLLM does); 400 naming
+    ``param[i]`` for any other form (remote URLs included: this server fetches nothing)."""
+    blobs: list[bytes | Path] = []
     for i, uri in enumerate(uris):
         name = f"{param}[{i}]"
+        if uri.startswith("file://"):
+            blobs.append(Path(uri.removeprefix("file://")))
+            continue
         if uri.startswith(("http://", "https://")):
             raise APIError(
-                400, f"{name} is a remote URL; this server takes images as data URIs only "
-                "(data:image/png;base64,...) and fetches nothing", param=param,
+                400, f"{name} is a remote URL; this server takes images as data URIs "
+                "(data:image/png;base64,...) or files under --allowed-local-media-path "
+                "(file://...) and fetches nothing", param=param,
                 code="invalid_value",
             )  # fmt: skip
         head, comma, payload = uri.partition(",")
@@ -62,12 +69,12 @@ def data_uri_bytes(uris: list[str], param: str) -> list[bytes]:
     return blobs
 
 
-def image_meta(blob: bytes) -> dict:
+def image_meta(blob: bytes | Path) -> dict:
     """Cohere's ``Image`` of an image the engine embedded: size, format, bits per channel
     (from its header)."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(blob)) as image:
+    with Image.open(io.BytesIO(blob) if isinstance(blob, bytes) else blob) as image:
         bits = 16 if image.mode.startswith("I;16") else 1 if image.mode == "1" else 8
         return {
             "width": image.width,
@@ -78,7 +85,7 @@ def image_meta(blob: bytes) -> dict:
 
 
 async def run_model_images(
-    request: Request, blobs: list[bytes], param: str, **options
+    request: Request, blobs: list[bytes | Path], param: str, **options
 ) -> Encoded | Response:
     """``Engine.submit(blobs, **options)`` on a lane (decoding is CPU work), its refusals a
     400 naming ``param[i]``; a bare Response (499) if the client left meanwhile."""

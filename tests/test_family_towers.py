@@ -203,3 +203,10 @@ def test_sentence_transformers_folder_refusals(tower_paths, model_dir):
     with pytest.raises(ModelLoadError, match=r"modality_config\['audio'\]"):
         pipepool.Engine(str(path))
     shutil.rmtree(path)
+
+
+@pytest.mark.parametrize(("option", "value"), [("compile", True), ("pooling", "mean")])
+def test_engine_options_the_towers_do_not_honour(tower_paths, option, value):
+    with pytest.raises(InvalidInputError) as refused:
+        pipepool.Engine(str(tower_paths["clip"]), **{option: value})
+    assert refused.value.param == option

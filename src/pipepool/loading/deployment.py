@@ -184,6 +184,11 @@ def plan_deployment(
 
     max_len = _max_model_len(config, folder, whole.max_positions)
     st = folder.st
+    if whole.fixed_pooling and config.pooling is not None:
+        raise InvalidInputError(
+            f"{folder.architecture} pools as its checkpoint does; pooling cannot be set",
+            param="pooling",
+        )
     pooling = config.pooling or (st.pooling if st and st.pooling else None)
     pooling = pooling or family.default_pooling
     normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
@@ -250,10 +255,11 @@ def plan_deployment(
         num_kv_blocks=-(-kv_tokens // block) if kv_tokens else 0,
         max_num_batched_tokens=budget,
         max_num_seqs=config.max_num_seqs or budget,
-        compile=_auto(config.compile, cuda),
+        compile=_compile(config, cuda, whole),
         compile_in_background=(
             config.compile is None
             and cuda
+            and whole.compiles
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
         graph_max_tokens=(
@@ -385,6 +391,18 @@ def _cuda_graphs(config: EngineConfig, cuda: bool, graph_safe: bool) -> bool:
             param="cuda_graphs",
         )
     return _auto(config.cuda_graphs, cuda) and graph_safe
+
+
+def _compile(config: EngineConfig, cuda: bool, whole: StageModel) -> bool:
+    """torch.compile where asked for (or on CUDA by default) and the family has a body to
+    compile; asked for on one that has none, refused by name."""
+    if config.compile and not whole.compiles:
+        raise InvalidInputError(
+            f"{config.model}: this model's layers run eagerly (no compiled layer body); leave "
+            "compile to the engine or set it off",
+            param="compile",
+        )
+    return _auto(config.compile, cuda) and whole.compiles
 
 
 def _auto(wanted: bool | None, default: bool) -> bool:

@@ -103,6 +103,12 @@ class StageModel(nn.Module):
     # Whether the forward honours ``StepInputs.keep_rows`` (a last stage returning only the
     # rows its pooler reads).
     keeps_rows: bool = False
+    # Whether the family has layer bodies to torch.compile (``set_compiled``); without, the
+    # deployment runs it eagerly and refuses compile=True by name.
+    compiles: bool = True
+    # Whether the model pools as its checkpoint does and no other way (a dual encoder's towers:
+    # the EOS, the class token, an attention head), so EngineConfig.pooling is refused.
+    fixed_pooling: bool = False
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()

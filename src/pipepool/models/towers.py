@@ -178,6 +178,8 @@ class TowerStage(StageModel):
     every row (``_finish``); the pooler then picks the row the tower pools."""
 
     graph_safe = False  # vision steps carry patch rows, not token ids (no graph buffers)
+    compiles = False  # eager layers (a compiled body is future work)
+    fixed_pooling = True
 
     def __init__(
         self,

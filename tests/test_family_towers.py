@@ -210,3 +210,22 @@ def test_engine_options_the_towers_do_not_honour(tower_paths, option, value):
     with pytest.raises(InvalidInputError) as refused:
         pipepool.Engine(str(tower_paths["clip"]), **{option: value})
     assert refused.value.param == option
+
+
+def test_encode_takes_images_as_sentence_transformers_6_does(tower_paths):
+    """``encode`` of a transformers CLIP folder: what sentence-transformers 6 builds for it (the
+    towers' features, unnormalised), for a list of images and a single one."""
+    from sentence_transformers import SentenceTransformer
+
+    path = tower_paths["clip"]
+    images = sample_images()
+    model = SentenceTransformer(str(path), device="cpu")
+    with pipepool.Engine(str(path)) as engine:
+        got, one = engine.encode(images), engine.encode(images[0])
+        texts = engine.encode(SENTENCES[:2])
+    want = model.encode(images)
+    assert float(cosine(got, want).min()) >= MIN_COSINE
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1),
+                               rtol=1e-5)  # fmt: skip
+    assert one.shape == (24,) and float(cosine(one, want[0]).min()) >= MIN_COSINE
+    assert float(cosine(texts, model.encode(SENTENCES[:2])).min()) >= MIN_COSINE

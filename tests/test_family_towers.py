@@ -5,16 +5,14 @@ checkpoint's transformers image processor; and the refusals of untrusted image i
 
 from __future__ import annotations
 
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
-from tiny_towers import make_clip, make_siglip, png_bytes, sample_images
+from tiny_towers import make_clip, make_siglip, png_bytes, png_header, sample_images
 
 import pipepool
 from pipepool.errors import InvalidInputError
@@ -60,7 +58,10 @@ def test_towers_match_transformers(tower_paths, kind, pp):
     with torch.no_grad():
         pixels = processor(images=images, return_tensors="pt")["pixel_values"]
         want_images = _pooled(model.get_image_features(pixel_values=pixels))
-        want_texts = [_pooled(model.get_text_features(input_ids=torch.tensor([i])))[0] for i in ids]
+        want_texts = [
+            _pooled(model.get_text_features(input_ids=torch.from_numpy(np.asarray(i))[None]))[0]
+            for i in ids
+        ]
     assert image_vectors.shape == want_images.shape
     worst_image = float(cosine(image_vectors, want_images).min())
     worst_text = float(cosine(text_vectors, np.stack(want_texts)).min())
@@ -102,22 +103,11 @@ def test_image_forms_agree(clip_engine):
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)  # normalised
 
 
-def _png_header(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height pixels (its data is one empty row)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0"))
-
-
 @pytest.mark.parametrize(
     ("item", "says"),
     [
         (b"not an image at all", "not a decodable image"),
-        (_png_header(30_000, 30_000), "over the limit"),
+        (png_header(30_000, 30_000), "over the limit"),
         (Path("/etc/hostname"), "outside the allowed folder"),
     ],
 )

@@ -13,11 +13,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from test_family_towers import _png_header
 from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import MIN_COSINE, cosine
-from tiny_towers import make_clip, png_bytes, sample_images
+from tiny_towers import make_clip, png_bytes, png_header, sample_images
 
 import pipepool
 
@@ -87,7 +86,7 @@ def test_cohere_client_images_equal_the_python_api(server, clip_path):
     ("uri", "says"),
     [
         (data_uri(b"junk bytes, no image"), "images[1]: not a decodable image"),
-        (data_uri(_png_header(30_000, 30_000)), "images[1]: the image is over the limit"),
+        (data_uri(png_header(30_000, 30_000)), "images[1]: the image is over the limit"),
         ("https://example.com/cat.png", "images[1] is a remote URL"),
         ("data:text/plain;base64,AAAA", "images[1] has media type 'text/plain'"),
         ("data:image/png;base64,@@@", "images[1]: its base64 payload"),

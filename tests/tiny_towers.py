@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +91,14 @@ def make_clip_st(clip: Path, path: Path) -> Path:
 
     SentenceTransformer(str(clip), device="cpu").save(str(path))
     return path
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels (its data is one empty row)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0"))

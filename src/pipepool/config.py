@@ -29,6 +29,8 @@ LONG_INPUTS = ("truncate", "error", "chunk")
 # A checkpoint's attention: "auto" = what its config says (``is_causal``); the others override it,
 # which a checkpoint whose auto_map names remote model code requires (models/checkpoint_math.py).
 ATTENTION = ("auto", "causal", "bidirectional")
+# Which tower of a dual encoder (CLIP, SigLIP) a pipeline runs; every other model is "text".
+TOWERS = ("text", "vision")
 
 
 def option(default, help: str, *, flag: str | None = None, cli: bool = True, **extra):
@@ -134,6 +136,22 @@ class EngineConfig:
         "built-in family",
         choices=ATTENTION,
     )
+    # Dual encoders (CLIP, SigLIP) run each tower as a pipeline of its own: the engine opens
+    # the vision tower's with tower="vision" (api/images.py); "text" is every other model.
+    tower: str = option("text", "", cli=False)
+    # Image inputs are untrusted (intake/images.py): local files only under this folder (vLLM's
+    # --allowed-local-media-path), and no image over this many pixels is decoded.
+    allowed_local_media_path: str | None = option(
+        None,
+        "image inputs may name files under this folder (default: none; data URIs, bytes and "
+        "PIL images only)",
+        metavar="DIR",
+    )
+    max_image_pixels: int = option(
+        40_000_000,
+        "largest image (width x height) decoded; larger ones are refused from their header, "
+        "before decoding",
+    )
     block_size: int = option(16, "tokens per KV-cache block", cli=False)
     kv_cache_tokens: int | None = option(
         None,
@@ -210,6 +228,7 @@ class EngineConfig:
             )
         for name in (
             "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "cpu_threads",
+            "max_image_pixels",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -254,6 +273,10 @@ class EngineConfig:
             raise InvalidInputError(
                 f"pooling must be one of {', '.join(VECTOR_POOLINGS)}; got {self.pooling!r}",
                 param="pooling",
+            )
+        if self.tower not in TOWERS:
+            raise InvalidInputError(
+                f"tower must be one of {', '.join(TOWERS)}; got {self.tower!r}", param="tower"
             )
         if self.reranker not in RERANKERS:
             raise InvalidInputError(

@@ -25,11 +25,13 @@ from ..core.stats import EngineStats
 from ..core.submission import ResultCallback, Submission
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
+from ..intake.images import image_inputs
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.long_inputs import CombinedSubmission, split_windows, window_params
 from ..loading.deployment import Deployment
 from ..runtime.memory import bound_heap_growth
 from .cross_encoder import CrossEncoderMethods
+from .images import VisionTower, open_vision_tower, submit_images
 from .late_chunking import late_chunk_texts
 from .retrieval import RetrievalMethods
 from .scoring import ScoringMethods, refuse_embedding
@@ -94,6 +96,14 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         self.pipeline: Pipeline = pipeline if pipeline is not None else open_pipeline(config)
         self.deployment: Deployment = self.pipeline.deployment
         self.inputs = InputPreparer(self.deployment)
+        # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
+        self._vision: VisionTower | None = None
+        if config.tower == "text" and pipeline is None:
+            try:
+                self._vision = open_vision_tower(config, self.deployment, open_pipeline)
+            except BaseException:
+                self.pipeline.close()
+                raise
         self._trace_written = False
         _open_engines.add(self)
 
@@ -122,10 +132,18 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         late_chunking: bool = False,
     ) -> np.ndarray:
         """One vector per input, ``[n, dim]`` float32, in input order (``[0, dim]`` for no
-        input). ``late_chunking``: the inputs are consecutive chunks of one document, run
-        through the model together and pooled chunk by chunk (``late_chunking.py`` states the
-        rule; documents longer than the model's context are split into overlapping windows)."""
+        input). A dual encoder (CLIP, SigLIP) also embeds images: PIL images, bytes or
+        ``pathlib.Path``s under ``allowed_local_media_path``, one modality per call
+        (``api/images.py``). ``late_chunking``: the inputs are consecutive chunks of one
+        document, run through the model together and pooled chunk by chunk
+        (``late_chunking.py`` states the rule; documents longer than the model's context are
+        split into overlapping windows)."""
         if late_chunking:
+            if image_inputs(inputs) is not None:
+                raise InvalidInputError(
+                    "late_chunking pools chunks of one text; images cannot be late-chunked",
+                    param="late_chunking",
+                )
             return late_chunk_texts(
                 self,
                 inputs,
@@ -196,6 +214,14 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
         refuse_embedding(self.deployment, pooling)
+        images = image_inputs(inputs)
+        if images is not None:
+            return submit_images(
+                self._vision, self.inputs, images, pooling=pooling, dimensions=dimensions,
+                normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side, prompt_name=prompt_name,
+                long_inputs=long_inputs,
+            )  # fmt: skip
         params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
         policy = check_long_inputs(long_inputs or self.config.long_inputs)
         items = self.inputs.items(inputs)
@@ -362,6 +388,9 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
                 log.warning("could not write the trace: %r", exc)
         self._trace_written = True
         self.pipeline.close()
+        vision = getattr(self, "_vision", None)  # None too where _start failed early
+        if vision is not None:
+            vision.close()
         self.inputs.tokenizer.close()
 
     def __enter__(self) -> Engine:

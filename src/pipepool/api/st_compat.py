@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidInputError
+from ..intake.images import image_inputs
 from ..intake.inputs import FIRST_SLICE, SLICE
+from ..models import DUAL_ENCODERS
 from .encode_output import check_ranges, cut, encode_output, quantizer
 from .int8_scale import Int8ScaleMethods
 from .progress import follow
@@ -95,7 +97,9 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
             convert_to_tensor = convert_to_numpy = False
         check_batch_size(batch_size)
         single = _is_single(inputs)
-        texts = _texts([inputs] if single else inputs)
+        batch = [inputs] if single else inputs
+        images = image_inputs(batch)  # a PIL image, bytes or a Path each: ST 6's image modality
+        texts = _texts(batch) if images is None else []
         _check_choice(precision, PRECISIONS, "precision")
         check_ranges(ranges, precision)
         if output_value not in OUTPUT_VALUES:
@@ -105,12 +109,18 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
                 param="output_value",
             )
         self._check_device(device, pool)
-        prefix = self._resolve_prompt(prompt, prompt_name)
-        if prefix:
-            texts = [prefix + text for text in texts]
         tokens = output_value == "token_embeddings"
         pooling, normalize = ("all", False) if tokens else self._st_pooling()
-        computed = self._embed_texts(texts, pooling, normalize, show_progress_bar)
+        if images is not None:  # a dual encoder's images (api/images.py): no prompt applies
+            for name, given in (("prompt", prompt), ("prompt_name", prompt_name)):
+                if given is not None:
+                    raise InvalidInputError(f"{name} applies to texts, not images", param=name)
+            computed = self.submit(images, pooling=pooling, normalize=normalize).result()
+        else:
+            prefix = self._resolve_prompt(prompt, prompt_name)
+            if prefix:
+                texts = [prefix + text for text in texts]
+            computed = self._embed_texts(texts, pooling, normalize, show_progress_bar)
         dim = truncate_dim if truncate_dim is not None else self.truncate_dim
         if tokens:
             embeddings: list | torch.Tensor = [torch.from_numpy(a) for a in computed]
@@ -223,6 +233,8 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
         if self.deployment.folder.st is not None:
             return None, None
         folder = self.deployment.folder
+        if folder.architecture in DUAL_ENCODERS:  # its towers' features, as ST 6 builds them
+            return None, bool(self.config.normalize)
         causal_lm = folder.architecture.endswith("ForCausalLM")
         causal_lm = causal_lm and folder.hf_config.get("is_causal", True) is not False
         pooling = self.config.pooling or ("last" if causal_lm else "mean")

@@ -98,7 +98,9 @@ class StepPlan:
     starts: np.ndarray  # [R] int64 chunk start
     ends: np.ndarray  # [R] int64 chunk end, exclusive
     new: NewRequests = _NO_NEW
-    # This step's prompt tokens, in batch order ([num_tokens] int64). Only the first stage
+    # This step's prompt tokens, in batch order ([num_tokens] int64; a vision tower's steps:
+    # [num_tokens, W] int64, one row of packed pixel values per position, models/
+    # tower_vision.py). Only the first stage
     # embeds tokens, so the executor strips them before sending a plan to other stages.
     token_ids: np.ndarray = field(default_factory=_empty_i64)
     # Requests aborted before their final chunk: stages drop their mirrors after this step.

@@ -24,6 +24,7 @@ from ..errors import InvalidInputError, PromptTooLongError
 from ..loading.deployment import Deployment
 from ..loading.retrieval import ColbertHead, M3Head, M3Layout
 from ..models import family_of
+from .eos_pooling import check_eos_last, eos_token_of
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class InputPreparer:
         st = deployment.folder.st
         self.prompts: dict[str, str] = dict(st.prompts) if st else {}
         self.default_prompt_name = st.default_prompt_name if st else None
+        folder = deployment.folder
+        self.eos_pooled = eos_token_of(folder.hf_config, folder.architecture)  # CLIP's text
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class InputPreparer:
         for lo, hi in _slice_bounds(len(texts), slice_size):
             flat, lengths = self.tokenizer.encode_flat(texts[lo:hi], max_tokens=limit, keep=keep)
             self._check_lengths(lo, lengths, longest)
+            check_eos_last(self.eos_pooled, lo, flat, lengths)
             yield TokenSlice(lo, flat, lengths)
 
     def _id_slices(
@@ -202,6 +206,7 @@ class InputPreparer:
             if limit is not None and lengths.max() > limit:
                 flat, lengths = _truncate_flat(flat, lengths, limit, keep)
             self._check_lengths(lo, lengths, longest)
+            check_eos_last(self.eos_pooled, lo, flat, lengths)
             yield TokenSlice(lo, flat, lengths)
 
     def checked_texts(

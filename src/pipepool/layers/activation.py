@@ -19,6 +19,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "silu": F.silu,
     "gelu": F.gelu,  # exact erf form, as HF's "gelu"
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's, as HF computes it
     **dict.fromkeys(sorted(TANH_GELUS), lambda x: F.gelu(x, approximate="tanh")),
 }
 

@@ -21,7 +21,7 @@ from ..models import Family, StageModel, family_of
 from ..models.base import kv_bytes_per_token
 from ..models.checkpoint_math import check_config, decide_causal
 from .classifier import read_classifier
-from .model_folder import ModelFolder, read_model_folder
+from .model_folder import ModelFolder, read_model_folder, tower_folder
 from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
 from .stage_spec import StageSpec
 from .weights import Checkpoint
@@ -176,10 +176,15 @@ def plan_deployment(
 
     max_len = _max_model_len(config, folder, whole.max_positions)
     st = folder.st
+    if whole.fixed_pooling and config.pooling is not None:
+        raise InvalidInputError(
+            f"{folder.architecture} pools as its checkpoint does; pooling cannot be set",
+            param="pooling",
+        )
     pooling = config.pooling or (st.pooling if st and st.pooling else None)
     pooling = pooling or family.default_pooling
     normalize = config.normalize if config.normalize is not None else (st.normalize if st else True)
-    output_dim = st.dense[-1].out_features if st and st.dense else whole.hidden_size
+    output_dim = st.dense[-1].out_features if st and st.dense else whole.output_size
     if classifier is not None:
         if config.pooling is not None:
             raise InvalidInputError(
@@ -231,7 +236,7 @@ def plan_deployment(
         causal=causal,
         hidden_size=whole.hidden_size,
         output_dim=output_dim,
-        vocab_size=int(hf["vocab_size"]),
+        vocab_size=family.vocab_size(hf),
         max_model_len=max_len,
         pooling=pooling,
         normalize=normalize,
@@ -242,10 +247,11 @@ def plan_deployment(
         num_kv_blocks=-(-kv_tokens // block) if kv_tokens else 0,
         max_num_batched_tokens=budget,
         max_num_seqs=config.max_num_seqs or budget,
-        compile=_auto(config.compile, cuda),
+        compile=_compile(config, cuda, whole),
         compile_in_background=(
             config.compile is None
             and cuda
+            and whole.compiles
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
         graph_max_tokens=(
@@ -281,7 +287,7 @@ class _ModelParts:
 
 
 def _read_model(config: EngineConfig, device_kind: str) -> _ModelParts:
-    folder = read_model_folder(config.model)
+    folder = tower_folder(read_model_folder(config.model), config.tower)
     family = family_of(folder.architecture)
     hf = folder.hf_config
     check_config(hf, family=family.name, decoder=family.decoder, architecture=folder.architecture)
@@ -377,6 +383,18 @@ def _cuda_graphs(config: EngineConfig, cuda: bool, graph_safe: bool) -> bool:
             param="cuda_graphs",
         )
     return _auto(config.cuda_graphs, cuda) and graph_safe
+
+
+def _compile(config: EngineConfig, cuda: bool, whole: StageModel) -> bool:
+    """torch.compile where asked for (or on CUDA by default) and the family has a body to
+    compile; asked for on one that has none, refused by name."""
+    if config.compile and not whole.compiles:
+        raise InvalidInputError(
+            f"{config.model}: this model's layers run eagerly (no compiled layer body); leave "
+            "compile to the engine or set it off",
+            param="compile",
+        )
+    return _auto(config.compile, cuda) and whole.compiles
 
 
 def _auto(wanted: bool | None, default: bool) -> bool:

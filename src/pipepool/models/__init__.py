@@ -21,8 +21,13 @@ from .encoders import RelativeConfig, RelativeEncoderStage
 from .gemma import GemmaConfig, GemmaStage
 from .modernbert import ModernBertConfig, ModernBertStage
 from .t5 import T5Config, T5EncoderStage
+from .tower_vision import VisionStage
+from .towers import TowerConfig, TowerStage
 
-__all__ = ["Family", "KVLayout", "StageModel", "StepInputs", "WeightSpec", "family_of"]
+__all__ = [
+    "DUAL_ENCODERS", "VISION_SUFFIX", "Family", "KVLayout", "StageModel", "StepInputs",
+    "WeightSpec", "family_of",
+]  # fmt: skip
 
 
 class StageClass(Protocol):
@@ -82,6 +87,9 @@ class Family:
 
     def num_layers(self, hf: dict) -> int:
         return int(hf["num_hidden_layers"])
+
+    def vocab_size(self, hf: dict) -> int:
+        return int(hf["vocab_size"])
 
     def honours_key_lengths(self, hf: dict, causal: bool) -> bool:
         """Whether the checkpoint's attention can key only a prefix of a prompt (key lengths:
@@ -145,6 +153,34 @@ class DistilBertFamily(Family):
 
     def num_layers(self, hf: dict) -> int:
         return int(hf["n_layers"])
+
+
+@dataclass(frozen=True)
+class TowerFamily(Family):
+    """One tower of a dual encoder (CLIP, SigLIP: ``models/towers.py``); ``name`` is
+    ``<kind>_<tower>``. Its sizes live in the config's ``<tower>_config``; the vision tower's
+    architecture is the checkpoint's with ``:vision`` appended (``EngineConfig.tower``)."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(self._sub(hf)["num_hidden_layers"])
+
+    def vocab_size(self, hf: dict) -> int:
+        return int(hf.get("text_config", {}).get("vocab_size", 0))
+
+    def _sub(self, hf: dict) -> dict:
+        return hf.get(f"{self.name.split('_')[1]}_config") or {}
+
+
+def _tower_config(hf: dict, family: str, *, causal: bool) -> TowerConfig:
+    kind, tower = family.split("_")
+    cfg = TowerConfig.from_hf(hf, kind, tower)
+    if causal != cfg.causal:
+        raise ModelLoadError(
+            f"the {kind} {tower} tower's attention is "
+            f"{'causal' if cfg.causal else 'bidirectional'} (as transformers computes it); "
+            "attention cannot be overridden"
+        )
+    return cfg
 
 
 def _t5_config(hf: dict, family: str, *, causal: bool) -> T5Config:
@@ -213,7 +249,31 @@ _FAMILIES["deberta"] = Family(
     "deberta", reads_token_types=True,
 )  # fmt: skip
 
+# Dual encoders (models/towers.py): each tower a family; the checkpoint's other tower's tensors
+# and the contrastive logit scale and bias are not part of it.
+for _kind in ("clip", "siglip"):
+    _text, _vision = f"{_kind}_text", f"{_kind}_vision"
+    _FAMILIES[_text] = TowerFamily(
+        _text, _kind == "clip", _tower_config, TowerStage, (),
+        re.compile(r"^(vision_model\..*|visual_projection\..*|logit_scale|logit_bias|"
+                   r"text_model\.embeddings\.position_ids)$"),
+        "none", pooling="last",
+    )  # fmt: skip
+    _FAMILIES[_vision] = TowerFamily(
+        _vision, False, _tower_config, VisionStage, (),
+        re.compile(r"^(text_model\..*|text_projection\..*|logit_scale|logit_bias|"
+                   r"vision_model\.embeddings\.position_ids)$"),
+        "none", pooling="cls",
+    )  # fmt: skip
+# The architectures whose checkpoints hold a text and a vision tower.
+DUAL_ENCODERS = {"CLIPModel": "clip", "SiglipModel": "siglip"}
+VISION_SUFFIX = ":vision"
+
 _ARCHITECTURES = {
+    "CLIPModel": "clip_text",
+    "CLIPModel:vision": "clip_vision",
+    "SiglipModel": "siglip_text",
+    "SiglipModel:vision": "siglip_vision",
     # Token classifiers (NER): the encoder plus ``classifier`` on every token.
     "BertForTokenClassification": "bert",
     "RobertaForTokenClassification": "roberta",

@@ -103,6 +103,12 @@ class StageModel(nn.Module):
     # Whether the forward honours ``StepInputs.keep_rows`` (a last stage returning only the
     # rows its pooler reads).
     keeps_rows: bool = False
+    # Whether the family has layer bodies to torch.compile (``set_compiled``); without, the
+    # deployment runs it eagerly and refuses compile=True by name.
+    compiles: bool = True
+    # Whether the model pools as its checkpoint does and no other way (a dual encoder's towers:
+    # the EOS, the class token, an attention head), so EngineConfig.pooling is refused.
+    fixed_pooling: bool = False
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -113,6 +119,12 @@ class StageModel(nn.Module):
 
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
+
+    @property
+    def output_size(self) -> int:
+        """Width of the last stage's rows: ``hidden_size``, unless the last stage projects
+        (a dual encoder's towers)."""
+        return self.hidden_size
 
     @classmethod
     def honours_key_lengths(cls, cfg: Any) -> bool:

@@ -38,6 +38,10 @@ MODEL_TYPES = {
     "gemma3": ("gemma3_text",),
     "t5": ("t5",),
     "deberta": ("deberta-v2",),
+    "clip_text": ("clip",),
+    "clip_vision": ("clip",),
+    "siglip_text": ("siglip",),
+    "siglip_vision": ("siglip",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -193,7 +197,17 @@ _DEBERTA_FIELDS = {
     "pos_att_type": (_deberta_terms, "relative attention terms other than c2p and p2c"),
     "norm_rel_ebd": (_deberta_rel_norm, "a relative-embedding norm other than layer_norm"),
 }
+# Dual encoders (models/towers.py) read their towers' sub-configs (TowerConfig.from_hf); at
+# the top level only the direction of attention could matter, and transformers reads none.
+_TOWER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "is_causal": (_absent_or(), "an attention direction transformers' CLIP / SigLIP ignores"),
+    "use_bidirectional_attention": (
+        _absent_or(),
+        "an attention direction transformers' CLIP / SigLIP ignores",
+    ),
+}
 _FAMILY_FIELDS = {
+    **dict.fromkeys(("clip_text", "clip_vision", "siglip_text", "siglip_vision"), _TOWER_FIELDS),
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,
     "modernbert": _MODERNBERT_FIELDS,

@@ -20,8 +20,10 @@ from pydantic import (
     Field,
     StrictFloat,
     StrictStr,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from ..api.quantization import quantize_embeddings, quantize_symmetric
@@ -31,6 +33,9 @@ from .protocol import _Strict, encode_array
 # The types of Cohere's embedding_types; int8/uint8 as api/int8_scale.py makes them.
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_query", "search_document", "classification", "clustering"]
+InputTypeV2 = Literal["search_query", "search_document", "classification", "clustering", "image"]
+_Images = Annotated[list[StrictStr], Field(json_schema_extra={"minItems": 1})]
+_IMAGE_TYPE_HELP = " image: the inputs are images."
 Truncate = Literal["NONE", "START", "END"]
 _Finite = Annotated[StrictFloat, AllowInfNan(False)]
 # Cohere's priority, of which this server has one level (checked, with a message, not typed).
@@ -57,8 +62,6 @@ class _CohereEmbedBody(_Strict):
     """What Cohere's v1 and v2 embed bodies share (text only), plus pipepool's ``ranges``."""
 
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
-    images: _Refused = Field(None, description="Not supported: this server embeds text.")
-    texts: Texts = Field(description="The texts to embed.")
     truncate: Truncate = Field(
         "END",
         description="Texts over the model's length: END cuts their end, START their start, "
@@ -70,13 +73,6 @@ class _CohereEmbedBody(_Strict):
         "these ranges, [2, dim] (each dimension's minimum, then maximum), instead of the "
         "model's fixed symmetric scale. Only with int8 or uint8 in embedding_types.",
     )
-
-    @field_validator("images")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("this server embeds text only: send texts")
-        return value
 
     @field_validator("ranges")
     @classmethod
@@ -93,10 +89,18 @@ def _distinct(value: list[EmbeddingType] | None) -> list[EmbeddingType] | None:
 
 
 class CohereEmbedRequest(_CohereEmbedBody):
-    """Cohere v2's embed body (text only), plus pipepool's ``ranges``."""
+    """Cohere v2's embed body: ``texts``, or ``images`` (data URIs) for a dual encoder (CLIP,
+    SigLIP) with ``input_type`` image; plus pipepool's ``ranges``."""
 
-    inputs: _Refused = Field(None, description="Not supported: send texts.")
-    input_type: InputType = Field(description=_INPUT_TYPE_HELP)
+    texts: Texts | None = Field(None, description="The texts to embed (or images).")
+    images: _Images | None = Field(
+        None,
+        description="Images to embed, as data URIs (data:image/png;base64,...: jpeg, png, webp, "
+        "gif), with input_type image; a dual encoder's (CLIP, SigLIP) only. Remote URLs are "
+        "refused: nothing is fetched.",
+    )
+    inputs: _Refused = Field(None, description="Not supported: send texts or images.")
+    input_type: InputTypeV2 = Field(description=_INPUT_TYPE_HELP + _IMAGE_TYPE_HELP)
     embedding_types: _Types = Field(["float"], description=_TYPES_HELP)
     output_dimension: Dimensions | None = Field(
         None, description="Matryoshka: keep the first N dimensions (then normalize)."
@@ -114,8 +118,28 @@ class CohereEmbedRequest(_CohereEmbedBody):
     @classmethod
     def _no_inputs(cls, value: Any) -> Any:
         if value is not None:
-            raise ValueError("this server embeds text only: send texts")
+            raise ValueError("mixed content inputs are not supported: send texts or images")
         return value
+
+    @field_validator("images")
+    @classmethod
+    def _not_both(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is not None and info.data.get("texts") is not None:
+            raise ValueError("send texts or images, not both in one request")
+        return value
+
+    @field_validator("input_type")
+    @classmethod
+    def _image_type(cls, value: str, info: ValidationInfo) -> str:
+        if (value == "image") != (info.data.get("images") is not None):
+            raise ValueError("input_type image goes with images, and images with it")
+        return value
+
+    @model_validator(mode="after")
+    def _texts_or_images(self) -> CohereEmbedRequest:
+        if self.texts is None and self.images is None:
+            raise ValueError("send texts or images")
+        return self
 
     @field_validator("embedding_types")
     @classmethod
@@ -137,8 +161,17 @@ class CohereV1EmbedRequest(_CohereEmbedBody):
     """Cohere v1's embed body (text only), plus pipepool's ``ranges``. Without
     ``embedding_types`` the answer is v1's ``embeddings_floats``; with them, by type."""
 
+    texts: Texts = Field(description="The texts to embed.")
+    images: _Refused = Field(None, description="Not supported on v1: send images to /v2/embed.")
     input_type: InputType | None = Field(None, description=_INPUT_TYPE_HELP)
     embedding_types: _Types | None = Field(None, description=_TYPES_HELP)
+
+    @field_validator("images")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("v1 embeds texts: send images to /v2/embed")
+        return value
 
     @field_validator("embedding_types")
     @classmethod
@@ -167,6 +200,7 @@ class CohereEmbedResponse(BaseModel):
     id: str
     embeddings: EmbeddingsByType
     texts: list[str]
+    images: list[dict] | None = None  # per image: width, height, format, bit_depth
     meta: dict
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
 
@@ -188,6 +222,7 @@ def embed_response(
     num_tokens: list[int],
     int8: tuple[np.ndarray | None, float | None],
     version: str,
+    images: list[dict] | None = None,
 ) -> dict:
     """The answer for ``vectors`` (``[n, dim]`` float32, one per text); ``types`` None: v1's
     floats answer. ``int8``: the caller's ranges, else the model's bound (one of them is given
@@ -197,16 +232,20 @@ def embed_response(
         embeddings: Any = vectors.tolist()
     else:
         embeddings = {kind: _by_type(vectors, kind, *int8) for kind in types}
-    return {
+    # Images (``images``: each one's Cohere ``Image``) are billed as images, as Cohere does.
+    billed = (
+        {"images": len(images)} if images is not None else {"input_tokens": int(sum(num_tokens))}
+    )
+    answer = {
         "id": str(uuid.uuid4()),
         "embeddings": embeddings,
         "texts": texts,
-        "meta": {
-            "api_version": {"version": version},
-            "billed_units": {"input_tokens": int(sum(num_tokens))},
-        },
+        "meta": {"api_version": {"version": version}, "billed_units": billed},
         "response_type": "embeddings_floats" if types is None else "embeddings_by_type",
     }
+    if images is not None:
+        answer["images"] = images
+    return answer
 
 
 def _by_type(

@@ -299,7 +299,10 @@ class StageRunner:
                 # A step with no pick (every prompt mid-way) keeps a row all the same: the
                 # forward's shapes stay non-empty, and the pooler reads none of it.
                 keep = prep.pick_rows if len(prep.pick_rows) else np.zeros(1, np.int64)
-        extra: list[np.ndarray | None] = [plan.token_ids if spec.is_first else None, types, keep]
+        # A vision tower's plans carry one row of packed pixel values per position
+        # (models/tower_vision.py): flat here, so they ride the one upload with the rest.
+        ids = plan.token_ids.reshape(-1) if spec.is_first else None
+        extra: list[np.ndarray | None] = [ids, types, keep]
         if prep is not None:
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(

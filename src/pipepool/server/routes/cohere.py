@@ -18,6 +18,7 @@ from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
 from . import cohere_tokens
+from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
@@ -74,11 +75,15 @@ async def _embed(
     model = select_model(request, body.model, "embed")
     engine = served_engine(model)
     int8 = _needs_int8(types, body.ranges)
+    if isinstance(body, cp.CohereEmbedRequest) and body.images is not None:
+        return await _embed_images(request, body, types or ["float"], int8, dimensions)
+    texts = body.texts
+    assert texts is not None  # v2's validator: texts or images
     prompt_name = _prompt_name(engine, input_type)
     truncation = _truncation(engine, body.truncate, max_tokens, input_type, prompt_name)
     done = await run_model_outputs(
         request,
-        body.texts,
+        texts,
         param="texts",
         dimensions=dimensions,
         prompt_name=prompt_name,
@@ -100,13 +105,51 @@ async def _embed(
             bound = calibrated
 
     def build() -> dict:
-        return cp.embed_response(
-            body.texts, vectors, types, done.num_tokens, (ranges, bound), version
-        )
+        return cp.embed_response(texts, vectors, types, done.num_tokens, (ranges, bound), version)
 
     try:
         return await json_answer(request, build, vectors.size * len(types or ["float"]))
     except PipepoolError as exc:  # ranges that do not fit the vectors; the engine's errors
+        raise from_engine(exc) from None
+
+
+async def _embed_images(
+    request: Request,
+    body: cp.CohereEmbedRequest,
+    types: list[cp.EmbeddingType],
+    int8: bool,
+    dimensions: int | None,
+) -> Response:
+    """v2's answer for ``images`` (data URIs; api/images.py embeds them): the texts' options
+    are refused by name, and int8/uint8 need ``ranges`` (the model's fixed bound is measured
+    on texts)."""
+    assert body.images is not None  # the caller's test
+    for name in ("truncate", "max_tokens"):
+        if name in body.model_fields_set:
+            raise APIError(400, f"{name} applies to texts, not images", param=name)
+    if int8:
+        raise APIError(
+            400,
+            "int8 and uint8 of images need ranges (the model's fixed int8 bound is measured on "
+            "texts); or ask for float, base64, binary or ubinary",
+            param="embedding_types",
+        )
+    blobs = data_uri_bytes(body.images, "images")
+    done = await run_model_images(request, blobs, "images", dimensions=dimensions)
+    if isinstance(done, Response):
+        return done
+    vectors = np.stack(done.outputs)
+    ranges = None if body.ranges is None else np.asarray(body.ranges)
+    metas = [image_meta(blob) for blob in blobs]
+
+    def build() -> dict:
+        return cp.embed_response(
+            [], vectors, types, done.num_tokens, (ranges, None), "2", images=metas
+        )
+
+    try:
+        return await json_answer(request, build, vectors.size * len(types))
+    except PipepoolError as exc:  # ranges that do not fit the vectors
         raise from_engine(exc) from None
 
 

@@ -1,0 +1,159 @@
+"""Images in, vectors out: the vision tower of a dual encoder (CLIP, SigLIP) beside the text
+engine.
+
+A dual-encoder checkpoint runs as two pipelines of the same shape (stages, devices, budget):
+the engine's own, which is the text tower, and the vision tower's, opened here with
+``tower="vision"``. ``Engine.embed`` sends a call of images here (one modality per call).
+Images are decoded and preprocessed on the calling thread's pool of workers (PIL releases the
+GIL while it decodes and resizes), then enqueued as one batch of patch rows: the vision
+pipeline schedules, checks and pools them exactly as it does token prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..core.priority import current_client, is_background
+from ..core.request import PoolingParams
+from ..core.submission import Submission
+from ..driver.pipeline import Pipeline
+from ..errors import InvalidInputError, ModelLoadError
+from ..intake.images import ImageLimits, ImageProcessing, decode_image, patch_rows
+from ..intake.inputs import InputPreparer, TokenSlice
+from ..loading.deployment import Deployment
+from ..models import DUAL_ENCODERS
+from ..models.tower_vision import patch_row_width
+from ..models.towers import TowerConfig
+
+# Images decoded at once per call (PIL's decoders and resize release the GIL).
+_DECODE_THREADS = 4
+
+
+class VisionTower:
+    """The vision tower's pipeline and its image preprocessing. ``submit(images, params)``
+    decodes (refusing bad inputs by index, before anything is enqueued), preprocesses and
+    enqueues; returns the call's future, ``[n, D]`` float32 in input order."""
+
+    def __init__(
+        self, config: EngineConfig, text: Deployment, open_pipeline: Callable[..., Pipeline]
+    ) -> None:
+        self.pipeline: Pipeline = open_pipeline(config.replace(tower="vision"))
+        try:
+            d = self.pipeline.deployment
+            kind = text.folder.architecture
+            self.tower = TowerConfig.from_hf(text.folder.hf_config, _kind(kind), "vision")
+            if d.output_dim != text.output_dim:
+                raise ModelLoadError(
+                    f"{kind}: the vision tower's vectors have {d.output_dim} components, the "
+                    f"text tower's {text.output_dim}; they do not share one space"
+                )
+            self.processing = ImageProcessing.from_folder(
+                text.folder.path, _kind(kind), self.tower.image_size
+            )
+        except BaseException:
+            self.pipeline.close()
+            raise
+        folder = config.allowed_local_media_path
+        self.limits = ImageLimits(Path(folder) if folder else None, config.max_image_pixels)
+        self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-images")
+
+    @property
+    def deployment(self) -> Deployment:
+        return self.pipeline.deployment
+
+    def pixel_values(self, images: list) -> list[np.ndarray]:
+        """Each image decoded (refused by index where it must be) and preprocessed:
+        ``[C, H, W]`` float32, as the checkpoint's transformers image processor gives them."""
+        decoded = list(self._pool.map(decode_image, images, range(len(images)),
+                                      [self.limits] * len(images)))  # fmt: skip
+        return list(self._pool.map(self.processing.pixel_values, decoded))
+
+    def submit(self, images: list, params: PoolingParams) -> Submission:
+        if params.pooling != self.deployment.pooling:
+            raise InvalidInputError(
+                f"images pool as the vision tower does ({self.deployment.pooling}); pooling "
+                f"{params.pooling!r} cannot be asked for",
+                param="pooling",
+            )
+        pixels = self.pixel_values(images)
+        submission = Submission(
+            params, len(images), params.dimensions or self.deployment.output_dim,
+            on_cancel=self.pipeline.cancel, background=is_background(), client=current_client(),
+        )  # fmt: skip
+        if not images:
+            return submission
+        tower = self.tower
+        rows = [
+            patch_rows(p, tower.patch_size, patch_row_width(tower), tower.class_token)
+            for p in pixels
+        ]
+        lengths = np.full(len(rows), len(rows[0]), dtype=np.int64)
+        try:
+            self.pipeline.enqueue(submission, TokenSlice(0, np.concatenate(rows), lengths))
+        except BaseException:
+            submission.cancel()
+            raise
+        return submission
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self._pool.shutdown(wait=False)
+
+
+def _kind(architecture: str) -> str:
+    return DUAL_ENCODERS[architecture]
+
+
+def open_vision_tower(
+    config: EngineConfig, text: Deployment, open_pipeline: Callable[..., Pipeline]
+) -> VisionTower | None:
+    """The vision tower of a dual-encoder checkpoint, its pipeline opened by
+    ``open_pipeline(config)`` as the engine opens its own (None for every other model)."""
+    if text.folder.architecture not in DUAL_ENCODERS:
+        return None
+    return VisionTower(config, text, open_pipeline)
+
+
+def submit_images(
+    vision: VisionTower | None,
+    inputs: InputPreparer,
+    images: list,
+    *,
+    pooling: str | None,
+    dimensions: int | None,
+    normalize: bool | None,
+    truncate_prompt_tokens: int | None,
+    truncation_side: str,
+    prompt_name: str | None,
+    long_inputs: str | None,
+) -> Submission:
+    """``Engine.submit`` for a call of images: the text options have no meaning for an image
+    and are refused by name; ``dimensions`` and ``normalize`` as for texts."""
+    if vision is None:
+        d = inputs.deployment
+        if d.folder.architecture in DUAL_ENCODERS:  # Engine.from_config on shared pipelines
+            raise InvalidInputError(
+                "this engine shares the text tower's pipeline only (front ends of "
+                "--api-server-count); image inputs go to an engine that opened both towers",
+                param="input",
+            )
+        raise InvalidInputError(
+            f"this model ({d.folder.architecture}) embeds text only; image inputs need a dual "
+            "encoder (CLIPModel, SiglipModel)",
+            param="input",
+        )
+    text_only = {
+        "truncate_prompt_tokens": truncate_prompt_tokens is not None,
+        "truncation_side": truncation_side != "right",
+        "prompt_name": prompt_name is not None,
+        "long_inputs": long_inputs is not None,
+    }
+    for name, given in text_only.items():
+        if given:
+            raise InvalidInputError(f"{name} applies to texts, not to images", param=name)
+    params = inputs.params(pooling or vision.deployment.pooling, dimensions, normalize)
+    return vision.submit(images, params)

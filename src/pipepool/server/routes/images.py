@@ -1,0 +1,105 @@
+"""Image inputs over HTTP (Cohere's ``/v2/embed`` ``images``): data URIs, and ``file://``
+URIs under ``--allowed-local-media-path``. A remote URL is never fetched (400 naming the
+input); the bytes go to ``Engine.submit``, which refuses bad
+or oversized images by index before decoding (``intake/images.py``), decoding and resizing
+on a tokenising lane, off the event loop."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from pathlib import Path
+
+from fastapi import Request, Response
+
+from ..errors import APIError
+from ..front import Encoded
+from ..limits import check_input_count
+from .shared import (
+    CLIENT_CLOSED,
+    ClientGone,
+    check_task,
+    model_of,
+    state_of,
+    unless_client_leaves,
+)
+
+# Cohere's image formats (its /v2/embed document: jpeg, png, webp, gif).
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif")
+
+
+def data_uri_bytes(uris: list[str], param: str) -> list[bytes | Path]:
+    """Each ``data:image/...;base64,...`` URI's bytes, and each ``file://`` URI's path (the
+    engine reads it only under ``--allowed-local-media-path``, as vLLM does); 400 naming
+    ``param[i]`` for any other form (remote URLs included: this server fetches nothing)."""
+    blobs: list[bytes | Path] = []
+    for i, uri in enumerate(uris):
+        name = f"{param}[{i}]"
+        if uri.startswith("file://"):
+            blobs.append(Path(uri.removeprefix("file://")))
+            continue
+        if uri.startswith(("http://", "https://")):
+            raise APIError(
+                400, f"{name} is a remote URL; this server takes images as data URIs "
+                "(data:image/png;base64,...) or files under --allowed-local-media-path "
+                "(file://...) and fetches nothing", param=param,
+                code="invalid_value",
+            )  # fmt: skip
+        head, comma, payload = uri.partition(",")
+        media = head.removeprefix("data:").removesuffix(";base64")
+        if not head.startswith("data:") or not comma or not head.endswith(";base64"):
+            raise APIError(
+                400, f"{name} is not a base64 data URI (data:image/png;base64,...)",
+                param=param, code="invalid_value",
+            )  # fmt: skip
+        if media not in MEDIA_TYPES:
+            raise APIError(
+                400, f"{name} has media type {media!r}; one of {', '.join(MEDIA_TYPES)}",
+                param=param, code="invalid_value",
+            )  # fmt: skip
+        try:
+            blobs.append(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError):
+            raise APIError(
+                400, f"{name}: its base64 payload does not decode", param=param,
+                code="invalid_value",
+            ) from None  # fmt: skip
+    return blobs
+
+
+def image_meta(blob: bytes | Path) -> dict:
+    """Cohere's ``Image`` of an image the engine embedded: size, format, bits per channel
+    (from its header)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(blob) if isinstance(blob, bytes) else blob) as image:
+        bits = 16 if image.mode.startswith("I;16") else 1 if image.mode == "1" else 8
+        return {
+            "width": image.width,
+            "height": image.height,
+            "format": (image.format or "").lower(),
+            "bit_depth": bits,
+        }
+
+
+async def run_model_images(
+    request: Request, blobs: list[bytes | Path], param: str, **options
+) -> Encoded | Response:
+    """``Engine.submit(blobs, **options)`` on a lane (decoding is CPU work), its refusals a
+    400 naming ``param[i]``; a bare Response (499) if the client left meanwhile."""
+    state, model = state_of(request), model_of(request)
+    check_task(model, "embed")
+    check_input_count(state.settings, len(blobs), param)
+    try:
+        return await unless_client_leaves(
+            request, model.front.run(len(blobs), lambda e: e.submit(blobs, **options), blobs)
+        )
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:  # the engine's refusals name "input i": this route's field
+        if exc.param != "input":
+            raise
+        message = re.sub(r"^input (\d+):", rf"{param}[\1]:", exc.message)
+        raise APIError(exc.status, message, param=param, code=exc.code) from None

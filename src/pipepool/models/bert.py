@@ -15,7 +15,7 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_linear, int8_linear
+from ..layers import cpu_linear, int8_linear, invariant_ops
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import plan_tiles
@@ -314,6 +314,7 @@ class EncoderStage(StageModel):
         286 for ``F.linear``."""
         return (
             self.post is post_attention
+            and not invariant_ops.active()  # its fixed-shape products are F.linear's
             and cpu_linear.fusable(self.cfg.hidden_act)
             and cpu_linear.packs(self._param_dtype())
         )

@@ -1,0 +1,135 @@
+"""batch_invariant on the CPU (fp32): a text's vector is the same bits whatever else is in the
+batch, the token budget (chunk boundaries), the PP degree and the DP replica; options it
+cannot honour are refused by name (issue 60, docs/batch-invariance.md)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from tiny_models import SENTENCES, cosine
+
+import pipepool
+from pipepool.commands.common import add_engine_args
+from pipepool.errors import InvalidInputError
+
+WORDS = " ".join(SENTENCES).split()
+
+
+def _texts(count: int, seed: int) -> list[str]:
+    """Texts of 1 to ~60 words: most longer than a 16-token budget."""
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))) for _ in range(count)
+    ]
+
+
+TARGETS = _texts(12, seed=1)
+OTHERS = _texts(60, seed=2)
+
+
+def _alone_and_in_batch(engine, targets: list[str], others: list[str], seed: int):
+    """Each target embedded alone, and all of them inside a shuffled batch of ``others``."""
+    alone = np.stack([engine.embed([t])[0] for t in targets])
+    batch = others + targets
+    order = list(range(len(batch)))
+    random.Random(seed).shuffle(order)
+    mixed = engine.embed([batch[i] for i in order])
+    where = {i: n for n, i in enumerate(order)}
+    in_batch = np.stack([mixed[where[len(others) + j]] for j in range(len(targets))])
+    return alone, in_batch
+
+
+def _assert_bit_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    differ = [i for i in range(len(a)) if not np.array_equal(a[i], b[i])]
+    assert not differ, f"{what}: vectors {differ} differ (max {np.abs(a - b).max():.3g})"
+
+
+@pytest.fixture(scope="module")
+def minilm_pp2_budget16(minilm_path):
+    with pipepool.Engine(
+        str(minilm_path), device="cpu", batch_invariant=True, pipeline_parallel_size=2,
+        max_num_batched_tokens=16,
+    ) as engine:  # fmt: skip
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def minilm_vectors(minilm_pp2_budget16):
+    return _alone_and_in_batch(minilm_pp2_budget16, TARGETS, OTHERS, seed=3)
+
+
+def test_minilm_alone_equals_in_a_shuffled_batch_at_pp2_budget16(minilm_vectors):
+    alone, in_batch = minilm_vectors
+    _assert_bit_equal(alone, in_batch, "alone vs in a batch of 72, PP 2, budget 16")
+
+
+def test_minilm_equal_across_budget_pp_and_dp(minilm_path, minilm_vectors):
+    alone, _ = minilm_vectors
+    for options in (
+        {"max_num_batched_tokens": 8192},  # PP 1, whole batch in one step
+        {"data_parallel_size": 2, "max_num_batched_tokens": 32},
+    ):
+        with pipepool.Engine(
+            str(minilm_path), device="cpu", batch_invariant=True, **options
+        ) as engine:
+            _, in_batch = _alone_and_in_batch(engine, TARGETS, OTHERS, seed=4)
+        _assert_bit_equal(alone, in_batch, f"PP 2 budget 16 vs {options}")
+
+
+def test_minilm_invariant_vectors_match_the_default_path(minilm_path, minilm_vectors):
+    alone, _ = minilm_vectors
+    with pipepool.Engine(str(minilm_path), device="cpu") as engine:
+        default = engine.embed(TARGETS)
+    assert float(cosine(alone, default).min()) >= 0.99999
+
+
+def test_decoder_alone_equals_in_batch_across_chunking_and_pp(qwen3_path):
+    """A causal model's prompts chunk across steps: a chunk attends the cached prefix, and
+    the chunk boundaries move with the batch and the budget."""
+    targets, others = _texts(6, seed=5), _texts(24, seed=6)
+    results = []
+    for options in (
+        {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 8192},
+        {"max_num_batched_tokens": 7},
+    ):
+        with pipepool.Engine(
+            str(qwen3_path), device="cpu", batch_invariant=True, **options
+        ) as engine:
+            alone, in_batch = _alone_and_in_batch(engine, targets, others, seed=7)
+            _assert_bit_equal(alone, in_batch, f"qwen3 alone vs in a batch, {options}")
+            results.append(alone)
+    for other in results[1:]:
+        _assert_bit_equal(results[0], other, "qwen3 across budgets and PP")
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"dtype": "int8"}, "int8"),
+        ({"compile": True}, "compile"),
+    ],
+)
+def test_options_it_cannot_honour_are_refused_by_name(minilm_path, options, named):
+    with pytest.raises(InvalidInputError, match=named) as caught:
+        pipepool.Engine(str(minilm_path), device="cpu", batch_invariant=True, **options)
+    assert caught.value.param == "batch_invariant"
+
+
+def test_families_without_an_invariant_form_are_refused(tmp_path):
+    from tiny_t5 import make_t5
+
+    path = make_t5(tmp_path / "t5")
+    with pytest.raises(InvalidInputError, match="not available for the t5 family"):
+        pipepool.Engine(str(path), device="cpu", batch_invariant=True)
+
+
+def test_the_command_line_offers_the_flag():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--batch-invariant"]).batch_invariant is True
+    assert parser.parse_args([]).batch_invariant is None

@@ -29,13 +29,18 @@ TARGETS = _texts(12, seed=1)
 OTHERS = _texts(60, seed=2)
 
 
-def _alone_and_in_batch(engine, targets: list[str], others: list[str], seed: int):
-    """Each target embedded alone, and all of them inside a shuffled batch of ``others``."""
-    alone = np.stack([engine.embed([t])[0] for t in targets])
+def _alone_and_in_batch(engine, targets: list[str], others: list[str], seed: int, **pooling):
+    """Each target embedded alone, and all of them inside a shuffled batch of ``others``
+    (``pooling``: ``Engine.pool``'s options, else ``embed``)."""
+
+    def vectors(texts: list[str]) -> list[np.ndarray]:
+        return engine.pool(texts, **pooling) if pooling else engine.embed(texts)
+
+    alone = np.stack([vectors([t])[0] for t in targets])
     batch = others + targets
     order = list(range(len(batch)))
     random.Random(seed).shuffle(order)
-    mixed = engine.embed([batch[i] for i in order])
+    mixed = vectors([batch[i] for i in order])
     where = {i: n for n, i in enumerate(order)}
     in_batch = np.stack([mixed[where[len(others) + j]] for j in range(len(targets))])
     return alone, in_batch
@@ -86,10 +91,11 @@ def test_minilm_invariant_vectors_match_the_default_path(minilm_path, minilm_vec
 
 
 def test_decoder_alone_equals_in_batch_across_chunking_and_pp(qwen3_path):
-    """A causal model's prompts chunk across steps: a chunk attends the cached prefix, and
-    the chunk boundaries move with the batch and the budget."""
+    """A causal model's prompts chunk across steps: a chunk attends the cached prefix, a
+    mean sums rows from several steps, and the chunk boundaries move with the batch and the
+    budget."""
     targets, others = _texts(6, seed=5), _texts(24, seed=6)
-    results = []
+    results: dict[str, list[np.ndarray]] = {"last": [], "mean": []}
     for options in (
         {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
         {"max_num_batched_tokens": 8192},
@@ -98,11 +104,15 @@ def test_decoder_alone_equals_in_batch_across_chunking_and_pp(qwen3_path):
         with pipepool.Engine(
             str(qwen3_path), device="cpu", batch_invariant=True, **options
         ) as engine:
-            alone, in_batch = _alone_and_in_batch(engine, targets, others, seed=7)
-            _assert_bit_equal(alone, in_batch, f"qwen3 alone vs in a batch, {options}")
-            results.append(alone)
-    for other in results[1:]:
-        _assert_bit_equal(results[0], other, "qwen3 across budgets and PP")
+            for pooling, seen in results.items():
+                alone, in_batch = _alone_and_in_batch(
+                    engine, targets, others, seed=7, pooling=pooling, normalize=True
+                )
+                _assert_bit_equal(alone, in_batch, f"qwen3 {pooling} alone vs batch, {options}")
+                seen.append(alone)
+    for pooling, seen in results.items():
+        for other in seen[1:]:
+            _assert_bit_equal(seen[0], other, f"qwen3 {pooling} across budgets and PP")
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,10 @@ def plan_deployment(
         devices = _stage_devices(device_kind, len(layers))
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     attn_kernel = choose_kernel(local, dtype, whole.attention_shape)
-    check_batch_invariant(config, family, device_kind, attn_kernel)
+    check_batch_invariant(
+        config, family, device_kind, attn_kernel,
+        type(retrieval).__name__ if retrieval is not None else None,
+    )  # fmt: skip
     fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, checkpoint)
     budget = step_tokens(config, cuda, per_token)

@@ -21,12 +21,24 @@ _OPTION = "batch_invariant"
 
 
 def check_batch_invariant(
-    config: EngineConfig, family: Family, device_kind: str, attn_kernel: str
+    config: EngineConfig,
+    family: Family,
+    device_kind: str,
+    attn_kernel: str,
+    retrieval_head: str | None = None,
 ) -> None:
     """Raise ``InvalidInputError(param="batch_invariant")`` where this deployment cannot
-    compute batch-invariant vectors; nothing when the option is off."""
+    compute batch-invariant vectors; nothing when the option is off. ``retrieval_head``: the
+    name of the model's sparse or multi-vector head, if it has one."""
     if not config.batch_invariant:
         return
+    if retrieval_head is not None:
+        raise InvalidInputError(
+            f"batch_invariant covers dense embeddings and classifier scores; this model's "
+            f"{retrieval_head} head pools vocabulary or token rows by scatter-adds whose order "
+            "is not fixed",
+            param=_OPTION,
+        )
     if family.stage not in _INVARIANT_STAGES:
         raise InvalidInputError(
             f"batch_invariant is not available for the {family.name} family: its layers have "

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import tiny_models
+import torch
 from test_batch_invariance import OTHERS, TARGETS, _alone_and_in_batch, _assert_bit_equal
 
 import pipepool
@@ -105,4 +105,6 @@ def test_kernels_give_each_row_the_same_bits_whatever_m():
             assert torch.equal(invariant_triton.matmul(x[5 : 5 + m], w.t(), bias), full[5 : 5 + m])
         sums = invariant_triton.row_sums(x, square=True)
         for m in (1, 3, 100):
-            assert torch.equal(invariant_triton.row_sums(x[9 : 9 + m], square=True), sums[9 : 9 + m])
+            assert torch.equal(
+                invariant_triton.row_sums(x[9 : 9 + m], square=True), sums[9 : 9 + m]
+            )

@@ -70,10 +70,12 @@ def batch_invariant(on: bool = True) -> Iterator[None]:
         _state.depth -= 1
 
 
-def fixed_shapes() -> torch._C.DisableTorchFunction:
+@contextmanager
+def fixed_shapes() -> Iterator[None]:
     """Inside an invariant kernel whose products are fixed-shape by construction
     (invariant_attention): torch ops run as they are, not through the mode."""
-    return torch._C.DisableTorchFunction()
+    with torch._C.DisableTorchFunction():
+        yield
 
 
 def invariant_linear(

@@ -81,9 +81,7 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        tl.store(
-            c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N)
-        )
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _row_sum_kernel(

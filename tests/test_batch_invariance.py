@@ -175,3 +175,30 @@ def test_cuda_kernels_in_tritons_interpreter():
     from triton_interpreter import run_interpreted
 
     run_interpreted(_KERNEL_CHECK)
+
+
+def test_linear_rows_are_the_same_bits_whatever_m_and_threads():
+    """The CPU products behind every layer: MKL's own path changes with M below 12 rows (and
+    with the thread count for some M); the tiled form does not."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipepool.layers.invariant_ops import BatchInvarianceError, batch_invariant
+
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(1536, 384, generator=gen), torch.randn(1536, generator=gen)
+    x = torch.randn(300, 384, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        with batch_invariant():
+            full, product = F.linear(x, w, bias), x @ w.t()
+            for n_threads in (1, 2, 3):
+                torch.set_num_threads(n_threads)
+                for m in (1, 2, 3, 5, 7, 11, 16, 33, 299):
+                    assert torch.equal(F.linear(x[1 : 1 + m], w, bias), full[1 : 1 + m]), m
+                    assert torch.equal(x[1 : 1 + m] @ w.t(), product[1 : 1 + m]), m
+            with pytest.raises(BatchInvarianceError, match="bmm"):
+                torch.bmm(x.view(3, 100, 384), w.t().expand(3, 384, 1536))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(full, F.linear(x, w, bias), atol=1e-4)

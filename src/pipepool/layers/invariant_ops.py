@@ -165,15 +165,16 @@ class BatchInvariantMode(TorchFunctionMode):
             return invariant_linear(x, weight, bias)
         if func in _MATMULS and args[1].dim() == 2 and args[0].dim() >= 2:
             return invariant_matmul(args[0], args[1])
-        if func in _ADDMMS and not kwargs:
-            bias, x, b = args[:3]
-            return invariant_matmul(x, b, bias)
+        if func in _ADDMMS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"}:
+            if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+                bias, x, b = args
+                return invariant_matmul(x, b, bias)
         if func is torch._addmm_activation:
             bias, x, b = args[:3]
             gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
             out = invariant_matmul(x, b, bias)
             return F.gelu(out, approximate="tanh") if gelu else F.relu(out)
-        if func in _MATMULS or func in _UNSUPPORTED:
+        if func in _MATMULS or func in _ADDMMS or func in _UNSUPPORTED:
             raise BatchInvarianceError(
                 f"{getattr(func, '__name__', func)} has no batch-invariant form; this model "
                 "cannot run with batch_invariant"

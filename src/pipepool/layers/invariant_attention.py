@@ -106,9 +106,7 @@ def _attend(q, k, v, tiles: _Tiles, *, scale: float, window: int | None) -> torc
         whole = len(part) == n
         sel = torch.from_numpy(part)
         state = (m, denom, acc) if whole else (m[sel], denom[sel], acc[sel])
-        step = _block(
-            qt if whole else qt[sel], kh, vh, tiles, part, b, state, scale, window, group
-        )
+        step = _block(qt if whole else qt[sel], kh, vh, tiles, part, b, state, scale, window, group)
         if whole:
             m, denom, acc = step
         else:

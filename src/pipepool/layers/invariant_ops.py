@@ -165,10 +165,10 @@ class BatchInvariantMode(TorchFunctionMode):
             return invariant_linear(x, weight, bias)
         if func in _MATMULS and args[1].dim() == 2 and args[0].dim() >= 2:
             return invariant_matmul(args[0], args[1])
-        if func in _ADDMMS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"}:
-            if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
-                bias, x, b = args
-                return invariant_matmul(x, b, bias)
+        plain_scales = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        if func in _ADDMMS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"} and plain_scales:
+            bias, x, b = args
+            return invariant_matmul(x, b, bias)
         if func is torch._addmm_activation:
             bias, x, b = args[:3]
             gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)

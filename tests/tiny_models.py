@@ -127,9 +127,8 @@ def make_decoder(
     config = getattr(transformers, config_cls)(
         vocab_size=len(vocab) + 2,
         num_hidden_layers=num_layers,
-        **_TINY_DECODER,
         tie_word_embeddings=False,
-        **{**extra, **config_fields},
+        **{**_TINY_DECODER, **extra, **config_fields},  # config_fields may resize it
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

@@ -177,6 +177,15 @@ class EngineConfig:
         "the pipeline's own steps, max(10 s, 10x the longest of its recent waits), 60 s or "
         "more for its first steps; stage processes only, from a pipeline's first result on)",
     )
+    # Every vector bit-identical whatever shares its step (batch-mates, token budget and chunk
+    # boundaries, PP, DP replica, CUDA graphs): fixed-shape products and attention in fixed key
+    # blocks (layers/invariant_ops.py, invariant_attention.py; docs/batch-invariance.md).
+    batch_invariant: bool = option(
+        False,
+        "bit-identical vectors whatever else is in the batch, the token budget, PP or DP "
+        "(fixed-shape matmuls, attention in fixed key blocks, no torch.compile; costs "
+        "throughput: docs/batch-invariance.md)",
+    )
     # Expected-state checks of docs/design.md §1 (mirror vs plan, digests between stages).
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"

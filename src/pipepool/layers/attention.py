@@ -33,8 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import triton_attention
+from . import invariant_ops, triton_attention
 from .grouped_attention import GroupPlan, grouped_attention, plan_runs
+from .invariant_attention import invariant_attention
 
 
 class GraphSplit(Protocol):
@@ -126,6 +127,12 @@ def attend(
             q, k, v, kv_cache, scale=scale, window=window, kernel=kernel, softcap=softcap
         )
     k, v = with_cached_keys(k, v, meta, kv_cache)
+    if kernel != "triton" and invariant_ops.active():  # the triton kernel is invariant as it is
+        result = invariant_attention(
+            q, k, v, meta.cu_q_host, meta.cu_k_host, causal=meta.causal, scale=scale,
+            window=window,
+        )  # fmt: skip
+        return result if out is None else out.copy_(result)
     if kernel == "triton":
         return triton_attention.varlen_attention(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, causal=meta.causal,

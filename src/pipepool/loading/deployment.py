@@ -21,6 +21,7 @@ from ..models import Family, StageModel, family_of
 from ..models.base import kv_bytes_per_token
 from ..models.checkpoint_math import check_config, decide_causal
 from .classifier import read_classifier
+from .invariance import check_batch_invariant
 from .model_folder import ModelFolder, read_model_folder, tower_folder
 from .retrieval import RetrievalHead, SpladeHead, outputs_of, read_retrieval
 from .stage_spec import StageSpec
@@ -221,6 +222,10 @@ def plan_deployment(
         devices = _stage_devices(device_kind, len(layers))
     local = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     attn_kernel = choose_kernel(local, dtype, whole.attention_shape)
+    check_batch_invariant(
+        config, family, device_kind, attn_kernel,
+        type(retrieval).__name__ if retrieval is not None else None,
+    )  # fmt: skip
     fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, checkpoint)
     budget = step_tokens(config, cuda, per_token)
@@ -247,10 +252,11 @@ def plan_deployment(
         num_kv_blocks=-(-kv_tokens // block) if kv_tokens else 0,
         max_num_batched_tokens=budget,
         max_num_seqs=config.max_num_seqs or budget,
-        compile=_compile(config, cuda, whole),
+        compile=_compile(config, cuda and not config.batch_invariant, whole),
         compile_in_background=(
             config.compile is None
             and cuda
+            and not config.batch_invariant
             and whole.compiles
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),

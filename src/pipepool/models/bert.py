@@ -15,7 +15,7 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_lanes, cpu_linear, int8_linear
+from ..layers import cpu_lanes, cpu_linear, int8_linear, invariant_ops
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import Tile, plan_tiles
@@ -305,8 +305,10 @@ class EncoderStage(StageModel):
             y = self._forward_rows(x.index_select(0, tile.rows), tile_inputs, fused)
             out.index_copy_(0, tile.rows, y)
 
-        # Lanes for the eager layers only: a torch.compile'd body is not run from two threads.
-        lanes = cpu_lanes.lanes_here() if self.post is post_attention else None
+        # Lanes for the eager layers only: a torch.compile'd body is not run from two threads,
+        # and batch_invariant's kernels are chosen per thread (invariant_ops is thread-local).
+        eager = self.post is post_attention and not invariant_ops.active()
+        lanes = cpu_lanes.lanes_here() if eager else None
         tiles = plan_tiles(
             inputs.attn.cu_q_host, key_lens=inputs.attn.key_lens, lanes=lanes.size if lanes else 1
         )
@@ -323,6 +325,7 @@ class EncoderStage(StageModel):
         286 for ``F.linear``."""
         return (
             self.post is post_attention
+            and not invariant_ops.active()  # its fixed-shape products are F.linear's
             and cpu_linear.fusable(self.cfg.hidden_act)
             and cpu_linear.packs(self._param_dtype())
         )

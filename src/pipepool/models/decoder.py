@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_linear, qk_rope
+from ..layers import cpu_linear, invariant_ops, qk_rope
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
@@ -331,7 +331,12 @@ def packed_on_cpu(x: torch.Tensor, ops: LayerOps) -> bool:
     shapes at 512 rows: 197-215 GFLOP/s packed against 145-170 for ``F.linear``
     (``benchmarks/cpu_gemm.py --model qwen3-0.6b``); the Qwen3-0.6B shape embedded 1.37x as
     many short queries a second."""
-    return x.device.type == "cpu" and ops.post is post_attention and cpu_linear.packs(x.dtype)
+    return (
+        x.device.type == "cpu"
+        and ops.post is post_attention
+        and not invariant_ops.active()  # its fixed-shape products are F.linear's
+        and cpu_linear.packs(x.dtype)
+    )
 
 
 class DecoderStage(StageModel):

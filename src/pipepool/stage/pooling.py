@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from ..core.request import Pooling
+from ..layers import invariant_ops
 from ..layers.segment_sum import segment_sums
 from .heads import DenseHead, HeadParams, ScoreHead, apply_heads
+from .invariant_pooling import keep_chunk
 from .mirror import StepView
 from .token_heads import ColbertTokenHead, M3TokenHead, SpladeTransform
 
@@ -240,7 +242,7 @@ class Pooler:
         if len(prep.pick_rows):
             rows = hidden[: len(prep.pick_rows)] if picks else hidden.index_select(0, pick_t)
             picked = rows.float()
-        sums = maxes = None
+        sums = maxes = summed = None
         if self.splade is not None:  # vocabulary activations, pooled a block at a time
             splade = self.splade
             if picked is not None:
@@ -280,6 +282,12 @@ class Pooler:
         tokens = [hidden.index_select(0, all_rows_t).float()] if len(prep.all_rows) else []
         held = iter(range(prep.num_emitted_picks, len(prep.pick_rows)))
         for row, slot in prep.partial:
+            if view.poolings[row] in _SUMS and invariant_ops.active():
+                assert summed is not None  # sum poolings come with their rows
+                out = self._advance_whole_sum(summed, req_ids, view, cu_q, row)
+                if out is not None:
+                    vectors.append(out)
+                continue
             sums_of = maxes if view.poolings[row] == Pooling.MAX else sums
             out = self._advance_partial(
                 hidden, picked, held, sums_of, req_ids, view, cu_q, row, slot
@@ -314,6 +322,22 @@ class Pooler:
                 tok = self.token_head(tok)
             tok = apply_heads(tok, prep.token_heads, tdims_t, tnorm_t)
         return PooledStep(prep.vector_ids, vec, prep.token_owner_ids, offsets, tok)
+
+    def _advance_whole_sum(self, summed, req_ids, view, cu_q, row) -> torch.Tensor | None:
+        """batch_invariant: one multi-chunk sum pooling, its rows kept and summed whole at
+        its last chunk (stage/invariant_pooling.py); its output then, else None."""
+        rid, kind = int(req_ids[row]), int(view.poolings[row])
+        end, prompt_len = int(view.ends[row]), int(view.prompt_lens[row])
+        if end == prompt_len:
+            self._tokens.pop(rid, None)
+        else:
+            self._tokens[rid] = end
+        rows = summed[int(cu_q[row]) : int(cu_q[row + 1])]
+        total = keep_chunk(self._partial, rid, rows, int(view.starts[row]), prompt_len)
+        if total is None:
+            return None
+        kinds = torch.tensor([kind], device=total.device)
+        return _divide(total, torch.tensor([prompt_len], device=total.device), kinds)
 
     def _advance_partial(self, hidden, picked, held, sums, req_ids, view, cu_q, row, slot):
         """One multi-chunk request: update its state; its output if this is its final chunk."""

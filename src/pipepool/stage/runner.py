@@ -31,6 +31,7 @@ from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
 from ..layers import segment_sum
+from ..layers.invariant_ops import batch_invariant
 from ..loading.model_folder import ModelFolder
 from ..loading.stage_spec import StageSpec
 from ..loading.weights import Checkpoint
@@ -319,7 +320,7 @@ class StageRunner:
             tr.phase("compute")  # on CUDA: queueing the kernels; on CPU: computing
             mark = tr.begin_device()
         self.clock.start()
-        with torch.inference_mode():
+        with torch.inference_mode(), batch_invariant(self.config.batch_invariant):
             hidden = self.forward(x, inputs, kv)
             pooled = PooledStep.empty()
             if tr is not None:

@@ -1,0 +1,110 @@
+"""batch_invariant on a GPU (bf16): a text's vector is the same bits alone and inside a
+shuffled batch, at budgets 256 and 16384, with CUDA graphs on and off, on one replica or
+two; for the bundled MiniLM and a tiny Qwen3 built here (head size 32, which the Triton
+attention kernel runs). Skipped where there is no CUDA device (issue 60)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny_models
+import torch
+from test_batch_invariance import OTHERS, TARGETS, _alone_and_in_batch, _assert_bit_equal
+
+import pipepool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+GPU = {"device": "cuda", "dtype": "bfloat16", "batch_invariant": True}
+
+
+def _dp2() -> dict:
+    """Two replicas: one GPU each where there are two, else both on the one GPU."""
+    return {"data_parallel_size": 2, "replicas_per_gpu": 1 if torch.cuda.device_count() > 1 else 2}
+
+
+@pytest.fixture(scope="module")
+def minilm_budget256(minilm_path):
+    with pipepool.Engine(str(minilm_path), max_num_batched_tokens=256, **GPU) as engine:
+        assert engine.pipeline.runners[0].model.attn_kernel == "triton"
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def minilm_alone(minilm_budget256) -> np.ndarray:
+    alone, in_batch = _alone_and_in_batch(minilm_budget256, TARGETS, OTHERS, seed=3)
+    _assert_bit_equal(alone, in_batch, "MiniLM bf16 alone vs in a shuffled batch, budget 256")
+    return alone
+
+
+def test_minilm_alone_equals_in_a_shuffled_batch(minilm_alone):
+    assert minilm_alone.shape == (len(TARGETS), 384)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_batched_tokens": 16384},
+        {"max_num_batched_tokens": 16384, "cuda_graphs": False},
+        {"max_num_batched_tokens": 256, "cuda_graphs": False},
+        {"max_num_batched_tokens": 16384, **_dp2()},
+    ],
+    ids=["budget16384", "budget16384-eager", "budget256-eager", "dp2"],
+)
+def test_minilm_equal_across_budgets_graphs_and_replicas(minilm_path, minilm_alone, options):
+    with pipepool.Engine(str(minilm_path), **options, **GPU) as engine:
+        _, in_batch = _alone_and_in_batch(engine, TARGETS, OTHERS, seed=4)
+    _assert_bit_equal(minilm_alone, in_batch, f"budget 256 alone vs {options}")
+
+
+def test_minilm_invariant_vectors_stay_within_bf16_of_the_default(minilm_path, minilm_alone):
+    with pipepool.Engine(str(minilm_path), device="cuda", dtype="bfloat16") as engine:
+        default = engine.embed(TARGETS)
+    assert float(tiny_models.cosine(minilm_alone, default).min()) >= 0.999
+
+
+@pytest.fixture(scope="module")
+def qwen3_head32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-head32") / "qwen3"
+    return tiny_models.make_decoder(path, "qwen3", num_attention_heads=2, head_dim=32)
+
+
+def test_decoder_equal_across_chunking_graphs_and_replicas(qwen3_head32):
+    targets, others = TARGETS[:6], OTHERS[:24]
+    seen: dict[str, list[np.ndarray]] = {"last": [], "mean": []}
+    for options in (
+        {"max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 16384},
+        {"max_num_batched_tokens": 16, "cuda_graphs": False},
+        {"max_num_batched_tokens": 256, **_dp2()},
+    ):
+        with pipepool.Engine(str(qwen3_head32), **options, **GPU) as engine:
+            for pooling, runs in seen.items():
+                alone, in_batch = _alone_and_in_batch(
+                    engine, targets, others, seed=5, pooling=pooling, normalize=True
+                )
+                _assert_bit_equal(alone, in_batch, f"qwen3 {pooling} {options}")
+                runs.append(alone)
+    for pooling, runs in seen.items():
+        for other in runs[1:]:
+            _assert_bit_equal(runs[0], other, f"qwen3 {pooling} across budgets, graphs, DP")
+
+
+def test_kernels_give_each_row_the_same_bits_whatever_m():
+    from pipepool.layers import invariant_triton
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(1536, 384, device="cuda").to(dtype)
+        bias = torch.randn(1536, device="cuda").to(dtype)
+        x = torch.randn(3000, 384, device="cuda").to(dtype)
+        full = invariant_triton.matmul(x, w.t(), bias)
+        for m in (1, 2, 7, 64, 129, 1000):
+            assert torch.equal(invariant_triton.matmul(x[5 : 5 + m], w.t(), bias), full[5 : 5 + m])
+        sums = invariant_triton.row_sums(x, square=True)
+        for m in (1, 3, 100):
+            assert torch.equal(
+                invariant_triton.row_sums(x[9 : 9 + m], square=True), sums[9 : 9 + m]
+            )

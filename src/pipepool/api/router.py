@@ -3,8 +3,8 @@
 The router holds no inference logic: every call is the named engine's own method (``Engine``),
 chosen here by name, or, with no name, as the only model that can do the call's task (as an
 OpenAI-style server picks a model when a request leaves ``model`` out). What a model can do is
-``model_tasks``, derived from its deployment: the same answer the engine's own methods give by
-accepting or refusing a call.
+``engine.info.tasks`` (``engine_info.model_tasks``): the same answer the engine's own methods
+give by accepting or refusing a call.
 """
 
 from __future__ import annotations
@@ -17,24 +17,16 @@ from typing import TYPE_CHECKING, Any
 from ..config import EngineConfig
 from ..errors import InvalidInputError
 from .engine import Engine
-from .retrieval_scoring import scores_pairs_itself
+from .engine_info import OUTPUT_TASKS, TASKS
+from .retriever import Retriever
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..loading.deployment import Deployment
     from .retrieval import RetrievalOutputs, SparseEmbedding
     from .scoring import Classification, RerankResult
 
 log = logging.getLogger("pipepool")
-
-# Every task a model may have, in the order ``model_tasks`` lists them. Each is one Engine
-# method family: embed (embed, encode, pool, ...), sparse (embed_sparse), multi_vector
-# (embed_multi_vector), score / rerank (pairs), classify (one row of labels per text),
-# classify_tokens (a token classifier's labels per token).
-TASKS = ("embed", "sparse", "multi_vector", "score", "rerank", "classify", "classify_tokens")
-# encode_outputs' outputs as tasks.
-_OUTPUT_TASKS = {"dense": "embed", "sparse": "sparse", "multi_vector": "multi_vector"}
 
 ModelSpec = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -52,27 +44,6 @@ class ModelNotFoundError(InvalidInputError):
 
     def __reduce__(self):  # built again from its two arguments
         return (type(self), (self.name, self.names))
-
-
-def model_tasks(deployment: Deployment) -> tuple[str, ...]:
-    """What a model can be asked to do, in ``TASKS`` order: "embed", "sparse" and
-    "multi_vector" for the outputs it gives (``deployment.outputs``) where it is no classifier
-    (a classifier's hidden states are not embeddings); "score" and "rerank" for a one-label
-    classifier and for a model that scores pairs from its retrieval outputs (ColBERT, BGE-M3);
-    "classify" for a sequence classifier; "classify_tokens" for a token classifier."""
-    head = deployment.classifier
-    tasks: set[str] = set()
-    if head is None:
-        tasks.update(_OUTPUT_TASKS[o] for o in deployment.outputs)
-        if scores_pairs_itself(deployment):
-            tasks.update(("score", "rerank"))
-    elif head.per_token:
-        tasks.add("classify_tokens")
-    else:
-        tasks.add("classify")
-        if head.can_rerank:
-            tasks.update(("score", "rerank"))
-    return tuple(t for t in TASKS if t in tasks)
 
 
 class Router:
@@ -121,7 +92,7 @@ class Router:
     def _adopt(self, engines: dict[str, Engine]) -> None:
         self._engines = engines
         # What each model can do, in the router's order; fixed, as a model's deployment is.
-        self._tasks = {name: model_tasks(e.deployment) for name, e in engines.items()}
+        self._tasks = {name: e.info.tasks for name, e in engines.items()}
 
     # -- routing ------------------------------------------------------------------------------
 
@@ -170,14 +141,14 @@ class Router:
     def embed_sparse(
         self, inputs, *, model: str | None = None, **options: Any
     ) -> list[SparseEmbedding]:
-        """``Engine.embed_sparse`` of ``model`` (None: the only model with sparse outputs)."""
-        return self.engine(model, "sparse").embed_sparse(inputs, **options)
+        """``Retriever.embed_sparse`` of ``model`` (None: the only model with sparse outputs)."""
+        return Retriever(self.engine(model, "sparse")).embed_sparse(inputs, **options)
 
     def embed_multi_vector(
         self, inputs, *, model: str | None = None, **options: Any
     ) -> list[np.ndarray]:
-        """``Engine.embed_multi_vector`` of ``model`` (None: the only multi-vector model)."""
-        return self.engine(model, "multi_vector").embed_multi_vector(inputs, **options)
+        """``Retriever.embed_multi_vector`` of ``model`` (None: the only multi-vector model)."""
+        return Retriever(self.engine(model, "multi_vector")).embed_multi_vector(inputs, **options)
 
     def encode_outputs(
         self,
@@ -190,7 +161,7 @@ class Router:
         """``Engine.encode_outputs`` of ``model`` (None: the only model that gives every one
         of ``outputs``; the engine checks them)."""
         wanted = [outputs] if isinstance(outputs, str) else list(outputs)
-        tasks = tuple(_OUTPUT_TASKS[o] for o in wanted if o in _OUTPUT_TASKS)
+        tasks = tuple(OUTPUT_TASKS[o] for o in wanted if o in OUTPUT_TASKS)
         return self._route(model, tasks).encode_outputs(inputs, outputs, **options)
 
     def score(self, text_1, text_2, *, model: str | None = None, **options: Any) -> np.ndarray:

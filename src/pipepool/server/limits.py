@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from ..api.engine import Engine
+from ..api.engine_info import EngineInfo
 from ..config import check_long_inputs
 from ..core.submission import Submission
 from ..intake.inputs import MAX_CHARS_PER_TOKEN
-from ..loading.deployment import Deployment
 from .errors import APIError
 from .front import AnySubmission
 from .settings import ServerSettings
@@ -51,15 +51,15 @@ def check_input_count(settings: ServerSettings, n: int, param: str) -> None:
         )
 
 
-def longest_input(settings: ServerSettings, deployment: Deployment) -> int:
+def longest_input(settings: ServerSettings, info: EngineInfo) -> int:
     """Tokens of the longest single input the server takes whole: chunked up to
     ``--max-chunked-tokens``, or max_model_len where that is larger."""
-    return max(settings.max_chunked_tokens, deployment.max_model_len)
+    return max(settings.max_chunked_tokens, info.max_model_len)
 
 
 def check_text_lengths(
     settings: ServerSettings,
-    deployment: Deployment,
+    info: EngineInfo,
     texts: Sequence,
     param: str,
     *,
@@ -68,7 +68,7 @@ def check_text_lengths(
     """400 for a text too long in characters to be within ``longest_input`` tokens, before
     anything tokenises it (token-id inputs are not looked at). ``listed``: the field ``param``
     holds a list (errors name the text by its index)."""
-    longest = longest_input(settings, deployment)
+    longest = longest_input(settings, info)
     max_chars = longest * MAX_CHARS_PER_TOKEN
     for i, text in enumerate(texts):
         if isinstance(text, str) and len(text) > max_chars:
@@ -85,7 +85,7 @@ def check_text_lengths(
 
 def check_token_counts(
     settings: ServerSettings,
-    deployment: Deployment,
+    info: EngineInfo,
     lengths: np.ndarray,
     *,
     first: int,
@@ -97,7 +97,7 @@ def check_token_counts(
     """The tokens counted so far, with ``lengths`` (inputs ``first`` onwards of ``inputs``):
     400 if one of them is longer than ``longest_input`` or the request's total passes
     ``--max-tokens-per-request``. ``listed`` as for ``check_text_lengths``."""
-    longest = longest_input(settings, deployment)
+    longest = longest_input(settings, info)
     over = np.flatnonzero(lengths > longest)
     if len(over):
         i = int(over[0])
@@ -139,7 +139,7 @@ def bounded_embedding(
     ``param``: the request field that holds the inputs, which the errors name."""
 
     def submit(engine: Engine) -> AnySubmission:
-        d = engine.deployment
+        d = engine.info
         policy = check_long_inputs(options.get("long_inputs") or engine.config.long_inputs)
         each = _tokens_per_input(d, options.get("truncate_prompt_tokens"), policy)
         if each is not None and len(inputs) * each <= settings.max_tokens_per_request:
@@ -147,7 +147,7 @@ def bounded_embedding(
         if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
             check_text_lengths(settings, d, inputs, param)
         ids, total = [], 0
-        slices = engine.inputs.token_slices(
+        slices = engine.token_slices(
             inputs,
             truncate_prompt_tokens=options.get("truncate_prompt_tokens"),
             truncation_side=options.get("truncation_side", "right"),
@@ -186,7 +186,7 @@ def bounded_scoring(
     ``submit`` returns) are always counted."""
 
     def run(engine: Engine) -> Submission:
-        each = _tokens_per_input(engine.deployment, truncate_prompt_tokens, "truncate")
+        each = _tokens_per_input(engine.info, truncate_prompt_tokens, "truncate")
         assert each is not None, "a scored input is never chunked"
         submission = submit(engine)
         if n * each <= settings.max_tokens_per_request and not submission.done():
@@ -200,7 +200,7 @@ def bounded_scoring(
     return run
 
 
-def _tokens_per_input(d: Deployment, truncate: Any, policy: str) -> int | None:
+def _tokens_per_input(d: EngineInfo, truncate: Any, policy: str) -> int | None:
     """The most tokens any one input can have after the engine's truncation or refusal;
     None when inputs are chunked (no bound but ours). A bad ``truncate`` is the engine's to
     refuse: it gets max_model_len here."""

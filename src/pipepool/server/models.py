@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from ..api.router import TASKS, model_tasks
+from ..api.engine_info import TASKS
 from ..errors import InvalidInputError
 from ..loading.model_folder import BUNDLED_MODEL_ID, hub_id_of_snapshot
 from .errors import SERVER, APIError, model_not_found
@@ -70,12 +70,12 @@ class ServedModel:
         return self.names.name
 
     def tasks(self) -> tuple[str, ...] | None:
-        """What this model answers (``api.router.TASKS``), None until it has loaded: what it
-        can do (``model_tasks``), less what the server was told not to offer it for."""
+        """What this model answers (``api.engine_info.TASKS``), None until it has loaded: what it
+        can do (``engine.info.tasks``), less what the server was told not to offer it for."""
         engine = self.front.owner.engine
         if engine is None:
             return None
-        can = model_tasks(engine.deployment)
+        can = engine.info.tasks
         offered = self.names.tasks
         return can if offered is None else tuple(t for t in can if t in offered)
 

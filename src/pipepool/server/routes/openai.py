@@ -114,7 +114,7 @@ async def models(request: Request) -> dict:
                 "root": model.name,
             }
             if engine is not None:
-                card["max_model_len"] = engine.deployment.max_model_len
+                card["max_model_len"] = engine.info.max_model_len
             if tasks is not None:
                 card["tasks"] = list(tasks)
             cards.append(card)

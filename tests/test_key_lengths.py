@@ -304,7 +304,8 @@ def test_causal_and_position_biased_models_refuse_key_lens(qwen3_path, model_dir
         with pytest.raises(InvalidInputError, match="MPNet"):
             _token_embeddings(engine, prompts, np.array([2, 3]))
         # Past the engine's check (a caller that skipped it), the stage refuses them itself.
-        submission = engine._new_submission(engine.info.pooling_params("all", None, False), 2)
+        params = engine.info.pooling_params("all", None, False)
+        submission = engine._embedder._new_submission(params, 2)
         part = TokenSlice(0, np.concatenate(prompts), np.array([5, 3]), None, np.array([2, 3]))
         engine.pipeline.enqueue(submission, part)
         with pytest.raises(EngineDeadError, match="key lengths"):

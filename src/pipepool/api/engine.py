@@ -1,64 +1,42 @@
 """The Engine: the one object every front end (Python API, CLI, HTTP server) sits on.
 
-A facade: it turns a call's inputs into validated token slices (``inputs``), hands them to its
-``Pipeline`` (one pipeline of stages, or replicas of it: ``driver/pipeline.py``) and returns the
-call's future. Everything behind the first token batch — scheduling, stages, healing,
-tracing — is the pipeline's.
+A thin front class: it turns a call's inputs into validated token slices (``embedding.py``;
+``scoring.py`` for pairs and labels, ``retrieval.py`` for sparse and multi-vector outputs),
+hands them to its ``Pipeline`` (one pipeline of stages, or replicas of it:
+``driver/pipeline.py``) and returns the call's future. Everything behind the first token
+batch — scheduling, stages, healing, tracing — is the pipeline's.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import itertools
 import logging
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-from ..config import EngineConfig, check_long_inputs
-from ..core.priority import current_client, is_background
+from ..config import EngineConfig
 from ..core.request import PoolingParams
 from ..core.stats import EngineStats
 from ..core.submission import ResultCallback, Submission
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
 from ..intake.inputs import InputPreparer, TokenSlice
-from ..intake.long_inputs import CombinedSubmission, split_windows, window_params
+from ..intake.long_inputs import CombinedSubmission
 from ..intake.tokenizer import Tokenizer
 from ..runtime.memory import bound_heap_growth
+from .embedding import Embedder
 from .engine_info import EngineInfo
 from .int8_scale import Int8Calibration
 from .late_chunking import late_chunk_texts
+from .lifecycle import close_at_exit, open_pipeline
 from .retrieval import RetrievalEncoder, RetrievalOutputs
-from .scoring import Classification, RerankResult, Scorer, refuse_embedding
+from .scoring import Classification, RerankResult, Scorer
 
 if TYPE_CHECKING:
     from ..tracing import TraceSummary
 
 log = logging.getLogger("pipepool")
-# At interpreter exit a loop thread still inside a step is waited for this long: the
-# interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
-_EXIT_JOIN_S = 10.0
-_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-def open_pipeline(config: EngineConfig) -> Pipeline:
-    """The pipeline an EngineConfig asks for: replicas when ``data_parallel_size`` > 1
-    (imported only then: one pipeline needs none of the replicas' modules)."""
-    if config.data_parallel_size > 1:
-        from ..replicas.pipeline import ReplicaPipeline
-
-        return ReplicaPipeline(config)
-    from ..driver.local import LocalPipeline
-
-    return LocalPipeline(config)
-
-
-def _nothing() -> None:
-    """After a slice is enqueued: nothing to wait for."""
 
 
 class Engine:
@@ -107,11 +85,12 @@ class Engine:
         self._inputs = InputPreparer(self._deployment)
         self.tokenizer: Tokenizer = self._inputs.tokenizer
         self.info = EngineInfo.of(self._deployment, config, self.tokenizer.vocab_size)
+        self._embedder = Embedder(self.pipeline, self._deployment, self._inputs, config, self.info)
         self._scorer = Scorer(self, self._deployment, self._inputs)
         self._retrieval = RetrievalEncoder(self, self._deployment, self._inputs)
         self._int8 = Int8Calibration()
         self._trace_written = False
-        _open_engines.add(self)
+        close_at_exit(self)
 
     @classmethod
     def from_config(cls, config: EngineConfig, pipeline: Pipeline | None = None) -> Engine:
@@ -211,56 +190,11 @@ class Engine:
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
-        refuse_embedding(self.info, pooling)
-        params = self._inputs.params(pooling or self._deployment.pooling, dimensions, normalize)
-        policy = check_long_inputs(long_inputs or self.config.long_inputs)
-        items = self._inputs.items(inputs)
-        slices = self._inputs.token_slices(
-            items,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side,
-            prompt_name=prompt_name,
-            long_inputs=policy,
-        )
-        if (
-            not isinstance(inputs, str)
-            and isinstance(inputs, (Sequence, np.ndarray))
-            and not len(inputs)
-        ):
-            return self._new_submission(params, 0)  # already done: an empty result
-        first = next(slices)  # options (and every text) validated before anything is enqueued
-        if policy == "chunk":
-            return self._submit_windows(params, [first, *slices])
-        submission = self._new_submission(params, len(items))
-        more = len(first.lengths) < len(items)
-        try:
-            with (
-                self.pipeline.slice_intake()
-                if more
-                else contextlib.nullcontext(_nothing) as enqueued
-            ):
-                for part in itertools.chain([first], slices):
-                    self.pipeline.enqueue(submission, part)
-                    if part.first + len(part.lengths) < len(items):
-                        enqueued()  # before preparing the next slice
-        except BaseException:
-            submission.cancel()
-            raise
-        return submission
-
-    def _submit_windows(
-        self, params: PoolingParams, parts: list[TokenSlice]
-    ) -> Submission | CombinedSubmission:
-        """long_inputs="chunk": inputs over max_model_len become several requests."""
-        token_ids = np.concatenate([p.token_ids for p in parts])
-        lengths = np.concatenate([p.lengths for p in parts])
-        d = self._deployment
-        size = min(d.max_model_len, d.kv_cache_tokens) if d.causal else d.max_model_len
-        windows = split_windows(token_ids, lengths, size)
-        if len(windows.lengths) == len(lengths):  # nothing to split
-            return self.submit_tokens(token_ids, lengths, params)
-        inner = self.submit_tokens(token_ids, windows.lengths, window_params(params))
-        return CombinedSubmission(inner, windows, params)
+        return self._embedder.submit(
+            inputs, pooling=pooling, dimensions=dimensions, normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+            prompt_name=prompt_name, long_inputs=long_inputs,
+        )  # fmt: skip
 
     def submit_tokens(
         self,
@@ -283,12 +217,9 @@ class Engine:
         [MASK] padding with attention mask 0, as Hugging Face computes it for
         ``attention_mask = [1] * k + [0] * (n - k)``).
         0: every token is a key. Raises InvalidInputError naming a bad one."""
-        if key_lens is not None:
-            key_lens = self._inputs.key_lengths(key_lens, lengths)
-        submission = self._new_submission(params, len(lengths), on_result)
-        part = TokenSlice(0, token_ids, lengths, type_ids, key_lens)
-        self.pipeline.enqueue(submission, part)
-        return submission
+        return self._embedder.submit_tokens(
+            token_ids, lengths, params, type_ids, key_lens, on_result=on_result
+        )
 
     def tokenize(self, inputs, **options) -> list[np.ndarray]:
         """Token ids per input, as ``submit`` would enqueue them (prompt and truncation
@@ -588,32 +519,3 @@ class Engine:
             self.close()
         except Exception:
             pass
-
-    def _new_submission(
-        self,
-        params: PoolingParams,
-        num_inputs: int,
-        on_result: ResultCallback | None = None,
-    ) -> Submission:
-        width = params.dimensions or self._inputs.output_width(params.pooling)
-        return Submission(
-            params,
-            num_inputs,
-            width,
-            on_cancel=self.pipeline.cancel,
-            background=is_background(),
-            client=current_client(),
-            on_result=on_result,
-        )
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the engines a program left open. Without this a program that exits with work
-    in flight (no close(), no ``with``) dies of SIGABRT ("terminate called without an active
-    exception", exit code 134): the interpreter tears down while the loop thread still runs a
-    step's torch ops. Runs before the interpreter's own teardown."""
-    for engine in list(_open_engines):
-        with contextlib.suppress(Exception):
-            engine.close()
-            engine.pipeline.close(join_timeout=_EXIT_JOIN_S)

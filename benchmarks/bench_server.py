@@ -121,7 +121,7 @@ def main() -> int:
         start = time.perf_counter()
         offline = engine.embed(flat)
         offline_s = time.perf_counter() - start
-        d = engine.deployment
+        d = engine.pipeline.deployment
 
     served_flat = np.stack([v for r in served for v in r])
     worst = _worst_cosine(served_flat, offline)

@@ -72,23 +72,24 @@ def main() -> None:
     if args.key == "minilm":
         options["max_model_len"] = 512
     engine = pipepool.Engine(str(path), **options)
-    engine.wait_until_compiled()
-    vocab, max_len = engine.deployment.vocab_size, engine.deployment.max_model_len
+    engine.pipeline.wait_until_compiled(None)
+    d = engine.pipeline.deployment
+    vocab, max_len = d.vocab_size, d.max_model_len
     workload = make_workload(args.workload, vocab, max_len=max_len)
-    pooling = engine.deployment.pooling
+    pooling = engine.info.pooling
 
     def one_pass():
         engine.submit(workload.token_ids, pooling=pooling, normalize=True).result()
 
     for _ in range(3):
         one_pass()
-    passes, steps0, busy0 = 4, engine.stats.steps, engine.stage_busy_s()[0]
+    passes, steps0, busy0 = 4, engine.stats.steps, engine.pipeline.stage_busy_s()[0]
     start = time.perf_counter()
     for _ in range(passes):
         one_pass()
     seconds = time.perf_counter() - start
     steps = engine.stats.steps - steps0
-    busy_ms = (engine.stage_busy_s()[0] - busy0) / steps * 1e3
+    busy_ms = (engine.pipeline.stage_busy_s()[0] - busy0) / steps * 1e3
     print(f"{args.key} {args.workload}: {steps / passes:.1f} steps/pass, "
           f"{seconds / steps * 1e3:.2f} ms/step, busy {busy_ms:.2f} ms/step, "
           f"{workload.num_tokens * passes / seconds / 1e6:.3f}M tok/s")  # fmt: skip

@@ -42,7 +42,7 @@ def run_heavy(path: str, batch: int, stop: threading.Event, ready, counted: list
     warm); [tokens, seconds] into ``counted``."""
     # A KV cache of a few steps' tokens, not most of the GPU: the light engine shares it.
     with Engine(path, kv_cache_tokens=KV_TOKENS) as engine:
-        engine.wait_until_compiled()
+        engine.pipeline.wait_until_compiled(None)
         inputs = [ids.tolist() for ids in make_workload("W1", 30000, max_len=512,
                                                         requests=batch).token_ids]  # fmt: skip
         tokens = sum(len(ids) for ids in inputs)
@@ -95,7 +95,7 @@ def main() -> int:
     light_path = str(gpu_suite.build_checkpoint("minilm"))
     heavy_path = str(gpu_suite.build_checkpoint("0.6b"))
     with Engine(light_path) as light:
-        light.wait_until_compiled()
+        light.pipeline.wait_until_compiled(None)
         light_latencies(light, 2.0)  # warm
         report("idle", light_latencies(light, args.seconds))
 

@@ -146,10 +146,10 @@ def main() -> None:
     if args.switch_interval_ms is not None:
         options["switch_interval_ms"] = args.switch_interval_ms
     engine = pipepool.Engine(path, **options)
-    engine.wait_until_compiled()
+    engine.pipeline.wait_until_compiled(None)
     if args.stub_forward:
         stub_forward(engine)
-    d = engine.deployment
+    d = engine.pipeline.deployment
     workload = make_workload(args.workload, d.vocab_size, max_len=d.max_model_len)
 
     def one_pass(engine: pipepool.Engine = engine) -> None:
@@ -183,7 +183,7 @@ def main() -> None:
     # 2. One pass's timeline, from an engine that records one: where the device waited.
     trace_file = os.path.join(tempfile.mkdtemp(), "host_time.json")
     with pipepool.Engine(path, trace=trace_file, **options) as traced:
-        traced.wait_until_compiled()
+        traced.pipeline.wait_until_compiled(None)
         if args.stub_forward:
             stub_forward(traced)
         for _ in range(3):

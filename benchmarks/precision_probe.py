@@ -21,10 +21,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     with Engine(args.model, device="cpu", max_model_len=args.max_model_len) as engine:
-        limit = engine.deployment.max_model_len
+        limit = engine.info.max_model_len
 
         def count(text: str) -> int:
-            ids = engine.inputs.tokenizer.encode_batch([text])[0]
+            ids = engine.tokenizer.encode_batch([text])[0]
             return len(ids)
 
         texts = builtin_prompts(count, limit)

@@ -66,7 +66,7 @@ class TimedEmbedBatches(EmbedBatches):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.engine.wait_until_compiled()
+        self.engine.pipeline.wait_until_compiled(None)
         self.ready = time.time()
 
     def __call__(self, batch, **options):
@@ -187,7 +187,7 @@ def main() -> None:
     rows_ref = [ray.put(block) for block in blocks]
 
     engine = Engine(model, **engine_options)
-    engine.wait_until_compiled()
+    engine.pipeline.wait_until_compiled(None)
     engine.embed(texts[: min(len(texts), 20_000)])  # warm-up: CUDA graphs of the step sizes
     results: dict[str, list[dict]] = {"engine": [], **{v: [] for v in pools}}
     for round_ in range(args.rounds):

@@ -2,7 +2,7 @@
 doing the same outputs on the same texts, in one process, systems alternated over rounds.
 
 - ``splade``: a SPLADE-shaped SparseEncoder (BERT-base: 12 layers, hidden 768, vocabulary
-  30522, random bf16 weights, max pooling): ``Engine.embed_sparse`` against
+  30522, random bf16 weights, max pooling): ``Retriever.embed_sparse`` against
   sentence-transformers' ``SparseEncoder.encode`` (its best batch size), both returning each
   text's non-zero (token id, weight) pairs on the host.
 - ``m3dense``: the same model's dense vectors alone (``Engine.embed`` against the peer's dense
@@ -213,7 +213,7 @@ class M3Peer:
 
 
 def run(models: list[str], rounds: int, batch_sizes: list[int]) -> list[dict]:
-    from pipepool import Engine
+    from pipepool import Engine, Retriever
 
     rows = []
     for key in models:
@@ -224,9 +224,9 @@ def run(models: list[str], rounds: int, batch_sizes: list[int]) -> list[dict]:
             "m3dense": lambda f, b: M3Peer(f, b, dense_only=True),
         }[key]
         engine = Engine(str(folder), dtype="bfloat16", device=device())
-        engine.wait_until_compiled(600)
+        engine.pipeline.wait_until_compiled(600)
         if key == "splade":
-            ours = engine.embed_sparse
+            ours = Retriever(engine).embed_sparse
         elif key == "m3dense":
             ours = engine.embed
         else:

@@ -35,11 +35,12 @@ if profile:
     prof.disable()
 engine.embed(["The quick brown fox", "jumps over the lazy dog", "a third text"])
 t3 = time.perf_counter()
-engine.wait_until_compiled()  # compile left to the engine: it finishes while the engine serves
+# compile left to the engine: it finishes while the engine serves
+engine.pipeline.wait_until_compiled(None)
 t4 = time.perf_counter()
 engine.close()
 print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "first_embed_s": t3 - t2,
-                  "compiled_s": t4 - t1, "device": engine.deployment.devices[0]}))
+                  "compiled_s": t4 - t1, "device": engine.info.devices[0]}))
 if profile:
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
 """

@@ -49,7 +49,7 @@ def main() -> None:
             with Engine(args.model, pipeline_parallel_size=args.pp,
                         max_num_batched_tokens=args.budget, trace=trace) as engine:  # fmt: skip
                 pids = [p.pid for p in getattr(engine.pipeline._executor, "_procs", {}).values()]
-                d = engine.deployment
+                d = engine.pipeline.deployment
                 w = make_workload("W1", d.vocab_size, max_len=d.max_model_len,
                                   requests=args.requests)  # fmt: skip
                 engine.pool(w.token_ids, pooling="last")  # warm-up

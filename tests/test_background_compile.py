@@ -71,10 +71,10 @@ def test_engine_serves_while_compiling_then_installs_the_compiled_bodies(bert_pa
     slow = background()
     with pipepool.Engine(str(bert_path), device="cpu", dtype="float32") as engine:
         before = engine.embed(TEXTS)  # ready, and answering, while the compile is held
-        assert engine.wait_until_compiled(timeout=0.05) is False
+        assert engine.pipeline.wait_until_compiled(timeout=0.05) is False
         assert slow.calls == {}  # nothing ran the compiled body yet
         slow.release.set()
-        assert engine.wait_until_compiled(timeout=30) is True
+        assert engine.pipeline.wait_until_compiled(timeout=30) is True
         after = engine.embed(TEXTS)
         assert slow.calls.get("pipepool-engine", 0) > 0, slow.calls  # the loop now runs it
         assert any(name.startswith("pipepool-compile") for name in slow.calls)  # warm-up
@@ -88,7 +88,7 @@ def test_a_failed_background_compile_leaves_the_engine_eager(bert_path, backgrou
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pipepool.Engine(str(bert_path), device="cpu", dtype="float32") as engine:
-            assert engine.wait_until_compiled(timeout=30) is True
+            assert engine.pipeline.wait_until_compiled(timeout=30) is True
             vectors = engine.embed(TEXTS)
     assert vectors.shape[0] == len(TEXTS) and np.isfinite(vectors).all()
     assert any("torch.compile failed" in str(w.message) for w in caught)

@@ -62,7 +62,7 @@ def test_is_causal_false_decoder_matches_the_bidirectional_reference(
     with pipepool.Engine(
         str(path), pipeline_parallel_size=pp, max_num_batched_tokens=budget
     ) as engine:
-        assert not engine.deployment.causal
+        assert not engine.info.causal
         for pooling in ("last", "mean", "all"):
             _assert_matches(engine, ref, prompts, pooling)
         assert engine.stats.chunked_requests == 0  # whole prompts: they cannot be chunked
@@ -89,7 +89,7 @@ def test_causal_override_runs_a_bidirectional_checkpoint_causally(bidirectional_
     ref = Reference(path)
     ref.model = transformers.AutoModel.from_pretrained(str(path), is_causal=True).eval()
     with pipepool.Engine(str(path), attention="causal", max_num_batched_tokens=16) as engine:
-        assert engine.deployment.causal
+        assert engine.info.causal
         _assert_matches(engine, ref, long_prompts()[:4], "last")
         assert engine.stats.chunked_requests > 0
 
@@ -117,7 +117,7 @@ def test_remote_code_runs_as_the_built_in_family_when_the_attention_is_named(
     with pipepool.Engine(
         str(path), attention="bidirectional", pipeline_parallel_size=pp, max_num_batched_tokens=16
     ) as engine:
-        assert not engine.deployment.causal
+        assert not engine.info.causal
         _assert_matches(engine, ref, long_prompts(), "last")
 
 
@@ -260,7 +260,7 @@ def test_the_sentence_transformers_folder_still_matches_after_the_checks(st_bert
     texts = long_prompts()[:4]
     expected = SentenceTransformer(str(st_bert_path), device="cpu").encode(texts)
     with pipepool.Engine(str(st_bert_path)) as engine:
-        got = engine.encode(texts)
+        got = pipepool.SentenceTransformer(engine).encode(texts)
     assert np.min(cosine(got, expected)) >= MIN_COSINE
 
 

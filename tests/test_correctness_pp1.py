@@ -108,7 +108,7 @@ def test_sentence_transformers_pooling_modes_chunked_match_the_reference(
         ) as engine:
             for pooling in SENTENCE_TRANSFORMERS_MODES:
                 _check_against_reference(engine, ref, prompts, pooling)
-            if engine.deployment.causal:
+            if engine.info.causal:
                 assert engine.stats.chunked_requests > 0
 
 
@@ -129,5 +129,5 @@ def test_sentence_transformers_folder_with_each_pooling_mode(model_dir, mode):
     texts = long_prompts()[:5]
     expected = SentenceTransformer(str(folder), device="cpu").encode(texts)
     with pipepool.Engine(str(folder), pipeline_parallel_size=2) as engine:
-        got = engine.encode(texts)
+        got = pipepool.SentenceTransformer(engine).encode(texts)
     assert cosine(got, expected).min() >= MIN_COSINE

@@ -1,7 +1,8 @@
-"""Issue 38 item 4: the Engine offers ``CrossEncoder``'s ``predict`` / ``rank`` surface with its
-semantics. One script of calls runs through ``sentence_transformers.CrossEncoder`` and through
-the engine on the same reranker folder; every result has the same container type, dtype and
-shape, scores within 1e-4, rankings in the same order."""
+"""Issue 38 item 4: ``pipepool.CrossEncoder``, an adapter over the Engine, offers
+``CrossEncoder``'s ``predict`` / ``rank`` surface with its semantics. One script of calls runs
+through ``sentence_transformers.CrossEncoder`` and through ours on the same reranker folder;
+every result has the same container type, dtype and shape, scores within 1e-4, rankings in the
+same order."""
 
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def reference(folder):
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
-    with pipepool.Engine(str(folder)) as engine:
-        yield engine
+def ours(folder):
+    """pipepool's CrossEncoder, with the Engine it builds and owns."""
+    with pipepool.CrossEncoder(str(folder)) as model:
+        yield model
 
 
-# The script: each call as a function of the model (CrossEncoder or Engine).
+# The script: each call as a function of the model (either CrossEncoder).
 SCRIPT: dict[str, Callable[[Any], Any]] = {
     "predict": lambda m: m.predict(PAIRS),
     "one pair": lambda m: m.predict(PAIRS[0]),
@@ -105,17 +107,17 @@ RANKS: dict[str, Callable[[Any], Any]] = {
 
 
 @pytest.mark.parametrize("call", list(SCRIPT))
-def test_script_matches_cross_encoder(engine, reference, call):
-    assert_same(SCRIPT[call](engine), SCRIPT[call](reference), call)
+def test_script_matches_cross_encoder(ours, reference, call):
+    assert_same(SCRIPT[call](ours), SCRIPT[call](reference), call)
 
 
 @pytest.mark.parametrize("call", list(RANKS))
-def test_rank_matches_cross_encoder(engine, reference, call):
+def test_rank_matches_cross_encoder(ours, reference, call):
     if reference.num_labels != 1:
         with pytest.raises(pipepool.InvalidInputError, match="only works for models with num_"):
-            RANKS[call](engine)
+            RANKS[call](ours)
         return
-    got, want = RANKS[call](engine), RANKS[call](reference)
+    got, want = RANKS[call](ours), RANKS[call](reference)
     assert [r.keys() for r in got] == [r.keys() for r in want]
     assert [r["corpus_id"] for r in got] == [r["corpus_id"] for r in want]
     assert [r.get("text") for r in got] == [r.get("text") for r in want]
@@ -124,48 +126,46 @@ def test_rank_matches_cross_encoder(engine, reference, call):
     np.testing.assert_allclose(*scores, atol=SCORE_TOLERANCE, rtol=0)
 
 
-def test_prompt_goes_before_the_first_text_as_in_cross_encoder(engine, reference):
+def test_prompt_goes_before_the_first_text_as_in_cross_encoder(ours, reference):
     call = "predict with a prompt"
-    if engine.deployment.classifier.template != "pair":  # Qwen3-Reranker: its own prompt
+    if ours.engine.info.classifier.template != "pair":  # Qwen3-Reranker: its own prompt
         with pytest.raises(pipepool.InvalidInputError, match="instruction="):
-            engine.predict(PAIRS, prompt="Judge: ")
+            ours.predict(PAIRS, prompt="Judge: ")
         return
     assert_same(
-        engine.predict(PAIRS, prompt="Judge: "), reference.predict(PAIRS, prompt="Judge: "), call
+        ours.predict(PAIRS, prompt="Judge: "), reference.predict(PAIRS, prompt="Judge: "), call
     )
 
 
-def test_max_seq_length_set_truncates_as_cross_encoder(engine, reference):
-    original = engine.max_seq_length
+def test_max_seq_length_set_truncates_as_cross_encoder(ours, reference):
+    original = ours.max_seq_length
     assert original == reference.max_seq_length
     try:
-        engine.max_seq_length = reference.max_seq_length = 96
-        assert_same(engine.predict(PAIRS), reference.predict(PAIRS), "predict, shorter")
+        ours.max_seq_length = reference.max_seq_length = 96
+        assert_same(ours.predict(PAIRS), reference.predict(PAIRS), "predict, shorter")
     finally:
-        engine.max_seq_length = reference.max_seq_length = original
+        ours.max_seq_length = reference.max_seq_length = original
 
 
-def test_activation_fn_set_by_the_caller_applies_as_in_cross_encoder(engine, reference):
+def test_activation_fn_set_by_the_caller_applies_as_in_cross_encoder(ours, reference):
     original = reference.activation_fn
     try:
-        engine.activation_fn = reference.activation_fn = torch.nn.Tanh()
-        assert_same(engine.predict(PAIRS), reference.predict(PAIRS), "predict with Tanh")
+        ours.activation_fn = reference.activation_fn = torch.nn.Tanh()
+        assert_same(ours.predict(PAIRS), reference.predict(PAIRS), "predict with Tanh")
     finally:
-        engine.activation_fn, reference.activation_fn = None, original
-    assert type(engine.activation_fn) is type(original)
+        ours.activation_fn, reference.activation_fn = None, original
+    assert type(ours.activation_fn) is type(original)
 
 
-def test_no_pairs_give_no_scores(engine, reference):
-    empty = engine.predict([], convert_to_tensor=True)
-    labels = engine.num_labels
+def test_no_pairs_give_no_scores(ours, reference):
+    empty = ours.predict([], convert_to_tensor=True)
+    labels = ours.num_labels
     # As CrossEncoder for one label; for several, [0, num_labels] (it gives [0] there), and
     # float32 NumPy where it gives a float64 [0] array: shapes that stack with other results.
     assert empty.dtype == torch.float32 and tuple(empty.shape) == ((0,) if labels == 1 else (0, 3))
     if labels == 1:
         assert_same(empty, reference.predict([], convert_to_tensor=True), "no pairs")
-    assert (
-        engine.predict([]).dtype == np.float32 and engine.predict([], convert_to_numpy=False) == []
-    )
+    assert ours.predict([]).dtype == np.float32 and ours.predict([], convert_to_numpy=False) == []
 
 
 def assert_same(got: Any, want: Any, what: str) -> None:
@@ -192,15 +192,15 @@ def test_cross_encoder_engine_kinds_agree(cross_encoder_path, engine_kind):
     from sentence_transformers import CrossEncoder
 
     reference = CrossEncoder(str(cross_encoder_path), device="cpu")
-    with pipepool.Engine(str(cross_encoder_path), **engine_kind) as engine:
+    with pipepool.CrossEncoder(str(cross_encoder_path), **engine_kind) as ours:
         for call in (
             "predict",
             "one pair",
             "convert_to_tensor",
             "batch_size, progress bar, device",
         ):
-            assert_same(SCRIPT[call](engine), SCRIPT[call](reference), call)
-        got, want = engine.rank(QUERY, DOCUMENTS), reference.rank(QUERY, DOCUMENTS)
+            assert_same(SCRIPT[call](ours), SCRIPT[call](reference), call)
+        got, want = ours.rank(QUERY, DOCUMENTS), reference.rank(QUERY, DOCUMENTS)
         assert [r["corpus_id"] for r in got] == [r["corpus_id"] for r in want]
 
 
@@ -219,16 +219,16 @@ def test_cross_encoder_engine_kinds_agree(cross_encoder_path, engine_kind):
 )
 def test_bad_predict_calls_raise_value_errors_naming_the_problem(cross_encoder_path, call, says):
     with (
-        pipepool.Engine(str(cross_encoder_path)) as engine,
+        pipepool.CrossEncoder(str(cross_encoder_path)) as ours,
         pytest.raises(pipepool.InvalidInputError, match=says) as info,
     ):
-        call(engine)
+        call(ours)
     assert isinstance(info.value, ValueError)
 
 
 def test_an_embedding_model_has_no_cross_encoder_surface(bert_path):
-    with pipepool.Engine(str(bert_path)) as engine:
+    with pipepool.CrossEncoder(str(bert_path)) as ours:
         with pytest.raises(pipepool.InvalidInputError, match="is an embedding model"):
-            engine.predict([("a", "b")])
+            ours.predict([("a", "b")])
         with pytest.raises(pipepool.InvalidInputError, match="is an embedding model"):
-            engine.rank("a", ["b"])
+            ours.rank("a", ["b"])

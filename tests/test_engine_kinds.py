@@ -71,12 +71,12 @@ def test_write_trace_holds_every_process_and_a_summary_per_stage(engine, engine_
 def test_health_death_callbacks_and_close(qwen3_path, engine_kind):
     engine = pipepool.Engine(str(qwen3_path), max_num_batched_tokens=BUDGET, **engine_kind)
     deaths: list[BaseException] = []
-    engine.add_death_callback(deaths.append)
-    assert engine.health == "ok" and engine.is_alive
-    assert engine.embed(["a sentence"]).shape == (1, engine.get_embedding_dimension())
+    engine.pipeline.add_death_callback(deaths.append)
+    assert engine.health == "ok"
+    assert engine.embed(["a sentence"]).shape == (1, engine.info.dimensions)
     engine.close()
     engine.close()  # twice is fine
-    assert engine.health == "closed" and not engine.is_alive
+    assert engine.health == "closed"
     assert deaths == []  # close() is not a death
     with pytest.raises(EngineDeadError):
         engine.embed(["after close"])

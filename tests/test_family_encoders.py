@@ -155,7 +155,7 @@ def test_mpnet_sentence_transformers_folder_matches_encode(tmp_path_factory):
     expected = model.encode(prompts, batch_size=1, convert_to_numpy=True)
     with _engine(path, 2) as engine:
         ids = engine.tokenize(prompts)
-        got = engine.encode(prompts)
+        got = pipepool.SentenceTransformer(engine).encode(prompts)
     for text, got_ids in zip(prompts, ids, strict=True):
         assert got_ids.tolist() == model.tokenizer(text)["input_ids"]
     assert got.shape == expected.shape
@@ -254,7 +254,7 @@ def test_gpu_embedder_matches_reference(embedders, reference, family):
             outs = engine.pool(prompts, pooling=pooling, normalize=False)
             assert _worst_cosine(outs, ref, prompts, pooling) >= MIN_COSINE, pooling
     with _engine_cuda(path, "bfloat16") as engine:
-        engine.wait_until_compiled(600)
+        engine.pipeline.wait_until_compiled(600)
         for pooling in POOLINGS:
             outs = engine.pool(prompts, pooling=pooling, normalize=False)
             for text, out in zip(prompts, outs, strict=True):

@@ -67,7 +67,7 @@ def test_gemma_matches_transformers(gemma_paths, references, name, pp):
     with pipepool.Engine(
         str(gemma_paths[name]), pipeline_parallel_size=pp, max_num_batched_tokens=BUDGET
     ) as engine:
-        assert engine.deployment.causal == CAUSAL[name]
+        assert engine.info.causal == CAUSAL[name]
         for pooling in ("last", "mean", "all"):
             _assert_matches(engine, ref, prompts, pooling)
         if CAUSAL[name]:
@@ -96,7 +96,7 @@ def test_embeddinggemma_folder_matches_sentence_transformers(model_dir):
     st = SentenceTransformer(str(path), device="cpu")
     texts = [*SENTENCES[:6], long_prompts()[3]]
     with pipepool.Engine(str(path), max_num_batched_tokens=BUDGET) as engine:
-        assert engine.deployment.pooling == "mean" and not engine.deployment.causal
+        assert engine.info.pooling == "mean" and not engine.info.causal
         ids = [[int(t) for t in row] for row in engine.tokenize(texts)]
         assert ids == [st.tokenizer(t)["input_ids"] for t in texts]
         for prompt_name in (None, *EMBEDDINGGEMMA_PROMPTS):
@@ -165,7 +165,7 @@ def test_a_causal_override_of_embeddinggemma_uses_the_causal_window(gemma_paths,
     causal = _edit_config(source, tmp_path / "causal", use_bidirectional_attention=False)
     ref = gemma_reference(causal)
     with pipepool.Engine(str(source), attention="causal", max_num_batched_tokens=BUDGET) as engine:
-        assert engine.deployment.causal
+        assert engine.info.causal
         _assert_matches(engine, ref, long_prompts()[:5], "mean")
         assert engine.stats.chunked_requests > 0
 
@@ -187,7 +187,7 @@ def test_gpu_fp32_matches_transformers_with_cuda_graphs_where_they_apply(
     options = dict(device="cuda", dtype="float32", compile=False)
     path = str(gemma_paths[name])
     with pipepool.Engine(path, max_num_batched_tokens=BUDGET, **options) as e:
-        graphs = e.deployment.graph_max_tokens > 0
+        graphs = e.pipeline.deployment.graph_max_tokens > 0
     if not graphs:
         with pytest.raises(pipepool.InvalidInputError, match="cannot be captured as CUDA graphs"):
             pipepool.Engine(path, max_num_batched_tokens=BUDGET, cuda_graphs=True, **options)

@@ -104,7 +104,7 @@ def test_sentence_transformers_folder_matches_encode(model_dir):
     texts = long_prompts()
     expected = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
     with pipepool.Engine(str(path), max_num_batched_tokens=16) as engine:
-        assert engine.deployment.pooling == "mean" and engine.deployment.normalize
+        assert engine.info.pooling == "mean" and engine.info.normalize
         got = engine.embed(texts)
     assert got.shape == expected.shape == (len(texts), 64)
     assert cosine(got, expected).min() >= MIN_COSINE
@@ -160,7 +160,7 @@ def test_a_classifier_on_the_mean_row_matches_transformers(classifier_path, tmp_
             for d in documents
         ]
     with pipepool.Engine(str(path), pipeline_parallel_size=pp, max_num_batched_tokens=16) as e:
-        assert e.deployment.pooling == "mean"
+        assert e.info.pooling == "mean"
         got = e.score(QUERY, documents, use_activation=False)
     assert np.abs(got - np.array(expected)).max() <= TOLERANCE
 

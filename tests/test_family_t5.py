@@ -60,7 +60,7 @@ def test_t5_encoder_matches_transformers(t5_paths, t5_refs, variant, pp):
     path = t5_paths[variant]
     with pipepool.Engine(str(path), pipeline_parallel_size=pp, max_num_batched_tokens=BUDGET) as e:
         # No [CLS] to read: a bare T5 folder pools the mean by default.
-        assert e.deployment.pooling == "mean"
+        assert e.info.pooling == "mean"
         _assert_matches(e, ref, prompts)
 
 
@@ -81,7 +81,7 @@ def test_sentence_t5_folder_matches_sentence_transformers(t5_dir):
     texts = [*long_prompts(), *SENTENCES[:8]]
     expected = st.encode(texts, convert_to_numpy=True)
     with pipepool.Engine(str(path), max_num_batched_tokens=BUDGET) as engine:
-        d = engine.deployment
+        d = engine.pipeline.deployment
         assert (d.pooling, d.normalize, d.output_dim, d.max_model_len) == ("mean", True, 32, 256)
         for text in texts:  # longer prompts truncated as sentence-transformers truncates them
             want = st.tokenizer(text, truncation=True, max_length=256)["input_ids"]

@@ -203,7 +203,7 @@ def test_gpu_graphed_rerank_scores_equal_cpu_fp32(request, model):
         expected = cpu.score(QUERY, DOCUMENTS, use_activation=False)
     with pipepool.Engine(path, device="cuda", dtype="float32", cuda_graphs=True, **options) as gpu:
         # compile left to the engine: graphs are captured once the compiled bodies are in
-        assert gpu.wait_until_compiled(timeout=300)
+        assert gpu.pipeline.wait_until_compiled(timeout=300)
         runner = gpu.pipeline.runners[0]
         assert runner.forward is not runner.model  # graphed
         got = gpu.score(QUERY, DOCUMENTS, use_activation=False)

@@ -24,6 +24,12 @@ def engine(minilm_path):
         yield e
 
 
+@pytest.fixture(scope="module")
+def ours(engine):
+    """sentence-transformers' surface over the engine (it shares it)."""
+    return pipepool.SentenceTransformer(engine)
+
+
 @pytest.mark.parametrize(
     ("largest", "bound"),
     [
@@ -53,30 +59,30 @@ def test_symmetric_rule_rounds_half_to_even_and_clips():
         quantize_symmetric(values, "binary", 1.0)
 
 
-def test_encode_int8_is_the_symmetric_rule_on_the_calibrated_bound(engine):
+def test_encode_int8_is_the_symmetric_rule_on_the_calibrated_bound(engine, ours):
     # The bound, computed independently: the calibration texts through embed.
     bound = symmetric_bound(engine.embed(list(CALIBRATION_TEXTS)))
     assert engine.int8_bound() == bound
-    floats = engine.encode(TEXTS)
+    floats = ours.encode(TEXTS)
     for precision in ("int8", "uint8"):
-        got = engine.encode(TEXTS, precision=precision)
+        got = ours.encode(TEXTS, precision=precision)
         np.testing.assert_array_equal(got, quantize_symmetric(floats, precision, bound))
 
 
-def test_a_texts_int8_does_not_depend_on_its_batch_mates(engine):
-    batch = engine.encode(TEXTS, precision="int8")
-    alone = np.stack([engine.encode(text, precision="int8") for text in TEXTS])
+def test_a_texts_int8_does_not_depend_on_its_batch_mates(ours):
+    batch = ours.encode(TEXTS, precision="int8")
+    alone = np.stack([ours.encode(text, precision="int8") for text in TEXTS])
     np.testing.assert_array_equal(alone, batch)
-    shuffled = engine.encode(TEXTS[::-1] + SENTENCES[30:40], precision="int8")[: len(TEXTS)]
+    shuffled = ours.encode(TEXTS[::-1] + SENTENCES[30:40], precision="int8")[: len(TEXTS)]
     np.testing.assert_array_equal(shuffled[::-1], batch)
-    one = engine.encode(TEXTS[0], precision="int8")
+    one = ours.encode(TEXTS[0], precision="int8")
     assert len(np.unique(one)) > 20  # not one constant bucket (per-call ranges of one vector)
 
 
-def test_int8_and_uint8_approximate_the_float_vectors(engine):
-    floats = engine.encode(SENTENCES)
-    int8 = engine.encode(SENTENCES, precision="int8").astype(np.float64)
-    uint8 = engine.encode(SENTENCES, precision="uint8").astype(np.float64) - 128
+def test_int8_and_uint8_approximate_the_float_vectors(ours):
+    floats = ours.encode(SENTENCES)
+    int8 = ours.encode(SENTENCES, precision="int8").astype(np.float64)
+    uint8 = ours.encode(SENTENCES, precision="uint8").astype(np.float64) - 128
     assert cosine(int8, floats).min() >= 0.99
     assert cosine(uint8, floats).min() >= 0.99
     np.testing.assert_array_equal(uint8, int8)
@@ -92,39 +98,39 @@ def test_the_bound_matches_sentence_transformers_vectors_of_the_calibration_text
         assert engine.int8_bound() == symmetric_bound(st_model.encode(list(CALIBRATION_TEXTS)))
 
 
-def test_per_call_and_given_ranges_are_sentence_transformers_rules(engine):
-    floats = engine.encode(TEXTS)
-    per_call = engine.encode(TEXTS, precision="int8", ranges="call")
+def test_per_call_and_given_ranges_are_sentence_transformers_rules(ours):
+    floats = ours.encode(TEXTS)
+    per_call = ours.encode(TEXTS, precision="int8", ranges="call")
     np.testing.assert_array_equal(per_call, st_quantize(floats, precision="int8"))
-    calibration = engine.encode(SENTENCES[20:60])
+    calibration = ours.encode(SENTENCES[20:60])
     ranges = np.vstack((calibration.min(axis=0), calibration.max(axis=0)))
-    given = engine.encode(TEXTS, precision="uint8", ranges=ranges)
+    given = ours.encode(TEXTS, precision="uint8", ranges=ranges)
     np.testing.assert_array_equal(given, st_quantize(floats, precision="uint8", ranges=ranges))
 
 
-def test_matryoshka_and_token_outputs_have_bounds_of_their_own(engine):
-    cut = engine.encode(TEXTS, truncate_dim=32, normalize_embeddings=True)
-    calibration = engine.encode(list(CALIBRATION_TEXTS), truncate_dim=32, normalize_embeddings=True)
+def test_matryoshka_and_token_outputs_have_bounds_of_their_own(engine, ours):
+    cut = ours.encode(TEXTS, truncate_dim=32, normalize_embeddings=True)
+    calibration = ours.encode(list(CALIBRATION_TEXTS), truncate_dim=32, normalize_embeddings=True)
     bound = symmetric_bound(calibration)
     assert bound > engine.int8_bound()  # 32 unit-length components are larger than 384
-    got = engine.encode(TEXTS, precision="int8", truncate_dim=32, normalize_embeddings=True)
+    got = ours.encode(TEXTS, precision="int8", truncate_dim=32, normalize_embeddings=True)
     np.testing.assert_array_equal(got, quantize_symmetric(cut, "int8", bound))
     assert cosine(got.astype(np.float64), cut).min() >= 0.99
 
     kwargs = {"output_value": "token_embeddings"}
-    tokens = engine.encode(TEXTS[:3], **kwargs)
+    tokens = ours.encode(TEXTS[:3], **kwargs)
     token_bound = symmetric_bound(
-        [t.numpy() for t in engine.encode(list(CALIBRATION_TEXTS), **kwargs)]
+        [t.numpy() for t in ours.encode(list(CALIBRATION_TEXTS), **kwargs)]
     )
-    got = engine.encode(TEXTS[:3], precision="int8", **kwargs)
+    got = ours.encode(TEXTS[:3], precision="int8", **kwargs)
     for g, t in zip(got, tokens, strict=True):
         np.testing.assert_array_equal(g, quantize_symmetric(t.numpy(), "int8", token_bound))
-    alone = engine.encode(TEXTS[1], precision="int8", **kwargs)
+    alone = ours.encode(TEXTS[1], precision="int8", **kwargs)
     np.testing.assert_array_equal(alone, got[1])
 
 
 def test_a_bound_is_computed_once_and_known_without_waiting_after(engine):
-    assert engine.known_int8_bound(48) is None  # the server's event loop asks this first
+    assert engine.int8_bound(48, wait=False) is None  # the server's event loop asks this first
     bound = engine.int8_bound(48)
-    assert engine.known_int8_bound(48) == bound == engine.int8_bound(48)
+    assert engine.int8_bound(48, wait=False) == bound == engine.int8_bound(48)
     assert bound == symmetric_bound(engine.embed(list(CALIBRATION_TEXTS), dimensions=48))

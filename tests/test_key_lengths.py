@@ -189,7 +189,7 @@ def _queries(rng: np.random.Generator, count: int, *, low: int = 3, high: int = 
 
 def _token_embeddings(engine, prompts, key_lens) -> list[np.ndarray]:
     lengths = np.array([len(p) for p in prompts], np.int64)
-    params = engine.inputs.params("all", None, False)
+    params = engine.info.pooling_params("all", None, False)
     return list(
         engine.submit_tokens(np.concatenate(prompts), lengths, params, None, key_lens).result()
     )
@@ -304,7 +304,8 @@ def test_causal_and_position_biased_models_refuse_key_lens(qwen3_path, model_dir
         with pytest.raises(InvalidInputError, match="MPNet"):
             _token_embeddings(engine, prompts, np.array([2, 3]))
         # Past the engine's check (a caller that skipped it), the stage refuses them itself.
-        submission = engine._new_submission(engine.inputs.params("all", None, False), 2)
+        params = engine.info.pooling_params("all", None, False)
+        submission = engine._embedder._new_submission(params, 2)
         part = TokenSlice(0, np.concatenate(prompts), np.array([5, 3]), None, np.array([2, 3]))
         engine.pipeline.enqueue(submission, part)
         with pytest.raises(EngineDeadError, match="key lengths"):

@@ -43,7 +43,7 @@ def test_reordered_rows_survive_a_restart():
 def test_cpu_encoder_results_and_token_counts_come_back_in_input_order(bert_path, reference):
     prompts = [" ".join(["word"] * n) + f" {n}" for n in (3, 40, 1, 17, 40, 9, 25, 2)]
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=64) as engine:
-        assert engine.deployment.length_sorted  # CPU, encoder
+        assert engine.pipeline.deployment.length_sorted  # CPU, encoder
         submission = engine.submit(prompts, pooling="mean", normalize=False)
         got = submission.result(timeout=60)
     ref = reference(bert_path)

@@ -16,7 +16,7 @@ import pytest
 import tiny_multi_vector
 from test_server import ServerProcess
 
-from pipepool import Engine, ModelLoadError
+from pipepool import Engine, ModelLoadError, Retriever
 
 BUDGET = 24  # tokens per step: the long texts below take several
 QUERIES = [
@@ -67,9 +67,9 @@ def test_multi_vector_encoder_equals_sentence_transformers(
     folders, references, engine_kind, layout
 ):
     with Engine(str(folders[layout]), max_num_batched_tokens=BUDGET, **engine_kind) as engine:
-        assert engine.deployment.outputs == ("multi_vector",)
-        queries = engine.embed_multi_vector(QUERIES, is_query=True)
-        documents = engine.embed_multi_vector(DOCUMENTS)
+        assert engine.info.outputs == ("multi_vector",)
+        queries = Retriever(engine).embed_multi_vector(QUERIES, is_query=True)
+        documents = Retriever(engine).embed_multi_vector(DOCUMENTS)
     _assert_same_vectors(queries, references[layout]["query"])
     _assert_same_vectors(documents, references[layout]["document"])
 

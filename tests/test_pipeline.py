@@ -91,7 +91,7 @@ def test_pp_stages_match_transformers_for_every_pooler(qwen3_path, reference, pp
     with pipepool.Engine(
         str(qwen3_path), pipeline_parallel_size=pp, max_num_batched_tokens=budget, max_num_seqs=6
     ) as engine:
-        assert engine.deployment.num_stages == pp
+        assert engine.info.num_stages == pp
         for pooling in POOLINGS:
             outs = engine.pool(prompts, pooling=pooling, normalize=False)
             refs = [ref.pooled(ref.token_ids(p), pooling) for p in prompts]
@@ -141,7 +141,7 @@ def test_pp_with_explicit_partition(decoder_paths, reference):
     with pipepool.Engine(
         str(path), pipeline_parallel_size=2, pp_partition=(1, 3), max_num_batched_tokens=16
     ) as engine:
-        assert [len(r) for r in engine.deployment.layers] == [1, 3]
+        assert [len(r) for r in engine.pipeline.deployment.layers] == [1, 3]
         outs = engine.pool(prompts, pooling="mean", normalize=False)
     refs = [ref.pooled(ref.token_ids(p), "mean") for p in prompts]
     assert _per_request_min_cosine(outs, refs) >= MIN_COSINE
@@ -278,7 +278,7 @@ def test_killed_stages_are_restarted_and_every_request_still_matches(qwen3_path)
         assert engine.stats.pipeline_restarts == 2
         assert engine.stats.requests_retried > 0
         assert engine.stats.requests_finished == 2 * len(prompts)
-        assert engine.kv_blocks_free == engine.deployment.num_kv_blocks
+        assert engine.pipeline.kv_blocks_free == engine.pipeline.deployment.num_kv_blocks
         # counted again from the requests run again
         assert engine.pipeline._pacer.backlog_tokens == 0
         assert engine.health == "ok"
@@ -362,12 +362,12 @@ def test_a_stage_that_keeps_failing_is_given_up_on_after_the_restart_limit(qwen3
     )
     engine.pipeline._restarts.first_delay_s = 0.01
     deaths = []
-    engine.add_death_callback(deaths.append)
+    engine.pipeline.add_death_callback(deaths.append)
     with engine:
         with pytest.raises(StageFailure, match="injected failure on stage 1 at step 2"):
             engine.embed(long_prompts())
         assert engine.stats.pipeline_restarts == 2
-        assert engine.health == "dead" and not engine.is_alive
+        assert engine.health == "dead"
         assert len(deaths) == 1 and "injected failure" in str(deaths[0])
         with pytest.raises(EngineDeadError, match="injected failure"):
             engine.embed(["later request"])
@@ -398,7 +398,7 @@ def test_health_is_degraded_while_restarting_and_close_interrupts_the_restart(qw
     deadline = time.monotonic() + 20
     while engine.health != "degraded" and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert engine.health == "degraded" and engine.is_alive
+    assert engine.health == "degraded"
     waiting = engine.submit(["waits for the restart"])  # accepted: it will run once healed
     _returns(engine.close)  # without waiting out the restart's 120 s pause
     assert isinstance(waiting.exception(timeout=30), EngineDeadError)
@@ -629,7 +629,7 @@ def test_pipeline_running_ahead_matches_one_stage(qwen3_path, pp):
         got = [engine.pool(batch, pooling=pooling) for batch, pooling in batches]
         submission = engine.submit(REPRODUCER_PROMPTS, pooling="cls")
         got.append(list(submission.result(timeout=60)))
-        assert engine.kv_blocks_free == engine.pipeline._scheduler.blocks.num_blocks
+        assert engine.pipeline.kv_blocks_free == engine.pipeline._scheduler.blocks.num_blocks
     with pipepool.Engine(str(qwen3_path), max_num_batched_tokens=4096, normalize=False) as ref:
         want = [
             ref.pool(batch, pooling=pooling)

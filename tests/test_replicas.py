@@ -134,12 +134,12 @@ def test_api_dp2_pp2_matches_one_pipeline_and_uses_both_replicas(replicated, ref
     assert isinstance(replicated, pipepool.Engine)
     assert isinstance(replicated.pipeline, ReplicaPipeline)
     assert replicated.health == "ok"
-    assert [len(_descendants(s.pid)) for s in replicated.replica_status()] == [1, 1]
+    assert [len(_descendants(s.pid)) for s in replicated.pipeline.replica_status()] == [1, 1]
     prompts = _prompts(60)  # ~3k tokens: split across both replicas
     got = replicated.embed(prompts)
     want = reference.embed(prompts)
     assert cosine(got, want).min() >= MIN_COSINE
-    tokens = [s.prompt_tokens_finished for s in replicated.replica_status()]
+    tokens = [s.prompt_tokens_finished for s in replicated.pipeline.replica_status()]
     assert min(tokens) > 0, tokens
     # Token embeddings and a small call (one replica) too.
     for g, w in zip(replicated.embed_tokens(prompts[:3]), reference.embed_tokens(prompts[:3]),
@@ -151,14 +151,14 @@ def test_api_dp2_pp2_matches_one_pipeline_and_uses_both_replicas(replicated, ref
 def test_killed_replica_process_loses_nothing_and_is_restarted(replicated, reference):
     prompts = _prompts(120)
     want = reference.embed(prompts)
-    victim = replicated.replica_status()[0]
+    victim = replicated.pipeline.replica_status()[0]
     submission = replicated.submit(prompts)
     wait_for(lambda: submission.num_done > 0, what="the first results")
     os.kill(victim.pid, signal.SIGKILL)
     got = submission.result(timeout=120)
     assert cosine(got, want).min() >= MIN_COSINE
     wait_for(lambda: replicated.health == "ok", timeout=60, what="the replica back")
-    status = replicated.replica_status()[0]
+    status = replicated.pipeline.replica_status()[0]
     assert status.restarts == 1 and status.pid != victim.pid
     assert replicated.stats.requests_retried > 0
     assert cosine(replicated.embed(prompts[:8]), want[:8]).min() >= MIN_COSINE
@@ -171,15 +171,17 @@ def test_calls_fail_only_once_every_replica_is_gone_and_no_process_is_left(repli
     for slot in replicated.pipeline._slots:
         slot.policy = RestartPolicy(0)
     deaths = []
-    replicated.add_death_callback(deaths.append)
-    pids = [s.pid for s in replicated.replica_status()]
+    replicated.pipeline.add_death_callback(deaths.append)
+    pids = [s.pid for s in replicated.pipeline.replica_status()]
     family = [p for p in _processes() if p[0] in pids]
     family += [p for pid in pids for p in _descendants(pid)]
     assert len(family) == 4
     submission = replicated.submit(_prompts(120))
     wait_for(lambda: submission.num_done > 0, what="the first results")
     os.kill(pids[0], signal.SIGKILL)
-    wait_for(lambda: replicated.replica_status()[0].state == "failed", what="replica 0 given up")
+    wait_for(
+        lambda: replicated.pipeline.replica_status()[0].state == "failed", what="replica 0 given up"
+    )
     assert replicated.health == "degraded" and not submission.done()
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(pipepool.EngineDeadError, match="all 2 replicas failed") as failed:

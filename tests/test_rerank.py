@@ -129,7 +129,7 @@ def test_qwen3_reranker_matches_its_model_card_per_pair_chunked(
         got_custom = e.score(QUERY, DOCUMENTS[:3], instruction=instruction)
         ranked = e.rerank(QUERY, DOCUMENTS)
         chunked = e.stats.chunked_requests
-        token_ids = e._pair_encoder.encode([QUERY], DOCUMENTS[-1:], limit=QWEN3_MAX_LEN)
+        token_ids = e._scorer._pair_encoder.encode([QUERY], DOCUMENTS[-1:], limit=QWEN3_MAX_LEN)
     assert chunked >= len(DOCUMENTS)  # every prompt is longer than the budget
     assert token_ids.token_ids.tolist() == qwen3_reference.token_ids(QUERY, DOCUMENTS[-1])
     assert len(token_ids.token_ids) == QWEN3_MAX_LEN  # the long document was truncated
@@ -154,7 +154,7 @@ def test_qwen3_reranker_matches_cross_encoder_with_its_chat_template(qwen3_reran
 
 def test_qwen3_reranker_reads_only_the_yes_and_no_rows(qwen3_reranker_path):
     with pipepool.Engine(str(qwen3_reranker_path), device="cpu") as engine:
-        head = engine.deployment.classifier
+        head = engine.info.classifier
         runner = engine.pipeline.runners[-1]
         rows = runner.model.score_head.rows
     vocab = json.loads((qwen3_reranker_path / "tokenizer.json").read_text())["model"]["vocab"]
@@ -255,7 +255,11 @@ def classifier(cross_encoder_path):
         (lambda e: e.classify("a", truncation_side="up"), "truncation_side", "'left'"),
         (lambda e: e.rerank("a", ["b"], max_chunks_per_doc=0), "max_chunks_per_doc", "positive"),
         (lambda e: e.embed(["a"]), "model", "not an embedding model"),
-        (lambda e: e.encode(["a"]), "model", "use score, rerank or classify"),
+        (
+            lambda e: pipepool.SentenceTransformer(e).encode(["a"]),
+            "model",
+            "use score, rerank or classify",
+        ),
     ],
 )
 def test_bad_scoring_input_names_the_problem(classifier, call, param, says):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_retrieval
 
-from pipepool import Engine, InvalidInputError
+from pipepool import Engine, InvalidInputError, Retriever
 from pipepool.api.retrieval import max_sim
 
 BUDGET = 24  # tokens per step: the long texts below take steps of their own
@@ -73,13 +73,13 @@ def _same_sparse(got, ids: np.ndarray, values: np.ndarray) -> None:
 def test_splade_equals_sparse_encoder(folders, references, engine_kind, which):
     texts = TEXTS
     with _engine(folders[which], engine_kind) as engine:
-        assert engine.deployment.outputs == ("sparse",)
-        got = engine.embed_sparse(texts, return_tokens=True)
-        top = engine.embed_sparse(texts, top_k=3)
+        assert engine.info.outputs == ("sparse",)
+        got = Retriever(engine).embed_sparse(texts, return_tokens=True)
+        top = Retriever(engine).embed_sparse(texts, top_k=3)
     for g, (ids, values), t in zip(got, references[which], top, strict=True):
         assert len(ids) > 0
         _same_sparse(g, ids, values)
-        tokenizer_ids = [engine.inputs.tokenizer.backend.token_to_id(s) for s in g.tokens]
+        tokenizer_ids = [engine.tokenizer.backend.token_to_id(s) for s in g.tokens]
         assert tokenizer_ids == ids.tolist()
         best = np.sort(ids[np.argsort(-values, kind="stable")[:3]])
         np.testing.assert_array_equal(t.indices, best)
@@ -89,10 +89,10 @@ def test_bge_m3_equals_flagembedding(folders, references, engine_kind):
     texts = TEXTS
     ref = references["m3"]
     with _engine(folders["m3"], engine_kind, max_model_len=64) as engine:
-        assert engine.deployment.outputs == ("dense", "sparse", "multi_vector")
+        assert engine.info.outputs == ("dense", "sparse", "multi_vector")
         out = engine.encode_outputs(texts, ["dense", "sparse", "multi_vector"])
         dense_only = engine.embed(texts)
-        sparse_only = engine.embed_sparse(texts)
+        sparse_only = Retriever(engine).embed_sparse(texts)
     cos = (out.dense * np.asarray(ref["dense"])).sum(axis=1)
     assert cos.min() >= 0.99999, cos
     assert ((dense_only * out.dense).sum(axis=1) >= 0.99999).all()
@@ -110,9 +110,9 @@ def test_bge_m3_equals_flagembedding(folders, references, engine_kind):
 def test_colbert_equals_pylate(folders, references, engine_kind):
     ref = references["colbert"]
     with _engine(folders["colbert"], engine_kind) as engine:
-        assert engine.deployment.outputs == ("multi_vector",)
-        queries = engine.embed_multi_vector(QUERIES, is_query=True)
-        documents = engine.embed_multi_vector(DOCUMENTS)
+        assert engine.info.outputs == ("multi_vector",)
+        queries = Retriever(engine).embed_multi_vector(QUERIES, is_query=True)
+        documents = Retriever(engine).embed_multi_vector(DOCUMENTS)
     for side, got in (("query", queries), ("document", documents)):
         for mine, theirs in zip(got, ref[side], strict=True):
             theirs = np.asarray(theirs)
@@ -128,11 +128,11 @@ def test_outputs_a_model_cannot_give_are_refused(folders):
         with pytest.raises(InvalidInputError, match="gives sparse"):
             engine.embed(["text"])
         with pytest.raises(InvalidInputError, match="does not give multi_vector"):
-            engine.embed_multi_vector(["text"])
+            Retriever(engine).embed_multi_vector(["text"])
         with pytest.raises(InvalidInputError, match="long_inputs"):
-            engine.embed_sparse(["text"], long_inputs="chunk")
+            Retriever(engine).embed_sparse(["text"], long_inputs="chunk")
         with pytest.raises(InvalidInputError, match="top_k"):
-            engine.embed_sparse(["text"], top_k=0)
+            Retriever(engine).embed_sparse(["text"], top_k=0)
     with _engine(folders["m3"], {}) as engine:
         with pytest.raises(InvalidInputError, match="token embeddings"):
             engine.embed_tokens(["text"])

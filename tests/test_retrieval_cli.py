@@ -1,4 +1,4 @@
-"""Issue 33 item 4: ``pipepool embed --output-type sparse`` writes what ``Engine.embed_sparse``
+"""Issue 33 item 4: ``pipepool embed --output-type sparse`` writes what ``Retriever.embed_sparse``
 gives, one JSON line per input line (the line rules of ``embed``: blank lines skipped and
 mapped), ``--output-type multi_vector`` what ``embed_multi_vector`` gives (.npz or .jsonl),
 and an output the model cannot give is exit status 2 naming those it gives."""
@@ -54,8 +54,8 @@ def test_sparse_jsonl_equals_embed_sparse_line_for_line(splade, tmp_path):
     assert _embed(splade, "--input", str(source), "--output-type", "sparse", "--output",
                   str(target)) == 0  # fmt: skip
     with pipepool.Engine(str(splade)) as engine:
-        expected = engine.embed_sparse(TEXTS)
-        top = engine.embed_sparse(TEXTS, top_k=4)
+        expected = pipepool.Retriever(engine).embed_sparse(TEXTS)
+        top = pipepool.Retriever(engine).embed_sparse(TEXTS, top_k=4)
     rows = _read_jsonl(target)
     assert [r["text"] for r in rows] == TEXTS
     assert all(set(r) == {"index", "text", "indices", "values"} for r in rows)
@@ -81,8 +81,8 @@ def test_sparse_without_output_prints_json_lines(splade, capsys):
 
 def test_multi_vector_npz_and_jsonl_equal_embed_multi_vector(colbert, tmp_path):
     with pipepool.Engine(str(colbert)) as engine:
-        documents = engine.embed_multi_vector(TEXTS)
-        queries = engine.embed_multi_vector(TEXTS, is_query=True)
+        documents = pipepool.Retriever(engine).embed_multi_vector(TEXTS)
+        queries = pipepool.Retriever(engine).embed_multi_vector(TEXTS, is_query=True)
     npz = tmp_path / "docs.npz"
     assert _embed(colbert, *TEXTS, "--output-type", "multi_vector", "--output", str(npz)) == 0
     with np.load(npz) as saved:

@@ -1,7 +1,7 @@
 """Issue 33 items 1 and 3 on a real ``pipepool serve``: TEI's ``/embed_sparse`` and
 ``/v1/embeddings`` with ``outputs`` give what SPLADE's SparseEncoder and FlagEmbedding's
 BGEM3FlagModel give; ``/rerank`` and ``/score`` of a ColBERT model are PyLate's MaxSim and rank
-as PyLate's ``rerank``; BGE-M3's rerank and ``Engine.compute_score_m3`` are FlagEmbedding's
+as PyLate's ``rerank``; BGE-M3's rerank and ``Retriever.compute_score_m3`` are FlagEmbedding's
 ``compute_score``. Tiny random-weight folders (``tiny_retrieval``), fp32 on the CPU, a token
 budget smaller than the longest prompt."""
 
@@ -203,7 +203,7 @@ def test_v1_embeddings_outputs_on_bge_m3_equal_flagembedding(m3_server, m3_refer
 def test_compute_score_m3_equals_flagembedding(folders, m3_reference):
     ref = m3_reference["score1"]  # one pair per batch: no padding in the reference's scores
     with pipepool.Engine(str(folders["m3"]), max_num_batched_tokens=BUDGET) as engine:
-        got = engine.compute_score_m3(
+        got = pipepool.Retriever(engine).compute_score_m3(
             M3_PAIRS, weights=WEIGHTS, max_query_length=MAX_QUERY, max_passage_length=MAX_PASSAGE
         )
     assert set(got) == {"colbert", "sparse", "dense", "sparse+dense", "colbert+sparse+dense"}

@@ -41,7 +41,7 @@ def st_bert_engine(st_bert_path):
 def test_minilm_default_engine_matches_sentence_transformers(minilm_expected):
     assert len(SENTENCES) >= 50
     with pipepool.Engine() as engine:  # the bundled all-MiniLM-L6-v2, default settings
-        assert engine.deployment.pooling == "mean" and engine.deployment.normalize
+        assert engine.info.pooling == "mean" and engine.info.normalize
         vectors = engine.embed(SENTENCES)
     assert vectors.shape == minilm_expected.shape == (len(SENTENCES), 384)
     worst = cosine(vectors, minilm_expected)
@@ -123,9 +123,9 @@ def test_max_model_len_is_the_sentence_transformers_max_seq_length(
     # sentence-transformers 6 saves it as the tokenizer's model_max_length instead.
     assert minilm_st.max_seq_length == 256
     with pipepool.Engine(str(minilm_path)) as engine:
-        assert engine.deployment.max_model_len == 256
+        assert engine.info.max_model_len == 256
     assert st_bert.max_seq_length == 256
-    assert st_bert_engine.deployment.max_model_len == st_bert.max_seq_length
+    assert st_bert_engine.info.max_model_len == st_bert.max_seq_length
 
 
 def test_prompt_over_max_seq_length_truncated_like_sentence_transformers(st_bert, st_bert_engine):

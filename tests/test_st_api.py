@@ -1,10 +1,10 @@
-"""Issue 38 item 4 (and issue 15 item 7): the Engine offers ``SentenceTransformer``'s surface with
-its semantics. One script of calls runs through ``sentence_transformers.SentenceTransformer`` and
-through the engine on the same folder, and every result is compared: the same container types
-(tensors where it gives tensors, NumPy where NumPy), dtypes and shapes, vectors at cos >= 0.99999,
-quantized arrays equal (the engine's int8/uint8 with ``ranges="call"``, sentence-transformers'
-per-call rule, which the engine names where the model's fixed scale is its default). Each
-engine kind runs the whole script."""
+"""Issue 38 item 4 (and issue 15 item 7): ``pipepool.SentenceTransformer``, an adapter over the
+Engine, offers ``SentenceTransformer``'s surface with its semantics. One script of calls runs
+through ``sentence_transformers.SentenceTransformer`` and through ours on the same folder, and
+every result is compared: the same container types (tensors where it gives tensors, NumPy where
+NumPy), dtypes and shapes, vectors at cos >= 0.99999, quantized arrays equal (ours with
+``ranges="call"``, sentence-transformers' per-call rule, which ours names where the model's
+fixed scale is its default). Each engine kind runs the whole script."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ def st_model(st_bert_path):
 
 
 @pytest.fixture(scope="module")
-def engine(st_bert_path, engine_kind):
-    with pipepool.Engine(str(st_bert_path), **engine_kind) as engine:
-        yield engine
+def ours(st_bert_path, engine_kind):
+    """pipepool's SentenceTransformer, with an Engine of each kind it builds and owns."""
+    with pipepool.SentenceTransformer(str(st_bert_path), **engine_kind) as model:
+        yield model
 
 
 def per_call(model: Any) -> dict:
     """The option that selects sentence-transformers' int8/uint8 rule on the Engine (its default
     is the model's fixed scale, ``api/int8_scale.py``); nothing for SentenceTransformer."""
-    return {"ranges": "call"} if isinstance(model, pipepool.Engine) else {}
+    return {"ranges": "call"} if isinstance(model, pipepool.SentenceTransformer) else {}
 
 
 # The script: each call as a function of the model (SentenceTransformer or Engine).
@@ -108,9 +109,9 @@ FLOATS_OF: dict[str, Callable[[Any], Any]] = {
 
 
 @pytest.mark.parametrize("call", list(SCRIPT))
-def test_script_matches_sentence_transformers(engine, st_model, call):
+def test_script_matches_sentence_transformers(ours, st_model, call):
     floats = FLOATS_OF[call](st_model) if call in FLOATS_OF else None
-    assert_same(SCRIPT[call](engine), SCRIPT[call](st_model), call, floats)
+    assert_same(SCRIPT[call](ours), SCRIPT[call](st_model), call, floats)
 
 
 def assert_same(got: Any, want: Any, what: str, floats: np.ndarray | None = None) -> None:
@@ -161,97 +162,97 @@ def assert_quantized_equal(got: np.ndarray, want: np.ndarray, floats: np.ndarray
 
 
 @pytest.mark.parametrize("precision", ["int8", "uint8"])
-def test_quantized_token_embeddings_differ_only_at_bucket_edges(engine, st_model, precision):
+def test_quantized_token_embeddings_differ_only_at_bucket_edges(ours, st_model, precision):
     """Token embeddings share buckets over every token of the call, as there."""
     kwargs = {"output_value": "token_embeddings"}
     floats = np.concatenate([t.numpy() for t in st_model.encode(MIXED, **kwargs)])
-    got = engine.encode(MIXED, precision=precision, ranges="call", **kwargs)
+    got = ours.encode(MIXED, precision=precision, ranges="call", **kwargs)
     want = st_model.encode(MIXED, precision=precision, **kwargs)
     assert [g.dtype for g in got] == [w.dtype for w in want]
     assert_quantized_equal(np.concatenate(got), np.concatenate(want), floats)
 
 
 @pytest.mark.parametrize("precision", ["int8", "uint8"])
-def test_int8_by_default_is_the_models_fixed_scale_on_every_engine_kind(engine, precision):
+def test_int8_by_default_is_the_models_fixed_scale_on_every_engine_kind(ours, precision):
     """The engine's own default (``api/int8_scale.py``): one symmetric scale from the
     calibration texts, so a text's integers are the same alone and among others."""
-    bound = symmetric_bound(engine.embed(list(CALIBRATION_TEXTS)))
-    got = engine.encode(MIXED, precision=precision)
-    np.testing.assert_array_equal(got, quantize_symmetric(engine.encode(MIXED), precision, bound))
-    alone = np.stack([engine.encode(text, precision=precision) for text in MIXED])
+    bound = symmetric_bound(ours.engine.embed(list(CALIBRATION_TEXTS)))
+    got = ours.encode(MIXED, precision=precision)
+    np.testing.assert_array_equal(got, quantize_symmetric(ours.encode(MIXED), precision, bound))
+    alone = np.stack([ours.encode(text, precision=precision) for text in MIXED])
     np.testing.assert_array_equal(alone, got)
 
 
-def test_similarity_matches_sentence_transformers_for_every_function(engine, st_model):
+def test_similarity_matches_sentence_transformers_for_every_function(ours, st_model):
     a, b = st_model.encode(TEXTS[:3]), st_model.encode(TEXTS[3:])
     inputs = [(a, b), (a[0], b), (torch.from_numpy(a), list(b)), (a.astype(np.float16), b)]
     try:
         for name in ("cosine", "dot", "euclidean", "manhattan"):
-            engine.similarity_fn_name = st_model.similarity_fn_name = name
-            assert engine.similarity_fn_name == name
+            ours.similarity_fn_name = st_model.similarity_fn_name = name
+            assert ours.similarity_fn_name == name
             for x, y in inputs:
-                got, want = engine.similarity(x, y), st_model.similarity(x, y)
+                got, want = ours.similarity(x, y), st_model.similarity(x, y)
                 assert isinstance(got, torch.Tensor) and got.dtype == want.dtype
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            got, want = engine.similarity_pairwise(a, b), st_model.similarity_pairwise(a, b)
+            got, want = ours.similarity_pairwise(a, b), st_model.similarity_pairwise(a, b)
             assert isinstance(got, torch.Tensor) and got.shape == want.shape == (3,)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     finally:
-        engine.similarity_fn_name = st_model.similarity_fn_name = "cosine"
+        ours.similarity_fn_name = st_model.similarity_fn_name = "cosine"
     with pytest.raises(pipepool.InvalidInputError, match="similarity_fn_name must be one of"):
-        engine.similarity_fn_name = "maxsim"
+        ours.similarity_fn_name = "maxsim"
 
 
-def test_max_seq_length_set_truncates_as_sentence_transformers(engine, st_model):
+def test_max_seq_length_set_truncates_as_sentence_transformers(ours, st_model):
     try:
-        engine.max_seq_length = st_model.max_seq_length = 8
-        assert engine.tokenizer.model_max_length == 8
-        assert_same(engine.encode(MIXED), st_model.encode(MIXED), "encode at 8 tokens")
-        tokens = engine.encode(MIXED, output_value="token_embeddings")
+        ours.max_seq_length = st_model.max_seq_length = 8
+        assert ours.tokenizer.model_max_length == 8
+        assert_same(ours.encode(MIXED), st_model.encode(MIXED), "encode at 8 tokens")
+        tokens = ours.encode(MIXED, output_value="token_embeddings")
         assert max(len(t) for t in tokens) == 8
     finally:
-        engine.max_seq_length = st_model.max_seq_length = 256
+        ours.max_seq_length = st_model.max_seq_length = 256
     # The engine was sized for max_model_len: longer is refused, saying what to do.
     with pytest.raises(pipepool.InvalidInputError, match="started with max_model_len=256"):
-        engine.max_seq_length = 512
-    assert engine.max_seq_length == 256
+        ours.max_seq_length = 512
+    assert ours.max_seq_length == 256
 
 
-def test_prompts_edited_by_the_caller_apply_as_in_sentence_transformers(engine, st_model):
+def test_prompts_edited_by_the_caller_apply_as_in_sentence_transformers(ours, st_model):
     try:
-        for model in (engine, st_model):
+        for model in (ours, st_model):
             model.prompts["title"] = "title: "
             model.default_prompt_name = "title"
-        assert_same(engine.encode(TEXTS), st_model.encode(TEXTS), "default prompt")
+        assert_same(ours.encode(TEXTS), st_model.encode(TEXTS), "default prompt")
         both = {"prompt_name": "query"}
-        assert_same(engine.encode(TEXTS, **both), st_model.encode(TEXTS, **both), "named")
+        assert_same(ours.encode(TEXTS, **both), st_model.encode(TEXTS, **both), "named")
     finally:
-        for model in (engine, st_model):
+        for model in (ours, st_model):
             model.default_prompt_name = None
             del model.prompts["title"]
 
 
-def test_encode_one_string_gives_one_vector_and_empty_list_an_empty_array(engine, st_model):
-    one = engine.encode(TEXTS[0])
+def test_encode_one_string_gives_one_vector_and_empty_list_an_empty_array(ours, st_model):
+    one = ours.encode(TEXTS[0])
     assert one.shape == st_model.encode(TEXTS[0]).shape == (32,)
     # A deliberate difference: sentence-transformers gives a [0] float64 array; a [0, dim]
     # float32 one stacks with other results.
-    assert engine.encode([]).shape == (0, 32) and engine.encode([]).dtype == np.float32
-    assert tuple(engine.encode([], convert_to_tensor=True).shape) == (0, 32)
-    assert engine.encode([], precision="ubinary").shape == (0, 4)
-    assert engine.encode([], convert_to_numpy=False) == []
-    assert engine.encode([], output_value="token_embeddings") == []
-    assert engine.embed([]).shape == (0, 32)
-    assert engine.embed_tokens([]) == []
-    assert engine.submit([]).done()
+    assert ours.encode([]).shape == (0, 32) and ours.encode([]).dtype == np.float32
+    assert tuple(ours.encode([], convert_to_tensor=True).shape) == (0, 32)
+    assert ours.encode([], precision="ubinary").shape == (0, 4)
+    assert ours.encode([], convert_to_numpy=False) == []
+    assert ours.encode([], output_value="token_embeddings") == []
+    assert ours.engine.embed([]).shape == (0, 32)
+    assert ours.engine.embed_tokens([]) == []
+    assert ours.engine.submit([]).done()
 
 
-def test_empty_string_is_its_special_tokens_on_the_st_surface_only(engine, st_model):
-    assert engine.tokenizer("")["input_ids"] == [101, 102]  # [CLS] [SEP]
-    assert cosine(engine.encode([""]), st_model.encode([""])).min() >= MIN_COSINE
+def test_empty_string_is_its_special_tokens_on_the_st_surface_only(ours, st_model):
+    assert ours.tokenizer("")["input_ids"] == [101, 102]  # [CLS] [SEP]
+    assert cosine(ours.encode([""]), st_model.encode([""])).min() >= MIN_COSINE
     # The engine's own API still refuses an empty input, naming it.
     with pytest.raises(pipepool.InvalidInputError, match="input 1 is an empty string"):
-        engine.embed(["a", ""])
+        ours.engine.embed(["a", ""])
 
 
 @pytest.mark.parametrize(
@@ -273,14 +274,14 @@ def test_empty_string_is_its_special_tokens_on_the_st_surface_only(engine, st_mo
         ({"ranges": np.zeros((2, 32))}, "precision 'float32' has none"),
     ],
 )
-def test_bad_encode_options_raise_value_errors_naming_the_problem(engine, kwargs, says):
+def test_bad_encode_options_raise_value_errors_naming_the_problem(ours, kwargs, says):
     with pytest.raises(pipepool.InvalidInputError, match=says) as info:
-        engine.encode(TEXTS, **kwargs)
+        ours.encode(TEXTS, **kwargs)
     assert isinstance(info.value, ValueError)
 
 
-def test_device_list_of_the_engines_own_devices_is_accepted(engine, st_model):
-    assert_same(engine.encode(TEXTS, device=["cpu"]), st_model.encode(TEXTS), "device list")
+def test_device_list_of_the_engines_own_devices_is_accepted(ours, st_model):
+    assert_same(ours.encode(TEXTS, device=["cpu"]), st_model.encode(TEXTS), "device list")
 
 
 # -- a folder that sets what the fixture leaves at the defaults ----------------------------------
@@ -303,13 +304,13 @@ def test_folder_settings_are_read_as_sentence_transformers_reads_them(st_manhatt
     from sentence_transformers import SentenceTransformer
 
     st_model = SentenceTransformer(str(st_manhattan_path), device="cpu")
-    with pipepool.Engine(str(st_manhattan_path)) as engine:
+    with pipepool.SentenceTransformer(str(st_manhattan_path)) as ours:
         for call in ("similarity_fn_name", "default_prompt_name", "truncate_dim attribute",
                      "get_embedding_dimension", "prompts", "encode", "encode_document",
                      "prompt_name document", "token_embeddings"):  # fmt: skip
-            assert_same(SCRIPT[call](engine), SCRIPT[call](st_model), call)
-        a, b = engine.encode(TEXTS[:3]), engine.encode(TEXTS[3:])
-        torch.testing.assert_close(engine.similarity(a, b), st_model.similarity(a, b))
+            assert_same(SCRIPT[call](ours), SCRIPT[call](st_model), call)
+        a, b = ours.encode(TEXTS[:3]), ours.encode(TEXTS[3:])
+        torch.testing.assert_close(ours.similarity(a, b), st_model.similarity(a, b))
 
 
 def test_int8_of_minilm_is_sentence_transformers_quantization_of_the_engines_vectors():
@@ -322,13 +323,13 @@ def test_int8_of_minilm_is_sentence_transformers_quantization_of_the_engines_vec
 
     texts = [f"{i}: {SENTENCES[i % len(SENTENCES)]}" for i in range(200)]
     st_model = SentenceTransformer(str(minilm_path()), device="cpu")
-    with pipepool.Engine(str(minilm_path())) as engine:
-        vectors = engine.encode(texts)
+    with pipepool.SentenceTransformer(str(minilm_path())) as ours:
+        vectors = ours.encode(texts)
         for precision in ("int8", "uint8", "binary", "ubinary"):
             rule = {"ranges": "call"} if precision.endswith("int8") else {}
-            got = engine.encode(texts, precision=precision, **rule)
+            got = ours.encode(texts, precision=precision, **rule)
             np.testing.assert_array_equal(got, quantize_embeddings(vectors, precision=precision))
-        got = engine.encode(texts, precision="int8", ranges="call")
+        got = ours.encode(texts, precision="int8", ranges="call")
     assert got.shape == (200, 384)
     floats = st_model.encode(texts)
     assert_quantized_equal(got, st_model.encode(texts, precision="int8"), floats)
@@ -345,8 +346,8 @@ def test_plain_folder_embeds_as_sentence_transformers_builds_it(name, bert_path,
     st_model = SentenceTransformer(str(path), device="cpu")
     if st_model.tokenizer.pad_token is None:  # its batches need one; the engine does not pad
         st_model.tokenizer.pad_token = st_model.tokenizer.eos_token or "<|endoftext|>"
-    with pipepool.Engine(str(path)) as engine:
+    with pipepool.SentenceTransformer(str(path)) as ours:
         calls = ("encode", "empty, long and padded texts", "encode_query", "prompts",
                  "max_seq_length", "similarity_fn_name", "get_embedding_dimension")  # fmt: skip
         for call in calls:
-            assert_same(SCRIPT[call](engine), SCRIPT[call](st_model), f"{name}: {call}")
+            assert_same(SCRIPT[call](ours), SCRIPT[call](st_model), f"{name}: {call}")

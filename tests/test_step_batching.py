@@ -73,7 +73,7 @@ def test_submission_reports_progress_and_token_counts(qwen3_engine):
 
     submission.add_progress_callback(record)
     vectors = submission.result(timeout=120)
-    assert vectors.shape == (len(prompts), qwen3_engine.deployment.output_dim)
+    assert vectors.shape == (len(prompts), qwen3_engine.info.dimensions)
     assert submission.num_done == len(prompts)
     assert sum(seen) <= len(prompts)  # steps finished before the callback are not replayed
     tokens = [len(t) for t in qwen3_engine.tokenize(prompts)]
@@ -81,13 +81,13 @@ def test_submission_reports_progress_and_token_counts(qwen3_engine):
 
 
 def test_cancelled_call_frees_its_blocks_and_the_engine_goes_on(qwen3_engine):
-    blocks = qwen3_engine.kv_blocks_free
+    blocks = qwen3_engine.pipeline.kv_blocks_free
     submission = qwen3_engine.submit(long_prompts() * 10, pooling="last")
     assert submission.cancel()
     assert submission.cancelled()
     after = qwen3_engine.embed(long_prompts()[:2])  # the engine is idle again, and serves
     assert after.shape[0] == 2
-    assert qwen3_engine.kv_blocks_free == blocks
+    assert qwen3_engine.pipeline.kv_blocks_free == blocks
     # what no plan took left the backlog at abort
     assert qwen3_engine.pipeline._pacer.backlog_tokens == 0
     assert qwen3_engine.stats.requests_aborted > 0

@@ -79,7 +79,7 @@ def _same(got: list[dict], want: list[dict]) -> None:
 def test_entities_match_the_transformers_pipeline(ner, pp):
     path, pipe = ner
     with pipepool.Engine(str(path), pipeline_parallel_size=pp, max_num_batched_tokens=16) as e:
-        assert e.deployment.pooling == "all" and e.deployment.output_dim == len(LABELS)
+        assert e.info.pooling == "all" and e.info.dimensions == len(LABELS)
         found = 0
         for strategy in STRATEGIES:
             got = e.classify_tokens(TEXTS, aggregation_strategy=strategy)

@@ -280,7 +280,7 @@ def test_classification_and_clustering_take_a_prompt_of_their_name():
     from pipepool.server.routes.cohere import _prompt_name
 
     prompts = {"query": "q: ", "passage": "p: ", "clustering": "c: "}
-    engine = SimpleNamespace(inputs=SimpleNamespace(prompts=prompts))
+    engine = SimpleNamespace(info=SimpleNamespace(prompts=prompts))
     assert _prompt_name(engine, "search_query") == "query"
     assert _prompt_name(engine, "search_document") == "passage"
     assert _prompt_name(engine, "clustering") == "clustering"

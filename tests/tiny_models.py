@@ -478,8 +478,8 @@ def assert_triton_graphs_bf16(path: Path, ref, prompts: list[str], **hf_options)
         with pipepool.Engine(
             str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=budget
         ) as engine:
-            assert engine.deployment.attn_kernel == "triton"
-            assert engine.deployment.graph_max_tokens > 0
+            assert engine.pipeline.deployment.attn_kernel == "triton"
+            assert engine.pipeline.deployment.graph_max_tokens > 0
             outs = engine.pool(prompts, pooling="mean", normalize=False)
         for text, out in zip(prompts, outs, strict=True):
             ids = ref.token_ids(text)

@@ -18,7 +18,11 @@ keep_bytecode()
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "CrossEncoder": "api.cross_encoder",
     "Engine": "api.engine",
+    "EngineInfo": "api.engine_info",
+    "Retriever": "api.retriever",
+    "SentenceTransformer": "api.st_compat",
     "EngineConfig": "config",
     "Submission": "core.submission",
     "EngineDeadError": "errors",
@@ -33,15 +37,19 @@ _EXPORTS = {
     "quantize_embeddings": "api.quantization",
 }
 __all__ = [
+    "CrossEncoder",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
+    "EngineInfo",
     "InvalidInputError",
     "ModelLoadError",
     "ModelNotFoundError",
     "PipepoolError",
     "PromptTooLongError",
+    "Retriever",
     "Router",
+    "SentenceTransformer",
     "StageFailure",
     "StateDivergence",
     "Submission",
@@ -49,10 +57,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .api.cross_encoder import CrossEncoder
     from .api.engine import Engine
+    from .api.engine_info import EngineInfo
     from .api.quantization import quantize_embeddings
+    from .api.retriever import Retriever
     from .api.router import Router
     from .api.routing import ModelNotFoundError
+    from .api.st_compat import SentenceTransformer
     from .config import EngineConfig
     from .core.submission import Submission
     from .errors import (

@@ -1,35 +1,36 @@
-"""sentence-transformers' ``CrossEncoder`` surface on the Engine, with its semantics, so code
-written for it runs on the engine unchanged: ``predict``, ``rank``, and the attributes
+"""sentence-transformers' ``CrossEncoder`` as an adapter over an ``Engine``, with its semantics,
+so code written for it runs on the engine unchanged: ``predict``, ``rank``, and the attributes
 ``num_labels`` and ``activation_fn`` (the shared ones, ``prompts``, ``max_seq_length``, ... are
-``st_attributes.SentenceTransformerAttributes``).
+``st_attributes.STAdapter``'s).
 
 Pairs are tokenized as there (the prompt before each first text, truncated longest-first to
-``max_seq_length``) and scored by the engine as raw logits; the activation runs here, on the
-caller's thread, so that a caller's ``activation_fn`` applies as in sentence-transformers.
+``max_seq_length``) and scored by the engine as raw logits (``Engine.submit_pairs``); the
+activation runs here, on the caller's thread, so that a caller's ``activation_fn`` applies as
+in sentence-transformers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidInputError
+from .engine import Engine
 from .progress import follow
 from .scoring import need_classifier
-from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
+from .st_attributes import STAdapter, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
     from ..core.classifier_head import ClassifierHead
-    from ..core.request import PoolingParams
-    from ..core.submission import Submission
-    from ..intake.pairs import PairEncoder
-    from ..loading.deployment import Deployment
+    from .engine_info import EngineInfo
 
 log = logging.getLogger("pipepool")
 # sentence-transformers' CrossEncoder activations, by the names classifier.py gives them.
@@ -42,32 +43,34 @@ _ACTIVATIONS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-class CrossEncoderMethods(SentenceTransformerAttributes):
-    """``CrossEncoder``'s methods and attributes on the Engine (mixed into it, next to
-    ``scoring.ScoringMethods``, whose classifier head, pair encoder and pooling parameters it
-    scores with). Needs a classifier (a cross-encoder or reranker): on an embedding model
-    ``predict``, ``rank`` and ``num_labels`` raise ``InvalidInputError`` saying so, as bad
-    options do (a ``ValueError``, as sentence-transformers raises). Every method is
-    thread-safe; an ``activation_fn`` a caller sets applies to this engine's ``predict`` /
-    ``rank`` only (``score``, ``rerank`` and ``classify`` keep the model's)."""
+class CrossEncoder(STAdapter):
+    """sentence-transformers' ``CrossEncoder`` over an ``Engine``: its methods and attributes
+    with its semantics. ``CrossEncoder(model, **options)`` starts and owns an Engine
+    (``options``: ``EngineConfig`` fields, ``device`` among them); ``CrossEncoder(engine)``
+    shares one (``STAdapter``). ``max_length`` and ``activation_fn`` are set as
+    sentence-transformers' constructor sets them. Needs a classifier (a cross-encoder or
+    reranker): on an embedding model ``predict``, ``rank`` and ``num_labels`` raise
+    ``InvalidInputError`` saying so, as bad options do (a ``ValueError``, as
+    sentence-transformers raises). Every method is thread-safe; an ``activation_fn`` a caller
+    sets applies to this adapter's ``predict`` / ``rank`` only (the engine's ``score``,
+    ``rerank`` and ``classify`` keep the model's)."""
 
-    if TYPE_CHECKING:  # what this surface uses of the Engine's scoring half (ScoringMethods)
-
-        @property
-        def _head(self) -> ClassifierHead: ...
-
-        @property
-        def _pair_encoder(self) -> PairEncoder: ...
-
-        def _score_params(self, use_activation: bool) -> PoolingParams: ...
-
-        def submit_tokens(
-            self,
-            token_ids: np.ndarray,
-            lengths: np.ndarray,
-            params: PoolingParams,
-            type_ids: np.ndarray | None = None,
-        ) -> Submission: ...
+    def __init__(
+        self,
+        model_name_or_path: str | os.PathLike[str] | Engine | None = None,
+        *,
+        max_length: int | None = None,
+        activation_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__(model_name_or_path, **engine_options)
+        try:
+            if max_length is not None:
+                self.max_seq_length = max_length
+        except BaseException:
+            self.close()
+            raise
+        self.activation_fn = activation_fn
 
     def predict(
         self,
@@ -102,7 +105,7 @@ class CrossEncoderMethods(SentenceTransformerAttributes):
         single = _is_single_pair(inputs)
         pairs = [_pair(inputs, 0)] if single else [_pair(p, i) for i, p in enumerate(inputs)]
         self._check_device(device, pool)
-        need_classifier(self.deployment, "CrossEncoder.predict")
+        need_classifier(self.engine.info, "CrossEncoder.predict")
         prefix = self._resolve_prompt(prompt, prompt_name)
         if prefix and self._head.template != "pair":
             raise InvalidInputError(
@@ -178,7 +181,7 @@ class CrossEncoderMethods(SentenceTransformerAttributes):
     @property
     def num_labels(self) -> int:
         """Scores per pair (``CrossEncoder.num_labels``)."""
-        need_classifier(self.deployment, "CrossEncoder.num_labels")
+        need_classifier(self.engine.info, "CrossEncoder.num_labels")
         return self._head.num_labels
 
     @property
@@ -194,11 +197,18 @@ class CrossEncoderMethods(SentenceTransformerAttributes):
     def activation_fn(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         self._st.activation_fn = fn
 
+    @property
+    def _head(self) -> ClassifierHead:
+        """The classifier's head, for calls ``need_classifier`` let through."""
+        head = self.engine.info.classifier
+        assert head is not None, "need_classifier refuses embedding models first"
+        return head
+
     @cached_property
     def _default_activation(self) -> torch.nn.Module:
-        need_classifier(self.deployment, "CrossEncoder.activation_fn")
+        need_classifier(self.engine.info, "CrossEncoder.activation_fn")
         name = self._head.activation
-        if self._head.num_labels > 1 and not _names_activation(self.deployment):
+        if self._head.num_labels > 1 and not _names_activation(self.engine.info):
             name = "identity"  # classifier.py's default there is softmax, as vLLM's classify
         return _ACTIVATIONS[name]()
 
@@ -210,9 +220,10 @@ class CrossEncoderMethods(SentenceTransformerAttributes):
             return torch.zeros((0, self._head.num_labels))
         queries = [prefix + query for query, _ in pairs]
         documents = [document for _, document in pairs]
-        part = self._pair_encoder.encode(queries, documents, limit=self.max_seq_length)
-        params = self._score_params(use_activation=False)
-        submission = self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
+        submission = self.engine.submit_pairs(
+            queries, documents, use_activation=False, per_label=True,
+            truncate_prompt_tokens=self.max_seq_length, long_inputs="truncate",
+        )  # fmt: skip
         follow(submission, disable=not show_progress_bar, desc="Batches")
         return torch.from_numpy(submission.result())
 
@@ -243,15 +254,15 @@ def _pair(pair: Any, index: int) -> tuple[str, str]:
     return pair[0], pair[1]
 
 
-def _names_activation(deployment: Deployment) -> bool:
+def _names_activation(info: EngineInfo) -> bool:
     """Whether the folder's sentence-transformers settings name an activation (else the
     CrossEncoder default applies; classifier.py reads which one)."""
-    hf = deployment.folder.hf_config
+    hf = info.hf_config
     if (hf.get("sentence_transformers") or {}).get("activation_fn") is not None:
         return True
     if hf.get("sbert_ce_default_activation_function") is not None:
         return True
-    path = deployment.folder.path / "config_sentence_transformers.json"
+    path = Path(info.model_path) / "config_sentence_transformers.json"
     if not path.is_file():
         return False
     return json.loads(path.read_text(encoding="utf-8")).get("activation_fn") is not None

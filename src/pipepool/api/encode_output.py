@@ -1,5 +1,6 @@
-"""The end of ``Engine.encode``: vectors cut to ``truncate_dim``, quantized by the rule the call
-chose (``ranges``), and handed back in the container sentence-transformers returns."""
+"""The end of ``SentenceTransformer.encode``: vectors cut to ``truncate_dim``, quantized by the
+rule the call chose (``ranges``), and handed back in the container sentence-transformers
+returns."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ..errors import InvalidInputError
 from .quantization import quantize_embeddings, quantize_symmetric
 
 if TYPE_CHECKING:
-    from .st_compat import SentenceTransformerMethods
+    from .engine import Engine
+    from .int8_scale import Int8Calibration
 
 # encode's int8/uint8 rules by name (a [2, dim] array of ranges is the third way).
 RANGES = ("model", "call")
@@ -50,7 +52,7 @@ def check_ranges(ranges: Any, precision: str) -> None:
 
 
 def quantizer(
-    engine: SentenceTransformerMethods, precision: str, ranges: Any, kind: tuple
+    engine: Engine, calibration: Int8Calibration, precision: str, ranges: Any, kind: tuple
 ) -> Quantize:
     """How ``encode`` quantizes its matrices (``check_ranges`` passed). ``kind``: ``(pooling,
     normalize, tokens, dim, normalize_embeddings)``, the options that shaped the vectors; the
@@ -72,7 +74,7 @@ def quantizer(
         return cut(torch.from_numpy(computed), dim, normalize_embeddings).numpy()
 
     def quantize(matrix: np.ndarray, _: np.ndarray) -> np.ndarray:
-        bound = engine.int8_calibration.bound(("encode", *kind), calibrate)
+        bound = calibration.bound(("encode", *kind), calibrate)
         return quantize_symmetric(matrix, precision, bound)
 
     return quantize

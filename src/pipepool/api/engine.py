@@ -1,25 +1,21 @@
 """The Engine: the one object every front end (Python API, CLI, HTTP server) sits on.
 
-A facade: it turns a call's inputs into validated token slices (``inputs``), hands them to its
-``Pipeline`` (one pipeline of stages, or replicas of it: ``driver/pipeline.py``) and returns the
-call's future. Everything behind the first token batch — scheduling, stages, healing,
-tracing — is the pipeline's.
+A thin front class: it turns a call's inputs into validated token slices (``embedding.py``;
+``scoring.py`` for pairs and labels, ``retrieval.py`` for sparse and multi-vector outputs),
+hands them to its ``Pipeline`` (one pipeline of stages, or replicas of it:
+``driver/pipeline.py``) and returns the call's future. Everything behind the first token
+batch — scheduling, stages, healing, tracing — is the pipeline's.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import itertools
 import logging
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-from ..config import EngineConfig, check_long_inputs
-from ..core.priority import current_client, is_background
+from ..config import EngineConfig
 from ..core.request import PoolingParams
 from ..core.stats import EngineStats
 from ..core.submission import ResultCallback, Submission
@@ -27,85 +23,91 @@ from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
 from ..intake.images import image_inputs
 from ..intake.inputs import InputPreparer, TokenSlice
-from ..intake.long_inputs import CombinedSubmission, split_windows, window_params
-from ..loading.deployment import Deployment
+from ..intake.long_inputs import CombinedSubmission
+from ..intake.tokenizer import Tokenizer
 from ..runtime.memory import bound_heap_growth
-from .cross_encoder import CrossEncoderMethods
+from .embedding import Embedder
+from .engine_info import EngineInfo
 from .images import VisionTower, open_vision_tower, submit_images
+from .int8_scale import Int8Calibration
 from .late_chunking import late_chunk_texts
-from .retrieval import RetrievalMethods
-from .scoring import ScoringMethods, refuse_embedding
-from .st_compat import SentenceTransformerMethods
+from .lifecycle import close_at_exit, open_pipeline
+from .retrieval import RetrievalEncoder, RetrievalOutputs
+from .scoring import Classification, RerankResult, Scorer
 
 if TYPE_CHECKING:
     from ..intake.token_budget import TokenBudget
     from ..tracing import TraceSummary
 
 log = logging.getLogger("pipepool")
-# At interpreter exit a loop thread still inside a step is waited for this long: the
-# interpreter's teardown under a running torch op aborts the process (see _close_at_exit).
-_EXIT_JOIN_S = 10.0
-_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def open_pipeline(config: EngineConfig) -> Pipeline:
-    """The pipeline an EngineConfig asks for: replicas when ``data_parallel_size`` > 1
-    (imported only then: one pipeline needs none of the replicas' modules)."""
-    if config.data_parallel_size > 1:
-        from ..replicas.pipeline import ReplicaPipeline
-
-        return ReplicaPipeline(config)
-    from ..driver.local import LocalPipeline
-
-    return LocalPipeline(config)
-
-
-def _nothing() -> None:
-    """After a slice is enqueued: nothing to wait for."""
-
-
-class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, RetrievalMethods):
+class Engine:
     """Embeds text or token ids with a pooling model, optionally split into pipeline stages;
-    scores, reranks and classifies with a classifier (``ScoringMethods``); offers
-    sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` methods and attributes
-    with their semantics (``SentenceTransformerMethods``, ``CrossEncoderMethods``); gives
-    sparse and multi-vector outputs where the model has them (``RetrievalMethods``).
+    scores, reranks and classifies with a classifier; gives sparse and multi-vector outputs
+    where the model has them (``encode_outputs``). ``info`` holds what the engine's model is
+    and does. sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` surfaces
+    are adapters over this class (``pipepool.SentenceTransformer``, ``pipepool.CrossEncoder``),
+    as is the sparse / multi-vector one (``pipepool.Retriever``).
 
     Every method is thread-safe and may be called concurrently; results come back in input
     order. Use as a context manager, or call ``close()``. Keyword options are the fields of
     ``EngineConfig`` (``max_num_batched_tokens``, ``pipeline_parallel_size``, ...);
     ``data_parallel_size=N`` runs N replicas of the pipeline behind the same methods.
-    ``pipeline`` is what computes (``driver.pipeline.Pipeline``).
+    ``pipeline`` is what computes (``driver.pipeline.Pipeline``: its KV-cache, stage and
+    replica diagnostics, ``wait_until_compiled``, death callbacks); ``config`` the
+    ``EngineConfig`` it was started with; ``tokenizer`` the model's tokenizer
+    (``intake.tokenizer.Tokenizer``), which every call tokenizes with.
     """
 
-    def __init__(self, model: str | None = None, **options) -> None:
-        self._start(EngineConfig.from_options(model=model, **options))
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        pipeline: Pipeline | None = None,
+        **options,
+    ) -> None:
+        """``Engine(model, **options)``; or ``config=`` an ``EngineConfig`` (no ``model`` nor
+        options then) and, with it, ``pipeline=`` one already started for that config (shared
+        replicas of several front-end processes)."""
+        self._trace_written = True  # until started, close() has no trace to write
+        if config is None:
+            if pipeline is not None:
+                raise InvalidInputError("pipeline= needs the config= it was started for")
+            config = EngineConfig.from_options(model=model, **options)
+        elif model is not None or options:
+            raise InvalidInputError(
+                "give either config= or a model and options, not both",
+                param=next(iter(options), "model"),
+            )
+        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
+        self.config = config
+        self.pipeline: Pipeline = pipeline if pipeline is not None else open_pipeline(config)
+        self._deployment = self.pipeline.deployment
+        self._inputs = InputPreparer(self._deployment)
+        self.tokenizer: Tokenizer = self._inputs.tokenizer
+        self.info = EngineInfo.of(self._deployment, config, self.tokenizer.vocab_size)
+        self._embedder = Embedder(self.pipeline, self._deployment, self._inputs, config, self.info)
+        self._scorer = Scorer(self, self._deployment, self._inputs)
+        self._retrieval = RetrievalEncoder(self, self._deployment, self._inputs)
+        self._int8 = Int8Calibration()
+        # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
+        self._vision: VisionTower | None = None
+        if config.tower == "text" and pipeline is None:
+            try:
+                self._vision = open_vision_tower(config, self._deployment, open_pipeline)
+            except BaseException:
+                self.pipeline.close()
+                raise
+        self._trace_written = False
+        close_at_exit(self)
 
     @classmethod
     def from_config(cls, config: EngineConfig, pipeline: Pipeline | None = None) -> Engine:
         """An engine for ``config``; ``pipeline``: one already started for it (shared
         replicas of several front-end processes), else the one the config asks for."""
-        engine = object.__new__(cls)
-        engine._start(config, pipeline)
-        return engine
-
-    def _start(self, config: EngineConfig, pipeline: Pipeline | None = None) -> None:
-        self._trace_written = True  # until started, close() has no trace to write
-        bound_heap_growth()  # before the first large block: RSS stays flat however long we run
-        self.config = config
-        self.pipeline: Pipeline = pipeline if pipeline is not None else open_pipeline(config)
-        self.deployment: Deployment = self.pipeline.deployment
-        self.inputs = InputPreparer(self.deployment)
-        # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
-        self._vision: VisionTower | None = None
-        if config.tower == "text" and pipeline is None:
-            try:
-                self._vision = open_vision_tower(config, self.deployment, open_pipeline)
-            except BaseException:
-                self.pipeline.close()
-                raise
-        self._trace_written = False
-        _open_engines.add(self)
+        return cls(config=config, pipeline=pipeline)
 
     @property
     def stats(self) -> EngineStats:
@@ -113,11 +115,7 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         which later work leaves unchanged, on every kind of pipeline."""
         return self.pipeline.stats.snapshot()
 
-    # -- public API -------------------------------------------------------------------------
-
-    @property
-    def model_path(self) -> str:
-        return str(self.deployment.folder.path)
+    # -- embeddings -----------------------------------------------------------------------------
 
     def embed(
         self,
@@ -205,7 +203,8 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
     ) -> Submission | CombinedSubmission:
         """Validate, tokenise and enqueue; returns the call's future once every input is
         enqueued. ``budget``: the most tokens the call may have (``TokenBudget``; a server's
-        request limits), counted on the slices tokenised here.
+        request limits), counted on the slices tokenised here. Images (a dual encoder's):
+        decoded, preprocessed and enqueued on its vision tower (``api/images.py``).
 
         Raises InvalidInputError naming the input if any input is bad; then nothing of the
         call stays queued (slices already enqueued are cancelled). Long lists are tokenised
@@ -213,65 +212,19 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
-        refuse_embedding(self.deployment, pooling)
         images = image_inputs(inputs)
         if images is not None:
             return submit_images(
-                self._vision, self.inputs, images, pooling=pooling, dimensions=dimensions,
+                self._vision, self._inputs, images, pooling=pooling, dimensions=dimensions,
                 normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side, prompt_name=prompt_name,
                 long_inputs=long_inputs,
             )  # fmt: skip
-        params = self.inputs.params(pooling or self.deployment.pooling, dimensions, normalize)
-        policy = check_long_inputs(long_inputs or self.config.long_inputs)
-        items = self.inputs.items(inputs)
-        slices = self.inputs.token_slices(
-            items,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side,
-            prompt_name=prompt_name,
-            long_inputs=policy,
-            budget=budget,
-        )
-        if (
-            not isinstance(inputs, str)
-            and isinstance(inputs, (Sequence, np.ndarray))
-            and not len(inputs)
-        ):
-            return self._new_submission(params, 0)  # already done: an empty result
-        first = next(slices)  # options (and every text) validated before anything is enqueued
-        if policy == "chunk":
-            return self._submit_windows(params, [first, *slices])
-        submission = self._new_submission(params, len(items))
-        more = len(first.lengths) < len(items)
-        try:
-            with (
-                self.pipeline.slice_intake()
-                if more
-                else contextlib.nullcontext(_nothing) as enqueued
-            ):
-                for part in itertools.chain([first], slices):
-                    self.pipeline.enqueue(submission, part)
-                    if part.first + len(part.lengths) < len(items):
-                        enqueued()  # before preparing the next slice
-        except BaseException:
-            submission.cancel()
-            raise
-        return submission
-
-    def _submit_windows(
-        self, params: PoolingParams, parts: list[TokenSlice]
-    ) -> Submission | CombinedSubmission:
-        """long_inputs="chunk": inputs over max_model_len become several requests."""
-        token_ids = np.concatenate([p.token_ids for p in parts])
-        lengths = np.concatenate([p.lengths for p in parts])
-        d = self.deployment
-        size = min(d.max_model_len, d.kv_cache_tokens) if d.causal else d.max_model_len
-        windows = split_windows(token_ids, lengths, size)
-        if len(windows.lengths) == len(lengths):  # nothing to split
-            return self.submit_tokens(token_ids, lengths, params)
-        inner = self.submit_tokens(token_ids, windows.lengths, window_params(params))
-        return CombinedSubmission(inner, windows, params)
+        return self._embedder.submit(
+            inputs, pooling=pooling, dimensions=dimensions, normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+            prompt_name=prompt_name, long_inputs=long_inputs, budget=budget,
+        )  # fmt: skip
 
     def submit_tokens(
         self,
@@ -283,70 +236,259 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         *,
         on_result: ResultCallback | None = None,
     ) -> Submission:
-        """Enqueue prompts already validated by ``self.inputs`` (back to back), with the token
+        """Enqueue prompts already tokenized (``tokenize``; back to back), with the token
         type ids of pair inputs if any; ``on_result``: the submission's (``Submission``), there
         before the first step can finish a row.
 
         ``key_lens`` (one per prompt; bidirectional models whose attention honours them, see
-        ``InputPreparer.key_lengths``, which checks them here): prompt i's attention keys are
-        its first ``key_lens[i]`` tokens; every token, those after included, still attends
-        over them and has an output (ColBERT's query expansion: [MASK] padding with attention
-        mask 0, as Hugging Face computes it for ``attention_mask = [1] * k + [0] * (n - k)``).
+        ``intake.inputs.InputPreparer.key_lengths``, which checks them here): prompt i's
+        attention keys are its first ``key_lens[i]`` tokens; every token, those after
+        included, still attends over them and has an output (ColBERT's query expansion:
+        [MASK] padding with attention mask 0, as Hugging Face computes it for
+        ``attention_mask = [1] * k + [0] * (n - k)``).
         0: every token is a key. Raises InvalidInputError naming a bad one."""
-        if key_lens is not None:
-            key_lens = self.inputs.key_lengths(key_lens, lengths)
-        submission = self._new_submission(params, len(lengths), on_result)
-        part = TokenSlice(0, token_ids, lengths, type_ids, key_lens)
-        self.pipeline.enqueue(submission, part)
-        return submission
+        return self._embedder.submit_tokens(
+            token_ids, lengths, params, type_ids, key_lens, on_result=on_result
+        )
 
-    def tokenize(self, inputs, **kwargs) -> list[np.ndarray]:
-        """Token ids per input, as ``submit`` would enqueue them (truncation included)."""
-        kwargs.setdefault("long_inputs", self.config.long_inputs)
-        return self.inputs.prepare(inputs, **kwargs)
+    def tokenize(self, inputs, **options) -> list[np.ndarray]:
+        """Token ids per input, as ``submit`` would enqueue them (prompt and truncation
+        included; ``options`` as ``submit``'s: truncate_prompt_tokens, truncation_side,
+        prompt_name, long_inputs)."""
+        out: list[np.ndarray] = []
+        for part in self.token_slices(inputs, **options):
+            out += np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
+        return out
 
-    def wait_until_compiled(self, timeout: float | None = None) -> bool:
-        """Block until every stage computes with its compiled layer bodies; False if that
-        takes longer than ``timeout`` seconds. Where ``compile`` is left to the engine it is
-        ready, and serves, while it compiles (README, "Start-up"); a benchmark waits here."""
-        return self.pipeline.wait_until_compiled(timeout)
+    def token_slices(self, inputs, **options) -> Iterator[TokenSlice]:
+        """``tokenize``'s token ids a slice of inputs at a time (``TokenSlice``: the index of
+        its first input, the flat ids, one length per input), every text validated before the
+        first: a caller that counts tokens stops at the first slice over its limit."""
+        options.setdefault("long_inputs", self.config.long_inputs)
+        return self._inputs.token_slices(inputs, **options)
 
-    def stage_busy_s(self) -> list[float]:
-        """Seconds each stage has spent computing so far (for idle fractions; replica-major
-        with replicas)."""
-        return self.pipeline.stage_busy_s()
+    # -- scores, labels and retrieval outputs --------------------------------------------------
 
-    @property
-    def kv_blocks_free(self) -> int | None:
-        """Free KV-cache blocks now (None where the model keeps no KV cache)."""
-        return self.pipeline.kv_blocks_free
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """One score per pair, ``[n]`` float32, as vLLM's ``score``: one ``text_1`` against
+        every ``text_2`` (one-to-many), or ``text_1[i]`` with ``text_2[i]`` (pairwise).
+        ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's.
+        A pair over its limit loses tokens from its texts' ends (``truncation_side="right"``)
+        or starts ("left"), longest text first, as Hugging Face tokenizers truncate pairs.
+        A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
+        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
+        return self._scorer.score(
+            text_1, text_2, use_activation=use_activation, instruction=instruction,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+            long_inputs=long_inputs, weights=weights,
+        )  # fmt: skip
 
-    @property
-    def kv_blocks_total(self) -> int:
-        """KV-cache blocks of the pipeline (every replica's; 0 without a KV cache)."""
-        return self.pipeline.kv_blocks_total
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_chunks_per_doc: int | None = None,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> list[RerankResult]:
+        """``documents`` by relevance to ``query``, most relevant first (ties: input order);
+        the first ``top_n`` of them (None or 0: all). ``max_tokens_per_doc`` cuts each document
+        first, as Cohere's API does; ``max_chunks_per_doc`` scores a long document as Cohere
+        does instead of truncating it: each of its first N windows beside the whole query, the
+        best window's score its score (``submit_chunked_pairs``). ColBERT and BGE-M3 models
+        rank as ``score`` scores (``weights``: BGE-M3's)."""
+        return self._scorer.rerank(
+            query, documents, top_n=top_n, return_documents=return_documents,
+            instruction=instruction, max_tokens_per_doc=max_tokens_per_doc,
+            max_chunks_per_doc=max_chunks_per_doc, use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+            long_inputs=long_inputs, weights=weights,
+        )  # fmt: skip
 
-    @property
-    def is_alive(self) -> bool:
-        """False once closed, or once the pipeline failed for good (even with no request in
-        flight); True while a failed pipeline is being restarted."""
-        return self.health in ("ok", "degraded")
+    def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        long_inputs: str | None = None,
+    ) -> Classification:
+        """Label scores per text (``[n, num_labels]``; a single string is one text): the
+        model's activation (softmax for several labels, sigmoid for one, unless its
+        sentence-transformers config names another), or raw logits. A truncated text keeps
+        its first tokens (``truncation_side="right"``) or its last ("left")."""
+        return self._scorer.classify(
+            texts, use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side, long_inputs=long_inputs,
+        )  # fmt: skip
+
+    def classify_tokens(
+        self,
+        texts: str | Sequence[str],
+        *,
+        aggregation_strategy: str = "simple",
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+    ) -> list[list[dict]]:
+        """Named entities per text, as transformers' token-classification pipeline gives them
+        (its default ``ignore_labels=["O"]``): ``aggregation_strategy`` "none" (one dict per
+        token: entity, score, index, word, start, end), "simple" (adjacent tokens of one type
+        grouped: entity_group, score (their mean), word, start, end), or "first" / "average" /
+        "max" (words labelled by their first sub-token / their sub-tokens' mean / their most
+        confident sub-token, then grouped). ``start``/``end`` are character offsets into the
+        text. Needs a ``*ForTokenClassification`` checkpoint."""
+        return self._scorer.classify_tokens(
+            texts, aggregation_strategy=aggregation_strategy,
+            truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=long_inputs,
+        )  # fmt: skip
+
+    def encode_outputs(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        outputs: Sequence[str] = ("dense",),
+        *,
+        top_k: int | None = None,
+        return_tokens: bool = False,
+        is_query: bool = False,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        prompt_name: str | None = None,
+        long_inputs: str | None = None,
+    ) -> RetrievalOutputs:
+        """Any subset of the model's outputs (``info.outputs``: dense, sparse, multi_vector)
+        from one forward pass per input: SPLADE's and BGE-M3's sparse vectors (``top_k``: the
+        k largest weights, sentence-transformers' ``max_active_dims``; ``return_tokens``: the
+        tokens' strings too), ColBERT's and BGE-M3's token vectors (``is_query``: PyLate's
+        query form, query prefix and [MASK] expansion, rather than the document form)."""
+        return self._retrieval.encode_outputs(
+            inputs, outputs, top_k=top_k, return_tokens=return_tokens, is_query=is_query,
+            normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side, prompt_name=prompt_name, long_inputs=long_inputs,
+        )  # fmt: skip
+
+    # -- futures, for callers that wait their own way (the server) ----------------------------
+
+    def submit_pairs(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens_per_query: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
+        per_label: bool = False,
+    ) -> Submission:
+        """Enqueue pairs ``(queries[i], documents[i])`` (options as ``score``'s); the future's
+        result is ``[n, 1]``, or with ``per_label`` ``[n, num_labels]``: every label's score of
+        a classifier (``CrossEncoder.predict``'s; else the model must have one label). A
+        ColBERT or BGE-M3 model's pairs are scored before this returns (its future is done:
+        ``retrieval_scoring``)."""
+        return self._scorer.submit_pairs(
+            queries, documents, use_activation=use_activation, instruction=instruction,
+            max_tokens_per_doc=max_tokens_per_doc, max_tokens_per_query=max_tokens_per_query,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+            long_inputs=long_inputs, weights=weights, per_label=per_label,
+        )  # fmt: skip
+
+    def submit_chunked_pairs(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        max_chunks_per_doc: int,
+        use_activation: bool = True,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens_per_query: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        long_inputs: str | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> tuple[Submission, np.ndarray]:
+        """Cohere's chunking: each document split into windows that fit beside its whole query
+        in one prompt (``truncate_prompt_tokens`` tokens, else max_model_len), its first
+        ``max_chunks_per_doc`` windows enqueued as pairs. Returns the future (``[chunks, 1]``)
+        and each chunk's pair index; ``pair_options.best_chunk_scores`` gives each pair its
+        best score. Cross-encoders with the tokenizer's pair template only."""
+        return self._scorer.submit_chunked_pairs(
+            queries, documents, max_chunks_per_doc=max_chunks_per_doc,
+            use_activation=use_activation, instruction=instruction,
+            max_tokens_per_doc=max_tokens_per_doc, max_tokens_per_query=max_tokens_per_query,
+            truncate_prompt_tokens=truncate_prompt_tokens, long_inputs=long_inputs,
+            weights=weights,
+        )  # fmt: skip
+
+    def submit_classify(
+        self,
+        texts: str | Sequence[str | tuple[str, str]],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str = "right",
+        long_inputs: str | None = None,
+        per_token: bool = False,
+    ) -> Submission:
+        """Enqueue texts to classify (options as ``classify``'s); the future's result is
+        ``[n, num_labels]`` (a list of ``[len, num_labels]`` for a token classifier:
+        ``per_token``). An input may be a (text, text) pair, read through the tokenizer's pair
+        template (NLI models; text-embeddings-inference's ``/predict``): pairs are cut
+        longest-first from their texts' ends, so ``truncation_side="left"`` is refused for a
+        call with a pair in it."""
+        return self._scorer.submit_classify(
+            texts, use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side, long_inputs=long_inputs, per_token=per_token,
+        )  # fmt: skip
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @overload
+    def int8_bound(self, dimensions: int | None = None, *, wait: Literal[True] = True) -> float: ...
+
+    @overload
+    def int8_bound(self, dimensions: int | None = None, *, wait: bool) -> float | None: ...
+
+    def int8_bound(self, dimensions: int | None = None, *, wait: bool = True) -> float | None:
+        """The bound ``c`` of ``embed(..., dimensions=dimensions)`` vectors (``int8_scale.py``'s
+        rule): their int8 is ``round(127 * v / c)``, so ``v ≈ int8 * c / 127``. Computed on
+        first use (blocks while the calibration texts are embedded), then fixed; ``wait=False``
+        never blocks: None until computed (an event loop asks so first)."""
+        key = ("embed", dimensions)
+        if not wait:
+            return self._int8.known(key)
+        return self._int8.bound(
+            key, lambda texts: self.embed(texts, dimensions=dimensions, long_inputs="truncate")
+        )
 
     @property
     def health(self) -> str:
         """ok | degraded (a stage or replica died and is being restarted; calls wait) | dead |
         closed."""
         return self.pipeline.health
-
-    def replica_status(self) -> list:
-        """Per replica: state, pid, devices, load, queue, tokens/s, busy fraction, restarts
-        (``replicas.stats.ReplicaStatus``); empty for one pipeline."""
-        return self.pipeline.replica_status()
-
-    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
-        """``fn(cause)`` once the engine fails for good (not on ``close()``); called on the
-        thread that saw the failure, or at once if it is dead already."""
-        self.pipeline.add_death_callback(fn)
 
     def write_trace(
         self,
@@ -380,7 +522,12 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
         fail with EngineDeadError("engine closed"). With tracing on and no trace written yet,
         the steps in flight finish first and the trace is written (its summary logged), unless
         ``write_trace`` is False."""
-        if write_trace and not self._trace_written and self.pipeline.tracing and self.is_alive:
+        if (
+            write_trace
+            and not self._trace_written
+            and self.pipeline.tracing
+            and self.health in ("ok", "degraded")
+        ):
             try:
                 summary = self.write_trace(timeout=60)
                 log.info("%s\ntrace written to %s", summary.text(), self.config.trace)
@@ -388,10 +535,10 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
                 log.warning("could not write the trace: %r", exc)
         self._trace_written = True
         self.pipeline.close()
-        vision = getattr(self, "_vision", None)  # None too where _start failed early
+        vision = getattr(self, "_vision", None)  # None too where __init__ failed early
         if vision is not None:
             vision.close()
-        self.inputs.tokenizer.close()
+        self.tokenizer.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -405,32 +552,3 @@ class Engine(ScoringMethods, CrossEncoderMethods, SentenceTransformerMethods, Re
             self.close()
         except Exception:
             pass
-
-    def _new_submission(
-        self,
-        params: PoolingParams,
-        num_inputs: int,
-        on_result: ResultCallback | None = None,
-    ) -> Submission:
-        width = params.dimensions or self.inputs.output_width(params.pooling)
-        return Submission(
-            params,
-            num_inputs,
-            width,
-            on_cancel=self.pipeline.cancel,
-            background=is_background(),
-            client=current_client(),
-            on_result=on_result,
-        )
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the engines a program left open. Without this a program that exits with work
-    in flight (no close(), no ``with``) dies of SIGABRT ("terminate called without an active
-    exception", exit code 134): the interpreter tears down while the loop thread still runs a
-    step's torch ops. Runs before the interpreter's own teardown."""
-    for engine in list(_open_engines):
-        with contextlib.suppress(Exception):
-            engine.close()
-            engine.pipeline.close(join_timeout=_EXIT_JOIN_S)

@@ -19,8 +19,9 @@ edge lands one step over (all-MiniLM-L6-v2, 300 texts alone and in one batch: 1 
 
 When: ``Int8Calibration`` computes each bound the first time it is asked for (one engine call
 on the 64 short calibration texts: ~0.2 s for all-MiniLM-L6-v2 on 2 CPU cores, one batch on a
-GPU) and keeps it for the engine's life; an engine restarted on the same model and device
-computes the same bound from the same texts.
+GPU) and keeps it for its owner's life (``Engine.int8_bound``'s for the engine's, a
+``SentenceTransformer`` adapter's for ``encode``'s own kinds of vector); an engine restarted
+on the same model and device computes the same bound from the same texts.
 """
 
 from __future__ import annotations
@@ -72,37 +73,3 @@ class Int8Calibration:
             if key not in self._bounds:
                 self._bounds[key] = symmetric_bound(embed(list(CALIBRATION_TEXTS)))
             return self._bounds[key]
-
-
-_CREATING = threading.Lock()
-
-
-class Int8ScaleMethods:
-    """The engine's int8 bounds (mixed into the Engine through ``SentenceTransformerMethods``):
-    ``int8_bound`` for ``embed``'s vectors, which the server's Cohere routes quantize with;
-    ``encode`` asks ``int8_calibration`` for its own kinds of vector."""
-
-    embed: Callable[..., np.ndarray]
-
-    @property
-    def int8_calibration(self) -> Int8Calibration:
-        """This engine's ``Int8Calibration`` (made on first use, once)."""
-        with _CREATING:
-            calibration = self.__dict__.get("_int8_calibration")
-            if calibration is None:
-                calibration = self.__dict__["_int8_calibration"] = Int8Calibration()
-        return calibration
-
-    def known_int8_bound(self, dimensions: int | None = None) -> float | None:
-        """``int8_bound(dimensions)`` if computed already, else None: never blocks (an event
-        loop asks this first)."""
-        return self.int8_calibration.known(("embed", dimensions))
-
-    def int8_bound(self, dimensions: int | None = None) -> float:
-        """The bound ``c`` of ``embed(..., dimensions=dimensions)`` vectors (the module's rule):
-        their int8 is ``round(127 * v / c)``, so ``v ≈ int8 * c / 127``. Computed on first
-        use (blocks while the calibration texts are embedded), then fixed."""
-        return self.int8_calibration.bound(
-            ("embed", dimensions),
-            lambda texts: self.embed(texts, dimensions=dimensions, long_inputs="truncate"),
-        )

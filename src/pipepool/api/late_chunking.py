@@ -114,12 +114,15 @@ def late_chunk_texts(
             "late_chunking does not truncate: truncation_side does not apply",
             param="truncation_side",
         )
-    items = engine.inputs.items(chunks)
+    items = (
+        [chunks] if isinstance(chunks, str)
+        else list(chunks) if isinstance(chunks, (list, tuple, np.ndarray)) else []
+    )  # fmt: skip
     if not items or not all(isinstance(c, str) for c in items):
         raise InvalidInputError(
             "late_chunking takes the chunks of one document as a list of strings", param="input"
         )
-    prompt = engine.inputs.prompt_text(prompt_name)
+    prompt = engine.info.prompt_text(prompt_name)
     document = LateChunkedText.from_chunks(items, prompt)
     return late_chunk(engine, document, dimensions=dimensions, normalize=normalize)
 
@@ -135,7 +138,7 @@ def late_chunk(
     naming a chunk without tokens, or what the model cannot late-chunk (a classifier, a
     sparse or multi-vector head, Dense modules after pooling)."""
     _check_model(engine)
-    tok = engine.inputs.tokenizer.backend
+    tok = engine.tokenizer.backend
     encoding = tok.encode(document.text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int64)  # [n]
     starts = np.fromiter((o[0] for o in encoding.offsets), dtype=np.int64, count=len(ids))
@@ -186,10 +189,10 @@ def _token_states(engine: Engine, ids: np.ndarray) -> tuple[np.ndarray, int]:
     earliest macro-chunk that holds it, the model's special tokens around every window; and
     the number of tokens the model ran."""
     prefix, suffix = _special_tokens(engine)
-    width = engine.deployment.max_model_len - len(prefix) - len(suffix)
+    width = engine.info.max_model_len - len(prefix) - len(suffix)
     if width < 2:
         raise InvalidInputError(
-            f"max_model_len={engine.deployment.max_model_len} leaves no room for a document "
+            f"max_model_len={engine.info.max_model_len} leaves no room for a document "
             "between the model's special tokens",
             param="input",
         )
@@ -206,7 +209,7 @@ def _token_states(engine: Engine, ids: np.ndarray) -> tuple[np.ndarray, int]:
 
 def _special_tokens(engine: Engine) -> tuple[np.ndarray, np.ndarray]:
     """The ids the model's tokenizer puts before and after one text's tokens."""
-    tok = engine.inputs.tokenizer.backend
+    tok = engine.tokenizer.backend
     encoding = tok.encode("a", add_special_tokens=True)
     mask = np.asarray(encoding.special_tokens_mask, dtype=bool)
     ids = np.asarray(encoding.ids, dtype=np.int64)
@@ -216,13 +219,13 @@ def _special_tokens(engine: Engine) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_model(engine: Engine) -> None:
-    d = engine.deployment
+    info = engine.info
     why = None
-    if d.classifier is not None:
+    if info.classifier is not None:
         why = "a classifier or reranker gives scores, not embeddings"
-    elif d.retrieval is not None:
+    elif info.outputs != ("dense",):
         why = "its sparse or multi-vector head pools in its own way"
-    elif d.folder.st is not None and d.folder.st.dense:
+    elif info.dense_modules:
         why = "it has Dense modules after pooling, which apply to whole-text vectors"
     if why is not None:
         raise InvalidInputError(
@@ -234,7 +237,7 @@ def _finish(
     engine: Engine, vectors: np.ndarray, dimensions: int | None, normalize: bool | None
 ) -> np.ndarray:
     """The Matryoshka cut, then the model's normalisation (or ``normalize``)."""
-    params = engine.inputs.params("mean", dimensions, normalize)
+    params = engine.info.pooling_params("mean", dimensions, normalize)
     if params.dimensions is not None:
         vectors = vectors[:, : params.dimensions]
     if params.normalize:

@@ -1,7 +1,8 @@
-"""A sequence classifier's label scores for texts and text pairs mixed in one call, as
-text-embeddings-inference's ``/predict`` takes them: each input is one text or a (text, text)
-pair, through the tokenizer's pair template (NLI models, cross-encoders with several labels).
-One engine submission for the whole call, in input order."""
+"""A sequence classifier's label scores for texts and text pairs mixed in one call
+(``Engine.submit_classify`` with pairs in it), as text-embeddings-inference's ``/predict`` takes
+them: each input is one text or a (text, text) pair, through the tokenizer's pair template (NLI
+models, cross-encoders with several labels). One engine submission for the whole call, in input
+order."""
 
 from __future__ import annotations
 
@@ -10,46 +11,33 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import check_long_inputs
-from ..core.request import PoolingParams
 from ..errors import InvalidInputError
-from ..intake.pairs import PairEncoder
-from .scoring import need_classifier
 
 if TYPE_CHECKING:
     from ..core.submission import Submission
-    from .engine import Engine
+    from .scoring import Scorer
 
 TextOrPair = str | tuple[str, str]
 
 
 def submit_predict(
-    engine: Engine,
+    scorer: Scorer,
     inputs: Sequence[TextOrPair],
     *,
     use_activation: bool = True,
+    truncate_prompt_tokens: int | None = None,
     long_inputs: str | None = None,
     truncation_side: str = "right",
 ) -> Submission:
-    """Enqueue texts and pairs to classify; the future's result is ``[n, num_labels]``: the
-    model's activation of its logits (``use_activation=False``: the logits). ``long_inputs``:
-    "truncate" or "error" (None: the engine's policy, chunking read as truncation: a score is
-    computed on one window). ``truncation_side`` "left" keeps a long text's end; pairs are cut
-    longest-first from their ends only (Hugging Face's default), so "left" is refused for a
-    call with a pair in it."""
-    d = engine.deployment
-    need_classifier(d, "classification")
-    if not isinstance(use_activation, bool):
-        raise InvalidInputError("use_activation must be true or false", param="use_activation")
-    policy = check_long_inputs(long_inputs or engine.config.long_inputs)
-    if policy == "chunk":
-        if long_inputs is not None:
-            raise InvalidInputError(
-                "long_inputs='chunk' combines windows of an embedding; a score is computed on "
-                "the whole input: use 'truncate' or 'error'",
-                param="long_inputs",
-            )
-        policy = "truncate"
+    """Enqueue texts and pairs to classify (the caller has checked the model classifies); the
+    future's result is ``[n, num_labels]``: the model's activation of its logits
+    (``use_activation=False``: the logits). ``long_inputs``: "truncate" or "error" (None: the
+    engine's policy, chunking read as truncation: a score is computed on one window).
+    ``truncation_side`` "left" keeps a long text's end; pairs are cut longest-first from their
+    ends only (Hugging Face's default), so "left" is refused for a call with a pair in it."""
+    params = scorer._score_params(use_activation)
+    policy = scorer._policy(long_inputs)
+    limit = scorer._limit(truncate_prompt_tokens, long_inputs)
     singles = [i for i, x in enumerate(inputs) if isinstance(x, str)]
     pairs = [i for i, x in enumerate(inputs) if not isinstance(x, str)]
     if pairs and truncation_side != "right":
@@ -62,15 +50,17 @@ def submit_predict(
     types: list[np.ndarray | None] = [None] * len(inputs)
     if singles:
         texts = [inputs[i] for i in singles]
-        for part in engine.inputs.token_slices(
-            texts, truncation_side=truncation_side, long_inputs=policy
+        for part in scorer.inputs.token_slices(
+            texts,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            long_inputs=policy,
         ):
             rows = np.split(part.token_ids, np.cumsum(part.lengths)[:-1])
             for k, row in enumerate(rows):
                 ids[singles[part.first + k]] = row
     if pairs:
-        limit = d.max_model_len if policy == "truncate" else None
-        encoded = PairEncoder(d, engine.inputs).encode(
+        encoded = scorer._pair_encoder.encode(
             [inputs[i][0] for i in pairs], [inputs[i][1] for i in pairs], limit=limit
         )
         cuts = np.cumsum(encoded.lengths)[:-1]
@@ -88,5 +78,4 @@ def submit_predict(
                 for t, row in zip(types, ids, strict=True)
             ]
         )
-    params = PoolingParams(pooling=d.pooling, normalize=use_activation)
-    return engine.submit_tokens(np.concatenate(ids), lengths, params, type_ids)
+    return scorer.engine.submit_tokens(np.concatenate(ids), lengths, params, type_ids)

@@ -1,7 +1,7 @@
 """Embeddings quantized to int8 | uint8 | binary | ubinary, by two rules: sentence-transformers'
 ``quantize_embeddings`` (buckets over per-dimension ranges), and ``quantize_symmetric`` (one
 symmetric scale per model, ``api/int8_scale.py``). The one implementation behind
-``Engine.encode(precision=...)`` and the server's Cohere routes."""
+``SentenceTransformer.encode(precision=...)`` and the server's Cohere routes."""
 
 from __future__ import annotations
 

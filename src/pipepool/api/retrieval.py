@@ -1,4 +1,4 @@
-"""Sparse and multi-vector outputs on the Engine (``RetrievalMethods``): SPLADE's vocabulary
+"""Sparse and multi-vector outputs of the Engine (``RetrievalEncoder``): SPLADE's vocabulary
 weights, BGE-M3's dense + lexical + ColBERT outputs from one forward, PyLate ColBERT's token
 vectors, and MaxSim between them.
 
@@ -27,7 +27,6 @@ from ..loading.retrieval import (
     M3Head,
     M3Layout,
     SpladeHead,
-    outputs_of,
     special_token_ids,
 )
 
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
     from ..core.submission import Submission
     from ..intake.inputs import InputPreparer
     from ..loading.deployment import Deployment
+    from .engine import Engine
 
 
 @dataclass(frozen=True)
@@ -60,54 +60,18 @@ class RetrievalOutputs:
     num_tokens: list[int] = field(default_factory=list)  # prompt length of each input
 
 
-class RetrievalMethods:
-    """Engine methods for sparse and multi-vector models (``Deployment.outputs`` says which
-    outputs a model gives; asking for another is an ``InvalidInputError`` naming them)."""
+class RetrievalEncoder:
+    """The engine's ``encode_outputs`` for sparse and multi-vector models (``Deployment.outputs``
+    says which outputs a model gives; asking for another is an ``InvalidInputError`` naming
+    them); requests go to the engine's ``submit_tokens``."""
 
-    deployment: Deployment
-    inputs: InputPreparer
-
-    if TYPE_CHECKING:
-
-        def submit_tokens(
-            self, token_ids: np.ndarray, lengths: np.ndarray, params: PoolingParams,
-            type_ids: np.ndarray | None = None, key_lens: np.ndarray | None = None,
-        ) -> Submission: ...  # fmt: skip
+    def __init__(self, engine: Engine, deployment: Deployment, inputs: InputPreparer) -> None:
+        self.engine = engine
+        self.deployment = deployment
+        self.inputs = inputs
 
     def _enqueue(self, params: PoolingParams, part: TokenSlice) -> Submission:
-        return self.submit_tokens(part.token_ids, part.lengths, params, None, part.key_lens)
-
-    def embed_sparse(
-        self,
-        inputs: str | Sequence[str] | Sequence[Sequence[int]],
-        *,
-        top_k: int | None = None,
-        return_tokens: bool = False,
-        **options,
-    ) -> list[SparseEmbedding]:
-        """One sparse vector per input (SPLADE; BGE-M3's lexical weights). ``top_k``: keep the
-        k largest weights (sentence-transformers' ``max_active_dims``); ``return_tokens``: the
-        tokens' strings too. ``options``: truncate_prompt_tokens, truncation_side,
-        prompt_name, long_inputs, as for ``embed``."""
-        out = self.encode_outputs(
-            inputs, ("sparse",), top_k=top_k, return_tokens=return_tokens, **options
-        )
-        assert out.sparse is not None
-        return out.sparse
-
-    def embed_multi_vector(
-        self,
-        inputs: str | Sequence[str] | Sequence[Sequence[int]],
-        *,
-        is_query: bool = False,
-        **options,
-    ) -> list[np.ndarray]:
-        """One ``[tokens, dim]`` array of unit vectors per input (ColBERT; BGE-M3's ColBERT
-        vectors). ``is_query``: PyLate's query form (query prefix, [MASK] expansion) rather
-        than the document form."""
-        out = self.encode_outputs(inputs, ("multi_vector",), is_query=is_query, **options)
-        assert out.multi_vector is not None
-        return out.multi_vector
+        return self.engine.submit_tokens(part.token_ids, part.lengths, params, None, part.key_lens)
 
     def encode_outputs(
         self,
@@ -126,7 +90,7 @@ class RetrievalMethods:
         """Any subset of the model's outputs (dense, sparse, multi_vector) from one forward
         pass per input."""
         d = self.deployment
-        wanted = check_outputs(d, outputs)
+        wanted = check_outputs(d.outputs, outputs)
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
                                   or top_k < 1):  # fmt: skip
             raise InvalidInputError("top_k must be a positive integer", param="top_k")
@@ -252,8 +216,9 @@ class RetrievalMethods:
         return prompts, keys
 
 
-def check_outputs(deployment: Deployment, outputs: Sequence[str]) -> tuple[str, ...]:
-    """The outputs asked for, each one the model gives, in OUTPUTS order."""
+def check_outputs(given: Sequence[str], outputs: Sequence[str]) -> tuple[str, ...]:
+    """The outputs asked for, each one the model gives (``given``: ``EngineInfo.outputs``),
+    in OUTPUTS order."""
     if isinstance(outputs, str):
         outputs = [outputs]
     unknown = [o for o in outputs if o not in OUTPUTS]
@@ -262,7 +227,6 @@ def check_outputs(deployment: Deployment, outputs: Sequence[str]) -> tuple[str, 
             f"outputs must be a non-empty list of {', '.join(OUTPUTS)}; got {list(outputs)!r}",
             param="outputs",
         )
-    given = outputs_of(deployment.retrieval)
     missing = [o for o in outputs if o not in given]
     if missing:
         raise InvalidInputError(

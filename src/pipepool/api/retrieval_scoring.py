@@ -1,5 +1,5 @@
-"""Pair scores of retrieval models, for ``Engine.score`` / ``rerank`` (``ScoringMethods``) and
-``Engine.compute_score_m3``:
+"""Pair scores of retrieval models, for ``Engine.score`` / ``rerank`` (``scoring.Scorer``) and
+``Retriever.compute_score_m3``:
 
 - a ColBERT model (PyLate): MaxSim, PyLate's ``scores.colbert_scores``: for every query vector
   (the query form: prefix and [MASK] expansion) its largest dot product with a document
@@ -30,11 +30,13 @@ import numpy as np
 from ..core.request import PoolingParams
 from ..core.submission import Submission
 from ..errors import InvalidInputError
-from ..loading.retrieval import ColbertHead, M3Head
-from .retrieval import RetrievalMethods, RetrievalOutputs, SparseEmbedding, max_sim
+from ..loading.retrieval import ColbertHead, M3Head, RetrievalHead
+from .retrieval import RetrievalOutputs, SparseEmbedding, max_sim
 
 if TYPE_CHECKING:
     from ..loading.deployment import Deployment
+    from .engine import Engine
+
 
 # [dense, sparse, colbert]: the mix FlagEmbedding's README recommends for BGE-M3 (its
 # compute_score weighs the three equally when given no weights).
@@ -88,7 +90,8 @@ def refuse_other_pair_options(deployment: Deployment, **given: object) -> None:
 
 
 def score_retrieval_pairs(
-    engine: RetrievalMethods,
+    engine: Engine,
+    head: RetrievalHead | None,
     queries: Sequence[str],
     documents: Sequence[str],
     *,
@@ -105,7 +108,6 @@ def score_retrieval_pairs(
     model does not take (``refuse_other_pair_options``)."""
     if not isinstance(use_activation, bool):
         raise InvalidInputError("use_activation must be true or false", param="use_activation")
-    head = engine.deployment.retrieval
     if isinstance(head, M3Head):
         limit = truncate_prompt_tokens
         passage_limit = _min_limit(limit, max_tokens_per_doc)
@@ -138,7 +140,7 @@ def score_retrieval_pairs(
 
 
 def m3_scores(
-    engine: RetrievalMethods,
+    engine: Engine,
     queries: Sequence[str],
     passages: Sequence[str],
     *,
@@ -235,7 +237,7 @@ def finished_submission(scores: PairScores) -> Submission:
 
 
 def _encode_unique(
-    engine: RetrievalMethods, texts: Sequence[str], outputs: Sequence[str], **options: Any
+    engine: Engine, texts: Sequence[str], outputs: Sequence[str], **options: Any
 ) -> tuple[RetrievalOutputs, list[int]]:
     """``encode_outputs`` of each distinct text of ``texts`` (in first-seen order) and, per
     text, the index of its row in them."""
@@ -263,10 +265,10 @@ def _mean_max_sim(query: np.ndarray, passage: np.ndarray) -> float:
     return max_sim(query, passage) / len(query) if len(query) else 0.0
 
 
-def _m3_limit(engine: RetrievalMethods, asked: int | None, param: str) -> int:
+def _m3_limit(engine: Engine, asked: int | None, param: str) -> int:
     """A BGE-M3 side's token limit: ``asked`` (-1: max_model_len), else FlagEmbedding's 512,
     never above max_model_len."""
-    longest = engine.deployment.max_model_len
+    longest = engine.info.max_model_len
     if asked is None:
         return min(M3_MAX_LENGTH, longest)
     if isinstance(asked, bool) or not isinstance(asked, int) or (asked < 1 and asked != -1):

@@ -3,7 +3,7 @@
 The router holds no inference logic: every call is the named engine's own method (``Engine``),
 chosen here by name, or, with no name, as the only model that can do the call's task (as an
 OpenAI-style server picks a model when a request leaves ``model`` out). What a model can do is
-``model_tasks``, derived from its deployment: the same answer the engine's own methods give by
+``engine.info.tasks`` (``routing.model_tasks``): the same answer the engine's own methods give by
 accepting or refusing a call.
 """
 
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from ..config import EngineConfig
 from ..errors import InvalidInputError
 from .engine import Engine
+from .retriever import Retriever
 from .routing import (
     OUTPUT_TASKS,
     RoutedModel,
-    model_tasks,
     route,
 )
 
@@ -62,9 +62,7 @@ class Router:
             )
         self._engines = _started(_named(models), options)
         # What each model can do, in the router's order; fixed, as a model's deployment is.
-        self._routed = [
-            RoutedModel((name,), model_tasks(e.deployment)) for name, e in self._engines.items()
-        ]
+        self._routed = [RoutedModel((name,), e.info.tasks) for name, e in self._engines.items()]
 
     @classmethod
     def from_engines(cls, engines: Mapping[str, Engine]) -> Router:
@@ -107,13 +105,13 @@ class Router:
         self, inputs, *, model: str | None = None, **options: Any
     ) -> list[SparseEmbedding]:
         """``Engine.embed_sparse`` of ``model`` (None: the only model with sparse outputs)."""
-        return self.engine(model, "sparse").embed_sparse(inputs, **options)
+        return Retriever(self.engine(model, "sparse")).embed_sparse(inputs, **options)
 
     def embed_multi_vector(
         self, inputs, *, model: str | None = None, **options: Any
     ) -> list[np.ndarray]:
         """``Engine.embed_multi_vector`` of ``model`` (None: the only multi-vector model)."""
-        return self.engine(model, "multi_vector").embed_multi_vector(inputs, **options)
+        return Retriever(self.engine(model, "multi_vector")).embed_multi_vector(inputs, **options)
 
     def encode_outputs(
         self,

@@ -24,22 +24,20 @@ from ..core.submission import Submission
 from ..errors import InvalidInputError
 from ..intake.pairs import PairEncoder, encode_chunks
 from .pair_options import best_chunk_scores, kept_end, refuse_for_late_interaction
-from .retrieval import RetrievalMethods
+from .predict import submit_predict
 from .retrieval_scoring import (
-    M3_WEIGHTS,
     finished_submission,
-    m3_scores,
     refuse_other_pair_options,
     score_retrieval_pairs,
     scores_pairs_itself,
-    split_pairs,
 )
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
     from ..core.classifier_head import ClassifierHead
     from ..intake.inputs import InputPreparer
     from ..loading.deployment import Deployment
+    from .engine import Engine
+    from .engine_info import EngineInfo
 
 
 @dataclass(frozen=True)
@@ -64,24 +62,18 @@ class Classification:
         return [self.label_names[i] for i in self.probs.argmax(axis=1).tolist()]
 
 
-class ScoringMethods:
-    """The classifier half of the ``Engine`` API (mixed into it; sentence-transformers'
-    ``CrossEncoder`` surface over it is ``cross_encoder.CrossEncoderMethods``). Every method is
-    thread-safe; bad input raises ``InvalidInputError`` naming the problem."""
+class Scorer:
+    """The classifier half of the ``Engine`` (the engine's ``score``, ``rerank``, ``classify``,
+    ``classify_tokens`` and their futures are this object's; ``Engine`` states the contract of
+    each). Pairs are tokenized by ``PairEncoder``; requests go to the engine's
+    ``submit_tokens``. Thread-safe; bad input raises ``InvalidInputError`` naming the
+    problem."""
 
-    # What the scoring half uses of the Engine.
-    config: EngineConfig
-    deployment: Deployment
-    inputs: InputPreparer
-
-    def submit_tokens(
-        self,
-        token_ids: np.ndarray,
-        lengths: np.ndarray,
-        params: PoolingParams,
-        type_ids: np.ndarray | None = None,
-    ) -> Submission:
-        raise NotImplementedError  # the Engine's
+    def __init__(self, engine: Engine, deployment: Deployment, inputs: InputPreparer) -> None:
+        self.engine = engine
+        self.deployment = deployment
+        self.inputs = inputs
+        self.config = engine.config
 
     def score(
         self,
@@ -95,13 +87,7 @@ class ScoringMethods:
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> np.ndarray:
-        """One score per pair, ``[n]`` float32, as vLLM's ``score``: one ``text_1`` against
-        every ``text_2`` (one-to-many), or ``text_1[i]`` with ``text_2[i]`` (pairwise).
-        ``use_activation=False`` gives the raw logits; ``instruction`` is Qwen3-Reranker's.
-        A pair over its limit loses tokens from its texts' ends (``truncation_side="right"``)
-        or starts ("left"), longest text first, as Hugging Face tokenizers truncate pairs.
-        A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
-        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
+        """``Engine.score``."""
         queries, documents = pair_up(text_1, text_2)
         submission = self.submit_pairs(
             queries,
@@ -131,12 +117,7 @@ class ScoringMethods:
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> list[RerankResult]:
-        """``documents`` by relevance to ``query``, most relevant first (ties: input order);
-        the first ``top_n`` of them (None or 0: all). ``max_tokens_per_doc`` cuts each document
-        first, as Cohere's API does; ``max_chunks_per_doc`` scores a long document as Cohere
-        does instead of truncating it: each of its first N windows beside the whole query, the
-        best window's score its score (``submit_chunked_pairs``). ColBERT and BGE-M3 models
-        rank as ``score`` scores (``weights``: BGE-M3's)."""
+        """``Engine.rerank``."""
         check_top_n(top_n)
         if not isinstance(query, str):
             raise InvalidInputError("query must be a string", param="query")
@@ -173,10 +154,7 @@ class ScoringMethods:
         truncation_side: str = "right",
         long_inputs: str | None = None,
     ) -> Classification:
-        """Label scores per text (``[n, num_labels]``; a single string is one text): the
-        model's activation (softmax for several labels, sigmoid for one, unless its
-        sentence-transformers config names another), or raw logits. A truncated text keeps
-        its first tokens (``truncation_side="right"``) or its last ("left")."""
+        """``Engine.classify``."""
         submission = self.submit_classify(
             texts,
             use_activation=use_activation,
@@ -201,10 +179,9 @@ class ScoringMethods:
         truncation_side: str = "right",
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
+        per_label: bool = False,
     ) -> Submission:
-        """Enqueue pairs ``(queries[i], documents[i])``; the future's result is ``[n, 1]``.
-        A ColBERT or BGE-M3 model's pairs are scored before this returns (its future is done:
-        ``retrieval_scoring``)."""
+        """``Engine.submit_pairs``."""
         refuse_other_pair_options(self.deployment, weights=weights, instruction=instruction)
         if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
             refuse_for_late_interaction(
@@ -213,7 +190,8 @@ class ScoringMethods:
                 max_tokens_per_query=max_tokens_per_query is not None,
             )
             scores = score_retrieval_pairs(
-                self._retrieval_engine,
+                self.engine,
+                self.deployment.retrieval,
                 queries,
                 documents,
                 use_activation=use_activation,
@@ -223,7 +201,7 @@ class ScoringMethods:
                 weights=weights,
             )
             return finished_submission(scores)
-        need_classifier(self.deployment, "scoring pairs", one_label=True)
+        need_classifier(self.engine.info, "scoring pairs", one_label=not per_label)
         limit = self._limit(truncate_prompt_tokens, long_inputs)
         part = self._pair_encoder.encode(
             queries,
@@ -235,7 +213,7 @@ class ScoringMethods:
             keep=kept_end(truncation_side),
         )
         params = self._score_params(use_activation)
-        return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
+        return self.engine.submit_tokens(part.token_ids, part.lengths, params, part.type_ids)
 
     def submit_chunked_pairs(
         self,
@@ -251,15 +229,11 @@ class ScoringMethods:
         long_inputs: str | None = None,
         weights: Sequence[float] | None = None,
     ) -> tuple[Submission, np.ndarray]:
-        """Cohere's chunking: each document split into windows that fit beside its whole query
-        in one prompt (``truncate_prompt_tokens`` tokens, else max_model_len), its first
-        ``max_chunks_per_doc`` windows enqueued as pairs. Returns the future (``[chunks, 1]``)
-        and each chunk's pair index; ``best_chunk_scores`` gives each pair its best score.
-        Cross-encoders with the tokenizer's pair template only."""
+        """``Engine.submit_chunked_pairs``."""
         refuse_other_pair_options(self.deployment, weights=weights, instruction=instruction)
         if self.deployment.classifier is None and scores_pairs_itself(self.deployment):
             refuse_for_late_interaction(self.deployment, max_chunks_per_doc=True)
-        need_classifier(self.deployment, "scoring pairs", one_label=True)
+        need_classifier(self.engine.info, "scoring pairs", one_label=True)
         self._policy(long_inputs)  # a bad long_inputs is refused here too
         window = self.inputs._limit(truncate_prompt_tokens) or self.deployment.max_model_len
         part, owners = encode_chunks(
@@ -272,11 +246,13 @@ class ScoringMethods:
             max_tokens_per_query=max_tokens_per_query,
         )
         params = self._score_params(use_activation)
-        return self.submit_tokens(part.token_ids, part.lengths, params, part.type_ids), owners
+        return self.engine.submit_tokens(
+            part.token_ids, part.lengths, params, part.type_ids
+        ), owners
 
     def submit_classify(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str | tuple[str, str]],
         *,
         use_activation: bool = True,
         truncate_prompt_tokens: int | None = None,
@@ -284,12 +260,19 @@ class ScoringMethods:
         long_inputs: str | None = None,
         per_token: bool = False,
     ) -> Submission:
-        """Enqueue texts to classify; the future's result is ``[n, num_labels]`` (a list of
-        ``[len, num_labels]`` for a token classifier: ``per_token``)."""
+        """``Engine.submit_classify``."""
         need_classifier(
-            self.deployment, "token classification" if per_token else "classification",
+            self.engine.info, "token classification" if per_token else "classification",
             per_token=per_token,
         )  # fmt: skip
+        if not isinstance(texts, str) and any(not isinstance(t, str) for t in texts):
+            if per_token:
+                raise InvalidInputError("a token classifier classifies texts", param="input")
+            return submit_predict(
+                self, texts, use_activation=use_activation,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side, long_inputs=long_inputs,
+            )  # fmt: skip
         policy = self._policy(long_inputs)
         parts = list(
             self.inputs.token_slices(
@@ -301,7 +284,7 @@ class ScoringMethods:
         )
         token_ids = np.concatenate([p.token_ids for p in parts])
         lengths = np.concatenate([p.lengths for p in parts])
-        return self.submit_tokens(token_ids, lengths, self._score_params(use_activation))
+        return self.engine.submit_tokens(token_ids, lengths, self._score_params(use_activation))
 
     def classify_tokens(
         self,
@@ -311,13 +294,7 @@ class ScoringMethods:
         truncate_prompt_tokens: int | None = None,
         long_inputs: str | None = None,
     ) -> list[list[dict]]:
-        """Named entities per text, as transformers' token-classification pipeline gives them
-        (its default ``ignore_labels=["O"]``): ``aggregation_strategy`` "none" (one dict per
-        token: entity, score, index, word, start, end), "simple" (adjacent tokens of one type
-        grouped: entity_group, score (their mean), word, start, end), or "first" / "average" /
-        "max" (words labelled by their first sub-token / their sub-tokens' mean / their most
-        confident sub-token, then grouped). ``start``/``end`` are character
-        offsets into the text. Needs a ``*ForTokenClassification`` checkpoint."""
+        """``Engine.classify_tokens``."""
         from .token_classification import TokenAggregator, check_strategy
 
         check_strategy(aggregation_strategy)  # before the engine computes anything
@@ -336,37 +313,7 @@ class ScoringMethods:
             for text, p in zip(items, probs, strict=True)
         ]
 
-    def compute_score_m3(
-        self,
-        pairs: Sequence[Sequence[str]],
-        *,
-        weights: Sequence[float] = M3_WEIGHTS,
-        max_query_length: int | None = None,
-        max_passage_length: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        """BGE-M3's scores of (query, passage) pairs, as FlagEmbedding's
-        ``BGEM3FlagModel.compute_score``: {"colbert", "sparse", "dense", "sparse+dense",
-        "colbert+sparse+dense"} -> ``[n]`` float64, in pair order. ``weights`` are [dense,
-        sparse, colbert] (the mixes divide by their weights' sum; FlagEmbedding's own default,
-        when it is given none, is [1, 1, 1]); queries and passages are cut to
-        ``max_query_length`` / ``max_passage_length`` tokens (None: FlagEmbedding's 512; -1:
-        max_model_len). One pair may be given as a tuple."""
-        scores, _ = m3_scores(
-            self._retrieval_engine,
-            *split_pairs(pairs),
-            weights=weights,
-            max_query_length=max_query_length,
-            max_passage_length=max_passage_length,
-        )
-        return scores
-
     # -- helpers --------------------------------------------------------------------------------
-
-    @property
-    def _retrieval_engine(self) -> RetrievalMethods:
-        """This engine as the retrieval half sees it (the Engine has both halves)."""
-        assert isinstance(self, RetrievalMethods), "the Engine mixes in RetrievalMethods"
-        return self
 
     @property
     def _head(self) -> ClassifierHead:
@@ -404,11 +351,11 @@ class ScoringMethods:
         return limit
 
 
-def refuse_embedding(deployment: Deployment, pooling: str | None = None) -> None:
+def refuse_embedding(info: EngineInfo, pooling: str | None = None) -> None:
     """A classifier's hidden states are not embeddings it was trained to give, nor are a
     sparse or multi-vector model's (``pooling`` None: its default dense vector; BGE-M3's token
     rows are packed heads, not token embeddings): say what it does instead."""
-    outputs = deployment.outputs
+    outputs = info.outputs
     if "dense" not in outputs or (pooling == "all" and len(outputs) > 1):
         raise InvalidInputError(
             f"this model gives {', '.join(outputs)} outputs, not "
@@ -417,10 +364,10 @@ def refuse_embedding(deployment: Deployment, pooling: str | None = None) -> None
             'or "outputs" on /v1/embeddings)',
             param="outputs",
         )
-    head = deployment.classifier
+    head = info.classifier
     if head is not None:
         raise InvalidInputError(
-            f"this model ({deployment.folder.architecture}) is a classifier with "
+            f"this model ({info.architecture}) is a classifier with "
             f"{head.num_labels} label(s), not an embedding model: use score, rerank or classify "
             "(/score, /rerank, /classify)",
             param="model",
@@ -428,19 +375,20 @@ def refuse_embedding(deployment: Deployment, pooling: str | None = None) -> None
 
 
 def need_classifier(
-    deployment: Deployment, task: str, *, one_label: bool = False, per_token: bool = False
+    info: EngineInfo, task: str, *, one_label: bool = False, per_token: bool = False
 ) -> None:
-    head = deployment.classifier
+    """Refuses a call a model's classifier head cannot do, saying what the model does."""
+    head = info.classifier
     if head is None:
         raise InvalidInputError(
-            f"this model ({deployment.folder.architecture}) is an embedding model and cannot "
+            f"this model ({info.architecture}) is an embedding model and cannot "
             f"do {task}: that needs a cross-encoder or reranker (a *ForSequenceClassification "
             "checkpoint, or Qwen3-Reranker), or a ColBERT or BGE-M3 model (late interaction)",
             param="model",
         )
     if head is not None and head.per_token != per_token:
         raise InvalidInputError(
-            f"this model ({deployment.folder.architecture}) is "
+            f"this model ({info.architecture}) is "
             + ("a token classifier: use classify_tokens" if head.per_token
                else "not a token classifier (a *ForTokenClassification checkpoint)")
             + f", not {task}",

@@ -1,29 +1,26 @@
-"""The attributes sentence-transformers' models expose, shared by the Engine's
-``SentenceTransformer`` surface (``st_compat.py``) and its ``CrossEncoder`` surface
-(``cross_encoder.py``): ``prompts``, ``default_prompt_name``, ``max_seq_length``, ``tokenizer``,
-``device`` (``SentenceTransformerAttributes``, the mixin both surfaces build on), the settings
-behind them (``STSettings``), and the argument handling both surfaces share (``renamed``,
+"""What sentence-transformers' two model classes share, as adapters over an ``Engine``: the
+``SentenceTransformer`` adapter (``st_compat.py``) and the ``CrossEncoder`` one
+(``cross_encoder.py``) both build on ``STAdapter``: who owns the engine, and the attributes
+``prompts``, ``default_prompt_name``, ``max_seq_length``, ``tokenizer`` and ``device``; the
+settings behind them (``STSettings``), and the argument handling both share (``renamed``,
 ``refuse_unknown``, ``check_batch_size``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from ..config import EngineConfig
-    from ..core.submission import Submission
-    from ..intake.inputs import InputPreparer
-    from ..intake.long_inputs import CombinedSubmission
-    from ..loading.deployment import Deployment
+from .engine import Engine
+from .engine_info import EngineInfo
 
 # Prompt names every SentenceTransformer has ("" unless the folder says otherwise), so that
 # encode(prompt_name="query") works on any model, as there.
@@ -45,41 +42,60 @@ class STSettings:
     activation_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, deployment: Deployment) -> STSettings:
-        st = deployment.folder.st
+    def of(cls, info: EngineInfo) -> STSettings:
         # As SentenceTransformer.__init__: the default names first, the folder's prompts fill
         # them and add theirs, names still unset become "". A CrossEncoder has no defaults.
         prompts: dict[str, str | None] = (
-            dict.fromkeys(_DEFAULT_PROMPTS) if deployment.classifier is None else {}
+            dict.fromkeys(_DEFAULT_PROMPTS) if info.classifier is None else {}
         )
-        for name, text in (st.prompts if st else {}).items():
+        for name, text in info.prompts.items():
             if prompts.get(name) is None:
                 prompts[name] = text
         return cls(
             prompts={name: text or "" for name, text in prompts.items()},
-            default_prompt_name=st.default_prompt_name if st else None,
-            similarity_fn_name=st.similarity_fn_name if st else None,
-            max_seq_length=deployment.max_model_len,
-            truncate_dim=_saved_truncate_dim(deployment),
+            default_prompt_name=info.default_prompt_name,
+            similarity_fn_name=info.similarity_fn_name,
+            max_seq_length=info.max_model_len,
+            truncate_dim=_saved_truncate_dim(info),
         )
 
 
-class SentenceTransformerAttributes:
-    """The attributes sentence-transformers' models expose, shared by the ``SentenceTransformer``
-    and ``CrossEncoder`` surfaces (mixed into the Engine through both), and the helpers both use
-    (``_resolve_prompt``, ``_check_device``). Settings a caller changes here apply to this
-    engine's sentence-transformers-style calls only (``STSettings``)."""
+class STAdapter:
+    """What sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` adapters share:
+    an ``Engine`` (``engine``) and the attributes both model classes expose. Built from a model
+    (a folder or hub id, with ``Engine`` options), the adapter starts its own engine and
+    closes it in ``close()`` (or at the end of a ``with`` block); built from an ``Engine``, it
+    shares that engine (other adapters, the caller's own calls) and ``close()`` leaves it
+    running. Settings a caller changes here (``prompts``, ``max_seq_length``, ...) apply to
+    this adapter's calls only (``STSettings``); the engine keeps the folder's."""
 
-    # What the surfaces use of the Engine.
-    config: EngineConfig
-    deployment: Deployment
-    inputs: InputPreparer
-    submit: Callable[..., Submission | CombinedSubmission]
-    replica_status: Callable[[], list]
+    def __init__(
+        self, model: str | os.PathLike[str] | Engine | None = None, **engine_options: Any
+    ) -> None:
+        if isinstance(model, Engine):
+            if engine_options:
+                name = next(iter(engine_options))
+                raise InvalidInputError(
+                    f"{name}= is an option of a new Engine; this adapter shares the engine it "
+                    "was given: start that Engine with it instead",
+                    param=name,
+                )
+            self.engine, self._owns_engine = model, False
+        else:
+            model = os.fspath(model) if model is not None else None
+            self.engine, self._owns_engine = Engine(model, **engine_options), True
+        self._st = STSettings.of(self.engine.info)
 
-    @cached_property
-    def _st(self) -> STSettings:
-        return STSettings.of(self.deployment)
+    def close(self) -> None:
+        """Close the engine this adapter started; a shared engine keeps running."""
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> STAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def prompts(self) -> dict[str, str]:
@@ -110,7 +126,7 @@ class SentenceTransformerAttributes:
     def max_seq_length(self, value: int) -> None:
         """Any length from 1 to the engine's ``max_model_len``: the engine sized its position
         tables, step budget and KV cache for that, so a longer one needs a new engine."""
-        limit = self.deployment.max_model_len
+        limit = self.engine.info.max_model_len
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
             raise InvalidInputError(
                 f"max_seq_length must be an integer from 1 to {limit}, got {value!r}: this "
@@ -127,23 +143,23 @@ class SentenceTransformerAttributes:
         """The Hugging Face tokenizer of the model folder (``AutoTokenizer``, what
         sentence-transformers gives; needs ``transformers``), its ``model_max_length`` the
         ``max_seq_length``. The engine itself tokenizes with ``tokenizer.json`` through
-        ``tokenizers`` (``engine.inputs.tokenizer``)."""
+        ``tokenizers`` (``engine.tokenizer``)."""
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError(
-                "Engine.tokenizer is the Hugging Face tokenizer sentence-transformers gives, "
-                "which needs transformers (pip install transformers); the engine's own "
-                "tokenizer is engine.inputs.tokenizer.backend (a tokenizers.Tokenizer)"
+                "the adapter's tokenizer is the Hugging Face tokenizer sentence-transformers "
+                "gives, which needs transformers (pip install transformers); the engine's own "
+                "tokenizer is engine.tokenizer.backend (a tokenizers.Tokenizer)"
             ) from None
-        tokenizer = AutoTokenizer.from_pretrained(str(self.deployment.folder.path))
+        tokenizer = AutoTokenizer.from_pretrained(self.engine.info.model_path)
         tokenizer.model_max_length = self.max_seq_length
         return tokenizer
 
     @property
     def device(self) -> torch.device:
         """Where the engine computes (its first stage's device)."""
-        return torch.device(self.deployment.devices[0])
+        return torch.device(self.engine.info.devices[0])
 
     # -- helpers of both surfaces ---------------------------------------------------------------
 
@@ -178,8 +194,8 @@ class SentenceTransformerAttributes:
             )
         if device is None:
             return
-        running = {str(d) for d in self.deployment.devices}
-        for status in self.replica_status():
+        running = {str(d) for d in self.engine.info.devices}
+        for status in self.engine.pipeline.replica_status():
             running.update(str(d) for d in status.devices)
         for asked in device if isinstance(device, list) else [device]:
             try:
@@ -232,11 +248,11 @@ def _same_device(asked: torch.device, running: torch.device) -> bool:
     )
 
 
-def _saved_truncate_dim(deployment: Deployment) -> int | None:
+def _saved_truncate_dim(info: EngineInfo) -> int | None:
     """``truncate_dim`` of config_sentence_transformers.json (sentence-transformers saves one
     a model was built with); the engine's folder reader keeps no copy of it."""
-    path = deployment.folder.path / "config_sentence_transformers.json"
-    if deployment.folder.st is None or not path.is_file():
+    path = Path(info.model_path) / "config_sentence_transformers.json"
+    if not info.sentence_transformers or not path.is_file():
         return None
     value = json.loads(path.read_text(encoding="utf-8")).get("truncate_dim")
     return value if isinstance(value, int) and value > 0 else None

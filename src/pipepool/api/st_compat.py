@@ -1,9 +1,9 @@
-"""sentence-transformers' ``SentenceTransformer`` surface on the Engine, with its semantics, so
-code written for it runs on the engine unchanged: ``encode`` / ``encode_query`` /
+"""sentence-transformers' ``SentenceTransformer`` as an adapter over an ``Engine``, with its
+semantics, so code written for it runs on the engine unchanged: ``encode`` / ``encode_query`` /
 ``encode_document``, ``similarity`` / ``similarity_pairwise``, and the attributes
 ``similarity_fn_name`` and ``truncate_dim``; the attributes it shares with the ``CrossEncoder``
-surface (``prompts``, ``default_prompt_name``, ``max_seq_length``, ``tokenizer``, ``device``) are
-``st_attributes.SentenceTransformerAttributes``.
+adapter (``prompts``, ``default_prompt_name``, ``max_seq_length``, ``tokenizer``, ``device``) are
+``st_attributes.STAdapter``'s.
 
 These calls tokenize as sentence-transformers does (prompt prepended to the text, cut to
 ``max_seq_length`` with the special tokens kept, an empty text embedded as its special tokens
@@ -17,6 +17,7 @@ computes where it was started (``device=`` may only name that place).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,13 +27,14 @@ import torch.nn.functional as F
 
 from ..errors import InvalidInputError
 from ..intake.images import image_inputs
-from ..intake.inputs import FIRST_SLICE, SLICE
+from ..intake.inputs import FIRST_SLICE, SLICE, valid_texts
 from ..models import DUAL_ENCODERS
 from .encode_output import check_ranges, cut, encode_output, quantizer
-from .int8_scale import Int8ScaleMethods
+from .engine import Engine
+from .int8_scale import Int8Calibration
 from .progress import follow
 from .quantization import PRECISIONS
-from .st_attributes import SentenceTransformerAttributes, check_batch_size, refuse_unknown, renamed
+from .st_attributes import STAdapter, check_batch_size, refuse_unknown, renamed
 
 if TYPE_CHECKING:
     from ..core.submission import Submission
@@ -47,9 +49,45 @@ OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
 
-class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods):
-    """``SentenceTransformer``'s methods on the Engine (mixed into it). Bad options raise
+class SentenceTransformer(STAdapter):
+    """sentence-transformers' ``SentenceTransformer`` over an ``Engine``: its methods and
+    attributes with its semantics. ``SentenceTransformer(model, **options)`` starts and owns an
+    Engine (``options``: ``EngineConfig`` fields, ``device`` among them);
+    ``SentenceTransformer(engine)`` shares one (``STAdapter``). ``prompts``,
+    ``default_prompt_name``, ``similarity_fn_name`` and ``truncate_dim`` are set as
+    sentence-transformers' constructor sets them (else the folder's). Bad options raise
     ``InvalidInputError`` (a ``ValueError``, as sentence-transformers raises)."""
+
+    def __init__(
+        self,
+        model_name_or_path: str | os.PathLike[str] | Engine | None = None,
+        *,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: Any = None,
+        truncate_dim: int | None = None,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__(model_name_or_path, **engine_options)
+        try:
+            if prompts is not None:  # sentence-transformers: the given ones over the folder's
+                self.prompts = {**self.prompts, **prompts}
+            if default_prompt_name is not None:
+                if default_prompt_name not in self.prompts:
+                    raise InvalidInputError(
+                        f"Default prompt name {default_prompt_name!r} not found in the "
+                        f"configured prompts dictionary with keys {list(self.prompts)!r}",
+                        param="default_prompt_name",
+                    )
+                self.default_prompt_name = default_prompt_name
+            if similarity_fn_name is not None:
+                self.similarity_fn_name = similarity_fn_name
+            if truncate_dim is not None:
+                self.truncate_dim = truncate_dim
+        except BaseException:
+            self.close()
+            raise
+        self._int8 = Int8Calibration()  # encode's own kinds of vector
 
     def encode(
         self,
@@ -115,7 +153,7 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
             for name, given in (("prompt", prompt), ("prompt_name", prompt_name)):
                 if given is not None:
                     raise InvalidInputError(f"{name} applies to texts, not images", param=name)
-            computed = self.submit(images, pooling=pooling, normalize=normalize).result()
+            computed = self.engine.submit(images, pooling=pooling, normalize=normalize).result()
         else:
             prefix = self._resolve_prompt(prompt, prompt_name)
             if prefix:
@@ -127,8 +165,9 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
         else:
             embeddings = cut(torch.from_numpy(np.asarray(computed)), dim, normalize_embeddings)
         quantize = quantizer(
-            self, precision, ranges, (pooling, normalize, tokens, dim, normalize_embeddings)
-        )
+            self.engine, self._int8, precision, ranges,
+            (pooling, normalize, tokens, dim, normalize_embeddings),
+        )  # fmt: skip
         out = encode_output(embeddings, precision, quantize, convert_to_numpy, convert_to_tensor)
         return out[0] if single else out
 
@@ -218,7 +257,7 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
 
     def get_embedding_dimension(self) -> int:
         """Size of one ``encode`` vector: after any Dense head, cut to ``truncate_dim``."""
-        dim = self.deployment.output_dim
+        dim = self.engine.info.dimensions
         return dim if self.truncate_dim is None else min(dim, self.truncate_dim)
 
     get_sentence_embedding_dimension = get_embedding_dimension  # its name before version 6
@@ -230,15 +269,15 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
         sentence-transformers modules gets what ``SentenceTransformer`` builds for it (mean
         pooling, the last token for a causal LM, no Normalize), where the engine's own default
         is the family's pooling, normalized; options the Engine was started with win."""
-        if self.deployment.folder.st is not None:
+        info, config = self.engine.info, self.engine.config
+        if info.sentence_transformers:
             return None, None
-        folder = self.deployment.folder
-        if folder.architecture in DUAL_ENCODERS:  # its towers' features, as ST 6 builds them
-            return None, bool(self.config.normalize)
-        causal_lm = folder.architecture.endswith("ForCausalLM")
-        causal_lm = causal_lm and folder.hf_config.get("is_causal", True) is not False
-        pooling = self.config.pooling or ("last" if causal_lm else "mean")
-        return pooling, bool(self.config.normalize)
+        if info.architecture in DUAL_ENCODERS:  # its towers' features, as ST 6 builds them
+            return None, bool(config.normalize)
+        causal_lm = info.architecture.endswith("ForCausalLM")
+        causal_lm = causal_lm and info.hf_config.get("is_causal", True) is not False
+        pooling = config.pooling or ("last" if causal_lm else "mean")
+        return pooling, bool(config.normalize)
 
     def _embed_texts(
         self,
@@ -251,12 +290,12 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
         token ids tokenized as sentence-transformers does. A slice at a time: the engine starts
         on the first while this thread tokenizes the next."""
         limit = self.max_seq_length
-        texts = self.inputs.checked_texts(texts, limit, None, allow_empty=True)
+        texts = valid_texts(texts, max_tokens=limit, allow_empty=True)
         parts: list[Submission | CombinedSubmission] = []
         try:
             lo, size = 0, FIRST_SLICE
             while lo < len(texts):
-                ids = self.inputs.tokenizer.encode_batch(texts[lo : lo + size], max_tokens=limit)
+                ids = self.engine.tokenizer.encode_batch(texts[lo : lo + size], max_tokens=limit)
                 for i, row in enumerate(ids):
                     if not len(row):
                         raise InvalidInputError(
@@ -266,7 +305,9 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
                             index=lo + i,
                         )
                 parts.append(
-                    self.submit(ids, pooling=pooling, normalize=normalize, long_inputs="truncate")
+                    self.engine.submit(
+                        ids, pooling=pooling, normalize=normalize, long_inputs="truncate"
+                    )
                 )
                 lo, size = lo + size, SLICE
         except BaseException:
@@ -274,7 +315,9 @@ class SentenceTransformerMethods(SentenceTransformerAttributes, Int8ScaleMethods
                 part.cancel()
             raise
         if not parts:
-            return [] if pooling == "all" else np.zeros((0, self.deployment.output_dim), np.float32)
+            return (
+                [] if pooling == "all" else np.zeros((0, self.engine.info.dimensions), np.float32)
+            )
         follow(_Calls(parts), disable=not show_progress_bar, desc="Batches")
         results = [part.result() for part in parts]
         if pooling == "all":

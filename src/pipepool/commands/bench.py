@@ -219,7 +219,7 @@ def _start_engine(config, say: Callable[[str], None]) -> tuple[Engine, float]:
     engine = Engine.from_config(config)
     start_s = time.perf_counter() - started
     say(f"engine started in {start_s:.1f} s")
-    engine.wait_until_compiled()
+    engine.pipeline.wait_until_compiled(None)
     return engine, start_s
 
 
@@ -240,7 +240,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         budget = plan_deployment(config).max_num_batched_tokens
         config = config.replace(kv_cache_tokens=4 * budget + longest)
     engine, start_s = _start_engine(config, say)
-    d = engine.deployment
+    d = engine.pipeline.deployment
     workload = make_workload(
         workload_name, d.vocab_size, max_len=d.max_model_len, requests=args.requests
     )
@@ -256,7 +256,7 @@ def bench_one(config, workload_name: str, args) -> dict:
         on_pass=_on_pass(say, "warm-up pass", size, "tokens"),
     )
     say(f"timed: {args.passes} passes (the figure is their median)")
-    busy_start = engine.stage_busy_s()
+    busy_start = engine.pipeline.stage_busy_s()
     timed_start = time.perf_counter()
     since = time.monotonic_ns()  # the trace's clock: the timeline of the timed passes
     ours = median_run(
@@ -266,7 +266,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     )
     until = time.monotonic_ns()
     timed_s = time.perf_counter() - timed_start  # the passes, for the stages' idle share
-    busy = [b - a for a, b in zip(busy_start, engine.stage_busy_s(), strict=True)]
+    busy = [b - a for a, b in zip(busy_start, engine.pipeline.stage_busy_s(), strict=True)]
     trace = _write_trace(engine, since, until)
     busy_gpu = None
     if args.gpu_busy and config.data_parallel_size == 1:  # the profiler sees this process only
@@ -280,7 +280,7 @@ def bench_one(config, workload_name: str, args) -> dict:
     ours_text = None
     if args.e2e:
         # Random ids can decode to nothing (all special tokens): keep every request non-empty.
-        texts = [engine.inputs.tokenizer.decode(t) or "empty" for t in workload.token_ids]
+        texts = [engine.tokenizer.decode(t) or "empty" for t in workload.token_ids]
         say("e2e: one pass of the requests as texts")
         ours_text = run_engine_text(engine, texts, pooling)
     # Memory figures are the driver's own: replicas (--dp) hold theirs in other processes.
@@ -407,7 +407,7 @@ def bench_text(config, workload_name: str, args) -> dict:
     sentence-transformers loads with the same pooling)."""
     say = _progress(workload_name)
     engine, start_s = _start_engine(config, say)
-    d = engine.deployment
+    d = engine.pipeline.deployment
     words = vocabulary_words(d.folder.tokenizer_file)
     texts = make_texts(workload_name, words, requests=args.requests)
     size = len(texts)

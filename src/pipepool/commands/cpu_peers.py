@@ -155,9 +155,9 @@ def bench_workload(workload: str, threads: int, args: argparse.Namespace) -> dic
         for dtype in dtypes:
             say(f"starting the engine ({dtype})")
             engine = stack.enter_context(Engine.from_config(base.replace(dtype=dtype)))
-            engine.wait_until_compiled()
+            engine.pipeline.wait_until_compiled(None)
             engines[dtype] = engine
-        d = next(iter(engines.values())).deployment
+        d = next(iter(engines.values())).pipeline.deployment
         words = vocabulary_words(d.folder.tokenizer_file)
         texts = make_texts(workload, words, requests=args.requests)
         st = reference_model(d.folder.path, d.pooling, d.max_model_len)

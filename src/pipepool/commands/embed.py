@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..intake.text_files import ERROR_MODES, Inputs, UndecodableLineError, read_inputs
-from ..loading.model_folder import model_display_name
 from . import embed_corpus, embed_late
 from .common import add_engine_args, engine_config
 from .input_lines import empty_text_ids, located
@@ -179,12 +178,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             embed_outputs.write(rows, args.output_type, args.output, texts)
         _report_lines(inputs, args.output)
-        d = engine.deployment
+        info = engine.info
         print(
             f"embedded {len(inputs.items)} inputs ({stats.prompt_tokens_finished} tokens) -> "
-            f"{what} with {model_display_name(Path(engine.model_path))} "
-            f"[{_replicas(engine)}{d.num_stages} stage(s), {d.devices[0]}, "
-            f"{str(d.dtype).removeprefix('torch.')}]\n"
+            f"{what} with {info.model} "
+            f"[{_replicas(engine)}{info.num_stages} stage(s), {info.devices[0]}, {info.dtype}]\n"
             f"  load {loaded - started:.2f}s, embed {done - loaded:.2f}s "
             f"({stats.prompt_tokens_finished / max(done - loaded, 1e-9):,.0f} tokens/s), "
             f"{stats.steps} steps, {stats.chunked_requests} chunked prompts",
@@ -200,12 +198,12 @@ def _late_chunked(args: argparse.Namespace) -> int:
     embed_late.check_args(args)
     started = time.perf_counter()
     with Engine.from_config(engine_config(args)) as engine:
-        prompt = engine.inputs.prompt_text(args.prompt_name)
+        prompt = engine.info.prompt_text(args.prompt_name)
         documents = embed_late.read_documents(args, prompt)
         vectors = embed_late.embed_documents(engine, documents, args)
         embed_late.write(vectors, documents, args.output)
         chunks, tokens = sum(len(v) for v in vectors), engine.stats.prompt_tokens_finished
-        name = model_display_name(Path(engine.model_path))
+        name = engine.info.model
     print(
         f"late-chunked {len(documents)} documents into {chunks} chunk vectors ({tokens} "
         f"tokens) with {name} in {time.perf_counter() - started:.2f}s",
@@ -289,7 +287,7 @@ def _report_lines(inputs: Inputs, output: Path | None) -> None:
 
 
 def _replicas(engine) -> str:
-    n = engine.config.data_parallel_size
+    n = engine.info.data_parallel_size
     return f"{n} replicas x " if n > 1 else ""
 
 

@@ -187,18 +187,17 @@ def _request_settings(args: argparse.Namespace, corpus: Corpus) -> dict[str, Any
 def _resolved_settings(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """What the loaded engine made of the flags: the model's files, its pooling,
     normalisation, dtype, length limit, vector size and prompt."""
-    d = engine.deployment
-    prep = engine.inputs
-    prompt_name = args.prompt_name if args.prompt_name is not None else prep.default_prompt_name
+    info = engine.info
+    prompt_name = args.prompt_name if args.prompt_name is not None else info.default_prompt_name
     return {
-        "model_path": engine.model_path,
-        "model_fingerprint": corpus_manifest.folder_fingerprint(Path(engine.model_path)),
-        "resolved_pooling": d.pooling,
-        "resolved_normalize": d.normalize,
-        "resolved_dtype": str(d.dtype).removeprefix("torch."),
-        "resolved_max_model_len": d.max_model_len,
-        "resolved_dim": args.dimensions or d.output_dim,
-        "resolved_prompt": prep.prompts.get(prompt_name) if prompt_name else None,
+        "model_path": info.model_path,
+        "model_fingerprint": corpus_manifest.folder_fingerprint(Path(info.model_path)),
+        "resolved_pooling": info.pooling,
+        "resolved_normalize": info.normalize,
+        "resolved_dtype": info.dtype,
+        "resolved_max_model_len": info.max_model_len,
+        "resolved_dim": args.dimensions or info.dimensions,
+        "resolved_prompt": info.prompts.get(prompt_name) if prompt_name else None,
     }
 
 
@@ -316,7 +315,7 @@ def _submit_whole(engine: Engine, texts: list[str], options: dict) -> Any:
         prompt_name=options["prompt_name"],
         truncate_prompt_tokens=options["truncate_prompt_tokens"],
     )
-    params = engine.inputs.params(engine.deployment.pooling, options["dimensions"], None)
+    params = engine.info.pooling_params(dimensions=options["dimensions"])
     lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
     return engine.submit_tokens(np.concatenate(tokens), lengths, params)
 

@@ -31,7 +31,7 @@ def encode(engine: Engine, inputs: Inputs, args: argparse.Namespace) -> list:
     from ..api.retrieval import check_outputs
 
     kind = args.output_type
-    check_outputs(engine.deployment, [kind])
+    check_outputs(engine.info.outputs, [kind])
     if args.dimensions is not None:
         raise InvalidInputError("--dimensions applies to dense vectors only", param="dimensions")
     items = inputs.items

@@ -20,18 +20,10 @@ def empty_text_ids(
     prompt (``prompt_name``, else the model's default one; only where the other inputs are
     ``texts``, as the engine prompts no token ids) and the tokenizer's special tokens, cut as
     ``truncate`` (--truncate-prompt-tokens) cuts a text."""
-    prep = engine.inputs
-    name = prompt_name if prompt_name is not None else prep.default_prompt_name
-    prefix = ""
-    if name is not None and texts:
-        if name not in prep.prompts:
-            known = ", ".join(sorted(prep.prompts)) or "none"
-            raise InvalidInputError(
-                f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
-            )
-        prefix = prep.prompts[name]
-    limit = prep.deployment.max_model_len if truncate == -1 else truncate
-    ids = prep.tokenizer.encode_batch([prefix], max_tokens=limit if limit and limit > 0 else None)
+    info = engine.info
+    prefix = info.prompt_text(prompt_name) if texts else ""
+    limit = info.max_model_len if truncate == -1 else truncate
+    ids = engine.tokenizer.encode_batch([prefix], max_tokens=limit if limit and limit > 0 else None)
     if not len(ids[0]):
         raise InvalidInputError(
             "an empty text has no tokens for this model (its tokenizer adds no special tokens "

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from ..api.token_classification import AGGREGATIONS
 from ..errors import InvalidInputError
-from ..loading.model_folder import model_display_name
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         done = time.perf_counter()
         tokens = engine.stats.prompt_tokens_finished
     _write(inputs.items, found, args.output)
-    name = model_display_name(Path(engine.model_path))
+    name = engine.info.model
     print(
         f"tagged {len(inputs.items)} texts ({tokens} tokens) with {name}"
         f"\n  load {loaded - started:.2f}s, ner {done - loaded:.2f}s",

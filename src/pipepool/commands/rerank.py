@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 from ..errors import InvalidInputError
-from ..loading.model_folder import model_display_name
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         done = time.perf_counter()
         pairs, tokens = len(inputs.items), engine.stats.prompt_tokens_finished
     _write(ranked, args.output)
-    name = model_display_name(Path(engine.model_path))
+    name = engine.info.model
     print(
         f"ranked {pairs} documents ({tokens} tokens) with {name}\n"
         f"  load {loaded - started:.2f}s, rerank {done - loaded:.2f}s "

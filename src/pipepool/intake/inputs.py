@@ -10,7 +10,7 @@ tokenises the next.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
@@ -323,17 +323,8 @@ class InputPreparer:
         return [prefix + t for t in texts] if prefix else texts
 
     def prompt_text(self, prompt_name: str | None) -> str:
-        """The text put before each input: the named prompt, else the model's default prompt,
-        else none (""). Raises InvalidInputError for a name the model does not have."""
-        name = prompt_name if prompt_name is not None else self.default_prompt_name
-        if name is None:
-            return ""
-        if name not in self.prompts:
-            known = ", ".join(sorted(self.prompts)) or "none"
-            raise InvalidInputError(
-                f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
-            )
-        return self.prompts[name]
+        """``prompt_text`` of this model's prompts."""
+        return prompt_text(self.prompts, self.default_prompt_name, prompt_name)
 
     def _check_lengths(
         self,
@@ -408,27 +399,76 @@ class InputPreparer:
     # -- pooling parameters -------------------------------------------------------------------
 
     def params(self, pooling: str, dimensions: int | None, normalize: bool | None) -> PoolingParams:
+        """``pooling_params`` for this deployment."""
         d = self.deployment
-        if pooling not in POOLING_NAMES:
-            raise InvalidInputError(
-                f"pooling must be one of {POOLING_NAMES}, got {pooling!r}", param="pooling"
-            )
-        if dimensions is not None:
-            if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
-                raise InvalidInputError("dimensions must be a positive integer", param="dimensions")
-            if dimensions > self.output_width(pooling):
-                raise InvalidInputError(
-                    f"dimensions={dimensions} is larger than the model's embedding size "
-                    f"{self.output_width(pooling)}",
-                    param="dimensions",
-                )
-        if normalize is None:
-            normalize = d.normalize if pooling != "all" else False
-        return PoolingParams(pooling=pooling, normalize=bool(normalize), dimensions=dimensions)
+        width = self.output_width(pooling) if pooling in POOLING_NAMES else 0
+        return pooling_params(pooling, dimensions, normalize, width=width, default=d.normalize)
 
     def output_width(self, pooling: str) -> int:
         """Components of one output vector before Matryoshka truncation."""
         return output_width(self.deployment, pooling)
+
+
+def pooling_params(
+    pooling: str, dimensions: int | None, normalize: bool | None, *, width: int, default: bool
+) -> PoolingParams:
+    """A call's pooling parameters, checked: ``pooling`` one of ``POOLING_NAMES``,
+    ``dimensions`` (Matryoshka) at most ``width`` (the output's size under that pooling);
+    ``normalize`` None: ``default`` (the model's), except for token embeddings (never)."""
+    if pooling not in POOLING_NAMES:
+        raise InvalidInputError(
+            f"pooling must be one of {POOLING_NAMES}, got {pooling!r}", param="pooling"
+        )
+    if dimensions is not None:
+        if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+            raise InvalidInputError("dimensions must be a positive integer", param="dimensions")
+        if dimensions > width:
+            raise InvalidInputError(
+                f"dimensions={dimensions} is larger than the model's embedding size {width}",
+                param="dimensions",
+            )
+    if normalize is None:
+        normalize = default if pooling != "all" else False
+    return PoolingParams(pooling=pooling, normalize=bool(normalize), dimensions=dimensions)
+
+
+def prompt_text(prompts: Mapping[str, str], default_name: str | None, name: str | None) -> str:
+    """The text put before each input: the prompt ``name``, else the model's default prompt
+    (``default_name``), else none (""). Raises InvalidInputError for a name not in
+    ``prompts``."""
+    name = name if name is not None else default_name
+    if name is None:
+        return ""
+    if name not in prompts:
+        known = ", ".join(sorted(prompts)) or "none"
+        raise InvalidInputError(
+            f"unknown prompt_name {name!r} (this model has: {known})", param="prompt_name"
+        )
+    return prompts[name]
+
+
+def valid_texts(
+    texts: Sequence[str],
+    *,
+    max_tokens: int | None = None,
+    param: str = "input",
+    allow_empty: bool = False,
+) -> list[str]:
+    """Texts any tokenizer takes: valid Unicode (JSON's ``"\\ud800"`` escape makes a lone
+    surrogate, which no tokenizer takes), not empty unless ``allow_empty``; where the tokens
+    kept are bounded (``max_tokens``), each cut to ``MAX_CHARS_PER_TOKEN`` characters a token,
+    far beyond where its kept tokens can end. Errors name text i "``param`` i"."""
+    max_chars = max_tokens * MAX_CHARS_PER_TOKEN if max_tokens is not None else None
+    out = []
+    for i, text in enumerate(texts):
+        if not text and not allow_empty:
+            raise InvalidInputError(f"{param} {i} is an empty string", param=param, index=i)
+        if max_chars is not None and len(text) > max_chars:
+            text = text[:max_chars]
+        if not text.isascii():
+            _check_unicode(i, text, param)
+        out.append(text)
+    return out
 
 
 def output_width(d: Deployment, pooling: str) -> int:

@@ -209,7 +209,7 @@ def _engine_reference(
     try:
         with Engine.from_config(ref_config) as engine:
             outputs = {p: engine.pool(token_ids, pooling=p, normalize=False) for p in poolings}
-            d = engine.deployment
+            d = engine.pipeline.deployment
     except PipepoolError as exc:
         raise ParityError(f"the PP=1 reference engine failed: {exc}") from exc
     description = (

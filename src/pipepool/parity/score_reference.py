@@ -131,7 +131,7 @@ def _engine_reference(
             else:  # a classifier of several labels: the texts alone
                 scores = engine.submit_classify(pairs[1], use_activation=False, long_inputs="error")
             outputs = list(scores.result())
-            d = engine.deployment
+            d = engine.pipeline.deployment
     except PipepoolError as exc:
         raise ParityError(f"the PP=1 reference engine failed: {exc}") from exc
     description = (

@@ -205,7 +205,7 @@ def _run_config(config, row: ScoreRow, pairs, expected, lengths, threshold) -> S
     t0 = time.perf_counter()
     try:
         with Engine.from_config(config) as engine:
-            engine.wait_until_compiled()  # (as parity/sweep.py)
+            engine.pipeline.wait_until_compiled(None)  # (as parity/sweep.py)
             if pairs[0]:
                 submission = engine.submit_pairs(*pairs, use_activation=False, long_inputs="error")
             else:

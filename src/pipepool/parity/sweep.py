@@ -188,7 +188,8 @@ def _run_config(
         return [_failed(row(p), exc, 0.0) for p in poolings]
     rows = []
     with engine:
-        engine.wait_until_compiled()  # the path a warm engine serves with (eager: --no-compile)
+        # the path a warm engine serves with (eager: --no-compile)
+        engine.pipeline.wait_until_compiled(None)
         for pooling in poolings:
             t0 = time.perf_counter()
             # Counted by the scheduler, not from prompt lengths: a prompt shorter than the

@@ -3,10 +3,10 @@ that computes each, and the columns each one fills.
 
 - ``dense``: ``Engine.embed``; column NAME (default "embedding"), one ``[dim]`` float32 tensor
   per row (the column reads back as one ``[n, dim]`` array).
-- ``sparse``: SPLADE's vocabulary weights, BGE-M3's lexical weights (``Engine.embed_sparse``);
+- ``sparse``: SPLADE's vocabulary weights, BGE-M3's lexical weights (``Retriever.embed_sparse``);
   columns NAME_indices (``list<int64>``, token ids ascending) and NAME_values (``list<float>``,
   all > 0); default NAME "sparse".
-- ``multi_vector``: ColBERT's or BGE-M3's token vectors (``Engine.embed_multi_vector``); column
+- ``multi_vector``: ColBERT's or BGE-M3's token vectors (``Retriever.embed_multi_vector``); column
   NAME, one ``[tokens, dim]`` float32 tensor per row; default NAME "multi_vector".
 - ``token_embeddings``: the last hidden state of every token (``Engine.embed_tokens``); as
   multi_vector; default NAME "token_embeddings".
@@ -131,8 +131,8 @@ def check_model(engine: Engine, plan: OutputPlan) -> None:
     from ..api.retrieval import check_outputs  # torch: in the actor, as the engine
 
     if set(plan.kinds) <= set(RETRIEVAL_KINDS):
-        check_outputs(engine.deployment, plan.kinds)
-    if plan.kinds == ("classify",) and engine.deployment.classifier is None:
+        check_outputs(engine.info.outputs, plan.kinds)
+    if plan.kinds == ("classify",) and engine.info.classifier is None:
         raise InvalidInputError(
             "output='classify' needs a sequence-classification model", param="output"
         )
@@ -172,7 +172,7 @@ def compute(
 def _classify(
     engine: Engine, texts: list[str], name: str, options: dict[str, Any]
 ) -> dict[str, pa.Array]:
-    head = engine.deployment.classifier
+    head = engine.info.classifier
     assert head is not None, "check_model refuses a model that is no classifier"
     if texts:
         result = engine.classify(texts, **options)

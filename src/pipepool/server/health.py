@@ -92,7 +92,7 @@ def model_health(model: ServedModel) -> ModelHealth:
         status = "failed" if owner.error is not None else "loading"
     else:
         status = engine.health
-    replicas = engine.replica_status() if engine is not None else []
+    replicas = engine.pipeline.replica_status() if engine is not None else []
     return ModelHealth(status=status, replicas=[r.state for r in replicas] or None)
 
 

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from ..api.engine import Engine
+from ..api.engine_info import EngineInfo
 from ..config import check_long_inputs
 from ..core.submission import Submission
 from ..intake.inputs import MAX_CHARS_PER_TOKEN
 from ..intake.token_budget import InputOverBudgetError, TokenBudget, TokenBudgetError
-from ..loading.deployment import Deployment
 from .errors import APIError
 from .front import AnySubmission
 from .settings import ServerSettings
@@ -54,15 +54,15 @@ def check_input_count(settings: ServerSettings, n: int, param: str) -> None:
         )
 
 
-def longest_input(settings: ServerSettings, deployment: Deployment) -> int:
+def longest_input(settings: ServerSettings, info: EngineInfo) -> int:
     """Tokens of the longest single input the server takes whole: chunked up to
     ``--max-chunked-tokens``, or max_model_len where that is larger."""
-    return max(settings.max_chunked_tokens, deployment.max_model_len)
+    return max(settings.max_chunked_tokens, info.max_model_len)
 
 
 def check_text_lengths(
     settings: ServerSettings,
-    deployment: Deployment,
+    info: EngineInfo,
     texts: Sequence,
     param: str,
     *,
@@ -71,7 +71,7 @@ def check_text_lengths(
     """400 for a text too long in characters to be within ``longest_input`` tokens, before
     anything tokenises it (token-id inputs are not looked at). ``listed``: the field ``param``
     holds a list (errors name the text by its index)."""
-    longest = longest_input(settings, deployment)
+    longest = longest_input(settings, info)
     max_chars = longest * MAX_CHARS_PER_TOKEN
     for i, text in enumerate(texts):
         if isinstance(text, str) and len(text) > max_chars:
@@ -88,7 +88,7 @@ def check_text_lengths(
 
 def check_token_counts(
     settings: ServerSettings,
-    deployment: Deployment,
+    info: EngineInfo,
     lengths: np.ndarray,
     *,
     first: int,
@@ -100,7 +100,7 @@ def check_token_counts(
     """The tokens counted so far, with ``lengths`` (inputs ``first`` onwards of ``inputs``):
     400 if one of them is longer than ``longest_input`` or the request's total passes
     ``--max-tokens-per-request``. ``listed`` as for ``check_text_lengths``."""
-    longest = longest_input(settings, deployment)
+    longest = longest_input(settings, info)
     over = np.flatnonzero(lengths > longest)
     if len(over):
         i = int(over[0])
@@ -128,10 +128,10 @@ def too_many_tokens(
     )
 
 
-def request_budget(settings: ServerSettings, deployment: Deployment) -> TokenBudget:
+def request_budget(settings: ServerSettings, info: EngineInfo) -> TokenBudget:
     """The token budget of one request (``--max-tokens-per-request``; one input at most
     ``longest_input``), which the engine counts on the slices it tokenises."""
-    return TokenBudget(settings.max_tokens_per_request, longest_input(settings, deployment))
+    return TokenBudget(settings.max_tokens_per_request, longest_input(settings, info))
 
 
 def over_budget(
@@ -152,7 +152,7 @@ def bounded_embedding(
     tokenised once, by the engine, which counts the request's budget on those tokens."""
 
     def submit(engine: Engine) -> AnySubmission:
-        d = engine.deployment
+        d = engine.info
         policy = check_long_inputs(options.get("long_inputs") or engine.config.long_inputs)
         if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
             check_text_lengths(settings, d, inputs, param)
@@ -180,7 +180,7 @@ def bounded_scoring(
     ``submit`` returns) are always counted."""
 
     def run(engine: Engine) -> Submission:
-        each = _tokens_per_input(engine.deployment, truncate_prompt_tokens, "truncate")
+        each = _tokens_per_input(engine.info, truncate_prompt_tokens, "truncate")
         assert each is not None, "a scored input is never chunked"
         submission = submit(engine)
         if n * each <= settings.max_tokens_per_request and not submission.done():
@@ -194,7 +194,7 @@ def bounded_scoring(
     return run
 
 
-def _tokens_per_input(d: Deployment, truncate: Any, policy: str) -> int | None:
+def _tokens_per_input(d: EngineInfo, truncate: Any, policy: str) -> int | None:
     """The most tokens any one input can have after the engine's truncation or refusal;
     None when inputs are chunked (no bound but ours). A bad ``truncate`` is the engine's to
     refuse: it gets max_model_len here."""

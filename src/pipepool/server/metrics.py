@@ -339,11 +339,11 @@ def _engine_metrics(out: _Text, engine: Engine) -> None:
         "engine failures, by exception class",
         [({"kind": kind}, n) for kind, n in sorted(s.errors.items())],
     )
-    free = engine.kv_blocks_free
+    free = engine.pipeline.kv_blocks_free
     if free is not None:  # encoders keep no KV cache
         out.gauge("pipepool_kv_blocks_free", "KV-cache blocks free", free)
-        out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.kv_blocks_total)
-    replicas = engine.replica_status()  # empty for one pipeline
+        out.gauge("pipepool_kv_blocks_total", "KV-cache blocks", engine.pipeline.kv_blocks_total)
+    replicas = engine.pipeline.replica_status()  # empty for one pipeline
     if replicas:
         from .replica_metrics import replica_metrics
 

@@ -22,7 +22,6 @@ from ..api.routing import (
     ModelRequiredError,
     NoModelForTaskError,
     RoutedModel,
-    model_tasks,
     route,
 )
 from ..errors import InvalidInputError
@@ -81,11 +80,11 @@ class ServedModel:
 
     def tasks(self) -> tuple[str, ...] | None:
         """What this model answers (``api.routing.TASKS``), None until it has loaded: what it
-        can do (``model_tasks``), less what the server was told not to offer it for."""
+        can do (``engine.info.tasks``), less what the server was told not to offer it for."""
         engine = self.front.owner.engine
         if engine is None:
             return None
-        can = model_tasks(engine.deployment)
+        can = engine.info.tasks
         offered = self.names.tasks
         return can if offered is None else tuple(t for t in can if t in offered)
 

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BeforeValidator, Field, StrictInt, StrictStr, WithJsonSchema
 
-from ..api.retrieval_scoring import pair_options
-from ..api.routing import model_tasks
 from .pooling_tasks import POOLING_TASKS, pooling_tasks
 
 if TYPE_CHECKING:
@@ -114,14 +112,14 @@ class ModelBounds:
 
     @classmethod
     def of(cls, engine: Engine) -> ModelBounds:
-        d = engine.deployment
+        info = engine.info
         return cls(
-            vocab_size=engine.inputs.tokenizer.vocab_size,
-            output_dim=d.output_dim,
-            max_model_len=d.max_model_len,
-            prompt_names=tuple(sorted(engine.inputs.prompts)),
-            pair_options=pair_options(d),
-            tasks=pooling_tasks(model_tasks(d)),
+            vocab_size=info.vocab_size,
+            output_dim=info.dimensions,
+            max_model_len=info.max_model_len,
+            prompt_names=tuple(sorted(info.prompts)),
+            pair_options=info.pair_options,
+            tasks=pooling_tasks(info.tasks),
         )
 
     @classmethod

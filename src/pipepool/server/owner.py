@@ -54,7 +54,7 @@ class EngineOwner:
             self._on_failure(exc)
             return
         self.loaded.set()
-        self.engine.add_death_callback(self._died)
+        self.engine.pipeline.add_death_callback(self._died)
         self._on_ready(self.engine)
         self._stop.wait()
         self.engine.close()
@@ -75,7 +75,7 @@ def model_engine(config, pipeline, *, beside_others: bool, front_ends: int) -> E
 
     engine = Engine.from_config(config, pipeline)
     if beside_others:
-        tokenizer = engine.inputs.tokenizer
+        tokenizer = engine.tokenizer
         try:
             helper = TokenizerProcess(tokenizer.file, helper_threads(front_ends))
             tokenizer.use_helper(helper)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 
 if TYPE_CHECKING:
-    from ..loading.deployment import Deployment
+    from ..api.engine_info import EngineInfo
     from .routes.shared import ServerState
 
 # pipepool's pooling names as TEI names them.
@@ -51,20 +51,20 @@ def tei_info(state: ServerState) -> dict[str, Any]:
     engine = model.front.owner.engine
     if engine is None:
         return out
-    d = engine.deployment
+    info = engine.info
     out.update(
-        model_sha=model_sha(d.folder.path),
-        model_dtype=str(d.dtype).removeprefix("torch."),
-        model_type=model_type(d),
-        max_input_length=d.max_model_len,
-        max_batch_tokens=d.max_num_batched_tokens,
-        max_batch_requests=d.max_num_seqs,
-        auto_truncate=engine.config.long_inputs == "truncate",
+        model_sha=model_sha(Path(info.model_path)),
+        model_dtype=info.dtype,
+        model_type=model_type(info),
+        max_input_length=info.max_model_len,
+        max_batch_tokens=info.max_num_batched_tokens,
+        max_batch_requests=info.max_num_seqs,
+        auto_truncate=info.long_inputs == "truncate",
     )
     return out
 
 
-def model_type(d: Deployment) -> dict[str, Any]:
+def model_type(d: EngineInfo) -> dict[str, Any]:
     """TEI's ModelType: ``reranker`` for a one-label classifier, ``classifier`` for another,
     ``embedding`` with its pooling (``splade`` for a model whose only output is sparse)."""
     head = d.classifier

@@ -97,7 +97,7 @@ async def _embed(
     ranges = None if body.ranges is None else np.asarray(body.ranges)
     bound = None
     if int8 and ranges is None:
-        bound = engine.known_int8_bound(dimensions)
+        bound = engine.int8_bound(dimensions, wait=False)
         if bound is None:
             calibrated = await _calibrate(request, dimensions)
             if isinstance(calibrated, Response):
@@ -188,7 +188,7 @@ def _prompt_name(engine: Engine, input_type: str | None) -> str | None:
     input type, which Cohere v1 allows)."""
     if input_type is None:
         return None
-    prompts = engine.inputs.prompts
+    prompts = engine.info.prompts
     if input_type == "search_query":
         return task_prompt_name(prompts, "query")
     if input_type == "search_document":
@@ -210,11 +210,11 @@ def _truncation(
         return {"long_inputs": "error"}
     options: dict = {"long_inputs": "truncate"}
     if max_tokens is not None:
-        options["truncate_prompt_tokens"] = min(max_tokens, engine.deployment.max_model_len)
+        options["truncate_prompt_tokens"] = min(max_tokens, engine.info.max_model_len)
     if truncate == "END":
         return options
-    name = prompt_name if prompt_name is not None else engine.inputs.default_prompt_name
-    if name is not None and engine.inputs.prompts.get(name):
+    name = prompt_name if prompt_name is not None else engine.info.default_prompt_name
+    if name is not None and engine.info.prompts.get(name):
         raise APIError(
             400,
             f"truncate START is not supported for input_type {input_type} on this model: "

@@ -35,13 +35,13 @@ async def tokenize(body: cp.CohereTokenizeRequest, request: Request) -> Response
             param="text",
             code="invalid_value",
         )
-    check_text_lengths(state.settings, engine.deployment, [text], "text", listed=False)
-    tokenizer = engine.inputs.tokenizer.backend
+    check_text_lengths(state.settings, engine.info, [text], "text", listed=False)
+    tokenizer = engine.tokenizer.backend
 
     def build() -> dict:
         encoding = tokenizer.encode(text, add_special_tokens=False)
         check_token_counts(
-            state.settings, engine.deployment, np.array([len(encoding.ids)]),
+            state.settings, engine.info, np.array([len(encoding.ids)]),
             first=0, counted_before=0, inputs=1, param="text", listed=False,
         )  # fmt: skip
         return {
@@ -71,7 +71,7 @@ async def detokenize(body: cp.CohereDetokenizeRequest, request: Request) -> Resp
             code="invalid_value",
         )
     check_token_ids(state.settings, engine, tokens)
-    tokenizer = engine.inputs.tokenizer
+    tokenizer = engine.tokenizer
 
     def build() -> dict:
         text = tokenizer.backend.decode(tokens, skip_special_tokens=True)

@@ -141,5 +141,5 @@ async def model(request: Request, model: str) -> dict:
 
 def _card(state: ServerState, name: str, model: ServedModel) -> dict:
     engine = model.front.owner.engine
-    max_len = engine.deployment.max_model_len if engine is not None else None
+    max_len = engine.info.max_model_len if engine is not None else None
     return model_card(name, model, state.models, state.started, max_len)

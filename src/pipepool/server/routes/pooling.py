@@ -85,7 +85,7 @@ def _task(model: ServedModel, asked: str | None) -> str:
     """The task a request runs: ``asked``, or the model's own; 400 for one it does not do,
     404 where it does none (503 while it loads)."""
     try:
-        architecture = model.front.engine.deployment.folder.architecture
+        architecture = model.front.engine.info.architecture
     except PipepoolError as exc:  # loading, or failed to start
         raise from_engine(exc) from None
     does = pooling_tasks(model.tasks() or ())

@@ -120,7 +120,7 @@ def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ..
     none (``check_task``: it serves no embeddings), 503 while it loads."""
     model = model_of(request)
     try:
-        deployment = model.front.engine.deployment
+        given = model.front.engine.info.outputs
     except PipepoolError as exc:  # loading, or failed to start
         raise from_engine(exc) from None
     offered = model.tasks() or ()
@@ -137,7 +137,7 @@ def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ..
             code="unsupported_output",
         )
     try:
-        return check_outputs(deployment, asked)
+        return check_outputs(given, asked)
     except PipepoolError as exc:  # InvalidInputError: a name that is no output
         raise from_engine(exc) from None
 

@@ -194,7 +194,7 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     if isinstance(done, Response):
         return done
     model = model_of(request)
-    head = model.front.engine.deployment.classifier
+    head = model.front.engine.info.classifier
     assert head is not None, "submit_classify refuses a model without a classifier"
     labels = head.labels
     name = model.names.response_name(body.model)

@@ -15,8 +15,8 @@ import numpy as np
 from fastapi import Request, Response
 
 from ...api.engine import Engine
-from ...api.routing import model_tasks
 from ...errors import PipepoolError
+from ...intake.inputs import valid_texts
 from .. import protocol
 from ..encoding import Wire, binary_response
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
@@ -116,7 +116,7 @@ async def run_model_outputs(
     if add_special_tokens or not isinstance(inputs[0], str):
         submit = bounded_embedding(state.settings, inputs, options, param)
     else:
-        check_text_lengths(state.settings, model.front.engine.deployment, inputs, param)
+        check_text_lengths(state.settings, model.front.engine.info, inputs, param)
         submit = _without_special_tokens(state.settings, inputs, options, param)
     try:
         return await unless_client_leaves(request, model.front.run(len(inputs), submit, inputs))
@@ -141,10 +141,10 @@ def plain_token_ids(engine: Engine, texts: list[str], param: str = "input") -> l
     vLLM's ``add_special_tokens: false``. The model's default prompt stays in front of each:
     it is text the model expects, not a special token. Texts checked as the engine checks
     them (empty, lone surrogates), errors naming ``param``."""
-    texts = engine.inputs.checked_texts(texts, None, None, param=param)
-    name = engine.inputs.default_prompt_name
-    prefix = engine.inputs.prompts[name] if name is not None else ""
-    return [engine.inputs.tokenizer.encode_plain(prefix + text) for text in texts]
+    texts = valid_texts(texts, param=param)
+    name = engine.info.default_prompt_name
+    prefix = engine.info.prompts[name] if name is not None else ""
+    return [engine.tokenizer.encode_plain(prefix + text) for text in texts]
 
 
 async def run_model_call(
@@ -203,18 +203,18 @@ def check_task(model: ServedModel, task: str) -> None:
     for it, as OpenAI answers a model used on an endpoint it does not serve; 503 while the
     model loads."""
     try:
-        deployment = model.front.engine.deployment
+        info = model.front.engine.info
     except PipepoolError as exc:  # loading, or failed to start
         raise from_engine(exc) from None
     tasks = model.tasks() or ()
     if task not in tasks:
         what, needs = _TASKS[task]
         does = ", ".join(tasks) or "nothing"
-        if task in model_tasks(deployment):
+        if task in info.tasks:
             message = f"model {model.name} is not offered for {what} here; what it does: {does}"
         else:
             message = (
-                f"model {model.name} ({deployment.folder.architecture}) does not give {what}: "
+                f"model {model.name} ({info.architecture}) does not give {what}: "
                 f"that needs {needs}. What it does: {does}"
             )
         raise APIError(

@@ -164,7 +164,7 @@ async def decode(body: TEIDecodeRequest, request: Request) -> Response:
     total = sum(map(len, id_lists))
     if total > settings.max_tokens_per_request:
         raise too_many_tokens(settings, total, "ids")
-    tokenizer = engine.inputs.tokenizer
+    tokenizer = engine.tokenizer
     vocab = tokenizer.vocab_size
     for i, ids in enumerate(id_lists):
         bad = next((t for t in ids if not 0 <= t < vocab), None)

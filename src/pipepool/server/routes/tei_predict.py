@@ -1,5 +1,5 @@
 """TEI's ``POST /predict``: a sequence classifier's label scores, highest first, for one text,
-one pair of texts, or a batch of texts and pairs (``api/predict.py``), with TEI's
+one pair of texts, or a batch of texts and pairs (``Engine.submit_classify``), with TEI's
 ``raw_scores``, ``truncate`` and ``truncation_direction``."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
-from ...api.predict import submit_predict
 from ...core.submission import Submission
 from ..errors import EMPTY, APIError
 from ..limits import bounded_scoring, check_input_count
@@ -45,8 +44,7 @@ async def predict(body: TEIPredictRequest, request: Request) -> Response:
             raise APIError(400, f"{where} cannot be empty", param="inputs", code=EMPTY)
 
     def submit(engine: Engine) -> Submission:
-        return submit_predict(
-            engine,
+        return engine.submit_classify(
             sequences,
             use_activation=not body.raw_scores,
             long_inputs=long_inputs_of(body.truncate),
@@ -60,8 +58,8 @@ async def predict(body: TEIPredictRequest, request: Request) -> Response:
         done = await unless_client_leaves(request, model.front.run(n, bounded, texts))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    head = model.front.engine.deployment.classifier
-    assert head is not None, "submit_predict refuses a model without a classifier"
+    head = model.front.engine.info.classifier
+    assert head is not None, "submit_classify refuses a model without a classifier"
     scores = np.stack(done.outputs).astype(np.float32, copy=False)
     answers = [_predictions(row, head.labels) for row in scores]
     return await json_answer(request, lambda: answers if batch else answers[0], scores.size)

@@ -59,7 +59,7 @@ async def root(request: Request) -> Response:
     """``/rerank``, ``/predict``, ``/embed_sparse`` or ``/embed``, by the model's type."""
     model = state_of(request).models.first
     try:
-        d = model.front.engine.deployment
+        d = model.front.engine.info
     except PipepoolError as exc:  # loading, or failed to start
         raise from_engine(exc) from None
     payload = await _json(request)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...errors import PipepoolError
+from ...intake.inputs import valid_texts
 from .. import tokens_protocol as tp
 from ..errors import APIError, answer_as_tei, from_engine
 from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
@@ -67,7 +68,7 @@ async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
         return await _tei_tokenize(state, model, engine, texts, body.add_special_tokens)
     param = "prompt" if body.prompt is not None else "input"
     text = body.text
-    check_text_lengths(state.settings, engine.deployment, [text], param, listed=False)
+    check_text_lengths(state.settings, engine.info, [text], param, listed=False)
 
     def count() -> dict:
         if body.add_special_tokens:
@@ -77,16 +78,16 @@ async def tokenize(body: tp.TokenizeRequest, request: Request) -> Response:
             (ids,) = plain_token_ids(engine, [text], param)
         lengths = np.array([len(ids)])
         check_token_counts(
-            state.settings, engine.deployment, lengths,
+            state.settings, engine.info, lengths,
             first=0, counted_before=0, inputs=1, param=param, listed=False,
         )  # fmt: skip
         answer = {
             "tokens": ids.tolist(),
             "count": len(ids),
-            "max_model_len": engine.deployment.max_model_len,
+            "max_model_len": engine.info.max_model_len,
         }
         if body.return_token_strs:
-            backend = engine.inputs.tokenizer.backend
+            backend = engine.tokenizer.backend
             answer["token_strs"] = [backend.id_to_token(i) for i in answer["tokens"]]
         return answer
 
@@ -100,7 +101,7 @@ async def detokenize(body: tp.DetokenizeRequest, request: Request) -> Response:
     model = select_model(request, body.model)
     engine = served_engine(model)
     check_token_ids(state.settings, engine, body.tokens)
-    tokenizer = engine.inputs.tokenizer
+    tokenizer = engine.tokenizer
     prompt = await model.front.offload(
         lambda: tokenizer.backend.decode(body.tokens, skip_special_tokens=False),
         size=len(body.tokens),
@@ -115,19 +116,19 @@ async def _tei_tokenize(
     texts: list[str],
     add_special_tokens: bool,
 ) -> Response:
-    settings, deployment = state.settings, engine.deployment
+    settings, info = state.settings, engine.info
     check_input_count(settings, len(texts), "inputs")
-    check_text_lengths(settings, deployment, texts, "inputs")
-    tokenizer = engine.inputs.tokenizer
+    check_text_lengths(settings, info, texts, "inputs")
+    tokenizer = engine.tokenizer
 
     def describe() -> str:
         # Valid Unicode (the guards turned away JSON's lone surrogates already), empty allowed.
-        checked = engine.inputs.checked_texts(texts, None, None, param="inputs", allow_empty=True)
+        checked = valid_texts(texts, param="inputs", allow_empty=True)
         total = 0
         for lo, hi in _batches(checked):  # counted first: token objects cost far more
             _, lengths = tokenizer.encode_flat(checked[lo:hi])
             total = check_token_counts(
-                settings, deployment, lengths,
+                settings, info, lengths,
                 first=lo, counted_before=total, inputs=len(checked), param="inputs",
             )  # fmt: skip
         # The answer's list, a piece of it at a time (``_DESCRIBE_CHARS``).
@@ -154,7 +155,7 @@ def check_token_ids(settings: ServerSettings, engine: Engine, tokens: list[int])
     model's vocabulary; else a 400 naming the first that is not."""
     if len(tokens) > settings.max_tokens_per_request:
         raise too_many_tokens(settings, len(tokens), "tokens")
-    vocab = engine.inputs.tokenizer.vocab_size
+    vocab = engine.tokenizer.vocab_size
     for i, token in enumerate(tokens):
         if not 0 <= token < vocab:
             raise APIError(

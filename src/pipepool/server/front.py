@@ -55,6 +55,12 @@ class Encoded:
     outputs: Vectors
     num_tokens: list[int]  # prompt tokens per input, after truncation
 
+    def matrix(self) -> np.ndarray:
+        """The outputs as one ``[n, ...]`` array: the engine's own where it gave one."""
+        if isinstance(self.outputs, np.ndarray):
+            return self.outputs
+        return np.stack(list(self.outputs))
+
 
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters
 # tokenise in a few milliseconds; a request up to the character bound of a long-context model

@@ -136,7 +136,7 @@ async def similarity(body: TEISimilarityRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    vectors = np.stack(done.outputs)
+    vectors = done.matrix()
     cosines = (vectors[1:] @ vectors[0]).astype(np.float32)
     return await json_answer(request, lambda: cosines.tolist(), len(cosines))
 

@@ -27,8 +27,9 @@ from pydantic import (
 )
 
 from ..api.quantization import quantize_embeddings, quantize_symmetric
+from .encoding import encode_rows
 from .openapi import CheckedPositiveInt, Dimensions, Integer, Texts, TokenId
-from .protocol import _Strict, encode_array
+from .protocol import _Strict
 
 # The types of Cohere's embedding_types; int8/uint8 as api/int8_scale.py makes them.
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
@@ -254,7 +255,7 @@ def _by_type(
     if kind == "float":
         return vectors.tolist()
     if kind == "base64":
-        return [encode_array(v, "base64") for v in vectors]
+        return encode_rows(vectors, "base64")
     if kind.endswith("binary") or ranges is not None:
         return quantize_embeddings(vectors, kind, ranges).tolist()
     assert bound is not None, "int8/uint8 without ranges need the model's bound"

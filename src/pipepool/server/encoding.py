@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+import orjson
 import torch
 from fastapi import Response
 
@@ -40,6 +42,11 @@ _BITS = {
 }
 
 
+# A call's outputs: an [n, D] matrix (one vector per input, as the engine gives them), or one
+# array per input (token outputs, scores).
+Vectors = np.ndarray | Sequence[np.ndarray]
+
+
 @dataclass(frozen=True)
 class Wire:
     """How a request asked for its vectors written: ``encoding_format``, ``embed_dtype`` and
@@ -57,6 +64,18 @@ class Wire:
     def json(self, array: np.ndarray) -> list | str:
         """``array`` as a JSON value: nested floats or a base64 string."""
         return encode_array(array, self.format, self.dtype, self.endianness)
+
+    def json_rows(self, vectors: Vectors) -> list:
+        """``json`` of each of ``vectors`` (``encode_rows``)."""
+        return encode_rows(vectors, self.format, self.dtype, self.endianness)
+
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact JSON, by orjson: the numbers of ``json.dumps``, each float the
+    shortest text that reads back as the same float (``1e-05`` written ``0.00001``), ~20x
+    faster on the thousands of floats of a batch of vectors. NaN and infinities become null
+    (strict JSON); keys may be ints, as ``json.dumps`` allows."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
 
 
 def to_bytes(array: np.ndarray, embed_dtype: EmbedDtype, endianness: Endianness) -> bytes:
@@ -89,32 +108,68 @@ def encode_array(
     return rounded(array, embed_dtype).tolist()
 
 
-def binary_response(
-    outputs: list[np.ndarray], wire: Wire, head: dict, num_tokens: list[int]
-) -> Response:
+def encode_rows(
+    vectors: Vectors,
+    encoding_format: str,
+    embed_dtype: EmbedDtype = "float32",
+    endianness: Endianness = "little",
+) -> list:
+    """``encode_array`` of each of ``vectors``, the same values and strings; a matrix is
+    converted in one go (rounding, byte order, ``tolist``, base64), not a row at a time: per
+    row, Python's own work would cost more than the conversion itself for short vectors."""
+    if not _is_matrix(vectors):
+        return [encode_array(v, encoding_format, embed_dtype, endianness) for v in vectors]
+    assert isinstance(vectors, np.ndarray)
+    if encoding_format == "float":
+        return rounded(vectors, embed_dtype).tolist()
+    assert encoding_format == "base64", f"{encoding_format} is not a JSON format"
+    data = to_bytes(vectors, embed_dtype, endianness)
+    row = len(data) // len(vectors)
+    if row % 3 == 0:
+        # Whole 3-byte groups per row: the matrix's base64 is the rows' base64 back to back
+        # (no row's last group borrows bytes of the next, so no padding falls inside).
+        text = base64.b64encode(data).decode("ascii")
+        width = row // 3 * 4
+        return [text[lo : lo + width] for lo in range(0, len(text), width)]
+    view = memoryview(data)
+    rows = range(0, len(data), row)
+    return [base64.b64encode(view[lo : lo + row]).decode("ascii") for lo in rows]
+
+
+def binary_response(outputs: Vectors, wire: Wire, head: dict, num_tokens: list[int]) -> Response:
     """vLLM's binary answer (module docstring) of ``outputs``, in input order; ``head``: the
-    answer's ``id``, ``created`` and ``model``, which "bytes" sends in its metadata header."""
-    parts, items, offset = [], [], 0
-    for i, out in enumerate(outputs):
-        data = to_bytes(out, wire.dtype, wire.endianness)
-        parts.append(data)
-        items.append(
-            {
-                "index": i,
-                "embed_dtype": wire.dtype,
-                "endianness": wire.endianness,
-                "start": offset,
-                "end": offset + len(data),
-                "shape": list(out.shape),
-            }
-        )
-        offset += len(data)
+    answer's ``id``, ``created`` and ``model``, which "bytes" sends in its metadata header. A
+    matrix is converted in one go (``encode_rows``)."""
+    if _is_matrix(outputs):
+        body = to_bytes(np.asarray(outputs), wire.dtype, wire.endianness)
+        sizes = [len(body) // len(outputs)] * len(outputs)
+    else:
+        parts = [to_bytes(out, wire.dtype, wire.endianness) for out in outputs]
+        body, sizes = b"".join(parts), [len(p) for p in parts]
     headers = None
     if wire.format == "bytes":
+        items, offset = [], 0
+        for i, (out, size) in enumerate(zip(outputs, sizes, strict=True)):
+            items.append(
+                {
+                    "index": i,
+                    "embed_dtype": wire.dtype,
+                    "endianness": wire.endianness,
+                    "start": offset,
+                    "end": offset + size,
+                    "shape": list(out.shape),
+                }
+            )
+            offset += size
         tokens = int(sum(num_tokens))
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         headers = {"metadata": json.dumps({**head, "data": items, "usage": usage})}
-    return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
+    return Response(body, media_type="application/octet-stream", headers=headers)
+
+
+def _is_matrix(vectors: Vectors) -> bool:
+    """A non-empty [n, D] array with D > 0: rows of one size, convertible in one go."""
+    return isinstance(vectors, np.ndarray) and vectors.ndim == 2 and vectors.size > 0
 
 
 def _bits(array: np.ndarray, embed_dtype: EmbedDtype) -> np.ndarray:

@@ -28,6 +28,7 @@ from ..core.submission import Submission
 from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
 from . import timing
+from .encoding import Vectors
 from .online_gate import BackgroundPool
 from .owner import EngineOwner
 
@@ -49,8 +50,16 @@ class Encoded:
     """What one HTTP request's inputs became: an output per input, in input order, and each
     input's prompt tokens after truncation (for ``usage``)."""
 
-    outputs: list[np.ndarray]  # one per input, in input order
+    # One per input, in input order: the engine's [n, D] matrix for one vector per input
+    # (serialised in one go, ``encoding.encode_rows``), else an array per input.
+    outputs: Vectors
     num_tokens: list[int]  # prompt tokens per input, after truncation
+
+    def matrix(self) -> np.ndarray:
+        """The outputs as one ``[n, ...]`` array: the engine's own where it gave one."""
+        if isinstance(self.outputs, np.ndarray):
+            return self.outputs
+        return np.stack(list(self.outputs))
 
 
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters
@@ -169,7 +178,9 @@ class AsyncEngine:
             except BaseException:
                 self._abort(submission)
                 raise
-            return Encoded(list(outputs), submission.num_tokens.tolist())
+            if not isinstance(outputs, np.ndarray):
+                outputs = list(outputs)
+            return Encoded(outputs, submission.num_tokens.tolist())
         finally:
             self._free(n)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
 from pydantic import (
     BaseModel,
     Field,
@@ -20,8 +19,8 @@ from pydantic import (
 )
 
 from ..loading.retrieval import OUTPUTS
-from .encoding import EmbedDtype, EncodingFormat, Endianness, Wire
-from .encoding import encode_array as encode_array  # cohere_protocol imports it from here
+from .encoding import EmbedDtype, EncodingFormat, Endianness, Vectors, Wire
+from .encoding import encode_array as encode_array  # tests import it from here
 from .openapi import (
     CheckedPositiveInt,
     Dimensions,
@@ -273,9 +272,7 @@ class VersionResponse(BaseModel):
     version: str
 
 
-def embedding_response(
-    model: str, outputs: list[np.ndarray], num_tokens: list[int], wire: Wire
-) -> dict:
+def embedding_response(model: str, outputs: Vectors, num_tokens: list[int], wire: Wire) -> dict:
     """OpenAI's ``/v1/embeddings`` answer (JSON ``wire`` formats)."""
     return list_response(model, "embedding", "embedding", outputs, num_tokens, wire)
 
@@ -324,7 +321,7 @@ def list_response(
     model: str,
     kind: str,
     field: str,
-    outputs: list[np.ndarray],
+    outputs: Vectors,
     num_tokens: list[int],
     wire: Wire,
     head: dict | None = None,
@@ -337,7 +334,8 @@ def list_response(
         **(head or {}),
         "object": "list",
         "data": [
-            {"object": kind, "index": i, field: wire.json(out)} for i, out in enumerate(outputs)
+            {"object": kind, "index": i, field: value}
+            for i, value in enumerate(wire.json_rows(outputs))
         ],
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

@@ -93,7 +93,7 @@ async def _embed(
         return done
     if body.truncate == "NONE" and max_tokens is not None:
         _refuse_over(done.num_tokens, max_tokens)
-    vectors = np.stack(done.outputs)  # [n, dim]
+    vectors = done.matrix()  # [n, dim]
     ranges = None if body.ranges is None else np.asarray(body.ranges)
     bound = None
     if int8 and ranges is None:
@@ -138,7 +138,7 @@ async def _embed_images(
     done = await run_model_images(request, blobs, "images", dimensions=dimensions)
     if isinstance(done, Response):
         return done
-    vectors = np.stack(done.outputs)
+    vectors = done.matrix()
     ranges = None if body.ranges is None else np.asarray(body.ranges)
     metas = [image_meta(blob) for blob in blobs]
 

@@ -42,6 +42,6 @@ async def late_chunked(request: Request, body: protocol.EmbeddingRequest) -> Enc
         total = sum(done.num_tokens)
         if total > settings.max_tokens_per_request:
             raise too_many_tokens(settings, total, "input")
-        return Encoded(list(done.vectors), done.num_tokens)
+        return Encoded(done.vectors, done.num_tokens)
 
     return await run_model_call(request, chunks, call)

@@ -198,7 +198,7 @@ async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     assert head is not None, "submit_classify refuses a model without a classifier"
     labels = head.labels
     name = model.names.response_name(body.model)
-    probs = np.stack(done.outputs).astype(np.float32, copy=False)
+    probs = done.matrix().astype(np.float32, copy=False)
     answer_id = body.answer_id("classify")
     return await json_answer(
         request,

@@ -5,7 +5,6 @@ when the client leaves meanwhile)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from ...api.engine import Engine
 from ...errors import PipepoolError
 from ...intake.inputs import valid_texts
 from .. import protocol
-from ..encoding import Wire, binary_response
+from ..encoding import Vectors, Wire, binary_response, json_bytes
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
 from ..front import AnySubmission, Encoded, QueueFullError
 from ..health import HealthChecks
@@ -181,14 +180,12 @@ async def json_answer(request: Request, build: Callable[[], Any], size: int = 0)
     (``AsyncEngine.offload``; ``size``: its numbers and characters, which pick the lane):
     thousands of numbers, or the documents a reranking quotes back, take milliseconds to
     encode, which every other request, of every model, would wait for on the event loop."""
-    text = await model_of(request).front.offload(
-        lambda: json.dumps(build(), separators=(",", ":")), size=size
-    )
+    text = await model_of(request).front.offload(lambda: json_bytes(build()), size=size)
     return Response(text, media_type="application/json")
 
 
 async def binary_answer(
-    request: Request, outputs: list[np.ndarray], wire: Wire, head: dict, num_tokens: list[int]
+    request: Request, outputs: Vectors, wire: Wire, head: dict, num_tokens: list[int]
 ) -> Response:
     """vLLM's binary answer of ``outputs`` (``encoding.binary_response``), built on a
     tokenising lane as ``json_answer`` builds JSON."""

@@ -14,6 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...errors import PipepoolError
+from ..encoding import encode_rows
 from ..errors import EMPTY, APIError, from_engine
 from ..limits import check_input_count, too_many_tokens
 from ..tei_info import tei_info
@@ -90,7 +91,7 @@ async def embed(body: TEIEmbedRequest, request: Request) -> Response:
     if isinstance(done, Response):
         return done
     return await json_answer(
-        request, lambda: [v.tolist() for v in done.outputs], sum(v.size for v in done.outputs)
+        request, lambda: encode_rows(done.outputs, "float"), sum(v.size for v in done.outputs)
     )
 
 
@@ -139,7 +140,7 @@ async def similarity(body: TEISimilarityRequest, request: Request) -> Response:
     )
     if isinstance(done, Response):
         return done
-    vectors = np.stack(done.outputs)
+    vectors = done.matrix()
     cosines = (vectors[1:] @ vectors[0]).astype(np.float32)
     return await json_answer(request, lambda: cosines.tolist(), len(cosines))
 

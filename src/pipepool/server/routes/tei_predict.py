@@ -60,7 +60,7 @@ async def predict(body: TEIPredictRequest, request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     head = model.front.engine.info.classifier
     assert head is not None, "submit_classify refuses a model without a classifier"
-    scores = np.stack(done.outputs).astype(np.float32, copy=False)
+    scores = done.matrix().astype(np.float32, copy=False)
     answers = [_predictions(row, head.labels) for row in scores]
     return await json_answer(request, lambda: answers if batch else answers[0], scores.size)
 

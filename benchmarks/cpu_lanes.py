@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(pipepool.Engine(device="cpu"))  # else its defaults
-        d = engine.deployment
+        d = engine.pipeline.deployment
         st = cpu_peers.reference_model(d.folder.path, d.pooling, d.max_model_len)
         tokenizer = cpu_peers.text_tokenizer(d.folder.tokenizer_file, st)
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipepool-onnx-")))

@@ -131,7 +131,7 @@ def in_process(model: Path, texts: list[str], engine_options: dict, passes: int)
     tokens = sum(len(e) for e in tokenizer.encode_batch(texts))
     rows["tokenizer alone (encode_batch)"] = (len(texts) / best, tokens / best)
     with pipepool.Engine(str(model), **engine_options) as engine:
-        engine.wait_until_compiled()
+        engine.pipeline.wait_until_compiled(None)
         ids = engine.tokenize(texts)
         tokens = sum(len(t) for t in ids)
         for name, inputs in (("in-process token ids", ids), ("in-process text", texts)):

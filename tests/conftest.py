@@ -35,7 +35,14 @@ ENGINE_KINDS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(ENGINE_KINDS))
+@pytest.fixture(
+    scope="module",
+    # The kinds of more than one process are slow (docs/testing.md): the fast run keeps the
+    # in-process kind, the full run has all three.
+    params=[
+        k if k == "in-process" else pytest.param(k, marks=pytest.mark.slow) for k in ENGINE_KINDS
+    ],
+)
 def engine_kind(request) -> dict:
     """The Engine options of one pipeline kind: a module's engine fixture that takes it runs
     the module's tests once per kind."""

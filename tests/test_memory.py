@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+# Slow: a fresh process per allocator measurement.
+pytestmark = pytest.mark.slow
+
 _STEPS = """
 import random, sys
 import numpy as np
@@ -179,9 +182,6 @@ _SCATTERED = """
 import sys, threading
 import numpy as np
 from pipepool.runtime.memory import trim_heap
-
-# Slow: a fresh process per allocator measurement.
-pytestmark = pytest.mark.slow
 
 def rss_mb():
     with open("/proc/self/status") as f:

@@ -20,6 +20,9 @@ from tiny_models import MIN_COSINE, REPRODUCER_PROMPTS, cosine, long_prompts
 import pipepool
 from pipepool import EngineDeadError, StageFailure, StateDivergence
 
+# Slow: pipelines of stage processes, killed and restarted.
+pytestmark = pytest.mark.slow
+
 POOLINGS = ("last", "mean", "cls", "all")
 
 
@@ -506,9 +509,6 @@ def test_ctrl_c_is_prompt_and_leaves_no_stage_process_running(qwen3_path, tmp_pa
 _EXITS_BUSY = """
 import sys
 from pipepool import Engine
-
-# Slow: pipelines of stage processes, killed and restarted.
-pytestmark = pytest.mark.slow
 
 engine = Engine(sys.argv[1], device="cpu")
 text = "keep the engine busy with a long enough input " * 12

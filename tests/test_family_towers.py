@@ -210,9 +210,9 @@ def test_encode_takes_images_as_sentence_transformers_6_does(tower_paths):
     path = tower_paths["clip"]
     images = sample_images()
     model = SentenceTransformer(str(path), device="cpu")
-    with pipepool.Engine(str(path)) as engine:
-        got, one = engine.encode(images), engine.encode(images[0])
-        texts = engine.encode(SENTENCES[:2])
+    with pipepool.SentenceTransformer(str(path)) as adapter:
+        got, one = adapter.encode(images), adapter.encode(images[0])
+        texts = adapter.encode(SENTENCES[:2])
     want = model.encode(images)
     assert float(cosine(got, want).min()) >= MIN_COSINE
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1),

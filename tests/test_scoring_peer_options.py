@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_server import ServerProcess
 from test_server_limits import assert_error
+from test_tei_server import assert_tei_error
 from tiny_models import SENTENCES, long_prompts
 
 # Slow: real `pipepool serve` processes.
@@ -171,7 +172,7 @@ def test_tei_truncate_and_truncation_direction_as_tei(server, ref):
     # default (the server's auto-truncate), refuse them too.
     for flag in ({}, {"truncate": False}):
         r = post(server, "/rerank", {**body, **flag})
-        assert_error(r, 400, "invalid_request_error", code="context_length_exceeded")
+        assert_tei_error(r, 422, "Validation", "more than max_model_len")
     got = {}
     for direction in ("right", "Left"):
         r = post(server, "/rerank", {**body, "truncate": True, "truncation_direction": direction})
@@ -309,7 +310,10 @@ def test_cohere_v2_client_max_tokens_per_doc_and_priority(server, ref):
 )  # fmt: skip
 def test_rerank_refuses_contradicting_or_misplaced_fields_by_name(server, body, param):
     r = post(server, "/rerank", {"query": QUERY, **body})
-    assert_error(r, 400, "invalid_request_error", param=param)
+    if "texts" in body:  # TEI's form: TEI's error body, which names the field in its message
+        assert_tei_error(r, 422, "Validation", param)
+    else:
+        assert_error(r, 400, "invalid_request_error", param=param)
 
 
 # -- vLLM's shared fields and /classify ------------------------------------------------------

@@ -426,7 +426,7 @@ def test_a_route_the_model_cannot_serve_is_424_backend(classifier_server, server
         ("/embed_sparse", {"inputs": "a"}),
     ]:
         assert_tei_error(post(classifier_server, path, body), 424, "Backend", "nli")
-    assert_tei_error(post(server, "/predict", {"inputs": "a"}), 424, "Backend", "does classify")
+    assert_tei_error(post(server, "/predict", {"inputs": "a"}), 424, "Backend", "can do classify")
 
 
 def test_openai_routes_keep_the_openai_error_body(server):

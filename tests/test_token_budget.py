@@ -30,7 +30,7 @@ def engine(minilm_path):
 def tokenised(engine, monkeypatch) -> list[str]:
     """Every text the engine's tokenizer is given from now on, in order."""
     seen: list[str] = []
-    tokenizer = engine.inputs.tokenizer
+    tokenizer = engine.tokenizer
     encode_flat = tokenizer.encode_flat
 
     def counted(texts, **kwargs):
@@ -57,7 +57,7 @@ def test_a_call_over_its_budget_is_refused_with_its_counts_before_anything_is_en
                                                                   None)  # fmt: skip
     # Counted a slice at a time: the count stops at the first slice over the budget.
     with pytest.raises(TokenBudgetError) as e:
-        list(engine.inputs.token_slices(
+        list(engine.token_slices(
             SENTENCES[:6], slice_size=2, budget=TokenBudget(lengths[0] + lengths[1])
         ))  # fmt: skip
     assert (e.value.counted, e.value.complete) == (sum(lengths[:4]), 4)

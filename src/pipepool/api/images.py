@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import EngineConfig
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..core.priority import current_client, is_background
 from ..core.request import PoolingParams
 from ..core.submission import Submission
@@ -25,7 +26,6 @@ from ..errors import InvalidInputError, ModelLoadError
 from ..intake.images import ImageLimits, ImageProcessing, decode_image, patch_rows
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..loading.deployment import Deployment
-from ..models import DUAL_ENCODERS
 from ..models.tower_vision import patch_row_width
 from ..models.towers import TowerConfig
 

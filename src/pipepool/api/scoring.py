@@ -265,7 +265,7 @@ class Scorer:
             self.engine.info, "token classification" if per_token else "classification",
             per_token=per_token,
         )  # fmt: skip
-        if not isinstance(texts, str) and any(not isinstance(t, str) for t in texts):
+        if not isinstance(texts, str) and any(_is_text_pair(t) for t in texts):
             if per_token:
                 raise InvalidInputError("a token classifier classifies texts", param="input")
             return submit_predict(
@@ -447,3 +447,13 @@ def ranking(scores: np.ndarray, top_n: int | None) -> np.ndarray:
     sorts the same way); the first ``top_n`` (None or 0: all)."""
     order = np.argsort(-scores, kind="stable")
     return order[:top_n] if top_n else order
+
+
+def _is_text_pair(item: object) -> bool:
+    """A (text, text) pair of ``submit_classify``'s inputs (a token-id list is not one)."""
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and isinstance(item[1], str)
+    )

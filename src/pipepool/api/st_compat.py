@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import InvalidInputError
 from ..intake.images import image_inputs
 from ..intake.inputs import FIRST_SLICE, SLICE, valid_texts
-from ..models import DUAL_ENCODERS
 from .encode_output import check_ranges, cut, encode_output, quantizer
 from .engine import Engine
 from .int8_scale import Int8Calibration

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core.dual_encoders import DUAL_ENCODERS, VISION_SUFFIX
 from ..errors import InvalidInputError, ModelLoadError
-from ..models import DUAL_ENCODERS, VISION_SUFFIX
 from .st_dense import DenseModule, read_json, read_st_dense
 from .st_dual_encoder import check_dual_encoder_st
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..core.classifier_head import ClassifierHead
+from ..core.dual_encoders import DUAL_ENCODERS, VISION_SUFFIX
 from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
@@ -265,9 +266,6 @@ for _kind in ("clip", "siglip"):
                    r"vision_model\.embeddings\.position_ids)$"),
         "none", pooling="cls",
     )  # fmt: skip
-# The architectures whose checkpoints hold a text and a vision tower.
-DUAL_ENCODERS = {"CLIPModel": "clip", "SiglipModel": "siglip"}
-VISION_SUFFIX = ":vision"
 
 _ARCHITECTURES = {
     "CLIPModel": "clip_text",

@@ -103,13 +103,13 @@ TEI_PATHS = frozenset(
 )  # fmt: skip
 
 
-# Routes other peers define too, where a body with this field is TEI's request: its errors
-# have TEI's shape, as its answer has.
+# Routes other peers define too, where a body with the first field and none of the others
+# (the other peers' forms) is TEI's request: its errors have TEI's shape, as its answer has.
 TEI_FORMS = {
-    "/rerank": "texts",
-    "/v1/rerank": "texts",
-    "/v2/rerank": "texts",
-    "/tokenize": "inputs",
+    "/rerank": ("texts", "documents"),
+    "/v1/rerank": ("texts", "documents"),
+    "/v2/rerank": ("texts", "documents"),
+    "/tokenize": ("inputs", "prompt", "input"),
 }
 _SHAPE = "pipepool_error_shape"  # the request's shape, where its body chose it (scope's state)
 
@@ -129,8 +129,11 @@ def answer_as_tei(scope: Scope) -> None:
 
 def in_tei_form(scope: Scope, body: Any) -> bool:
     """Whether ``body`` (parsed JSON) is TEI's form of a route other peers define too."""
-    field = TEI_FORMS.get(scope.get("path", ""))
-    return field is not None and isinstance(body, dict) and field in body
+    fields = TEI_FORMS.get(scope.get("path", ""))
+    if fields is None or not isinstance(body, dict):
+        return False
+    tei_field, *others = fields
+    return tei_field in body and not any(f in body for f in others)
 
 
 def tei_answer(err: APIError) -> tuple[int, str]:

@@ -5,6 +5,7 @@ one killed under load loses no request, comes back, and leaves no process behind
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -218,7 +219,12 @@ def server(server_process):
 
 
 def _replica_pids(server: ServerProcess) -> list[int]:
-    return [pid for pid, _ in server.children()]
+    """The replicas' pids in replica order, as the server reports them (/metrics'
+    ``pipepool_replica_info``): pids wrap around, so neither a pid's size nor the order of
+    /proc says which replica it is."""
+    found = re.compile(r'pipepool_replica_info\{replica="(\d+)",.*pid="(\d+)"\}')
+    pids = dict(m.groups() for key in server.metrics() if (m := found.fullmatch(key)))
+    return [int(pids[str(i)]) for i in range(len(pids))]
 
 
 def test_server_dp2_pp2_matches_one_pipeline_and_reports_each_replica(server, reference):

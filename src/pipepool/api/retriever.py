@@ -6,40 +6,24 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInputError
-from .engine import Engine
+from .engine_adapter import EngineAdapter
 from .retrieval import SparseEmbedding
 from .retrieval_scoring import M3_WEIGHTS, m3_scores, split_pairs
 
 
-class Retriever:
+class Retriever(EngineAdapter):
     """Sparse and multi-vector outputs of an ``Engine``'s model (``engine.info.outputs`` says
     which it gives; asking for another is an ``InvalidInputError`` naming them).
     ``Retriever(model, **options)`` starts and owns an Engine (``options``: ``EngineConfig``
     fields), closed by ``close()`` or a ``with`` block; ``Retriever(engine)`` shares one, which
     ``close()`` leaves running. Thread-safe."""
 
-    def __init__(
-        self, model: str | os.PathLike[str] | Engine | None = None, **engine_options: Any
-    ) -> None:
-        if isinstance(model, Engine):
-            if engine_options:
-                name = next(iter(engine_options))
-                raise InvalidInputError(
-                    f"{name}= is an option of a new Engine; this Retriever shares the engine it "
-                    "was given: start that Engine with it instead",
-                    param=name,
-                )
-            self.engine, self._owns_engine = model, False
-        else:
-            model = os.fspath(model) if model is not None else None
-            self.engine, self._owns_engine = Engine(model, **engine_options), True
+    _called = "Retriever"
 
     def embed_sparse(
         self,
@@ -96,14 +80,3 @@ class Retriever:
             max_passage_length=max_passage_length,
         )
         return scores
-
-    def close(self) -> None:
-        """Close the engine this Retriever started; a shared engine keeps running."""
-        if self._owns_engine:
-            self.engine.close()
-
-    def __enter__(self) -> Retriever:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

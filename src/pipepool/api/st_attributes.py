@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidInputError
 from .engine import Engine
+from .engine_adapter import EngineAdapter
 from .engine_info import EngineInfo
 
 # Prompt names every SentenceTransformer has ("" unless the folder says otherwise), so that
@@ -60,7 +61,7 @@ class STSettings:
         )
 
 
-class STAdapter:
+class STAdapter(EngineAdapter):
     """What sentence-transformers' ``SentenceTransformer`` and ``CrossEncoder`` adapters share:
     an ``Engine`` (``engine``) and the attributes both model classes expose. Built from a model
     (a folder or hub id, with ``Engine`` options), the adapter starts its own engine and
@@ -72,30 +73,8 @@ class STAdapter:
     def __init__(
         self, model: str | os.PathLike[str] | Engine | None = None, **engine_options: Any
     ) -> None:
-        if isinstance(model, Engine):
-            if engine_options:
-                name = next(iter(engine_options))
-                raise InvalidInputError(
-                    f"{name}= is an option of a new Engine; this adapter shares the engine it "
-                    "was given: start that Engine with it instead",
-                    param=name,
-                )
-            self.engine, self._owns_engine = model, False
-        else:
-            model = os.fspath(model) if model is not None else None
-            self.engine, self._owns_engine = Engine(model, **engine_options), True
+        super().__init__(model, **engine_options)
         self._st = STSettings.of(self.engine.info)
-
-    def close(self) -> None:
-        """Close the engine this adapter started; a shared engine keeps running."""
-        if self._owns_engine:
-            self.engine.close()
-
-    def __enter__(self) -> STAdapter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def prompts(self) -> dict[str, str]:

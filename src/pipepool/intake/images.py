@@ -174,7 +174,7 @@ class ImageLimits:
 def decode_image(item, index: int, limits: ImageLimits):
     """One input (a PIL image, bytes, or a ``pathlib.Path``) as a decoded PIL image; raises
     InvalidInputError naming input ``index`` for anything refused or undecodable."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     if isinstance(item, Image.Image):
         _check_pixels(item.width, item.height, index, limits)
@@ -207,9 +207,15 @@ def decode_image(item, index: int, limits: ImageLimits):
             index=index,
         ) from None
     except Exception as exc:  # PIL raises many kinds for bad data: all are bad input
+        # PIL's "cannot identify image file <_io.BytesIO object at 0x...>" names an address:
+        # the same input would be refused in different words each time.
+        why = (
+            "its bytes are none of these formats"
+            if isinstance(exc, UnidentifiedImageError)
+            else f"{type(exc).__name__}: {exc}"
+        )
         raise InvalidInputError(
-            f"input {index}: not a decodable image ({', '.join(IMAGE_FORMATS)}): "
-            f"{type(exc).__name__}: {exc}",
+            f"input {index}: not a decodable image ({', '.join(IMAGE_FORMATS)}): {why}",
             param="input",
             index=index,
         ) from None

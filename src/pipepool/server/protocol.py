@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     StrictBool,
     StrictStr,
@@ -17,8 +18,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from ..loading.retrieval import OUTPUTS
+from .chat_protocol import ChatFields, missing_input
 from .encoding import EmbedDtype, EncodingFormat, Endianness, Vectors, Wire
 from .encoding import encode_array as encode_array  # tests import it from here
 from .openapi import (
@@ -29,6 +32,7 @@ from .openapi import (
     TokenIdLists,
     TokenIds,
     TruncateTokens,
+    one_of_fields,
 )
 from .strict import StrictRequest
 
@@ -53,10 +57,14 @@ _Outputs = Annotated[
 _Strict = StrictRequest
 
 
-class InputsRequest(_Strict):
-    """Fields shared by the requests that run the model."""
+class InputsRequest(ChatFields, _Strict):
+    """Fields shared by the requests that run the model: ``input``, or vLLM's chat form
+    (``messages``, ``chat_protocol.py``)."""
 
-    input: Input = Field(description=_INPUT_HELP)
+    model_config = ConfigDict(json_schema_extra=one_of_fields("input", "messages"))
+
+    # Null is not a value to send: the body holds input or messages (the model's schema says).
+    input: Input | SkipJsonSchema[None] = Field(None, description=_INPUT_HELP)
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
     encoding_format: EncodingFormat = Field(
         "float",
@@ -143,7 +151,10 @@ class InputsRequest(_Strict):
         return Wire(self.encoding_format, self.embed_dtype, self.endianness)
 
     def inputs(self) -> list:
-        """The inputs as the engine takes them: a list of strings or of token-id lists."""
+        """The inputs as the engine takes them: a list of strings or of token-id lists; 400
+        where the body has none (messages go to ``routes/chat_embeddings.py`` instead)."""
+        if self.input is None:
+            raise missing_input(self.messages is not None)
         if isinstance(self.input, str):
             return [self.input]
         if self.input and isinstance(self.input[0], int):

@@ -15,7 +15,7 @@ from pathlib import Path
 from fastapi import Request, Response
 
 from ..errors import APIError
-from ..front import Encoded
+from ..front import INLINE_SIZE, Encoded
 from ..limits import check_input_count
 from .shared import (
     CLIENT_CLOSED,
@@ -31,42 +31,42 @@ MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif")
 
 
 def data_uri_bytes(uris: list[str], param: str) -> list[bytes | Path]:
-    """Each ``data:image/...;base64,...`` URI's bytes, and each ``file://`` URI's path (the
-    engine reads it only under ``--allowed-local-media-path``, as vLLM does); 400 naming
-    ``param[i]`` for any other form (remote URLs included: this server fetches nothing)."""
-    blobs: list[bytes | Path] = []
-    for i, uri in enumerate(uris):
-        name = f"{param}[{i}]"
-        if uri.startswith("file://"):
-            blobs.append(Path(uri.removeprefix("file://")))
-            continue
-        if uri.startswith(("http://", "https://")):
-            raise APIError(
-                400, f"{name} is a remote URL; this server takes images as data URIs "
-                "(data:image/png;base64,...) or files under --allowed-local-media-path "
-                "(file://...) and fetches nothing", param=param,
-                code="invalid_value",
-            )  # fmt: skip
-        head, comma, payload = uri.partition(",")
-        media = head.removeprefix("data:").removesuffix(";base64")
-        if not head.startswith("data:") or not comma or not head.endswith(";base64"):
-            raise APIError(
-                400, f"{name} is not a base64 data URI (data:image/png;base64,...)",
-                param=param, code="invalid_value",
-            )  # fmt: skip
-        if media not in MEDIA_TYPES:
-            raise APIError(
-                400, f"{name} has media type {media!r}; one of {', '.join(MEDIA_TYPES)}",
-                param=param, code="invalid_value",
-            )  # fmt: skip
-        try:
-            blobs.append(base64.b64decode(payload, validate=True))
-        except (binascii.Error, ValueError):
-            raise APIError(
-                400, f"{name}: its base64 payload does not decode", param=param,
-                code="invalid_value",
-            ) from None  # fmt: skip
-    return blobs
+    """Each URI's image (``image_from_uri``), 400 naming ``param[i]`` for a bad one."""
+    return [image_from_uri(uri, f"{param}[{i}]", param) for i, uri in enumerate(uris)]
+
+
+def image_from_uri(uri: str, name: str, param: str) -> bytes | Path:
+    """A ``data:image/...;base64,...`` URI's bytes, or a ``file://`` URI's path (the engine
+    reads it only under ``--allowed-local-media-path``, as vLLM does); 400 (field ``param``)
+    naming ``name`` for any other form, remote URLs included: this server fetches nothing."""
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    if uri.startswith(("http://", "https://")):
+        raise APIError(
+            400, f"{name} is a remote URL; this server takes images as data URIs "
+            "(data:image/png;base64,...) or files under --allowed-local-media-path "
+            "(file://...) and fetches nothing", param=param,
+            code="invalid_value",
+        )  # fmt: skip
+    head, comma, payload = uri.partition(",")
+    media = head.removeprefix("data:").removesuffix(";base64")
+    if not head.startswith("data:") or not comma or not head.endswith(";base64"):
+        raise APIError(
+            400, f"{name} is not a base64 data URI (data:image/png;base64,...)",
+            param=param, code="invalid_value",
+        )  # fmt: skip
+    if media not in MEDIA_TYPES:
+        raise APIError(
+            400, f"{name} has media type {media!r}; one of {', '.join(MEDIA_TYPES)}",
+            param=param, code="invalid_value",
+        )  # fmt: skip
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(
+            400, f"{name}: its base64 payload does not decode", param=param,
+            code="invalid_value",
+        ) from None  # fmt: skip
 
 
 def image_meta(blob: bytes | Path) -> dict:
@@ -85,21 +85,41 @@ def image_meta(blob: bytes | Path) -> dict:
 
 
 async def run_model_images(
-    request: Request, blobs: list[bytes | Path], param: str, **options
+    request: Request,
+    blobs: list[bytes | Path],
+    param: str,
+    names: list[str] | None = None,
+    **options,
 ) -> Encoded | Response:
     """``Engine.submit(blobs, **options)`` on a lane (decoding is CPU work), its refusals a
-    400 naming ``param[i]``; a bare Response (499) if the client left meanwhile."""
+    400 (field ``param``) naming each image as ``names[i]`` (default ``param[i]``); a bare
+    Response (499) if the client left meanwhile."""
     state, model = state_of(request), model_of(request)
     check_task(model, "embed")
     check_input_count(state.settings, len(blobs), param)
+    # The front end weighs a request by what it holds to pick where it runs; an image is
+    # weighed as at least more than the event loop does itself, so that it is always decoded
+    # on a lane (a file:// path would otherwise weigh one).
+    weights = [range(max(len(b) if isinstance(b, bytes) else 0, INLINE_SIZE + 1)) for b in blobs]
     try:
         return await unless_client_leaves(
-            request, model.front.run(len(blobs), lambda e: e.submit(blobs, **options), blobs)
+            request, model.front.run(len(blobs), lambda e: e.submit(blobs, **options), weights)
         )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except APIError as exc:  # the engine's refusals name "input i": this route's field
-        if exc.param != "input":
-            raise
-        message = re.sub(r"^input (\d+):", rf"{param}[\1]:", exc.message)
-        raise APIError(exc.status, message, param=param, code=exc.code) from None
+        raise renamed(exc, param, names) from None
+
+
+def renamed(exc: APIError, param: str, names: list[str] | None = None) -> APIError:
+    """The engine's refusal of ``input i`` (field ``input``) as this route's: field ``param``,
+    the input named ``names[i]`` (default ``param[i]``); any other error as it is."""
+    if exc.param != "input":
+        return exc
+
+    def name(found: re.Match) -> str:
+        i = int(found[1])
+        return f"{names[i] if names is not None and i < len(names) else f'{param}[{i}]'}:"
+
+    message = re.sub(r"^input (\d+):", name, exc.message)
+    return APIError(exc.status, message, param=param, code=exc.code)

@@ -13,6 +13,7 @@ from ..model_cards import CardQuery, model_card
 from ..models import ServedModel
 from ..pooling_protocol import answer_head
 from . import retrieval
+from .chat_embeddings import embed_messages
 from .late_chunking import late_chunked
 from .shared import (
     ERRORS,
@@ -73,6 +74,10 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     answered: Encoded | Response
     if body.late_chunking:
         answered = await late_chunked(request, body)
+    elif body.messages is not None:  # vLLM's chat form: one input
+        answered = await embed_messages(
+            request, body, dimensions=body.dimensions, normalize=body.normalized
+        )
     else:
         answered = await run_model_outputs(
             request,

@@ -17,6 +17,7 @@ from ..models import ServedModel
 from ..pooling_protocol import PoolingRequest, PoolingResponse, answer_head
 from ..pooling_tasks import EMBEDDING_TASKS, TASKS_OF, pooling_tasks
 from ..protocol import list_response
+from .chat_embeddings import embed_messages
 from .openai import VECTOR_ANSWERS
 from .shared import (
     CLIENT_CLOSED,
@@ -47,16 +48,22 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     task = _task(model, body.task)
     if task in EMBEDDING_TASKS:
         token_embed = task == "token_embed"
-        done = await run_model_outputs(
-            request,
-            body.inputs(),
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-            truncation_side=body.truncation_side or "right",
-            long_inputs=body.long_inputs,
-            add_special_tokens=body.add_special_tokens,
-            pooling="all" if token_embed else None,
-            normalize=bool(body.normalized) if token_embed else body.normalized,
-        )
+        normalize = bool(body.normalized) if token_embed else body.normalized
+        if body.messages is not None:  # vLLM's chat form: one input
+            done = await embed_messages(
+                request, body, pooling="all" if token_embed else None, normalize=normalize
+            )
+        else:
+            done = await run_model_outputs(
+                request,
+                body.inputs(),
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                truncation_side=body.truncation_side or "right",
+                long_inputs=body.long_inputs,
+                add_special_tokens=body.add_special_tokens,
+                pooling="all" if token_embed else None,
+                normalize=normalize,
+            )
     else:
         done = await _classified(request, model, body, task)
     if isinstance(done, Response):

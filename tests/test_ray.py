@@ -26,6 +26,7 @@ import pandas as pd  # noqa: E402  (after the skip: ray[data] brings pandas and 
 import pyarrow as pa  # noqa: E402
 import tiny_models  # noqa: E402
 import tiny_retrieval  # noqa: E402
+import tiny_towers  # noqa: E402
 from ray.data.block import BlockAccessor  # noqa: E402
 
 from pipepool import Engine, InvalidInputError  # noqa: E402
@@ -244,6 +245,67 @@ def test_call_options_token_embeddings_and_labels(local_embedder, bert_path, tmp
         classifier.close()
 
 
+# -- images: a dual encoder's image column -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clip(model_dir) -> str:
+    return str(tiny_towers.make_clip(model_dir / "clip-ray"))
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """The sample images as PNG files, and their bytes."""
+    folder = tmp_path_factory.mktemp("ray-images")
+    blobs = [tiny_towers.png_bytes(image) for image in tiny_towers.sample_images()]
+    for i, blob in enumerate(blobs):
+        (folder / f"{i}.png").write_bytes(blob)
+    return folder, blobs
+
+
+def test_an_image_column_of_bytes_and_paths_gives_the_engines_vectors(clip, image_folder):
+    folder, blobs = image_folder
+    paths = [str(folder / "0.png"), "1.png", "2.png", str(folder / "3.png"), "4.png"]
+    embedder = EmbedBatches(clip, image_column="image", allowed_local_media_path=str(folder))
+    try:
+        want = embedder.engine.embed(tiny_towers.sample_images())
+        for images in (blobs, paths):  # a binary column, a string one (relative: the folder's)
+            table = embedder(pa.table({"id": range(5), "image": images}))
+            assert table.column_names == ["id", "image", "embedding"]
+            got = BlockAccessor.for_block(table).to_batch_format("numpy")["embedding"]
+            assert got.shape == want.shape and _cosines(got, want).min() >= COS_MIN
+        bad = [
+            ([blobs[0], b"junk"], "row 1 of the batch (id=1): input 1: not a decodable image"),
+            ([blobs[0], None], "row 1 of the batch (id=1): column 'image' holds None"),
+            (["/etc/hostname"], "row 0 of the batch (id=0): input 0: /etc/hostname is outside"),
+            ([tiny_towers.png_header(30_000, 30_000)], "row 0 of the batch (id=0): input 0: the "
+             "image is over the limit"),
+        ]  # fmt: skip
+        for rows, said in bad:
+            with pytest.raises(InvalidInputError) as caught:
+                embedder(pa.table({"id": range(len(rows)), "image": rows}))
+            assert said in str(caught.value)
+        empty = embedder(
+            pa.table({"id": pa.array([], pa.int64()), "image": pa.array([], pa.binary())})
+        )
+        assert empty.num_rows == 0 and empty.schema.field("embedding") == table.schema.field(
+            "embedding"
+        )
+    finally:
+        embedder.close()
+
+
+def test_an_image_column_is_refused_where_it_cannot_work(clip, minilm):
+    with pytest.raises(InvalidInputError, match="give text_column or image_column"):
+        EmbedBatches(clip, text_column="caption", image_column="image")
+    with pytest.raises(
+        InvalidInputError, match=r"needs a dual encoder .* \(BertModel\) embeds text"
+    ):
+        EmbedBatches(minilm, image_column="image")
+    with pytest.raises(InvalidInputError, match="dense vectors only"):
+        EmbedBatches(clip, image_column="image", output="token_embeddings")
+
+
 # -- on the Ray cluster ------------------------------------------------------------------------
 
 
@@ -372,6 +434,24 @@ def test_pp2_actor_matches_and_its_stage_ends_with_the_job(cluster, minilm, mini
     assert _cosines(got["embedding"], expected).min() >= COS_MIN
     assert seen, "the PP=2 actor ran a stage process"
     assert _wait_gone(cluster) == set()
+
+
+def test_an_actor_embeds_an_image_column(cluster, clip, image_folder):
+    folder, blobs = image_folder
+    rows = [{"id": i, "image": blobs[i % len(blobs)]} for i in range(20)]
+    out = ray.data.from_items(rows).map_batches(
+        EmbedBatches,
+        fn_constructor_kwargs={"model": clip, "image_column": "image",
+                               "allowed_local_media_path": str(folder)},
+        compute=_pool(1),
+        num_cpus=1,
+        batch_size=8,
+    )  # fmt: skip
+    got = _numpy(out)
+    with Engine(clip) as engine:
+        want = engine.embed([blobs[i % len(blobs)] for i in range(20)])
+    assert got["id"].tolist() == list(range(20))
+    assert _cosines(got["embedding"], want).min() >= COS_MIN
 
 
 def test_no_stage_outlives_ray_shutdown(cluster, minilm, minilm_engine):

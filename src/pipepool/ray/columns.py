@@ -1,4 +1,4 @@
-"""Ray Data batches as Arrow tables: the text columns an ``EmbedBatches`` reads, a row named for an
+"""Ray Data batches as Arrow tables: the text (or image) columns an ``EmbedBatches`` reads, a row named for an
 error message, and the columns it adds, in the types Ray Data gives tensors.
 
 Every batch format Ray Data hands a UDF ("numpy": a dict of arrays, "pandas", "pyarrow") becomes
@@ -12,6 +12,7 @@ batch and a ragged one in the next, and cannot type the vectors of an empty batc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -106,3 +107,32 @@ def list_column(rows: Sequence[np.ndarray], kind: pa.DataType) -> pa.Array:
     flat = np.concatenate(rows) if rows else np.empty(0)
     values = pa.array(flat.astype(kind.to_pandas_dtype(), copy=False), type=kind)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
+
+
+def images_of(table: pa.Table, column: str, folder: str | None) -> list[bytes | Path]:
+    """The images of ``column``: a binary value is an image's bytes (PNG, JPEG, ...), a string
+    a file's path, relative ones under ``folder`` (the engine's allowed_local_media_path, which
+    every file must lie under); InvalidInputError naming the first row that holds anything else,
+    or the batch's columns where there is no such column."""
+    if column not in table.column_names:
+        raise InvalidInputError(
+            f"the batch has no column {column!r}; its columns are "
+            f"{', '.join(map(repr, table.column_names))}",
+            param=column,
+        )
+    images: list[bytes | Path] = []
+    for i, value in enumerate(table.column(column).to_pylist()):
+        if isinstance(value, (bytes, bytearray)):
+            images.append(bytes(value))
+        elif isinstance(value, str) and value:
+            path = Path(value)
+            images.append(path if path.is_absolute() or folder is None else Path(folder) / path)
+        else:
+            shown = f"{value!r}" if not isinstance(value, str) else "an empty string"
+            raise InvalidInputError(
+                f"{describe_row(table, i, skip=column)}: column {column!r} holds {shown[:80]}, "
+                "not an image (its bytes, or a file's path)",
+                param=column,
+                index=i,
+            )
+    return images

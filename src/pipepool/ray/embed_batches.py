@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import ray
 
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import InvalidInputError
-from .columns import as_table, describe_row, texts_of
-from .outputs import check_model, compute, plan_outputs
+from .columns import as_table, describe_row, images_of, texts_of
+from .outputs import OutputPlan, check_model, compute, plan_outputs
 
 if TYPE_CHECKING:
     from ..api.engine import Engine
@@ -41,7 +42,12 @@ class EmbedBatches:
       as an Arrow table: every input column unchanged, rows in input order, the output columns
       (``outputs.py``) appended. An empty batch gives empty columns of the same types.
     - A row whose input is not a non-empty string fails the batch with InvalidInputError naming
-      the row (its position in the batch and its short values, such as an id). An output column
+      the row (its position in the batch and its short values, such as an id).
+    - ``image_column`` (a dual encoder's, CLIP or SigLIP): the rows' images are embedded
+      instead of texts, dense vectors in the same space as the texts'. A binary value is an
+      image's bytes, a string a file's path (relative ones under ``allowed_local_media_path``,
+      an engine option, which every file must lie under); an image refused (not decodable,
+      over ``max_image_pixels``, a file outside the folder) fails the batch naming its row. An output column
       that the batch already has fails it too: nothing is overwritten.
     - Keyword arguments of a call (map_batches' ``fn_kwargs``) go to the engine method unchanged:
       ``prompt_name``, ``dimensions``, ``is_query``, ``top_k``, ``truncate_prompt_tokens``,
@@ -54,17 +60,24 @@ class EmbedBatches:
         self,
         model: str | None = None,
         *,
-        text_column: str = "text",
+        text_column: str | None = None,
+        image_column: str | None = None,
         output: str | Sequence[str] = "dense",
         output_column: str | Mapping[str, str] | None = None,
         query_column: str = "query",
         document_column: str = "document",
         **engine_options: Any,
     ) -> None:
+        if text_column is not None and image_column is not None:
+            raise InvalidInputError(
+                "give text_column or image_column: a call embeds one modality",
+                param="image_column",
+            )
+        self.image_column = image_column
         self.plan = plan_outputs(
             output,
             output_column,
-            text_column=text_column,
+            text_column=image_column or text_column or "text",
             query_column=query_column,
             document_column=document_column,
         )
@@ -83,6 +96,8 @@ class EmbedBatches:
             ) from exc
         try:
             check_model(self.engine, self.plan)
+            if image_column is not None:
+                _check_images(self.engine, self.plan)
         except BaseException:
             self.close()
             raise
@@ -96,7 +111,11 @@ class EmbedBatches:
                 "(output_column)",
                 param="output_column",
             )
-        inputs = [texts_of(table, column) for column in self.plan.inputs]
+        if self.image_column is not None:
+            folder = self.engine.config.allowed_local_media_path
+            inputs = [images_of(table, self.image_column, folder)]
+        else:
+            inputs = [texts_of(table, column) for column in self.plan.inputs]
         try:
             columns = compute(self.engine, self.plan, inputs, options)
         except InvalidInputError as exc:
@@ -124,6 +143,24 @@ class EmbedBatches:
             self.close()
         except Exception:
             pass
+
+
+def _check_images(engine: Engine, plan: OutputPlan) -> None:
+    """Refuse ``image_column`` where images cannot be embedded: a model without a vision
+    tower, outputs other than dense vectors (an image gives its pooled vector only)."""
+    architecture = engine.info.architecture
+    if architecture not in DUAL_ENCODERS:
+        raise InvalidInputError(
+            f"image_column needs a dual encoder ({', '.join(DUAL_ENCODERS)}); this model "
+            f"({architecture}) embeds text",
+            param="image_column",
+        )
+    if plan.kinds != ("dense",):
+        raise InvalidInputError(
+            f"image_column gives dense vectors only (an image's pooled vector); output "
+            f"{', '.join(plan.kinds)} is not one",
+            param="output",
+        )
 
 
 def _with_actor_resources(options: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Ray Data batches as Arrow tables: the text (or image) columns an ``EmbedBatches`` reads, a row named for an
-error message, and the columns it adds, in the types Ray Data gives tensors.
+"""Ray Data batches as Arrow tables: the text (or image) columns an ``EmbedBatches`` reads, a
+row named for an error message, and the columns it adds, in the types Ray Data gives tensors.
 
 Every batch format Ray Data hands a UDF ("numpy": a dict of arrays, "pandas", "pyarrow") becomes
 an Arrow table here, and a call returns that table with the output columns appended. Ray Data

@@ -42,13 +42,14 @@ class EmbedBatches:
       as an Arrow table: every input column unchanged, rows in input order, the output columns
       (``outputs.py``) appended. An empty batch gives empty columns of the same types.
     - A row whose input is not a non-empty string fails the batch with InvalidInputError naming
-      the row (its position in the batch and its short values, such as an id).
+      the row (its position in the batch and its short values, such as an id). An output
+      column that the batch already has fails it too: nothing is overwritten.
     - ``image_column`` (a dual encoder's, CLIP or SigLIP): the rows' images are embedded
-      instead of texts, dense vectors in the same space as the texts'. A binary value is an
-      image's bytes, a string a file's path (relative ones under ``allowed_local_media_path``,
-      an engine option, which every file must lie under); an image refused (not decodable,
-      over ``max_image_pixels``, a file outside the folder) fails the batch naming its row. An output column
-      that the batch already has fails it too: nothing is overwritten.
+      instead of texts, dense vectors in the same space as the texts'. A binary column holds
+      images' bytes, a string one files' paths (relative ones under
+      ``allowed_local_media_path``, an engine option, which every file must lie under); an
+      image refused (not decodable, over ``max_image_pixels``, a file outside the folder)
+      fails the batch naming its row.
     - Keyword arguments of a call (map_batches' ``fn_kwargs``) go to the engine method unchanged:
       ``prompt_name``, ``dimensions``, ``is_query``, ``top_k``, ``truncate_prompt_tokens``,
       ``instruction``, ...
@@ -111,6 +112,7 @@ class EmbedBatches:
                 "(output_column)",
                 param="output_column",
             )
+        inputs: list[list]  # texts per input column; or the one image column's images
         if self.image_column is not None:
             folder = self.engine.config.allowed_local_media_path
             inputs = [images_of(table, self.image_column, folder)]

@@ -9,18 +9,21 @@ unchanged, other clients answered meanwhile."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from test_server import ServerProcess
+from test_server import _free_port as free_port
 from test_server_limits import assert_error
 from tiny_models import MIN_COSINE, cosine
 from tiny_towers import make_clip, png_bytes, png_header, sample_images
@@ -44,11 +47,57 @@ def media(tmp_path_factory) -> Path:
     return folder
 
 
+class ImageHost(BaseHTTPRequestHandler):
+    """A web server of images for the fetching tests: /cat.png, and the ways a host can
+    misbehave (slow, too large without saying so, a redirect, a 404)."""
+
+    def do_GET(self) -> None:
+        cat = png_bytes(sample_images()[0])
+        if self.path == "/slow.png":
+            time.sleep(3)  # the host being slow: far over the server's --media-fetch-timeout
+        if self.path in ("/cat.png", "/slow.png"):
+            self._send(200, cat, {"Content-Length": str(len(cat))})
+        elif self.path == "/big.png":  # no Content-Length: the body ends when the host closes
+            self._send(200, cat + bytes(FETCH_MAX_BYTES), {})
+        elif self.path == "/redirect.png":
+            self._send(302, b"", {"Location": "/cat.png", "Content-Length": "0"})
+        else:
+            self._send(404, b"", {"Content-Length": "0"})
+
+    def _send(self, status: int, body: bytes, headers: dict) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the server under test may stop reading
+            self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+FETCH_MAX_BYTES = 100_000
+
+
 @pytest.fixture(scope="module")
-def server(clip_path, media, tmp_path_factory):
+def image_host():
+    host = ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    host.daemon_threads = True
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{host.server_address[1]}"
+    finally:
+        host.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(clip_path, media, image_host, tmp_path_factory):
     log = tmp_path_factory.mktemp("images-server") / "serve.log"
     args = ["--model", str(clip_path), "--served-model-name", "clip"]
     args += ["--allowed-local-media-path", str(media), "--state-dir", str(log.parent / "state")]
+    args += ["--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "0.5"]
+    args += ["--media-fetch-max-bytes", str(FETCH_MAX_BYTES)]
     s = ServerProcess(args, log)
     try:
         yield s.wait_ready()
@@ -100,9 +149,16 @@ def test_cohere_client_images_equal_the_python_api(server, clip_engine):
     [
         (data_uri(b"junk bytes, no image"), "images[1]: not a decodable image"),
         (data_uri(png_header(30_000, 30_000)), "images[1]: the image is over the limit"),
-        ("https://example.com/cat.png", "images[1] is a remote URL"),
-        ("http://example.com/cat.png", "images[1] is a remote URL"),
-        ("http://10.255.255.1:9/unreachable.png", "images[1] is a remote URL"),
+        (
+            "https://example.com/cat.png",
+            "images[1] is a remote URL of host 'example.com', which "
+            "--allowed-media-domains does not name (127.0.0.1)",
+        ),
+        ("http://example.com/cat.png", "images[1] is a remote URL of host 'example.com'"),
+        (
+            "http://10.255.255.1:9/unreachable.png",
+            "images[1] is a remote URL of host '10.255.255.1'",
+        ),
         ("data:text/plain;base64,AAAA", "images[1] has media type 'text/plain'"),
         ("data:image/png;base64,@@@", "images[1]: its base64 payload"),
         ("file:///etc/hostname", "images[1]: /etc/hostname is outside the allowed folder"),
@@ -137,6 +193,48 @@ def test_files_under_the_allowed_folder(server, media):
     assert local.status_code == 200, local.text
     got = np.array(local.json()["embeddings"]["float"])
     assert float(cosine(got, np.array(inline.json()["embeddings"]["float"])).min()) >= MIN_COSINE
+
+
+# -- remote images: fetched from the hosts --allowed-media-domains names, within limits ---------
+
+
+def test_images_of_allowed_hosts_are_fetched(server, image_host):
+    want = embed(server, images=[data_uri(png_bytes(sample_images()[0]))]).json()
+    got = embed(server, images=[image_host + "/cat.png"])
+    assert got.status_code == 200, got.text
+    a, b = (np.array(x["embeddings"]["float"]) for x in (got.json(), want))
+    assert float(cosine(a, b).min()) >= MIN_COSINE
+    assert got.json()["images"] == want["images"]  # its size and format, from the fetched bytes
+    chat = post(server, "/v1/embeddings", messages=image_message(image_host + "/cat.png"))
+    assert chat.status_code == 200, chat.text
+    assert float(cosine(np.array([chat.json()["data"][0]["embedding"]]), b).min()) >= MIN_COSINE
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("/slow.png", "could not be fetched: it took longer than 0.5 s (--media-fetch-timeout)"),
+        ("/big.png", f"is over {FETCH_MAX_BYTES} bytes (--media-fetch-max-bytes)"),
+        (
+            "/redirect.png",
+            "could not be fetched: HTTP 302 (to /cat.png: redirects are not followed)",
+        ),
+        ("/missing.png", "could not be fetched: HTTP 404"),
+        (None, "could not be fetched: ConnectError"),  # nothing listens there
+    ],
+)
+def test_remote_images_that_fail_are_fast_400s_naming_the_input(server, image_host, path, says):
+    url = image_host + path if path else f"http://127.0.0.1:{free_port()}/cat.png"
+    good = image_host + "/cat.png"
+    before = rss_kib(server.proc.pid)
+    start = time.monotonic()
+    r = embed(server, images=[good, url])
+    assert time.monotonic() - start < 1.0
+    assert_error(r, 400, "invalid_request_error", param="images", says=f"images[1] {says}")
+    r = post(server, "/v1/embeddings", messages=image_message(url))
+    assert_error(r, 400, "invalid_request_error", param="messages",
+                 says=f"messages[0].content[0].image_url.url {says}")  # fmt: skip
+    assert rss_kib(server.proc.pid) - before < 8 * 1024
 
 
 # -- vLLM's chat form: messages with image_url parts -------------------------------------------

@@ -184,6 +184,31 @@ def add_parser(sub, help: str) -> None:
     )
     add_env_argument(
         g,
+        "--allowed-media-domains",
+        type=_domains,
+        default=S.allowed_media_domains,
+        help="vLLM's: hosts whose http(s) image URLs are fetched, comma-separated (default: "
+        "none; every remote URL is refused, data URIs and --allowed-local-media-path files "
+        "only). Redirects are not followed",
+    )
+    add_env_argument(
+        g,
+        "--media-fetch-timeout",
+        type=float,
+        default=S.media_fetch_timeout_s,
+        help="seconds a remote image may take to fetch, connecting included; slower ones are "
+        "answered 400 naming the input (default 5, vLLM's)",
+    )
+    add_env_argument(
+        g,
+        "--media-fetch-max-bytes",
+        type=int,
+        default=S.media_fetch_max_bytes,
+        help="bytes a remote image may have; larger ones are refused, reading stops there "
+        "(default 20 MiB)",
+    )
+    add_env_argument(
+        g,
         "--max-connections-per-client",
         type=int,
         default=S.max_connections_per_client,
@@ -319,6 +344,9 @@ def run(args: argparse.Namespace) -> int:
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
         max_concurrent_uploads=args.max_concurrent_uploads,
+        allowed_media_domains=args.allowed_media_domains,
+        media_fetch_timeout_s=args.media_fetch_timeout,
+        media_fetch_max_bytes=args.media_fetch_max_bytes,
     )
     _check_queues(specs, settings)
     # A damaged Batch store refuses the start, naming the file and the recovery command.
@@ -407,6 +435,11 @@ def run(args: argparse.Namespace) -> int:
         print("pipepool serve: the server did not start (see the log above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _domains(value: str) -> tuple[str, ...]:
+    """--allowed-media-domains: host names, comma-separated, as URLs spell them (lower case)."""
+    return tuple(d.strip().lower() for d in value.split(",") if d.strip())
 
 
 def _served_models(specs: list[ModelSpec], socket_dir: str | None, settings: ServerSettings):

@@ -11,9 +11,19 @@ from pathlib import Path
 
 from ..errors import InvalidInputError
 
-# An image as the engine takes it: its bytes (a data URI's), or a file (a file:// URI's path,
-# read only under allowed_local_media_path).
-ImageSource = bytes | Path
+
+@dataclass(frozen=True)
+class RemoteImage:
+    """An http(s) image URL, not fetched yet: the server fetches it from the hosts it allows
+    (``server/media_fetch.py``) before the engine sees its bytes."""
+
+    url: str
+    where: str  # the request field it came from, for errors
+
+
+# An image as a request gives it: its bytes (a data URI's), a file (a file:// URI's path, read
+# only under allowed_local_media_path), or a remote URL to fetch.
+ImageSource = bytes | Path | RemoteImage
 
 
 @dataclass(frozen=True)

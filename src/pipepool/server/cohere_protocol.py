@@ -97,8 +97,9 @@ class CohereEmbedRequest(_CohereEmbedBody):
     images: _Images | None = Field(
         None,
         description="Images to embed, as data URIs (data:image/png;base64,...: jpeg, png, webp, "
-        "gif), with input_type image; a dual encoder's (CLIP, SigLIP) only. Remote URLs are "
-        "refused: nothing is fetched.",
+        "gif), file:// URIs under --allowed-local-media-path, or http(s) URLs of the hosts "
+        "--allowed-media-domains names (others refused), with input_type image; a dual "
+        "encoder's (CLIP, SigLIP) only.",
     )
     inputs: _Refused = Field(None, description="Not supported: send texts or images.")
     input_type: InputTypeV2 = Field(description=_INPUT_TYPE_HELP + _IMAGE_TYPE_HELP)

@@ -80,6 +80,13 @@ class ServerSettings:
     # Uploads one front-end process receives at once (``upload_slots.py``): each streams to
     # disk in a few megabytes of memory; past this they wait --queue-wait, then 429.
     max_concurrent_uploads: int = 4
+    # Remote images (``media_fetch.py``): http(s) URLs are fetched from these hosts only
+    # (vLLM's --allowed-media-domains; none: every remote URL is refused), each within this
+    # many seconds and bytes, redirects not followed: an image URL must not make the server a
+    # proxy into its own network, nor hold a request or its memory.
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default
+    media_fetch_max_bytes: int = 20 << 20
 
     @property
     def batch_state_dir(self) -> Path:
@@ -122,6 +129,12 @@ class ServerSettings:
             raise InvalidInputError(
                 "max_connections_per_client must be >= 0 (0: no cap)",
                 param="max_connections_per_client",
+            )
+        if self.media_fetch_timeout_s <= 0:
+            raise InvalidInputError("media_fetch_timeout must be > 0", param="media_fetch_timeout")
+        if self.media_fetch_max_bytes < 1:
+            raise InvalidInputError(
+                "media_fetch_max_bytes must be >= 1", param="media_fetch_max_bytes"
             )
         if self.api_server_count < 1:
             raise InvalidInputError("api_server_count must be >= 1", param="api_server_count")

@@ -14,9 +14,11 @@ from fastapi import Request, Response
 
 from ...core.dual_encoders import DUAL_ENCODERS
 from ...errors import PipepoolError
+from ...intake.conversation import RemoteImage
 from ..chat_messages import PARAM, parse_messages
 from ..errors import APIError, from_engine
 from ..front import Encoded
+from ..media_fetch import fetched
 from ..protocol import InputsRequest
 from .images import renamed, run_model_images
 from .shared import model_of, run_model_outputs
@@ -86,6 +88,8 @@ async def embed_messages(
             param="task",
             code="invalid_value",
         )
+    if isinstance(item, RemoteImage):
+        item = (await fetched(request, [item], PARAM))[0]
     return await run_model_images(
         request,
         [item],

@@ -17,6 +17,7 @@ from ...api.st_compat import task_prompt_name
 from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
+from ..media_fetch import fetched
 from . import cohere_tokens
 from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
@@ -120,9 +121,9 @@ async def _embed_images(
     int8: bool,
     dimensions: int | None,
 ) -> Response:
-    """v2's answer for ``images`` (data URIs; api/images.py embeds them): the texts' options
-    are refused by name, and int8/uint8 need ``ranges`` (the model's fixed bound is measured
-    on texts)."""
+    """v2's answer for ``images`` (data URIs, files, URLs of allowed hosts; api/images.py
+    embeds them): the texts' options are refused by name, and int8/uint8 need ``ranges`` (the
+    model's fixed bound is measured on texts)."""
     assert body.images is not None  # the caller's test
     for name in ("truncate", "max_tokens"):
         if name in body.model_fields_set:
@@ -134,7 +135,7 @@ async def _embed_images(
             "texts); or ask for float, base64, binary or ubinary",
             param="embedding_types",
         )
-    blobs = data_uri_bytes(body.images, "images")
+    blobs = await fetched(request, data_uri_bytes(body.images, "images"), "images")
     done = await run_model_images(request, blobs, "images", dimensions=dimensions)
     if isinstance(done, Response):
         return done

@@ -1,6 +1,7 @@
-"""Image inputs over HTTP (Cohere's ``/v2/embed`` ``images``): data URIs, and ``file://``
-URIs under ``--allowed-local-media-path``. A remote URL is never fetched (400 naming the
-input); the bytes go to ``Engine.submit``, which refuses bad
+"""Image inputs over HTTP (Cohere's ``/v2/embed`` ``images``, vLLM's ``image_url`` parts):
+data URIs, ``file://`` URIs under ``--allowed-local-media-path``, and http(s) URLs of the hosts
+``--allowed-media-domains`` names (``media_fetch.py``; any other is a 400 naming the input);
+the bytes go to ``Engine.submit``, which refuses bad
 or oversized images by index before decoding (``intake/images.py``), decoding and resizing
 on a tokenising lane, off the event loop."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from fastapi import Request, Response
 
+from ...intake.conversation import RemoteImage
 from ..errors import APIError
 from ..front import INLINE_SIZE, Encoded
 from ..limits import check_input_count
@@ -30,24 +32,20 @@ from .shared import (
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif")
 
 
-def data_uri_bytes(uris: list[str], param: str) -> list[bytes | Path]:
+def data_uri_bytes(uris: list[str], param: str) -> list[bytes | Path | RemoteImage]:
     """Each URI's image (``image_from_uri``), 400 naming ``param[i]`` for a bad one."""
     return [image_from_uri(uri, f"{param}[{i}]", param) for i, uri in enumerate(uris)]
 
 
-def image_from_uri(uri: str, name: str, param: str) -> bytes | Path:
-    """A ``data:image/...;base64,...`` URI's bytes, or a ``file://`` URI's path (the engine
-    reads it only under ``--allowed-local-media-path``, as vLLM does); 400 (field ``param``)
-    naming ``name`` for any other form, remote URLs included: this server fetches nothing."""
+def image_from_uri(uri: str, name: str, param: str) -> bytes | Path | RemoteImage:
+    """A ``data:image/...;base64,...`` URI's bytes, a ``file://`` URI's path (the engine
+    reads it only under ``--allowed-local-media-path``, as vLLM does), or an http(s) URL to
+    fetch (``media_fetch.py``: from the hosts ``--allowed-media-domains`` names only); 400
+    (field ``param``) naming ``name`` for any other form."""
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
     if uri.startswith(("http://", "https://")):
-        raise APIError(
-            400, f"{name} is a remote URL; this server takes images as data URIs "
-            "(data:image/png;base64,...) or files under --allowed-local-media-path "
-            "(file://...) and fetches nothing", param=param,
-            code="invalid_value",
-        )  # fmt: skip
+        return RemoteImage(uri, name)  # fetched or refused by its host (media_fetch.py)
     head, comma, payload = uri.partition(",")
     media = head.removeprefix("data:").removesuffix(";base64")
     if not head.startswith("data:") or not comma or not head.endswith(";base64"):

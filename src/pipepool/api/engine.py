@@ -66,11 +66,14 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         pipeline: Pipeline | None = None,
+        vision_pipeline: Pipeline | None = None,
         **options,
     ) -> None:
         """``Engine(model, **options)``; or ``config=`` an ``EngineConfig`` (no ``model`` nor
         options then) and, with it, ``pipeline=`` one already started for that config (shared
-        replicas of several front-end processes)."""
+        replicas of several front-end processes), and for a dual encoder ``vision_pipeline=``
+        its vision tower's, started for ``config.replace(tower="vision")`` (without it such an
+        engine embeds texts only)."""
         self._trace_written = True  # until started, close() has no trace to write
         if config is None:
             if pipeline is not None:
@@ -94,9 +97,10 @@ class Engine:
         self._int8 = Int8Calibration()
         # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
         self._vision: VisionTower | None = None
-        if config.tower == "text" and pipeline is None:
+        if vision_pipeline is not None or (config.tower == "text" and pipeline is None):
+            opened = open_pipeline if vision_pipeline is None else lambda _: vision_pipeline
             try:
-                self._vision = open_vision_tower(config, self._deployment, open_pipeline)
+                self._vision = open_vision_tower(config, self._deployment, opened)
             except BaseException:
                 self.pipeline.close()
                 raise
@@ -104,10 +108,16 @@ class Engine:
         close_at_exit(self)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, pipeline: Pipeline | None = None) -> Engine:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        pipeline: Pipeline | None = None,
+        vision_pipeline: Pipeline | None = None,
+    ) -> Engine:
         """An engine for ``config``; ``pipeline``: one already started for it (shared
-        replicas of several front-end processes), else the one the config asks for."""
-        return cls(config=config, pipeline=pipeline)
+        replicas of several front-end processes), else the one the config asks for; and a dual
+        encoder's ``vision_pipeline`` with it."""
+        return cls(config=config, pipeline=pipeline, vision_pipeline=vision_pipeline)
 
     @property
     def stats(self) -> EngineStats:

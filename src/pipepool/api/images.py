@@ -135,10 +135,10 @@ def submit_images(
     and are refused by name; ``dimensions`` and ``normalize`` as for texts."""
     if vision is None:
         d = inputs.deployment
-        if d.folder.architecture in DUAL_ENCODERS:  # Engine.from_config on shared pipelines
+        if d.folder.architecture in DUAL_ENCODERS:  # Engine.from_config(config, pipeline)
             raise InvalidInputError(
-                "this engine shares the text tower's pipeline only (front ends of "
-                "--api-server-count); image inputs go to an engine that opened both towers",
+                "this engine was given the text tower's pipeline only (Engine.from_config with "
+                "a pipeline and no vision_pipeline); image inputs need the vision tower's too",
                 param="input",
             )
         raise InvalidInputError(

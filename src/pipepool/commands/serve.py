@@ -460,10 +460,10 @@ def _served_models(specs: list[ModelSpec], socket_dir: str | None, settings: Ser
     def builder(config, where: str | None) -> Callable[[], Engine]:
         if not several and socket_dir is None:
             return lambda: Engine.from_config(config)
-        pipeline = lambda: ReplicaPipeline(config, where)  # noqa: E731
         return lambda: model_engine(
-            config, pipeline(), beside_others=several, front_ends=settings.api_server_count
-        )
+            config, ReplicaPipeline, where, beside_others=several,
+            front_ends=settings.api_server_count,
+        )  # fmt: skip
 
     out = []
     for i, spec in enumerate(specs):

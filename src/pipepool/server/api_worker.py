@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     for m in spec.models:
         build = lambda m=m: model_engine(  # noqa: E731
             m.config,
-            SharedReplicas(m.config, m.socket_dir),
+            SharedReplicas,
+            m.socket_dir,
             beside_others=several,
             front_ends=settings.api_server_count,
         )

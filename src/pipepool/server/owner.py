@@ -9,6 +9,7 @@ started them), so a loader thread that returned would take the pipeline down wit
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -65,15 +66,33 @@ class EngineOwner:
         self._on_failure(cause)
 
 
-def model_engine(config, pipeline, *, beside_others: bool, front_ends: int) -> Engine:
-    """The engine of one served model over ``pipeline`` (its replicas, owned or linked to).
-    ``beside_others``: its large batches are tokenised in a helper process of its own
-    (``intake.tokenizer_process``; in this process they would hold up the other models'
-    requests), whose pool is its share of the cores among the ``front_ends`` processes that
-    each have one for this model."""
+def model_engine(
+    config,
+    open_replicas: Callable,
+    where: str | None,
+    *,
+    beside_others: bool,
+    front_ends: int,
+) -> Engine:
+    """The engine of one served model over its replicas, ``open_replicas(config, where)``
+    (owned by this process, or linked to: ``ReplicaPipeline`` or ``SharedReplicas``; ``where``:
+    the directory they listen in, None for none); a dual encoder's vision tower's the same way,
+    in ``where``'s "vision" directory. ``beside_others``: its large batches are tokenised in a
+    helper process of its own (``intake.tokenizer_process``; in this process they would hold up
+    the other models' requests), whose pool is its share of the cores among the ``front_ends``
+    processes that each have one for this model."""
+    from ..core.dual_encoders import DUAL_ENCODERS
     from ..intake.tokenizer_process import TokenizerProcess, helper_threads
 
-    engine = Engine.from_config(config, pipeline)
+    pipeline = open_replicas(config, where)
+    vision = None
+    try:
+        if pipeline.deployment.folder.architecture in DUAL_ENCODERS:
+            vision = open_replicas(config.replace(tower="vision"), vision_socket_dir(where))
+    except BaseException:
+        pipeline.close()
+        raise
+    engine = Engine.from_config(config, pipeline, vision)
     if beside_others:
         tokenizer = engine.tokenizer
         try:
@@ -83,3 +102,13 @@ def model_engine(config, pipeline, *, beside_others: bool, front_ends: int) -> E
             engine.close()
             raise
     return engine
+
+
+def vision_socket_dir(where: str | None) -> str | None:
+    """Where a dual encoder's vision-tower replicas listen: a directory in its model's (made
+    if missing, this user's only); None where the replicas listen nowhere."""
+    if where is None:
+        return None
+    path = os.path.join(where, "vision")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path

@@ -394,9 +394,9 @@ def test_bad_message_images_are_fast_400s_while_others_are_answered(server, url,
 # -- batch lines with images: the Batch API and run-batch ----------------------------------------
 
 
-def batch_bodies(media: Path) -> dict[str, list[dict]]:
-    """Bodies per route, as the online routes take them: images as data URIs and files,
-    texts, and one bad image."""
+def batch_bodies(media: Path, host: str) -> dict[str, list[dict]]:
+    """Bodies per route, as the online routes take them: images as data URIs, files and URLs
+    of an allowed host, texts, and bad images."""
     images = [data_uri(png_bytes(image)) for image in sample_images()[:3]]
     return {
         "/v1/embeddings": [
@@ -404,6 +404,8 @@ def batch_bodies(media: Path) -> dict[str, list[dict]]:
             {"messages": image_message(f"file://{media / 'cat.png'}"), "encoding_format": "base64"},
             {"messages": text_message("a photo of a cat")},
             {"messages": image_message(data_uri(b"junk"))},
+            {"messages": image_message(host + "/cat.png")},
+            {"messages": image_message(host + "/missing.png")},
         ],
         "/v2/embed": [
             {"input_type": "image", "images": images[1:], "embedding_types": ["float"]},
@@ -448,11 +450,11 @@ def assert_answered_as_online(server: ServerProcess, bodies, lines: list[dict]) 
 
 
 @pytest.mark.parametrize("route", ["/v1/embeddings", "/v2/embed"])
-def test_batch_api_lines_with_images_answer_as_online(server, media, route):
+def test_batch_api_lines_with_images_answer_as_online(server, media, image_host, route):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    bodies = batch_bodies(media)
+    bodies = batch_bodies(media, image_host)
     source = client.files.create(file=("b.jsonl", batch_file(bodies, route)), purpose="batch")
     batch = client.batches.create(
         input_file_id=source.id,
@@ -474,24 +476,15 @@ def test_batch_api_lines_with_images_answer_as_online(server, media, route):
     assert_answered_as_online(server, bodies, lines)
 
 
-def test_run_batch_lines_with_images_answer_as_online(server, clip_path, media, tmp_path):
-    bodies = batch_bodies(media)
+def test_run_batch_lines_with_images_answer_as_online(
+    server, clip_path, media, image_host, tmp_path
+):
+    bodies = batch_bodies(media, image_host)
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(batch_file(bodies))
-    command = [
-        sys.executable,
-        "-m",
-        "pipepool",
-        "run-batch",
-        "-i",
-        str(source),
-        "-o",
-        str(output),
-        "--model",
-        str(clip_path),
-        "--allowed-local-media-path",
-        str(media),
-    ]
+    command = [sys.executable, "-m", "pipepool", "run-batch", "-i", str(source)]
+    command += ["-o", str(output), "--model", str(clip_path)]
+    command += ["--allowed-local-media-path", str(media), "--allowed-media-domains", "127.0.0.1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = [json.loads(x) for x in output.read_bytes().splitlines()]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from .common import add_engine_args, add_env_argument, engine_config
 from .line_progress import LineProgress
+from .media_args import add_media_args, media_settings
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -56,6 +57,7 @@ def add_parser(sub, help: str) -> None:
         help="more names the lines' 'model' may give, comma-separated (always accepted: the "
         "hub id, its short name, the folder name)",
     )
+    add_media_args(p)
     add_engine_args(p)
 
 
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if written.count:
         print(f"resuming: {output} holds {written.count} lines already", file=sys.stderr)
     config = engine_config(args)
-    settings = ServerSettings(access_log=False)
+    settings = ServerSettings(access_log=False, **media_settings(args))
     names = served_model_names(args.model, args.served_model_name)
     try:
         answered, failed = _run(settings, config, names, source, output, written)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from ..loading.model_folder import BUNDLED_MODEL_ID
 from ..runtime.collector import QuietCollections, freeze_startup_objects
 from .common import add_engine_args, add_env_argument
+from .media_args import add_media_args, media_settings
 from .serve_models import ModelSpec, model_specs
 
 if TYPE_CHECKING:
@@ -182,31 +183,7 @@ def add_parser(sub, help: str) -> None:
         "must also arrive within this plus 1 s per 16 KiB. Slower bodies are answered 408 and "
         "the connection closed (default 30)",
     )
-    add_env_argument(
-        g,
-        "--allowed-media-domains",
-        type=_domains,
-        default=S.allowed_media_domains,
-        help="vLLM's: hosts whose http(s) image URLs are fetched, comma-separated (default: "
-        "none; every remote URL is refused, data URIs and --allowed-local-media-path files "
-        "only). Redirects are not followed",
-    )
-    add_env_argument(
-        g,
-        "--media-fetch-timeout",
-        type=float,
-        default=S.media_fetch_timeout_s,
-        help="seconds a remote image may take to fetch, connecting included; slower ones are "
-        "answered 400 naming the input (default 5, vLLM's)",
-    )
-    add_env_argument(
-        g,
-        "--media-fetch-max-bytes",
-        type=int,
-        default=S.media_fetch_max_bytes,
-        help="bytes a remote image may have; larger ones are refused, reading stops there "
-        "(default 20 MiB)",
-    )
+    add_media_args(g)
     add_env_argument(
         g,
         "--max-connections-per-client",
@@ -344,9 +321,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
         max_concurrent_uploads=args.max_concurrent_uploads,
-        allowed_media_domains=args.allowed_media_domains,
-        media_fetch_timeout_s=args.media_fetch_timeout,
-        media_fetch_max_bytes=args.media_fetch_max_bytes,
+        **media_settings(args),
     )
     _check_queues(specs, settings)
     # A damaged Batch store refuses the start, naming the file and the recovery command.
@@ -435,11 +410,6 @@ def run(args: argparse.Namespace) -> int:
         print("pipepool serve: the server did not start (see the log above)", file=sys.stderr)
         return 1
     return 0
-
-
-def _domains(value: str) -> tuple[str, ...]:
-    """--allowed-media-domains: host names, comma-separated, as URLs spell them (lower case)."""
-    return tuple(d.strip().lower() for d in value.split(",") if d.strip())
 
 
 def _served_models(specs: list[ModelSpec], socket_dir: str | None, settings: ServerSettings):

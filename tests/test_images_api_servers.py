@@ -79,6 +79,9 @@ def test_both_front_ends_embed_images_through_the_vision_replicas(server, clip_p
             assert float(cosine(got, want[2:]).min()) >= MIN_COSINE, which
             r = http.post("/v1/embeddings", json={"model": "embedder", "input": "a text"})
             assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+            r = http.post("/v1/embeddings", json={"model": "embedder", "messages": messages})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert "messages are taken for dual encoders" in r.json()["error"]["message"]
         if seen == {0, 1}:
             break
     assert seen == {0, 1}

@@ -62,7 +62,7 @@ def _part(part: Any, where: str) -> TextPart | ImagePart:
         )
     stray = sorted(set(part) - {"type", kind})
     if stray:
-        _refuse(f"{where}.{stray[0]} is not a field of a {kind} part")
+        _refuse(f"{where}.{stray[0]} is not taken: a {kind} part is its type and {kind}")
     if kind == "text":
         text = part.get("text")
         if not isinstance(text, str):

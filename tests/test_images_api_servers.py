@@ -85,3 +85,5 @@ def test_both_front_ends_embed_images_through_the_vision_replicas(server, clip_p
         if seen == {0, 1}:
             break
     assert seen == {0, 1}
+    plan = server.log()[server.log().index("memory plan") :]
+    assert "clip:vision" in plan  # the vision tower's replicas are planned beside the others

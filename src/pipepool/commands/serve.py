@@ -475,11 +475,21 @@ def _planned(specs: list[ModelSpec]) -> list[ModelSpec]:
     refused, with its numbers, when they do not fit."""
     from dataclasses import replace
 
+    from ..core.dual_encoders import DUAL_ENCODERS
+    from ..loading.model_folder import read_model_folder
     from ..replicas.memory_plan import plan_memory
 
-    plan = plan_memory([(spec.name, spec.config) for spec in specs])
+    # A dual encoder's vision tower runs in replicas of its own (server/owner.py): planned
+    # beside its text tower, so that the text tower's KV cache leaves it room.
+    towers = [
+        (f"{spec.name}:vision", spec.config.replace(tower="vision"))
+        for spec in specs
+        if read_model_folder(spec.config.model).architecture in DUAL_ENCODERS
+    ]
+    plan = plan_memory([*((spec.name, spec.config) for spec in specs), *towers])
     log.info("%s", plan.describe())
-    return [replace(spec, config=m.config) for spec, m in zip(specs, plan.models, strict=True)]
+    planned = plan.models[: len(specs)]
+    return [replace(spec, config=m.config) for spec, m in zip(specs, planned, strict=True)]
 
 
 def _ready_line(specs: list[ModelSpec], url: str) -> str:

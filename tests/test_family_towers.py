@@ -5,7 +5,6 @@ checkpoint's transformers image processor; and the refusals of untrusted image i
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -220,27 +219,3 @@ def test_encode_takes_images_as_sentence_transformers_6_does(tower_paths):
                                rtol=1e-5)  # fmt: skip
     assert one.shape == (24,) and float(cosine(one, want[0]).min()) >= MIN_COSINE
     assert float(cosine(texts, model.encode(SENTENCES[:2])).min()) >= MIN_COSINE
-
-
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
-def test_parity_sweeps_both_towers_against_transformers(tower_paths, kind, tmp_path, capsys):
-    """``pipepool parity`` on a dual-encoder folder: the text tower on texts (CLIP's chunked
-    by the 16-token budget) and the vision tower on the built-in images, at PP 1 and 2, each
-    input against transformers' get_text_features / get_image_features."""
-    from pipepool.commands.cli import main
-
-    out = tmp_path / "parity.json"
-    args = ["parity", "--model", str(tower_paths[kind]), "--pp", "1,2"]
-    rc = main([*args, "--max-num-batched-tokens", str(BUDGET), "--device", "cpu",
-               "--json", str(out)])  # fmt: skip
-    report = json.loads(out.read_text())
-    rows = {r["configuration"]: r for r in report["rows"]}
-    assert rc == 0 and report["passed"], capsys.readouterr().out
-    assert set(rows) == {f"pp={pp} tokens={BUDGET} {t}" for pp in (1, 2) for t in ("text", "image")}
-    assert all(r["min_cosine"] >= MIN_COSINE and r["requests"] > 1 for r in rows.values())
-    assert "get_image_features" in report["reference"]
-    if kind == "clip":  # the causal text tower: texts span several steps
-        assert rows[f"pp=2 tokens={BUDGET} text"]["chunked"] > 0
-    capsys.readouterr()
-    assert main([*args, "--pooling", "mean", "--device", "cpu"]) == 2  # pooled by each tower
-    assert "--pooling does not apply to" in capsys.readouterr().err

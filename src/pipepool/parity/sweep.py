@@ -14,7 +14,6 @@ import torch
 
 from ..api.engine import Engine
 from ..config import POOLING_TYPES, EngineConfig
-from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import InvalidInputError, PromptTooLongError
 from ..intake.inputs import InputPreparer
 from ..loading.deployment import Deployment, plan_deployment
@@ -98,13 +97,6 @@ def run_parity(
 
         return run_score_parity(base, deployment, sweep, prompts, log)
     texts, token_ids = _prompts(deployment, prompts)
-    if deployment.folder.architecture in DUAL_ENCODERS:  # texts and images, tower by tower
-        from .dual_encoder import check_sweep, run_dual_encoder_parity
-
-        check_sweep(deployment, sweep.poolings, DEFAULT_POOLINGS)
-        bar = sweep.min_cosine
-        bar = default_min_cosine(deployment.dtype) if bar is None else bar
-        return run_dual_encoder_parity(base, deployment, sweep, texts, token_ids, bar, log)
     lengths = [len(ids) for ids in token_ids]
     log(f"reference: {sweep.reference} on {len(texts)} prompts ({max(lengths)} tokens max)")
     ref = compute_reference(

@@ -83,29 +83,32 @@ def main() -> None:
             weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
             for m in map(int, args.rows.split(",")):
                 a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                cublas = milliseconds(lambda: F.linear(a, weight))
-                flop = 2 * m * k * n
-                rows = []
-                for config in CONFIGS:
-                    try:
-                        ms = milliseconds(lambda c=config: launch(a, weight.t(), c))
-                        same = invariant(a, weight.t(), config)
-                    except Exception as exc:  # a tile that does not fit this GPU
-                        ms, same = float("inf"), f"failed: {type(exc).__name__}"
-                    rows.append((ms, config, same))
-                rows.sort(key=lambda row: row[0])
-                print(
-                    f"{model} K={k} N={n} M={m}: cuBLAS {cublas * 1e3:.1f} us "
-                    f"({flop / cublas / 1e9:.0f} TFLOP/s)",
-                    flush=True,
-                )
-                for ms, config, same in rows[: args.top] + [r for r in rows if r[1] == current]:
-                    mark = " (current)" if config == current else ""
-                    print(
-                        f"    {config}{mark}: {ms * 1e3:.1f} us, {flop / ms / 1e9:.0f} TFLOP/s, "
-                        f"{cublas / ms:.2f}x cuBLAS, invariant {same}",
-                        flush=True,
-                    )
+                report(f"{model} K={k} N={n} M={m}", a, weight, current, args.top)
+
+
+def report(label: str, a: torch.Tensor, weight: torch.Tensor, current: tuple, top: int) -> None:
+    """One (K, N, M): cuBLAS, the ``top`` fastest configurations and the current one."""
+    m, k = a.shape
+    n = weight.shape[0]
+    cublas = milliseconds(lambda: F.linear(a, weight))
+    flop = 2 * m * k * n
+    rows = []
+    for config in CONFIGS:
+        try:
+            ms = milliseconds(lambda c=config: launch(a, weight.t(), c))
+            same: bool | str = invariant(a, weight.t(), config)
+        except Exception as exc:  # a tile that does not fit this GPU
+            ms, same = float("inf"), f"failed: {type(exc).__name__}"
+        rows.append((ms, config, same))
+    rows.sort(key=lambda row: row[0])
+    print(f"{label}: cuBLAS {cublas * 1e3:.1f} us ({flop / cublas / 1e9:.0f} TFLOP/s)", flush=True)
+    for ms, config, same in rows[:top] + [r for r in rows[top:] if r[1] == current]:
+        mark = " (current)" if config == current else ""
+        print(
+            f"    {config}{mark}: {ms * 1e3:.1f} us, {flop / ms / 1e9:.0f} TFLOP/s, "
+            f"{cublas / ms:.2f}x cuBLAS, invariant {same}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

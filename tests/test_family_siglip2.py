@@ -102,3 +102,23 @@ def test_refuses_what_it_does_not_implement(siglip2_path, tmp_path):
         config_file.write_text(json.dumps(config))
         with pytest.raises(ModelLoadError, match=named), pipepool.Engine(str(folder)):
             pass
+
+
+def test_parity_command_compares_both_towers(siglip2_path, tmp_path, capsys):
+    """``pipepool parity`` on a dual encoder: a text row and an image row per configuration,
+    each against transformers; a chosen pooling is refused (the towers pool as they do)."""
+    from pipepool.commands.cli import main
+
+    out = tmp_path / "parity.json"
+    args = ["parity", "--model", str(siglip2_path), "--pp", "1,2"]
+    rc = main([*args, "--max-num-batched-tokens", "16", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report
+    assert [r["pooling"] for r in report["rows"]] == ["text", "image"] * 2
+    assert all(r["passed"] and r["min_cosine"] >= MIN_COSINE for r in report["rows"])
+    texts = sum(not p["preview"].startswith("<image") for p in report["prompts"])
+    assert all(r["worst_request"] >= texts for r in report["rows"] if r["pooling"] == "image")
+    assert "Siglip2Model.get_text_features" in report["reference"]
+    capsys.readouterr()
+    assert main([*args, "--pooling", "mean"]) == 2
+    assert "poolings cannot be chosen" in capsys.readouterr().err

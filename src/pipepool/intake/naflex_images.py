@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..loading.st_dual_encoder import processor_config
+from ..loading.st_dual_encoder import checked_processor_config
 from .images import ImageProcessing
 
 _PROCESSORS = ("Siglip2ImageProcessor", "Siglip2ImageProcessorFast", "Siglip2ImageProcessorPil")
@@ -53,16 +53,7 @@ class NaFlexProcessing:
 
     @classmethod
     def from_folder(cls, folder: Path, patch_size: int, max_positions: int) -> NaFlexProcessing:
-        file, given = processor_config(folder)
-        kind_of = given.get("image_processor_type")
-        if kind_of is not None and kind_of not in _PROCESSORS:
-            raise ModelLoadError(f"{file}: image_processor_type {kind_of!r} is not a SigLIP2 one")
-        unknown = sorted(set(given) - _READ - _IGNORED)
-        if unknown:
-            raise ModelLoadError(
-                f"{file}: {unknown[0]!r} is not implemented by pipepool's SigLIP2 image "
-                "preprocessing; refusing rather than preprocessing differently"
-            )
+        file, given = checked_processor_config(folder, _PROCESSORS, _READ, _IGNORED, "SigLIP2")
         if given.get("do_resize", True) is not True:
             raise ModelLoadError(
                 f"{file}: do_resize={given['do_resize']!r}; SigLIP2's processor always fits an "

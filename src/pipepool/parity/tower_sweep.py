@@ -22,11 +22,19 @@ from ..intake.naflex_images import NaFlexProcessing
 from ..loading.deployment import Deployment
 from ..loading.st_dual_encoder import processor_config
 from ..models.towers import TowerConfig
-from .compare import Row, allowed_error, fill_row, score_request, within_allowed
+from .compare import Row, fill_row, score_request, within_allowed
 from .prompts import builtin_images
 from .reference import ReferenceOutputs, _require
 from .report import ParityReport
-from .sweep import Sweep, _failed, _precision, _preview, _prompts, default_min_cosine
+from .sweep import (
+    Sweep,
+    _failed,
+    _precision,
+    _preview,
+    _prompts,
+    default_min_cosine,
+    sixteen_bit_bar,
+)
 
 # transformers' PIL image processor of each kind (the one pipepool's preprocessing equals).
 _PROCESSORS = {
@@ -54,19 +62,13 @@ def run_tower_parity(
     ref = _reference(sweep.reference, deployment, inputs, sweep.reference_device,
                      sweep.reference_dtype)  # fmt: skip
     threshold = sweep.min_cosine or default_min_cosine(deployment.dtype)
-    allowed, rule = None, None
+    allowed: dict[str, list[np.ndarray]] | None = None
+    rule = None
     if sweep.min_cosine is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
         peer = _reference("transformers", deployment, inputs, sweep.reference_device,
                           engine_dtype)  # fmt: skip
-        allowed = {
-            t: [allowed_error(a, b) for a, b in zip(peer.outputs[t], ref.outputs[t], strict=True)]
-            for t in TOWERS
-        }
-        rule = (
-            f"1 - cos(engine, reference) <= 1.5 x (1 - cos(transformers {engine_dtype}, "
-            "reference)) + 1e-5 for every request"
-        )
+        allowed, rule = sixteen_bit_bar(peer, ref, TOWERS, engine_dtype)
     rows = image_rows(deployment, images)
     report = ParityReport(
         model=str(deployment.folder.path),

@@ -70,6 +70,13 @@ def test_parity_of_a_reranker_fails_on_the_historical_bug(qwen3_reranker_path, c
     assert "StateDivergence" in out and "parity FAILED: 0 of 1" in out
 
 
+def test_parity_of_a_reranker_refuses_a_pooling(cross_encoder_path, capsys):
+    """A classifier's head decides what is compared: --pooling is refused, not ignored."""
+    args = ["parity", "--model", str(cross_encoder_path), "--pp", "1", "--pooling", "cls"]
+    assert main(args) == 2
+    assert "poolings cannot be chosen" in capsys.readouterr().err
+
+
 def test_same_order_allows_swaps_only_within_the_tolerance():
     expected = np.array([0.5, 0.2, 0.20001, -1.0])
     assert same_order(np.array([0.4, 0.20002, 0.2, -2.0]), expected, 1e-4)  # near-tie swapped

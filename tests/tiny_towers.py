@@ -60,6 +60,29 @@ def make_siglip(path: Path, seed: int = 0) -> Path:
     return path
 
 
+NAFLEX_PATCHES = 16  # the tiny SigLIP2's position table: a 4 x 4 grid
+
+
+def make_siglip2(path: Path, seed: int = 0, max_num_patches: int = NAFLEX_PATCHES) -> Path:
+    """Siglip2Model (google/siglip2-base-patch16-naflex's config, shrunk): SigLIP's text
+    tower, a NaFlex vision tower taking images at their own aspect ratio, up to
+    ``max_num_patches`` patches of 8 pixels, its 4 x 4 position table resized to each."""
+    from transformers import Siglip2Config, Siglip2ImageProcessorPil, Siglip2Model
+
+    _train_bpe(path, bos=None, eos="</s>")
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    config = Siglip2Config(
+        text_config=dict(**_TOWER, vocab_size=len(vocab), max_position_embeddings=64),
+        vision_config=dict(**_TOWER, num_patches=NAFLEX_PATCHES, patch_size=PATCH),
+    )
+    torch.manual_seed(seed)
+    Siglip2Model(config).save_pretrained(path)
+    Siglip2ImageProcessorPil(patch_size=PATCH, max_num_patches=max_num_patches).save_pretrained(
+        path
+    )
+    return path
+
+
 def sample_images() -> list:
     """PIL images of several sizes and modes (RGB, RGBA, L, P; portrait, landscape, smaller
     than the crop), random pixels from a fixed seed."""

@@ -1,5 +1,5 @@
-"""Images in, vectors out: the vision tower of a dual encoder (CLIP, SigLIP) beside the text
-engine.
+"""Images in, vectors out: the vision tower of a dual encoder (CLIP, SigLIP, SigLIP2) beside
+the text engine.
 
 A dual-encoder checkpoint runs as two pipelines of the same shape (stages, devices, budget):
 the engine's own, which is the text tower, and the vision tower's, opened here with
@@ -25,6 +25,7 @@ from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError, ModelLoadError
 from ..intake.images import ImageLimits, ImageProcessing, decode_image, patch_rows
 from ..intake.inputs import InputPreparer, TokenSlice
+from ..intake.naflex_images import NaFlexProcessing
 from ..loading.deployment import Deployment
 from ..models.tower_vision import patch_row_width
 from ..models.towers import TowerConfig
@@ -51,8 +52,14 @@ class VisionTower:
                     f"{kind}: the vision tower's vectors have {d.output_dim} components, the "
                     f"text tower's {text.output_dim}; they do not share one space"
                 )
-            self.processing = ImageProcessing.from_folder(
-                text.folder.path, _kind(kind), self.tower.image_size
+            self.processing: ImageProcessing | NaFlexProcessing = (
+                NaFlexProcessing.from_folder(
+                    text.folder.path, self.tower.patch_size, self.tower.max_positions
+                )
+                if self.tower.naflex
+                else ImageProcessing.from_folder(
+                    text.folder.path, _kind(kind), self.tower.image_size
+                )
             )
         except BaseException:
             self.pipeline.close()
@@ -65,12 +72,19 @@ class VisionTower:
     def deployment(self) -> Deployment:
         return self.pipeline.deployment
 
-    def pixel_values(self, images: list) -> list[np.ndarray]:
-        """Each image decoded (refused by index where it must be) and preprocessed:
-        ``[C, H, W]`` float32, as the checkpoint's transformers image processor gives them."""
+    def plan_rows(self, images: list) -> list[np.ndarray]:
+        """Each image decoded (refused by index where it must be), preprocessed as the
+        checkpoint's transformers image processor does, and laid out as its plan rows."""
         decoded = list(self._pool.map(decode_image, images, range(len(images)),
                                       [self.limits] * len(images)))  # fmt: skip
-        return list(self._pool.map(self.processing.pixel_values, decoded))
+        return list(self._pool.map(self._rows, decoded))
+
+    def _rows(self, image) -> np.ndarray:
+        tower, width = self.tower, patch_row_width(self.tower)
+        if isinstance(self.processing, NaFlexProcessing):
+            return self.processing.rows(image, width)
+        pixels = self.processing.pixel_values(image)
+        return patch_rows(pixels, tower.patch_size, width, tower.class_token)
 
     def submit(self, images: list, params: PoolingParams) -> Submission:
         if params.pooling != self.deployment.pooling:
@@ -79,19 +93,14 @@ class VisionTower:
                 f"{params.pooling!r} cannot be asked for",
                 param="pooling",
             )
-        pixels = self.pixel_values(images)
+        rows = self.plan_rows(images)
         submission = Submission(
             params, len(images), params.dimensions or self.deployment.output_dim,
             on_cancel=self.pipeline.cancel, background=is_background(), client=current_client(),
         )  # fmt: skip
         if not images:
             return submission
-        tower = self.tower
-        rows = [
-            patch_rows(p, tower.patch_size, patch_row_width(tower), tower.class_token)
-            for p in pixels
-        ]
-        lengths = np.full(len(rows), len(rows[0]), dtype=np.int64)
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
         try:
             self.pipeline.enqueue(submission, TokenSlice(0, np.concatenate(rows), lengths))
         except BaseException:
@@ -143,7 +152,7 @@ def submit_images(
             )
         raise InvalidInputError(
             f"this model ({d.folder.architecture}) embeds text only; image inputs need a dual "
-            "encoder (CLIPModel, SiglipModel)",
+            "encoder (CLIPModel, SiglipModel, Siglip2Model)",
             param="input",
         )
     text_only = {

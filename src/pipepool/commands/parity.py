@@ -45,8 +45,9 @@ def add_parser(sub, help: str) -> None:
         "--pooling",
         type=_pooling_list,
         metavar="LIST",
-        default=DEFAULT_POOLINGS,
-        help=f"poolings to compare, comma-separated (default: {_join(DEFAULT_POOLINGS)})",
+        default=None,
+        help=f"poolings to compare, comma-separated (default: {_join(DEFAULT_POOLINGS)}; "
+        "classifiers and dual encoders pool as their checkpoints say and take none)",
     )
     p.add_argument(
         "--reference-device",

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidInputError, ModelLoadError
-from ..loading.st_dual_encoder import processor_config
+from ..loading.st_dual_encoder import checked_processor_config
 
 # Still-image formats PIL may open for an input; every other decoder stays out of reach.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -74,16 +74,7 @@ class ImageProcessing:
 
     @classmethod
     def from_folder(cls, folder: Path, kind: str, image_size: int) -> ImageProcessing:
-        file, given = processor_config(folder)
-        kind_of = given.get("image_processor_type")
-        if kind_of is not None and kind_of not in _PROCESSORS[kind]:
-            raise ModelLoadError(f"{file}: image_processor_type {kind_of!r} is not a {kind} one")
-        unknown = sorted(set(given) - _READ - _IGNORED)
-        if unknown:
-            raise ModelLoadError(
-                f"{file}: {unknown[0]!r} is not implemented by pipepool's {kind} image "
-                "preprocessing; refusing rather than preprocessing differently"
-            )
+        file, given = checked_processor_config(folder, _PROCESSORS[kind], _READ, _IGNORED, kind)
         values = {**_DEFAULTS[kind], **{k: v for k, v in given.items() if k in _READ}}
         proc = cls(
             do_resize=bool(values.get("do_resize", True)),

@@ -6,6 +6,7 @@ refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -67,3 +68,21 @@ def processor_config(path: Path) -> tuple[Path, dict]:
     if file.is_file():
         return file, dict(read_json(file).get("image_processor") or {})
     return file, {}
+
+
+def checked_processor_config(
+    path: Path, kinds: Sequence[str], read: set[str], ignored: set[str], what: str
+) -> tuple[Path, dict]:
+    """``processor_config`` refused where it names an image processor other than ``kinds``
+    or a key neither ``read`` nor ``ignored`` (``what``: the preprocessing, in words)."""
+    file, given = processor_config(path)
+    kind_of = given.get("image_processor_type")
+    if kind_of is not None and kind_of not in kinds:
+        raise ModelLoadError(f"{file}: image_processor_type {kind_of!r} is not a {what} one")
+    unknown = sorted(set(given) - read - ignored)
+    if unknown:
+        raise ModelLoadError(
+            f"{file}: {unknown[0]!r} is not implemented by pipepool's {what} image "
+            "preprocessing; refusing rather than preprocessing differently"
+        )
+    return file, given

@@ -23,6 +23,7 @@ from .gemma import GemmaConfig, GemmaStage
 from .modernbert import ModernBertConfig, ModernBertStage
 from .t5 import T5Config, T5EncoderStage
 from .tower_vision import VisionStage
+from .towers import KINDS as TOWER_KINDS
 from .towers import TowerConfig, TowerStage
 
 __all__ = [
@@ -252,7 +253,7 @@ _FAMILIES["deberta"] = Family(
 
 # Dual encoders (models/towers.py): each tower a family; the checkpoint's other tower's tensors
 # and the contrastive logit scale and bias are not part of it.
-for _kind in ("clip", "siglip"):
+for _kind in TOWER_KINDS:
     _text, _vision = f"{_kind}_text", f"{_kind}_vision"
     _FAMILIES[_text] = TowerFamily(
         _text, _kind == "clip", _tower_config, TowerStage, (),
@@ -272,6 +273,8 @@ _ARCHITECTURES = {
     "CLIPModel:vision": "clip_vision",
     "SiglipModel": "siglip_text",
     "SiglipModel:vision": "siglip_vision",
+    "Siglip2Model": "siglip2_text",
+    "Siglip2Model:vision": "siglip2_vision",
     # Token classifiers (NER): the encoder plus ``classifier`` on every token.
     "BertForTokenClassification": "bert",
     "RobertaForTokenClassification": "roberta",

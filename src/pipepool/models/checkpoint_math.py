@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import ATTENTION
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import ModelLoadError
 
 # The model_type each family's checkpoints carry (config.json), so that ``architectures[0]``
@@ -42,6 +43,8 @@ MODEL_TYPES = {
     "clip_vision": ("clip",),
     "siglip_text": ("siglip",),
     "siglip_vision": ("siglip",),
+    "siglip2_text": ("siglip2",),
+    "siglip2_vision": ("siglip2",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -200,14 +203,15 @@ _DEBERTA_FIELDS = {
 # Dual encoders (models/towers.py) read their towers' sub-configs (TowerConfig.from_hf); at
 # the top level only the direction of attention could matter, and transformers reads none.
 _TOWER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "is_causal": (_absent_or(), "an attention direction transformers' CLIP / SigLIP ignores"),
+    "is_causal": (_absent_or(), "an attention direction transformers' dual encoders ignore"),
     "use_bidirectional_attention": (
         _absent_or(),
-        "an attention direction transformers' CLIP / SigLIP ignores",
+        "an attention direction transformers' dual encoders ignore",
     ),
 }
+_TOWER_KINDS = DUAL_ENCODERS.values()
 _FAMILY_FIELDS = {
-    **dict.fromkeys(("clip_text", "clip_vision", "siglip_text", "siglip_vision"), _TOWER_FIELDS),
+    **{f"{kind}_{tower}": _TOWER_FIELDS for kind in _TOWER_KINDS for tower in ("text", "vision")},
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,
     "modernbert": _MODERNBERT_FIELDS,

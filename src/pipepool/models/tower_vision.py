@@ -1,4 +1,4 @@
-"""The vision tower of CLIP / SigLIP (``towers.py`` holds the shared layers).
+"""The vision tower of CLIP / SigLIP / SigLIP2 (``towers.py`` holds the shared layers).
 
 An image is a prompt of fixed length: one row per patch (CLIP adds its class token as row 0).
 The first stage receives each row's pixel values, not a token id: the plan's token ids of a
@@ -26,9 +26,23 @@ from .towers import TowerConfig, TowerStage, norm_specs
 
 
 def patch_row_width(cfg: TowerConfig) -> int:
-    """int64 columns of one position's row in a vision plan: a patch's float32 pixel values,
-    two to a column."""
-    return -(-cfg.patch_values // 2)
+    """int64 columns of one position's row in a vision plan: a patch's float32 pixel values
+    (SigLIP2: then its image's patch-grid height and width), two to a column."""
+    return -(-(cfg.patch_values + 2 * cfg.naflex) // 2)
+
+
+def resized_positions(table: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """SigLIP2's square position table [side * side, H] resized to a ``height x width`` patch
+    grid -> [height * width, H], row-major: transformers' ``resize_positional_embeddings``
+    (bilinear, antialiased, float32 on the CPU where torch has no antialiased bf16)."""
+    side = round(table.shape[0] ** 0.5)
+    grid = table.reshape(side, side, -1).permute(2, 0, 1).unsqueeze(0)
+    if grid.device.type == "cpu":
+        grid = grid.float()
+    grid = F.interpolate(
+        grid, size=(height, width), mode="bilinear", align_corners=False, antialias=True
+    )
+    return grid.reshape(table.shape[1], height * width).t().to(table.dtype)
 
 
 class AttentionPoolingHead(nn.Module):
@@ -47,8 +61,9 @@ class AttentionPoolingHead(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, h)
         self.act = get_activation(cfg.hidden_act)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """[B, N, H] -> [B, H]."""
+    def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, N, H] -> [B, H]; ``mask`` [B, N] (True: a row of the image) for images of
+        several lengths padded to N."""
         b, n, h = images.shape
         d = h // self.num_heads
         wq, wk, wv = self.in_proj.weight.chunk(3)
@@ -56,7 +71,8 @@ class AttentionPoolingHead(nn.Module):
         q = F.linear(self.probe[0], wq, bq).view(1, self.num_heads, 1, d).expand(b, -1, -1, -1)
         k = F.linear(images, wk, bk).view(b, n, self.num_heads, d).transpose(1, 2)
         v = F.linear(images, wv, bv).view(b, n, self.num_heads, d).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, h)
+        keep = None if mask is None else mask[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, h)
         x = self.out_proj(a)
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
@@ -84,8 +100,9 @@ class VisionStage(TowerStage):
     def _init_embeddings(self) -> None:
         cfg, h = self.cfg, self.cfg.hidden_size
         c, p = cfg.num_channels, cfg.patch_size
-        self.patch_weight = nn.Parameter(torch.empty(h, c, p, p))
-        self.patch_bias = nn.Parameter(torch.empty(h)) if cfg.kind == "siglip" else None
+        shape = (h, cfg.patch_values) if cfg.naflex else (h, c, p, p)
+        self.patch_weight = nn.Parameter(torch.empty(shape))
+        self.patch_bias = nn.Parameter(torch.empty(h)) if cfg.kind != "clip" else None
         self.class_embedding = nn.Parameter(torch.empty(h)) if cfg.class_token else None
         self.position_embedding = embedding(cfg.max_positions, h)
         self.pre_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if cfg.class_token else None
@@ -103,25 +120,55 @@ class VisionStage(TowerStage):
         if self.class_embedding is not None:  # row 0 of each image is its class token
             first = (inputs.positions == 0).unsqueeze(1)
             e = torch.where(first, self.class_embedding.to(e.dtype), e)
+        if cfg.naflex:
+            grids = rows[:, cfg.patch_values : cfg.patch_values + 2]
+            return e + self._grid_positions(grids, inputs.positions).to(e.dtype)
         e = e + self.position_embedding(inputs.positions)
         return self.pre_norm(e) if self.pre_norm is not None else e
+
+    def _grid_positions(self, grids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's position embedding from its image's resized table (one resize per
+        distinct grid in the step)."""
+        table = self.position_embedding.weight
+        out = table.new_empty((len(positions), table.shape[1]))
+        shapes = grids.to(torch.int64)
+        for height, width in torch.unique(shapes, dim=0).tolist():
+            rows = ((shapes[:, 0] == height) & (shapes[:, 1] == width)).nonzero().squeeze(1)
+            out[rows] = resized_positions(table, height, width)[positions[rows]]
+        return out
 
     def _finish(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         x = self.final_norm(x)
         if self.pool_head is not None:
             starts = inputs.attn.cu_q_host[:-1]
-            n = self.cfg.max_positions
-            assert bool((np.diff(inputs.attn.cu_q_host) == n).all()), "whole images only"
-            pooled = self.pool_head(x.view(-1, n, x.shape[1]))
+            lengths = np.diff(inputs.attn.cu_q_host)
+            if self.cfg.naflex:
+                pooled = self._pool_images(x, starts, lengths)
+            else:
+                n = self.cfg.max_positions
+                assert bool((lengths == n).all()), "whole images only"
+                pooled = self.pool_head(x.view(-1, n, x.shape[1]))
             x = x.clone()
             x[torch.from_numpy(starts).to(x.device)] = pooled.to(x.dtype)
         return self.projection(x) if self.projection is not None else x
 
+    def _pool_images(self, x: torch.Tensor, starts: np.ndarray, lengths: np.ndarray):
+        """The attention head over images of their own lengths, padded to the longest and
+        masked (a masked row has weight exactly zero)."""
+        longest = int(lengths.max())
+        offsets = np.arange(longest)[None, :]
+        mask = offsets < lengths[:, None]
+        rows = np.where(mask, starts[:, None] + offsets, starts[:, None])
+        index, keep = torch.from_numpy(rows).to(x.device), torch.from_numpy(mask).to(x.device)
+        assert self.pool_head is not None
+        return self.pool_head(x[index], keep)
+
     def _embedding_specs(self) -> list[WeightSpec]:
         cfg, h, p = self.cfg, self.cfg.hidden_size, "vision_model.embeddings"
         c, k = cfg.num_channels, cfg.patch_size
+        patch_shape = (h, cfg.patch_values) if cfg.naflex else (h, c, k, k)
         specs = [
-            WeightSpec(f"{p}.patch_embedding.weight", (h, c, k, k), "patch_weight"),
+            WeightSpec(f"{p}.patch_embedding.weight", patch_shape, "patch_weight"),
             WeightSpec(
                 f"{p}.position_embedding.weight", (cfg.max_positions, h),
                 "position_embedding.weight",

@@ -1,4 +1,5 @@
-"""Dual encoders' towers: CLIP and SigLIP, as transformers' ``CLIPModel`` / ``SiglipModel``.
+"""Dual encoders' towers: CLIP, SigLIP and SigLIP2, as transformers' ``CLIPModel`` /
+``SiglipModel`` / ``Siglip2Model``.
 
 A dual-encoder checkpoint holds two models: a text tower and a vision tower, each a stack of
 pre-norm transformer layers (``x += attn(ln1(x)); x += mlp(ln2(x))``) that splits into
@@ -8,9 +9,10 @@ and pooling head.
 
 Text towers: CLIP's is causal (its prompts chunk across steps and keep a KV cache, as
 transformers masks it) and pools its EOS token, which its tokenizer puts last; SigLIP's is
-bidirectional and pools its last token. The last stage applies the final LayerNorm and the
-projection (CLIP's ``text_projection``, SigLIP's ``text_model.head``) to every row, so a
-pooled row is the vector ``get_text_features`` returns."""
+bidirectional and pools its last token (SigLIP2's text tower is SigLIP's). The last stage
+applies the final LayerNorm and the projection (CLIP's ``text_projection``, SigLIP's
+``text_model.head``) to every row, so a pooled row is the vector ``get_text_features``
+returns."""
 
 from __future__ import annotations
 
@@ -21,21 +23,23 @@ import torch
 from torch import nn
 
 from ..core.classifier_head import ClassifierHead
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from .base import KVLayout, StageModel, StepInputs, WeightSpec, embedding, linear_specs
 
 # transformers' model_type of each dual-encoder checkpoint kind.
-KINDS = ("clip", "siglip")
+KINDS = tuple(DUAL_ENCODERS.values())
 TOWERS = ("text", "vision")
 
 
 @dataclass(frozen=True)
 class TowerConfig:
-    """One tower of a CLIP / SigLIP config.json (its ``text_config`` or ``vision_config``)."""
+    """One tower of a CLIP / SigLIP / SigLIP2 config.json (its ``text_config`` or
+    ``vision_config``)."""
 
-    kind: str  # clip | siglip
+    kind: str  # clip | siglip | siglip2
     tower: str  # text | vision
     hidden_size: int
     intermediate_size: int
@@ -43,7 +47,9 @@ class TowerConfig:
     num_heads: int
     layer_norm_eps: float
     hidden_act: str
-    max_positions: int  # text: position table; vision: patches (+1 for CLIP's class token)
+    # text: position table; vision: patches (+1 for CLIP's class token; SigLIP2: the most
+    # patches of one image, its position table's size)
+    max_positions: int
     projection_dim: int  # 0: no projection (SigLIP's vision tower: its head is the pooler)
     projection_bias: bool
     vocab_size: int = 0  # text
@@ -51,6 +57,12 @@ class TowerConfig:
     patch_size: int = 0
     num_channels: int = 3
     attention_pooling: bool = False  # SigLIP's vision head (vision_use_head)
+
+    @property
+    def naflex(self) -> bool:
+        """SigLIP2's vision tower: images at their own aspect ratio, up to ``max_positions``
+        patches, its square position table resized to each image's patch grid."""
+        return self.kind == "siglip2" and self.tower == "vision"
 
     @property
     def causal(self) -> bool:
@@ -81,6 +93,11 @@ class TowerConfig:
         if not isinstance(sub, dict):
             raise ModelLoadError(f"config.json of a {kind} model has no {tower}_config")
         act = sub.get("hidden_act", "quick_gelu" if kind == "clip" else "gelu_pytorch_tanh")
+        if kind == "siglip2" and not isinstance(sub.get("patch_size", 16), int):
+            raise ModelLoadError(
+                f"{tower}_config.patch_size {sub['patch_size']!r}: only square patches (one "
+                "integer) are implemented"
+            )
         get_activation(act)  # refuse at load time, not mid-request
         for name in (
             "hidden_size",
@@ -110,6 +127,8 @@ class TowerConfig:
                                                      "clip" else 64)),
                 projection_dim=projection, projection_bias=bias, vocab_size=int(sub["vocab_size"]),
             )  # fmt: skip
+        if kind == "siglip2":
+            return cls._naflex_vision(sub, fields)
         image, patch = int(sub.get("image_size", 224)), int(sub.get("patch_size", 16))
         if image % patch:
             raise ModelLoadError(f"vision_config: image_size {image} is not a multiple of {patch}")
@@ -125,6 +144,26 @@ class TowerConfig:
             projection_dim=int(hf.get("projection_dim", 512)) if kind == "clip" else 0,
             projection_bias=False, image_size=image, patch_size=patch,
             num_channels=int(sub.get("num_channels", 3)), attention_pooling=use_head,
+        )  # fmt: skip
+
+    @classmethod
+    def _naflex_vision(cls, sub: dict, fields: dict) -> TowerConfig:
+        patches = int(sub.get("num_patches", 256))
+        side = round(patches**0.5)
+        if side * side != patches:
+            raise ModelLoadError(
+                f"vision_config.num_patches {patches} is not a square: SigLIP2's position table "
+                "is a square grid"
+            )
+        if not bool(sub.get("vision_use_head", True)):
+            raise ModelLoadError(
+                "vision_config.vision_use_head=false: the tower has no pooled output "
+                "(transformers' get_image_features returns none); nothing to embed"
+            )
+        return cls(
+            **fields, max_positions=patches, projection_dim=0, projection_bias=False,
+            patch_size=int(sub.get("patch_size", 16)), num_channels=int(sub.get("num_channels", 3)),
+            attention_pooling=True,
         )  # fmt: skip
 
 

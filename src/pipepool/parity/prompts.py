@@ -83,3 +83,29 @@ def _longest_within(count_tokens: Callable[[str], int], target: int, offset: int
             break
         best, n = longer, m
     return best
+
+
+# The built-in images of a dual encoder's parity run: (height, width, mode). Landscape and
+# portrait, one smaller than any crop, a square, and the modes an RGB conversion changes.
+IMAGE_SHAPES: tuple[tuple[int, int, str], ...] = (
+    (240, 320, "RGB"),
+    (300, 180, "RGBA"),
+    (224, 224, "L"),
+    (20, 25, "RGB"),
+    (97, 64, "P"),
+)
+
+
+def builtin_images() -> list:
+    """PIL images of ``IMAGE_SHAPES``: smooth random pixels (noise upsampled) from a fixed
+    seed, the same on every run."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = []
+    for height, width, mode in IMAGE_SHAPES:
+        coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 4), np.uint8)
+        image = Image.fromarray(coarse, "RGBA").resize((width, height), Image.Resampling.BILINEAR)
+        images.append(image if mode == "RGBA" else image.convert("RGB").convert(mode))
+    return images

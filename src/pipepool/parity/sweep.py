@@ -14,12 +14,13 @@ import torch
 
 from ..api.engine import Engine
 from ..config import POOLING_TYPES, EngineConfig
+from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import InvalidInputError, PromptTooLongError
 from ..intake.inputs import InputPreparer
 from ..loading.deployment import Deployment, plan_deployment
 from .compare import Row, allowed_error, fill_row, score_request, within_allowed
 from .prompts import builtin_prompts
-from .reference import compute_reference
+from .reference import ReferenceOutputs, compute_reference
 from .report import ParityReport
 
 # What a sweep compares unless told: the four every model has (the other sentence-transformers
@@ -49,7 +50,9 @@ class Sweep:
 
     pps: tuple[int, ...] = DEFAULT_PPS
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    poolings: tuple[str, ...] = DEFAULT_POOLINGS
+    # None: DEFAULT_POOLINGS for embedders; classifiers and dual encoders pool as their
+    # checkpoints do, and refuse a choice
+    poolings: tuple[str, ...] | None = None
     reference: str = "transformers"  # transformers | pp1
     min_cosine: float | None = None  # None: by dtype (see default_min_cosine)
     # Where the transformers reference runs; None: the engine's own device / dtype.
@@ -57,6 +60,18 @@ class Sweep:
     reference_dtype: str | None = None
     # Classifiers: largest |engine - reference| per raw logit (None: by dtype, score_sweep.py).
     max_score_diff: float | None = None
+
+    @property
+    def embedder_poolings(self) -> tuple[str, ...]:
+        return self.poolings or DEFAULT_POOLINGS
+
+    def refuse_poolings(self, what: str) -> None:
+        """For models whose checkpoint decides the pooling (``what`` says which kind)."""
+        if self.poolings is not None:
+            raise InvalidInputError(
+                f"{what} pools as its checkpoint says; poolings cannot be chosen for it",
+                param="pooling",
+            )
 
     def uses_16bit_rule(self, deployment: Deployment) -> bool:
         """docs/design.md §3: a 16-bit engine against a float32 transformers reference is judged by
@@ -68,9 +83,9 @@ class Sweep:
         )
 
     def __post_init__(self) -> None:
-        if not self.pps or not self.budgets or not self.poolings:
+        if not self.pps or not self.budgets or self.poolings == ():
             raise InvalidInputError("parity needs at least one PP degree, budget and pooling")
-        unknown = [p for p in self.poolings if p not in POOLING_TYPES]
+        unknown = [p for p in self.poolings or () if p not in POOLING_TYPES]
         if unknown:
             raise InvalidInputError(
                 f"unknown pooling {unknown[0]!r}; choose from {', '.join(POOLING_TYPES)}",
@@ -95,7 +110,14 @@ def run_parity(
     if deployment.classifier is not None:  # scores, not vectors: compared per pair
         from .score_sweep import run_score_parity
 
+        sweep.refuse_poolings("a classifier (its head)")
         return run_score_parity(base, deployment, sweep, prompts, log)
+    if deployment.folder.architecture in DUAL_ENCODERS:  # texts and images, per tower
+        from .tower_sweep import run_tower_parity
+
+        sweep.refuse_poolings("a dual encoder (each tower)")
+        return run_tower_parity(base, deployment, sweep, prompts, log)
+    poolings = sweep.embedder_poolings
     texts, token_ids = _prompts(deployment, prompts)
     lengths = [len(ids) for ids in token_ids]
     log(f"reference: {sweep.reference} on {len(texts)} prompts ({max(lengths)} tokens max)")
@@ -104,7 +126,7 @@ def run_parity(
         deployment,
         texts,
         token_ids,
-        sweep.poolings,
+        poolings,
         device=sweep.reference_device,
         dtype=sweep.reference_dtype,
     )
@@ -124,17 +146,10 @@ def run_parity(
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
         log(f"reference: transformers in {engine_dtype} too, for docs/design.md §3's bar")
         peer = compute_reference(
-            "transformers", deployment, texts, token_ids, sweep.poolings,
+            "transformers", deployment, texts, token_ids, poolings,
             device=sweep.reference_device, dtype=engine_dtype,
         )  # fmt: skip
-        allowed = {
-            p: [allowed_error(a, b) for a, b in zip(peer.outputs[p], ref.outputs[p], strict=True)]
-            for p in sweep.poolings
-        }
-        rule = (
-            f"1 - cos(engine, reference) <= 1.5 x (1 - cos(transformers {engine_dtype}, "
-            "reference)) + 1e-5 for every request"
-        )
+        allowed, rule = sixteen_bit_bar(peer, ref, poolings, engine_dtype)
     report = ParityReport(
         model=str(deployment.folder.path),
         reference=ref.description,
@@ -146,12 +161,26 @@ def run_parity(
     )
     for pp in sweep.pps:
         for budget in sweep.budgets:
-            log(f"pp={pp} tokens={budget}: {', '.join(sweep.poolings)}")
+            log(f"pp={pp} tokens={budget}: {', '.join(poolings)}")
             config = base.replace(pipeline_parallel_size=pp, max_num_batched_tokens=budget)
-            report.rows += _run_config(
-                config, sweep.poolings, token_ids, ref.outputs, threshold, allowed
-            )
+            report.rows += _run_config(config, poolings, token_ids, ref.outputs, threshold, allowed)
     return report
+
+
+def sixteen_bit_bar(
+    peer: ReferenceOutputs, ref: ReferenceOutputs, keys: Sequence[str], engine_dtype: str
+) -> tuple[dict[str, list[np.ndarray]], str]:
+    """docs/design.md §3's bar per output key and request, from transformers' own 16-bit
+    outputs (``peer``) against the float32 reference, and the rule in words."""
+    allowed = {
+        k: [allowed_error(a, b) for a, b in zip(peer.outputs[k], ref.outputs[k], strict=True)]
+        for k in keys
+    }
+    rule = (
+        f"1 - cos(engine, reference) <= 1.5 x (1 - cos(transformers {engine_dtype}, "
+        "reference)) + 1e-5 for every request"
+    )
+    return allowed, rule
 
 
 def _precision(deployment: Deployment) -> str:

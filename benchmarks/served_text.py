@@ -183,7 +183,11 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--workload", choices=WORD_RANGES, default="queries")
     p.add_argument("--texts", type=int, default=4096, help="texts a pass")
-    p.add_argument("--per-request", default="32,1", help="texts per served request, a list")
+    p.add_argument(
+        "--per-request",
+        default="32,1",
+        help="texts per served request, a list (empty: the in-process rows only)",
+    )
     p.add_argument("--clients", type=int, default=4, help="client processes")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight, in all")
     p.add_argument("--passes", type=int, default=3, help="timed passes (best counts)")
@@ -210,7 +214,7 @@ def main() -> int:
     print(f"{model.name}, {args.workload}: {len(texts)} texts, {args.device}", flush=True)
     rows = in_process(model, texts, engine_options, args.passes)
     for extra in args.serve_flags or [""]:
-        for n in (int(x) for x in args.per_request.split(",")):
+        for n in (int(x) for x in args.per_request.split(",") if x):
             name = f"served, {n}/request {extra}".strip()
             rows[name] = served(model, texts, n, args, [*flags, *extra.split()])
             print(f"{name}: {rows[name][0]:,.0f} texts/s", flush=True)

@@ -4,8 +4,8 @@ Every problem is an InvalidInputError naming the field and the input, so a bad r
 reaches the scheduler and never disturbs other requests. Cheap checks come before the tokenizer
 sees a text: emptiness, a length bound in characters, and whether the text is valid Unicode at
 all. Inputs become token ids in slices (``token_slices``): the engine enqueues each slice as
-soon as it is tokenised, so the device computes the first slice while the caller's thread
-tokenises the next.
+soon as it is tokenised, so the device computes the first slice while a thread of the call's
+own tokenises the next (``read_ahead``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..loading.deployment import Deployment
 from ..loading.retrieval import ColbertHead, M3Head, M3Layout
 from ..models import family_of
 from .eos_pooling import check_eos_last, eos_token_of
+from .read_ahead import read_ahead
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -174,13 +175,22 @@ class InputPreparer:
         prompt_name: str | None,
         slice_size: int | None,
     ) -> Iterator[TokenSlice]:
-        """``token_slices`` of texts: all checked first, then tokenised a slice at a time."""
+        """``token_slices`` of texts: all checked first, then tokenised a slice at a time, the
+        next slices on a thread of the call's own while the caller takes the last
+        (``read_ahead``) where there are several."""
         texts = self._with_prompt(self.checked_texts(texts, limit, longest, keep), prompt_name)
-        for lo, hi in _slice_bounds(len(texts), slice_size):
-            flat, lengths = self.tokenizer.encode_flat(texts[lo:hi], max_tokens=limit, keep=keep)
-            self._check_lengths(lo, lengths, longest)
-            check_eos_last(self.eos_pooled, lo, flat, lengths)
-            yield TokenSlice(lo, flat, lengths)
+        bounds = list(_slice_bounds(len(texts), slice_size))
+
+        def tokenised() -> Iterator[TokenSlice]:
+            for lo, hi in bounds:
+                flat, lengths = self.tokenizer.encode_flat(
+                    texts[lo:hi], max_tokens=limit, keep=keep
+                )
+                self._check_lengths(lo, lengths, longest)
+                check_eos_last(self.eos_pooled, lo, flat, lengths)
+                yield TokenSlice(lo, flat, lengths)
+
+        return tokenised() if len(bounds) == 1 else read_ahead(tokenised)
 
     def _id_slices(
         self,

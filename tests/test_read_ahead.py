@@ -4,6 +4,7 @@ through it give the token-id path's vectors."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -15,90 +16,81 @@ from pipepool.intake import inputs
 from pipepool.intake.read_ahead import read_ahead
 
 
-class _Counted:
-    """Items 0..n-1, recording how many were made and on which thread; waits at item
-    ``hold_at`` until released."""
+class _Tasks:
+    """Tasks 0..n-1 that return their index, recording how many started, and on which
+    threads; task ``hold_at`` waits until released, task ``fail_at`` raises."""
 
     def __init__(self, n: int, hold_at: int | None = None, fail_at: int | None = None) -> None:
         self.n, self.hold_at, self.fail_at = n, hold_at, fail_at
-        self.made = 0
+        self.started = 0
         self.threads: set[str] = set()
         self.release = threading.Event()
-        self.closed = threading.Event()
         self.progress = threading.Condition()
 
-    def __call__(self):
-        try:
-            for i in range(self.n):
-                if i == self.hold_at:
-                    self.release.wait(10)
-                if i == self.fail_at:
-                    raise ValueError(f"item {i} is bad")
-                self.threads.add(threading.current_thread().name)
-                with self.progress:
-                    self.made += 1
-                    self.progress.notify_all()
-                yield i
-        finally:
-            self.closed.set()
+    def __iter__(self):
+        return (functools.partial(self._run, i) for i in range(self.n))
 
-    def wait_made(self, count: int) -> None:
+    def _run(self, i: int) -> int:
         with self.progress:
-            assert self.progress.wait_for(lambda: self.made >= count, 10)
+            self.started += 1
+            self.threads.add(threading.current_thread().name)
+            self.progress.notify_all()
+        if i == self.hold_at:
+            self.release.wait(10)
+        if i == self.fail_at:
+            raise ValueError(f"task {i} is bad")
+        return i
+
+    def wait_started(self, count: int) -> None:
+        with self.progress:
+            assert self.progress.wait_for(lambda: self.started >= count, 10)
 
 
-def test_items_come_in_order_from_a_thread_of_their_own():
-    source = _Counted(50)
-    assert list(read_ahead(source, ahead=3)) == list(range(50))
-    assert source.threads == {"pipepool-read-ahead"}
-    assert source.closed.wait(10)
+def test_results_come_in_order_from_threads_of_their_own():
+    tasks = _Tasks(50)
+    assert list(read_ahead(tasks, ahead=3)) == list(range(50))
+    assert tasks.threads and all(t.startswith("pipepool-read-ahead") for t in tasks.threads)
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 4])
-def test_at_most_ahead_items_are_made_before_they_are_taken(ahead):
-    source = _Counted(100)
-    items = read_ahead(source, ahead=ahead)
+def test_at_most_ahead_tasks_are_started_before_their_results_are_taken(ahead):
+    tasks = _Tasks(100)
+    results = read_ahead(tasks, ahead=ahead)
     for taken in range(1, 6):
-        next(items)
+        next(results)
         most = taken + ahead
-        source.wait_made(most)  # it does go ahead ...
-        with source.progress:  # ... and stops there: one more is made only once one is taken
-            assert not source.progress.wait_for(lambda m=most: source.made > m, 0.05)
-    items.close()
+        tasks.wait_started(most)  # it does go ahead ...
+        with tasks.progress:  # ... and stops there: one more starts only once one is taken
+            assert not tasks.progress.wait_for(lambda m=most: tasks.started > m, 0.05)
+    results.close()
 
 
-def test_an_error_is_raised_where_it_happened_after_the_items_before_it():
-    source = _Counted(10, fail_at=4)
-    items = read_ahead(source, ahead=2)
-    assert [next(items) for _ in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="item 4 is bad"):
-        next(items)
+def test_an_error_is_raised_where_it_happened_after_the_results_before_it():
+    results = read_ahead(_Tasks(10, fail_at=4), ahead=2)
+    assert [next(results) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="task 4 is bad"):
+        next(results)
 
 
-def test_closing_stops_the_thread_and_drops_what_it_made():
-    source = _Counted(1000, hold_at=3)
-    items = read_ahead(source, ahead=2)
-    assert next(items) == 0
-    items.close()  # the thread is held at item 3, then finds itself stopped
-    source.release.set()
-    assert source.closed.wait(10)
-    assert source.made <= 3
-    assert not any(t.name == "pipepool-read-ahead" and t.is_alive() for t in _settled())
-
-
-def _settled() -> list[threading.Thread]:
+def test_closing_starts_no_more_tasks():
+    tasks = _Tasks(1000, hold_at=2)
+    results = read_ahead(tasks, ahead=2)
+    assert next(results) == 0
+    tasks.wait_started(3)  # tasks 1 and 2 (held) started
+    results.close()
+    tasks.release.set()
     for t in threading.enumerate():
-        if t.name == "pipepool-read-ahead":
+        if t.name.startswith("pipepool-read-ahead"):
             t.join(10)
-    return threading.enumerate()
+    assert tasks.started == 3
 
 
 @pytest.fixture(scope="module")
-def engine(minilm_path):
+def engine(bert_path):
     # Batch-invariant: a text's vector does not depend on the steps it shared, so the text
     # path's vectors must equal the token-id path's bit for bit however each was sliced.
     with pipepool.Engine(
-        str(minilm_path), device="cpu", max_model_len=128, batch_invariant=True
+        str(bert_path), device="cpu", max_model_len=128, batch_invariant=True
     ) as e:
         yield e
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -176,21 +176,20 @@ class InputPreparer:
         slice_size: int | None,
     ) -> Iterator[TokenSlice]:
         """``token_slices`` of texts: all checked first, then tokenised a slice at a time, the
-        next slices on a thread of the call's own while the caller takes the last
+        next slices on threads of the call's own while the caller takes the last
         (``read_ahead``) where there are several."""
         texts = self._with_prompt(self.checked_texts(texts, limit, longest, keep), prompt_name)
+
+        def tokenised(lo: int, hi: int) -> TokenSlice:
+            flat, lengths = self.tokenizer.encode_flat(texts[lo:hi], max_tokens=limit, keep=keep)
+            self._check_lengths(lo, lengths, longest)
+            check_eos_last(self.eos_pooled, lo, flat, lengths)
+            return TokenSlice(lo, flat, lengths)
+
         bounds = list(_slice_bounds(len(texts), slice_size))
-
-        def tokenised() -> Iterator[TokenSlice]:
-            for lo, hi in bounds:
-                flat, lengths = self.tokenizer.encode_flat(
-                    texts[lo:hi], max_tokens=limit, keep=keep
-                )
-                self._check_lengths(lo, lengths, longest)
-                check_eos_last(self.eos_pooled, lo, flat, lengths)
-                yield TokenSlice(lo, flat, lengths)
-
-        return tokenised() if len(bounds) == 1 else read_ahead(tokenised)
+        if len(bounds) == 1:
+            return iter([tokenised(*bounds[0])])
+        return read_ahead(partial(tokenised, lo, hi) for lo, hi in bounds)
 
     def _id_slices(
         self,

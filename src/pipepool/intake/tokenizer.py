@@ -60,8 +60,10 @@ class Tokenizer:
     def use_helper(self, helper: BatchHelper) -> None:
         """From now on, batches of ``OFFLOAD_CHARS`` characters or more go to ``helper`` (a
         ``tokenizer_process.TokenizerProcess``: a server of several models keeps one model's
-        large batches from holding up the others' requests in its one process); a batch it
-        cannot answer is tokenised here. ``close`` closes it."""
+        large batches from holding up the others' requests in its one process; or a
+        ``tokenizer_pool.TokenizerPool``: an engine's texts tokenised on the host's spare
+        cores, out of its interpreter lock); a batch it cannot answer is tokenised here.
+        ``close`` closes it."""
         self.close()
         self._helper = helper
 

@@ -12,6 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
+from .shared_batches import SharedBatches
 
 log = logging.getLogger("pipepool.intake")
 
@@ -56,6 +57,7 @@ class Tokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._shared = SharedBatches(self._encode)
 
     def use_helper(self, helper: BatchHelper) -> None:
         """From now on, batches of ``OFFLOAD_CHARS`` characters or more go to ``helper`` (a
@@ -102,12 +104,15 @@ class Tokenizer:
         self, texts: list[str], *, max_tokens: int | None = None, keep: str = "first"
     ) -> tuple[np.ndarray, np.ndarray]:
         """``encode_batch`` back to back: (token ids [total] int64, lengths [n] int64), with no
-        array per text (the Rust tokenizer works on all texts at once, without the GIL)."""
+        array per text (the Rust tokenizer works on all texts at once, without the GIL). A
+        call of fewer than ``OFFLOAD_CHARS`` characters is tokenised with the small calls of
+        other threads that arrive meanwhile (``SharedBatches``)."""
         if self._offloads(texts):
             done = self._in_helper("encode_flat", texts, max_tokens=max_tokens, keep=keep)
             if done is not None:
                 return done
-        encodings = self._encode(texts)
+        small = _chars(texts) < OFFLOAD_CHARS
+        encodings = self._shared.encodings(texts) if small else self._encode(texts)
         lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(texts))
         if max_tokens is not None and len(lengths) and lengths.max() > max_tokens:
             ids = [
@@ -161,7 +166,7 @@ class Tokenizer:
 
     def _offloads(self, *texts: list[str]) -> bool:
         """Whether these texts go to the helper: there is one, and they are many characters."""
-        return self._helper is not None and sum(map(len, itertools.chain(*texts))) >= OFFLOAD_CHARS
+        return self._helper is not None and _chars(*texts) >= OFFLOAD_CHARS
 
     def _in_helper(self, method: str, *args, **kwargs):
         """The helper's answer; None when it could not give one (it exited or hung: the caller
@@ -263,6 +268,10 @@ class Tokenizer:
     def decode(self, ids: np.ndarray) -> str:
         """Text of token ids, special tokens dropped (benchmarks make text inputs with it)."""
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+
+
+def _chars(*texts: list[str]) -> int:
+    return sum(map(len, itertools.chain(*texts)))
 
 
 def _truncate_keeping_specials(

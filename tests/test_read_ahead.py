@@ -12,6 +12,7 @@ import pytest
 from tiny_models import SENTENCES
 
 import pipepool
+from pipepool.api import st_compat
 from pipepool.intake import inputs
 from pipepool.intake.read_ahead import read_ahead
 
@@ -121,3 +122,12 @@ def test_an_input_over_the_limit_in_a_later_slice_is_refused_by_its_index(engine
         engine.embed(texts, long_inputs="error")
     # Its slices before it were enqueued and then cancelled: the engine goes on serving.
     np.testing.assert_array_equal(engine.embed(texts[:3]), engine.embed(engine.tokenize(texts[:3])))
+
+
+def test_sentence_transformers_encode_in_several_slices_gives_the_same_vectors(engine, monkeypatch):
+    texts = [f"{SENTENCES[i % len(SENTENCES)]} {i}" for i in range(45)]
+    model = pipepool.SentenceTransformer(engine)
+    whole = model.encode(texts)  # one slice
+    monkeypatch.setattr(st_compat, "FIRST_SLICE", 4)
+    monkeypatch.setattr(st_compat, "SLICE", 8)
+    np.testing.assert_array_equal(model.encode(texts), whole)

@@ -39,9 +39,9 @@ def read_ahead(tasks: Iterable[Callable[[], T]], ahead: int = AHEAD) -> Iterator
                 break
         while running:
             result = running.popleft().result()
-            task = next(pending, None)
-            if task is not None:  # before the taker goes: it computes while the taker works
-                running.append(threads.submit(task))
+            following = next(pending, None)
+            if following is not None:  # before the taker goes: it computes while the taker works
+                running.append(threads.submit(following))
             yield result
     finally:
         threads.shutdown(wait=False, cancel_futures=True)

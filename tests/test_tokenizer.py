@@ -73,6 +73,24 @@ def test_truncation_keeps_bert_special_tokens_like_transformers(minilm_path):
     assert ids[0] == 101 and ids[-1] == 102  # [CLS] ... [SEP]
 
 
+def test_truncation_in_the_batch_call_matches_transformers(minilm_path):
+    """More than ``ON_THIS_THREAD`` texts: the batch call without offsets, whose special-token
+    masks the truncation reads."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(minilm_path))
+    texts = [*long_prompts(), *EXTRA, *SENTENCES]
+    tok = Tokenizer(minilm_path / "tokenizer.json")
+    for keep, side in (("first", "right"), ("last", "left")):
+        reference.truncation_side = side
+        got = tok.encode_batch(texts, max_tokens=10, keep=keep)
+        flat, lengths = tok.encode_flat(texts, max_tokens=10, keep=keep)
+        expected = [reference(t, truncation=True, max_length=10)["input_ids"] for t in texts]
+        assert [ids.tolist() for ids in got] == expected
+        assert flat.tolist() == [i for row in expected for i in row]
+        assert lengths.tolist() == [len(row) for row in expected]
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
 def test_decoder_truncation_keeps_special_tokens_like_transformers(decoder_paths, family):
     _assert_truncation_matches(decoder_paths[family], (3, 16, 32))
@@ -93,6 +111,10 @@ class _Calls:
         self.calls.append("encode_batch")
         return self.backend.encode_batch(*args, **kwargs)
 
+    def encode_batch_fast(self, *args, **kwargs):
+        self.calls.append("encode_batch_fast")
+        return self.backend.encode_batch_fast(*args, **kwargs)
+
 
 def test_a_few_texts_stay_on_the_calling_thread_with_the_batch_calls_ids(minilm_path):
     from pipepool.intake.tokenizer import ON_THIS_THREAD
@@ -103,7 +125,7 @@ def test_a_few_texts_stay_on_the_calling_thread_with_the_batch_calls_ids(minilm_
     tokenizer._tok = recorder
     for texts, expected_call in [
         (EXTRA[:ON_THIS_THREAD], "encode"),  # one by one: never the process-wide pool
-        (PROMPTS, "encode_batch"),
+        (PROMPTS, "encode_batch_fast"),  # ids without the offsets, which nothing here reads
     ]:
         recorder.calls.clear()
         ids = [a.tolist() for a in tokenizer.encode_batch(texts)]

@@ -197,6 +197,12 @@ class EngineConfig:
         "Python thread switch interval (sys.setswitchinterval) while an engine is open, so "
         "its loop thread is not kept waiting by threads that submit; 0 leaves it alone",
     )
+    # Texts tokenised in helper processes of the engine's own (intake/tokenizer_pool.py): the
+    # engine's process keeps its interpreter lock and its cores for the steps. None (decided
+    # by ``tokenizer_pool.pool_size``): on a CUDA engine with 8 cores or more that owns its
+    # pipeline, every core but two; else none, the Rust tokenizer's own threads in this
+    # process. Not a flag: the server's front ends tokenise as they choose (server/front.py).
+    tokenizer_processes: int | None = option(None, "", cli=False)
     compile: bool | None = option(None, "torch.compile the layers (default: on for CUDA)")
     # CUDA graphs replay a step's kernels without launching them one by one from Python:
     # captured per padded token count, the first time a step of that size runs.
@@ -242,6 +248,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidInputError(f"{name} must be >= 1", param=name)
+        if self.tokenizer_processes is not None and (
+            not isinstance(self.tokenizer_processes, int)
+            or isinstance(self.tokenizer_processes, bool)
+            or self.tokenizer_processes < 0
+        ):
+            raise InvalidInputError(
+                "tokenizer_processes must be an integer >= 0 (0: tokenise in this process)",
+                param="tokenizer_processes",
+            )
         if not 0 <= self.switch_interval_ms <= 1000:
             raise InvalidInputError(
                 "switch_interval_ms must be between 0 and 1000", param="switch_interval_ms"

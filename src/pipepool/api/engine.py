@@ -25,6 +25,7 @@ from ..intake.images import image_inputs
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.long_inputs import CombinedSubmission
 from ..intake.tokenizer import Tokenizer
+from ..intake.tokenizer_pool import TokenizerPool, pool_size
 from ..runtime.memory import bound_heap_growth
 from .embedding import Embedder
 from .engine_info import EngineInfo
@@ -90,6 +91,7 @@ class Engine:
         self._deployment = self.pipeline.deployment
         self._inputs = InputPreparer(self._deployment)
         self.tokenizer: Tokenizer = self._inputs.tokenizer
+        self._start_tokenizer_pool(pipeline is None)
         self.info = EngineInfo.of(self._deployment, config, self.tokenizer.vocab_size)
         self._embedder = Embedder(self.pipeline, self._deployment, self._inputs, config, self.info)
         self._scorer = Scorer(self, self._deployment, self._inputs)
@@ -106,6 +108,23 @@ class Engine:
                 raise
         self._trace_written = False
         close_at_exit(self)
+
+    def _start_tokenizer_pool(self, owns_pipeline: bool) -> None:
+        """Large batches of text to helper processes (``EngineConfig.tokenizer_processes``;
+        by default only where this engine owns its pipeline: front ends over a shared one
+        tokenise as they choose)."""
+        wanted = self.config.tokenizer_processes
+        if wanted is None and not owns_pipeline:
+            return
+        cuda = self._deployment.devices[0].startswith("cuda")
+        processes = pool_size(wanted, cuda)
+        if processes:
+            try:
+                self.tokenizer.use_helper(TokenizerPool(self.tokenizer.file, processes))
+            except BaseException:
+                if owns_pipeline:
+                    self.pipeline.close()
+                raise
 
     @classmethod
     def from_config(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..core.dual_encoders import DUAL_ENCODERS
 from ..errors import InvalidInputError
 from ..intake.images import image_inputs
 from ..intake.inputs import FIRST_SLICE, SLICE, valid_texts
+from ..intake.read_ahead import read_ahead
 from .encode_output import check_ranges, cut, encode_output, quantizer
 from .engine import Engine
 from .int8_scale import Int8Calibration
@@ -287,29 +289,43 @@ class SentenceTransformer(STAdapter):
         show_progress_bar: bool,
     ) -> np.ndarray | list[np.ndarray]:
         """The engine's output per text (``[n, dim]`` or a ``[len, hidden]`` array each), from
-        token ids tokenized as sentence-transformers does. A slice at a time: the engine starts
-        on the first while this thread tokenizes the next."""
+        token ids tokenized as sentence-transformers does. A slice at a time, the next ones
+        tokenised on threads of their own (``read_ahead``) while this thread enqueues the
+        last: the engine starts on the first slice while the next are tokenised."""
         limit = self.max_seq_length
         texts = valid_texts(texts, max_tokens=limit, allow_empty=True)
+        tokenizer = self.engine.tokenizer
+
+        def tokenised(lo: int, hi: int) -> list[np.ndarray]:
+            flat, lengths = tokenizer.encode_flat(texts[lo:hi], max_tokens=limit)
+            empty = np.flatnonzero(lengths == 0)
+            if len(empty):
+                raise InvalidInputError(
+                    f"input {lo + int(empty[0])} has no tokens (an empty or blank text, and this "
+                    "model's tokenizer adds no special tokens): there is nothing to embed",
+                    param="input",
+                    index=lo + int(empty[0]),
+                )
+            return np.split(flat, np.cumsum(lengths)[:-1])
+
+        bounds = []
+        lo, size = 0, FIRST_SLICE
+        while lo < len(texts):
+            bounds.append((lo, min(lo + size, len(texts))))
+            lo, size = lo + size, SLICE
+        slices = (
+            read_ahead(partial(tokenised, lo, hi) for lo, hi in bounds)
+            if len(bounds) > 1
+            else (tokenised(lo, hi) for lo, hi in bounds)
+        )
         parts: list[Submission | CombinedSubmission] = []
         try:
-            lo, size = 0, FIRST_SLICE
-            while lo < len(texts):
-                ids = self.engine.tokenizer.encode_batch(texts[lo : lo + size], max_tokens=limit)
-                for i, row in enumerate(ids):
-                    if not len(row):
-                        raise InvalidInputError(
-                            f"input {lo + i} has no tokens (an empty or blank text, and this "
-                            "model's tokenizer adds no special tokens): there is nothing to embed",
-                            param="input",
-                            index=lo + i,
-                        )
+            for ids in slices:
                 parts.append(
                     self.engine.submit(
                         ids, pooling=pooling, normalize=normalize, long_inputs="truncate"
                     )
                 )
-                lo, size = lo + size, SLICE
         except BaseException:
             for part in parts:
                 part.cancel()

@@ -4,15 +4,15 @@ Every problem is an InvalidInputError naming the field and the input, so a bad r
 reaches the scheduler and never disturbs other requests. Cheap checks come before the tokenizer
 sees a text: emptiness, a length bound in characters, and whether the text is valid Unicode at
 all. Inputs become token ids in slices (``token_slices``): the engine enqueues each slice as
-soon as it is tokenised, so the device computes the first slice while the caller's thread
-tokenises the next.
+soon as it is tokenised, so the device computes the first slice while a thread of the call's
+own tokenises the next (``read_ahead``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from ..loading.deployment import Deployment
 from ..loading.retrieval import ColbertHead, M3Head, M3Layout
 from ..models import family_of
 from .eos_pooling import check_eos_last, eos_token_of
+from .read_ahead import read_ahead
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -174,13 +175,21 @@ class InputPreparer:
         prompt_name: str | None,
         slice_size: int | None,
     ) -> Iterator[TokenSlice]:
-        """``token_slices`` of texts: all checked first, then tokenised a slice at a time."""
+        """``token_slices`` of texts: all checked first, then tokenised a slice at a time, the
+        next slices on threads of the call's own while the caller takes the last
+        (``read_ahead``) where there are several."""
         texts = self._with_prompt(self.checked_texts(texts, limit, longest, keep), prompt_name)
-        for lo, hi in _slice_bounds(len(texts), slice_size):
+
+        def tokenised(lo: int, hi: int) -> TokenSlice:
             flat, lengths = self.tokenizer.encode_flat(texts[lo:hi], max_tokens=limit, keep=keep)
             self._check_lengths(lo, lengths, longest)
             check_eos_last(self.eos_pooled, lo, flat, lengths)
-            yield TokenSlice(lo, flat, lengths)
+            return TokenSlice(lo, flat, lengths)
+
+        bounds = list(_slice_bounds(len(texts), slice_size))
+        if len(bounds) == 1:
+            return iter([tokenised(*bounds[0])])
+        return read_ahead(partial(tokenised, lo, hi) for lo, hi in bounds)
 
     def _id_slices(
         self,

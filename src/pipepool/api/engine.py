@@ -34,6 +34,7 @@ from .late_chunking import late_chunk_texts
 from .lifecycle import close_at_exit, open_pipeline
 from .retrieval import RetrievalEncoder, RetrievalOutputs
 from .scoring import Classification, RerankResult, Scorer
+from .vlm import VlmInputs, is_multimodal_call, open_vlm_inputs, submit_multimodal
 
 if TYPE_CHECKING:
     from ..intake.token_budget import TokenBudget
@@ -94,6 +95,13 @@ class Engine:
         self._int8 = Int8Calibration()
         # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
         self._vision: VisionTower | None = None
+        # A vision-language embedder's dict inputs (api/vlm.py): texts with images.
+        self._vlm: VlmInputs | None = None
+        try:
+            self._vlm = open_vlm_inputs(config, self.pipeline)
+        except BaseException:
+            self.pipeline.close()
+            raise
         if config.tower == "text" and pipeline is None:
             try:
                 self._vision = open_vision_tower(config, self._deployment, open_pipeline)
@@ -137,7 +145,7 @@ class Engine:
         (``late_chunking.py`` states the rule; documents longer than the model's context are
         split into overlapping windows)."""
         if late_chunking:
-            if image_inputs(inputs) is not None:
+            if image_inputs(inputs) is not None or is_multimodal_call(inputs):
                 raise InvalidInputError(
                     "late_chunking pools chunks of one text; images cannot be late-chunked",
                     param="late_chunking",
@@ -212,6 +220,13 @@ class Engine:
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
+        if is_multimodal_call(inputs):
+            return submit_multimodal(
+                self._vlm, self._inputs, inputs, pooling=pooling, dimensions=dimensions,
+                normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side, prompt_name=prompt_name,
+                long_inputs=long_inputs,
+            )  # fmt: skip
         images = image_inputs(inputs)
         if images is not None:
             return submit_images(
@@ -538,6 +553,9 @@ class Engine:
         vision = getattr(self, "_vision", None)  # None too where __init__ failed early
         if vision is not None:
             vision.close()
+        vlm = getattr(self, "_vlm", None)
+        if vlm is not None:
+            vlm.close()
         self.tokenizer.close()
 
     def __enter__(self) -> Engine:

@@ -21,6 +21,7 @@ from .decoder import DecoderConfig, DecoderStage
 from .encoders import RelativeConfig, RelativeEncoderStage
 from .gemma import GemmaConfig, GemmaStage
 from .modernbert import ModernBertConfig, ModernBertStage
+from .qwen2_vl import Qwen2VLConfig, Qwen2VLStage, text_config
 from .t5 import T5Config, T5EncoderStage
 from .tower_vision import VisionStage
 from .towers import TowerConfig, TowerStage
@@ -172,6 +173,27 @@ class TowerFamily(Family):
         return hf.get(f"{self.name.split('_')[1]}_config") or {}
 
 
+@dataclass(frozen=True)
+class Qwen2VLFamily(Family):
+    """Qwen2-VL (``models/qwen2_vl.py``): the decoder's sizes may sit in ``text_config``;
+    checkpoint names come in transformers 5's layout (``model.language_model.``,
+    ``model.visual.``) or the published one (``model.``, ``visual.``)."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(text_config(hf)["num_hidden_layers"])
+
+    def vocab_size(self, hf: dict) -> int:
+        return int(text_config(hf)["vocab_size"])
+
+    def canonical_name(self, name: str) -> str:
+        for prefix, becomes in (
+            ("model.language_model.", ""), ("model.visual.", "visual."), ("model.", ""),
+        ):  # fmt: skip
+            if name.startswith(prefix):
+                return becomes + name[len(prefix) :]
+        return name
+
+
 def _tower_config(hf: dict, family: str, *, causal: bool) -> TowerConfig:
     kind, tower = family.split("_")
     cfg = TowerConfig.from_hf(hf, kind, tower)
@@ -267,7 +289,15 @@ for _kind in ("clip", "siglip"):
         "none", pooling="cls",
     )  # fmt: skip
 
+_FAMILIES["qwen2_vl"] = Qwen2VLFamily(
+    "qwen2_vl", True, Qwen2VLConfig.from_hf, Qwen2VLStage, (), re.compile(r"^lm_head\..*$"),
+    "none",
+)  # fmt: skip
+
 _ARCHITECTURES = {
+    # Vision-language embedders (models/qwen2_vl.py): the last token's hidden state.
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2VLModel": "qwen2_vl",
     "CLIPModel": "clip_text",
     "CLIPModel:vision": "clip_vision",
     "SiglipModel": "siglip_text",

@@ -42,6 +42,7 @@ MODEL_TYPES = {
     "clip_vision": ("clip",),
     "siglip_text": ("siglip",),
     "siglip_vision": ("siglip",),
+    "qwen2_vl": ("qwen2_vl",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -206,7 +207,17 @@ _TOWER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "an attention direction transformers' CLIP / SigLIP ignores",
     ),
 }
+# Qwen2-VL (models/qwen2_vl.py): causal as transformers computes it, whatever the config says.
+_QWEN2_VL_FIELDS = {
+    **_DECODER_FIELDS,
+    "is_causal": (_absent_or(True), "an attention direction transformers' Qwen2-VL ignores"),
+    "use_bidirectional_attention": (
+        _absent_or(False),
+        "an attention direction transformers' Qwen2-VL ignores",
+    ),
+}
 _FAMILY_FIELDS = {
+    "qwen2_vl": _QWEN2_VL_FIELDS,
     **dict.fromkeys(("clip_text", "clip_vision", "siglip_text", "siglip_vision"), _TOWER_FIELDS),
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,

@@ -1,0 +1,141 @@
+"""Texts with images in, vectors out: a vision-language embedder (Qwen2-VL,
+``models/qwen2_vl.py``) on the engine's own pipeline.
+
+A call of dict inputs (``{"text": ..., "image": ...}`` or ``"images": [...]``; every input a
+dict) is formatted as the folder's processor formats it (``intake/vlm_inputs.py``), its images
+decoded and preprocessed on a pool of threads (PIL releases the GIL), and enqueued as one batch
+whose prompts carry their media rows and images: the scheduler chunks them as any causal
+prompt, through an image's placeholders too, the first stage runs the vision tower once per
+image, and every stage applies the plan's M-RoPE positions (``core/media.py``). Plain text
+inputs take the engine's text path."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..core.priority import current_client, is_background
+from ..core.submission import Submission
+from ..driver.local import LocalPipeline
+from ..driver.pipeline import Pipeline
+from ..errors import InvalidInputError
+from ..intake.images import ImageLimits
+from ..intake.inputs import InputPreparer, TokenSlice
+from ..intake.vlm_inputs import VlmFormatter, parse_input
+from ..models import family_of
+
+# The families whose checkpoints take dict inputs with images.
+VLM_FAMILIES = ("qwen2_vl",)
+_DECODE_THREADS = 4
+
+
+def is_multimodal_call(inputs) -> bool:
+    """Whether a call's inputs are dicts (texts with images) rather than texts or images."""
+    if isinstance(inputs, dict):
+        return True
+    return isinstance(inputs, (list, tuple)) and any(isinstance(i, dict) for i in inputs)
+
+
+class VlmInputs:
+    """A vision-language engine's dict inputs. ``submit(items, params)`` formats, decodes and
+    preprocesses every input (refusing bad ones by index before anything is enqueued) and
+    enqueues them; returns the call's future, ``[n, D]`` float32 in input order."""
+
+    def __init__(self, config: EngineConfig, pipeline: Pipeline) -> None:
+        d = pipeline.deployment
+        folder = config.allowed_local_media_path
+        limits = ImageLimits(Path(folder) if folder else None, config.max_image_pixels)
+        cfg = family_of(d.folder.architecture).config(d.folder.hf_config, True)
+        self.formatter = VlmFormatter(d.folder.path, d.folder.tokenizer_file, cfg.image_token_id,
+                                      limits)  # fmt: skip
+        self.pipeline, self.deployment = pipeline, d
+        self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
+
+    def submit(self, items: list, params) -> Submission:
+        if not isinstance(self.pipeline, LocalPipeline):
+            raise InvalidInputError(
+                "inputs with images run on a pipeline of this process; data_parallel_size > 1 "
+                "and --api-server-count front ends are not implemented for them",
+                param="input",
+            )
+        parsed = [parse_input(item, i) for i, item in enumerate(items)]
+        decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
+                                      range(len(parsed))))  # fmt: skip
+        prompts = list(self._pool.map(self.formatter.prompt, [p[0] for p in parsed], decoded,
+                                      range(len(parsed))))  # fmt: skip
+        limit = self.deployment.max_model_len
+        for i, prompt in enumerate(prompts):
+            if len(prompt.token_ids) > limit:
+                raise InvalidInputError(
+                    f"input {i}: {len(prompt.token_ids)} tokens with its images' placeholders, "
+                    f"over max_model_len {limit} (inputs with images are not truncated)",
+                    param="input", index=i,
+                )  # fmt: skip
+        submission = Submission(
+            params, len(items), params.dimensions or self.deployment.output_dim,
+            on_cancel=self.pipeline.cancel, background=is_background(), client=current_client(),
+        )  # fmt: skip
+        if not items:
+            return submission
+        part = TokenSlice(
+            0, np.concatenate([p.token_ids for p in prompts]),
+            np.array([len(p.token_ids) for p in prompts], dtype=np.int64),
+            media=np.concatenate([p.media for p in prompts]),
+            images=[p.images for p in prompts],
+        )  # fmt: skip
+        try:
+            self.pipeline.enqueue(submission, part)
+        except BaseException:
+            submission.cancel()
+            raise
+        return submission
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def open_vlm_inputs(config: EngineConfig, pipeline: Pipeline) -> VlmInputs | None:
+    """Dict inputs of a vision-language checkpoint (None for every other model)."""
+    if family_of(pipeline.deployment.folder.architecture).name not in VLM_FAMILIES:
+        return None
+    return VlmInputs(config, pipeline)
+
+
+def submit_multimodal(
+    vlm: VlmInputs | None,
+    inputs: InputPreparer,
+    items,
+    *,
+    pooling: str | None,
+    dimensions: int | None,
+    normalize: bool | None,
+    truncate_prompt_tokens: int | None,
+    truncation_side: str,
+    prompt_name: str | None,
+    long_inputs: str | None,
+) -> Submission:
+    """``Engine.submit`` for a call of dict inputs (texts with images); the text-only options
+    are refused by name, ``pooling``, ``dimensions`` and ``normalize`` apply as for texts."""
+    if vlm is None:
+        raise InvalidInputError(
+            f"this model ({inputs.deployment.folder.architecture}) takes no dict inputs; texts "
+            "with images need a vision-language embedder (Qwen2VLForConditionalGeneration)",
+            param="input",
+        )
+    text_only = {
+        "truncate_prompt_tokens": truncate_prompt_tokens is not None,
+        "truncation_side": truncation_side != "right",
+        "prompt_name": prompt_name is not None,
+        "long_inputs": long_inputs is not None,
+    }
+    for name, given in text_only.items():
+        if given:
+            raise InvalidInputError(
+                f"{name} applies to texts, not to inputs with images", param=name
+            )
+    items = [items] if isinstance(items, dict) else list(items)
+    params = inputs.params(pooling or vlm.deployment.pooling, dimensions, normalize)
+    return vlm.submit(items, params)

@@ -1,9 +1,10 @@
-"""A vision-language embedder (Qwen2-VL) against transformers on the same weights (fp32 CPU):
+"""Vision-language models against transformers on the same weights (fp32 CPU). Qwen2-VL:
 texts with images, formatted by the folder's processor, pooled at their last token, at PP=1
 and PP=2 (stage processes) with an 8-token budget, so that every image's placeholder tokens
 span several steps; the preprocessing and M-RoPE positions against the processor's and
 ``get_rope_index``'s; a stage that applies other positions caught by the lockstep checks;
-and the inputs refused."""
+ColQwen2's token vectors and MaxSim against ``ColQwen2ForRetrieval`` and its processor's
+``score_retrieval``; and the inputs refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import torch
 from test_lockstep import SteppedPipeline
 from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tiny_towers import png_bytes, sample_images
-from tiny_vlm import make_qwen2_vl, reference, reference_inputs, reference_vectors
+from tiny_vlm import (
+    colqwen2_reference,
+    make_colqwen2,
+    make_qwen2_vl,
+    reference,
+    reference_inputs,
+    reference_vectors,
+)
 
 import pipepool
 from pipepool import StateDivergence
@@ -221,3 +229,72 @@ def test_vision_tower_runs_once_per_image(vlm_path, monkeypatch):
     with pipepool.Engine(str(vlm_path), max_num_batched_tokens=BUDGET) as engine:
         engine.embed(_inputs())
     assert sorted(calls) == [1, 1, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def colqwen2_path(vlm_path, model_dir) -> Path:
+    return make_colqwen2(vlm_path, model_dir / "colqwen2")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_colqwen2_matches_transformers(colqwen2_path, pp):
+    """Token vectors of pages and queries (cosine per token, unit norms) and MaxSim (score,
+    rerank) against ColQwen2ForRetrieval and score_retrieval, one query and one page at a
+    time (score_retrieval pads a batch of pages with zero vectors, which a MaxSim can pick)."""
+    model, processor = colqwen2_reference(colqwen2_path)
+    pages = sample_images()[:4]
+    queries = ["a cat", SENTENCES[2], "which page shows the chart"]
+    with torch.no_grad():
+        want_pages = [
+            model(**processor.process_images(images=[p], return_tensors="pt")).embeddings[0]
+            for p in pages
+        ]
+        want_queries = [
+            model(**processor.process_queries(text=[q], return_tensors="pt")).embeddings[0]
+            for q in queries
+        ]
+    want = np.array([[float(processor.score_retrieval([q], [p])[0, 0]) for p in want_pages]
+                     for q in want_queries])  # fmt: skip
+    with pipepool.Engine(
+        str(colqwen2_path), pipeline_parallel_size=pp, max_num_batched_tokens=BUDGET
+    ) as engine:
+        got_pages = engine.embed_tokens([{"image": p} for p in pages], normalize=True)
+        got_queries = engine.pool([{"text": q} for q in queries], pooling="all")
+        plain = engine.embed_tokens(queries[:1] + pages[:1], normalize=True)
+        one_to_many = engine.score(queries[0], pages)
+        pairwise = engine.score(queries[:3], pages[:3])
+        ranked = engine.rerank(queries[1], pages, top_n=2)
+    for got, expected in zip(got_pages + got_queries, want_pages + want_queries, strict=True):
+        assert got.shape == tuple(expected.shape)
+        assert float(cosine(got, expected.numpy()).min()) >= MIN_COSINE
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+    for got, expected in zip(plain, [want_queries[0], want_pages[0]], strict=True):
+        assert float(cosine(got, expected.numpy()).min()) >= MIN_COSINE  # a text: a query
+    np.testing.assert_allclose(one_to_many, want[0], atol=1e-4)
+    np.testing.assert_allclose(pairwise, np.diag(want[:3, :3]), atol=1e-4)
+    assert [r.index for r in ranked] == np.argsort(-want[1], kind="stable")[:2].tolist()
+    np.testing.assert_allclose([r.relevance_score for r in ranked],
+                               np.sort(want[1])[::-1][:2], atol=1e-4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def colqwen2_engine(colqwen2_path):
+    with pipepool.Engine(str(colqwen2_path)) as engine:
+        yield engine
+
+
+def test_colqwen2_refusals(colqwen2_engine):
+    engine, image = colqwen2_engine, sample_images()[0]
+    with pytest.raises(InvalidInputError, match="input 0: ColQwen2 embeds a query"):
+        engine.pool([{"text": "x", "image": image}], pooling="all")
+    with pytest.raises(InvalidInputError, match="ColQwen2 gives one vector per token"):
+        engine.pool([{"image": image}], pooling="mean")
+    for option, value in [("normalize", False), ("dimensions", 8)]:
+        with pytest.raises(InvalidInputError, match=f"{option}: ColQwen2's token vectors"):
+            engine.pool([{"image": image}], pooling="all", **{option: value})
+    with pytest.raises(InvalidInputError, match=r"pages .* are images .*; input 1 is not"):
+        engine.score("a query", [image, "a text page"])
+    with pytest.raises(InvalidInputError, match="instruction does not apply"):
+        engine.score("a query", [image], instruction="find it")
+    with pytest.raises(InvalidInputError, match="return_documents does not apply"):
+        engine.rerank("a query", [image], return_documents=True)

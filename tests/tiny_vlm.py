@@ -136,3 +136,32 @@ def reference_vectors(model, processor, items: list) -> np.ndarray:
                 hidden = model(**reference_inputs(processor, item)).last_hidden_state
             out.append(hidden[0, -1].numpy())
     return np.stack(out)
+
+
+def make_colqwen2(vlm: Path, path: Path, *, seed: int = 0) -> Path:
+    """ColQwen2ForRetrieval over the tiny Qwen2-VL's config (vidore/colqwen2-v1.0-hf's layout,
+    shrunk), projecting to 24 components, with the same tokenizer and image processor."""
+    import shutil
+
+    import transformers
+
+    config = transformers.ColQwen2Config(
+        vlm_config=transformers.Qwen2VLConfig.from_pretrained(vlm).to_dict(), embedding_dim=24
+    )
+    torch.manual_seed(seed)
+    transformers.ColQwen2ForRetrieval(config).eval().save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(vlm / name, path / name)
+    return path
+
+
+def colqwen2_reference(path: Path):
+    """(ColQwen2ForRetrieval, ColQwen2Processor with the PIL image processor)."""
+    import transformers
+
+    model = transformers.ColQwen2ForRetrieval.from_pretrained(path).eval()
+    processor = transformers.ColQwen2Processor(
+        image_processor=transformers.Qwen2VLImageProcessorPil.from_pretrained(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+    )
+    return model, processor

@@ -32,9 +32,16 @@ from .images import VisionTower, open_vision_tower, submit_images
 from .int8_scale import Int8Calibration
 from .late_chunking import late_chunk_texts
 from .lifecycle import close_at_exit, open_pipeline
+from .page_retrieval import page_rerank, page_scores, refuse_page_options
 from .retrieval import RetrievalEncoder, RetrievalOutputs
 from .scoring import Classification, RerankResult, Scorer
-from .vlm import VlmInputs, is_multimodal_call, open_vlm_inputs, submit_multimodal
+from .vlm import (
+    VlmInputs,
+    colqwen2_inputs,
+    is_multimodal_call,
+    open_vlm_inputs,
+    submit_multimodal,
+)
 
 if TYPE_CHECKING:
     from ..intake.token_budget import TokenBudget
@@ -102,6 +109,8 @@ class Engine:
         except BaseException:
             self.pipeline.close()
             raise
+        # ColQwen2: score and rerank are MaxSim of queries against page images.
+        self._pages = self._vlm is not None and self._vlm.multi_vector
         if config.tower == "text" and pipeline is None:
             try:
                 self._vision = open_vision_tower(config, self._deployment, open_pipeline)
@@ -220,6 +229,8 @@ class Engine:
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
+        if self._pages:  # ColQwen2: texts are queries, images pages (its processor's formats)
+            inputs = colqwen2_inputs(inputs) or inputs
         if is_multimodal_call(inputs):
             return submit_multimodal(
                 self._vlm, self._inputs, inputs, pooling=pooling, dimensions=dimensions,
@@ -302,7 +313,15 @@ class Engine:
         A pair over its limit loses tokens from its texts' ends (``truncation_side="right"``)
         or starts ("left"), longest text first, as Hugging Face tokenizers truncate pairs.
         A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
-        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
+        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``);
+        ColQwen2 MaxSim of queries against page images (``text_2``; ``page_retrieval.py``)."""
+        if self._pages:
+            refuse_page_options(
+                instruction=instruction, truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=None if truncation_side == "right" else truncation_side,
+                long_inputs=long_inputs, weights=weights,
+            )  # fmt: skip
+            return page_scores(self, text_1, text_2, use_activation=use_activation)
         return self._scorer.score(
             text_1, text_2, use_activation=use_activation, instruction=instruction,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
@@ -330,7 +349,16 @@ class Engine:
         first, as Cohere's API does; ``max_chunks_per_doc`` scores a long document as Cohere
         does instead of truncating it: each of its first N windows beside the whole query, the
         best window's score its score (``submit_chunked_pairs``). ColBERT and BGE-M3 models
-        rank as ``score`` scores (``weights``: BGE-M3's)."""
+        rank as ``score`` scores (``weights``: BGE-M3's); ColQwen2 ranks page images."""
+        if self._pages:
+            refuse_page_options(
+                return_documents=return_documents or None, instruction=instruction,
+                max_tokens_per_doc=max_tokens_per_doc, max_chunks_per_doc=max_chunks_per_doc,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=None if truncation_side == "right" else truncation_side,
+                long_inputs=long_inputs, weights=weights,
+            )  # fmt: skip
+            return page_rerank(self, query, documents, top_n=top_n, use_activation=use_activation)
         return self._scorer.rerank(
             query, documents, top_n=top_n, return_documents=return_documents,
             instruction=instruction, max_tokens_per_doc=max_tokens_per_doc,

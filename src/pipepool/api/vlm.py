@@ -22,13 +22,13 @@ from ..core.submission import Submission
 from ..driver.local import LocalPipeline
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
-from ..intake.images import ImageLimits
+from ..intake.images import ImageLimits, is_image_input
 from ..intake.inputs import InputPreparer, TokenSlice
-from ..intake.vlm_inputs import VlmFormatter, parse_input
+from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
 from ..models import family_of
 
 # The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl",)
+VLM_FAMILIES = ("qwen2_vl", "colqwen2")
 _DECODE_THREADS = 4
 
 
@@ -37,6 +37,17 @@ def is_multimodal_call(inputs) -> bool:
     if isinstance(inputs, dict):
         return True
     return isinstance(inputs, (list, tuple)) and any(isinstance(i, dict) for i in inputs)
+
+
+def colqwen2_inputs(inputs) -> list | None:
+    """A ColQwen2 call of plain texts or plain images as its dict inputs (a text is a query, an
+    image a page, as its processor takes them); None for other calls (token ids, dicts)."""
+    items = [inputs] if isinstance(inputs, str) or is_image_input(inputs) else inputs
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
+    if not all(isinstance(i, str) or is_image_input(i) for i in items):
+        return None
+    return [{"text": i} if isinstance(i, str) else {"image": i} for i in items]
 
 
 class VlmInputs:
@@ -48,13 +59,22 @@ class VlmInputs:
         d = pipeline.deployment
         folder = config.allowed_local_media_path
         limits = ImageLimits(Path(folder) if folder else None, config.max_image_pixels)
-        cfg = family_of(d.folder.architecture).config(d.folder.hf_config, True)
-        self.formatter = VlmFormatter(d.folder.path, d.folder.tokenizer_file, cfg.image_token_id,
-                                      limits)  # fmt: skip
+        family = family_of(d.folder.architecture)
+        cfg = family.config(d.folder.hf_config, True)
+        # ColQwen2: queries and pages in its processor's formats, one vector per token.
+        self.multi_vector = family.name == "colqwen2"
+        kind = ColQwen2Formatter if self.multi_vector else VlmFormatter
+        vl = cfg.vl if self.multi_vector else cfg
+        self.formatter = kind(d.folder.path, d.folder.tokenizer_file, vl.image_token_id, limits)
         self.pipeline, self.deployment = pipeline, d
         self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
 
     def submit(self, items: list, params) -> Submission:
+        if self.multi_vector and params.pooling != "all":
+            raise InvalidInputError(
+                f"ColQwen2 gives one vector per token (pooling 'all'), not {params.pooling!r}",
+                param="pooling",
+            )
         if not isinstance(self.pipeline, LocalPipeline):
             raise InvalidInputError(
                 "inputs with images run on a pipeline of this process; data_parallel_size > 1 "
@@ -137,5 +157,14 @@ def submit_multimodal(
                 f"{name} applies to texts, not to inputs with images", param=name
             )
     items = [items] if isinstance(items, dict) else list(items)
+    if vlm.multi_vector:  # ColQwen2 normalises every token itself; no other width exists
+        if normalize is False or dimensions is not None:
+            name = "normalize" if normalize is False else "dimensions"
+            raise InvalidInputError(
+                f"{name}: ColQwen2's token vectors are normalised and {vlm.deployment.output_dim}"
+                " wide, as the checkpoint computes them",
+                param=name,
+            )
+        normalize = True
     params = inputs.params(pooling or vlm.deployment.pooling, dimensions, normalize)
     return vlm.submit(items, params)

@@ -137,10 +137,10 @@ def chat_template(folder: Path) -> str:
 
 
 def media_rows(ids: np.ndarray, image_token: int, token_counts: list[int], merge: int,
-               grids: list[tuple[int, int, int]]) -> np.ndarray:  # fmt: skip
-    """[len(ids), MEDIA_COLUMNS]: transformers' ``get_rope_index`` positions and the feature
-    row of each placeholder; ``token_counts[i]``: image i's placeholders, ``grids[i]`` its
-    patch grid."""
+               grids: list[tuple[int, int, int]], *, mrope: bool = True) -> np.ndarray:  # fmt: skip
+    """[len(ids), MEDIA_COLUMNS]: transformers' ``get_rope_index`` positions (``mrope``; else
+    each token's index on every axis, as ColQwen2 runs) and the feature row of each
+    placeholder; ``token_counts[i]``: image i's placeholders, ``grids[i]`` its patch grid."""
     media = np.zeros((len(ids), MEDIA_COLUMNS), dtype=np.int64)
     is_image = ids == image_token
     edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))
@@ -162,6 +162,8 @@ def media_rows(ids: np.ndarray, image_token: int, token_counts: list[int], merge
         pos += max(gh, gw)
         done = hi
     media[done:, :3] = (np.arange(len(ids) - done) + pos)[:, None]
+    if not mrope:
+        media[:, :3] = np.arange(len(ids))[:, None]
     return media
 
 
@@ -213,23 +215,29 @@ class VlmFormatter:
 
     def __init__(self, folder: Path, tokenizer_file: Path, image_token: int,
                  limits: ImageLimits) -> None:  # fmt: skip
-        import jinja2.ext
-        import jinja2.sandbox
         from tokenizers import Tokenizer
 
-        # transformers' apply_chat_template environment (its templates rely on both).
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.globals["raise_exception"] = _raise
-        self.template = env.from_string(chat_template(folder))
+        self.template = self._template(folder)
         self.images = Qwen2VLImages.from_folder(folder)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         if self.tokenizer.token_to_id(IMAGE_PAD) != image_token:
             raise ModelLoadError(f"{tokenizer_file}: {IMAGE_PAD} is not the config's image token")
         self.image_token, self.limits = image_token, limits
+        self.mrope = True
 
-    def render(self, text: str, num_images: int) -> str:
+    def _template(self, folder: Path):
+        """The folder's chat template, in transformers' apply_chat_template environment (its
+        templates rely on loop controls and ``raise_exception``)."""
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.globals["raise_exception"] = _raise
+        return env.from_string(chat_template(folder))
+
+    def render(self, text: str, num_images: int, index: int) -> str:
         content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text
                                                      else [])  # fmt: skip
         messages = [{"role": "user", "content": content}]
@@ -237,7 +245,7 @@ class VlmFormatter:
 
     def prompt(self, text: str, decoded: list, index: int) -> VlmPrompt:
         images = tuple(self.images.image_input(image, index) for image in decoded)
-        rendered = self.render(text, len(images))
+        rendered = self.render(text, len(images), index)
         pieces = rendered.split(IMAGE_PAD)
         if len(pieces) != len(images) + 1:
             raise InvalidInputError(
@@ -249,11 +257,56 @@ class VlmFormatter:
         expanded = pieces[0] + "".join(runs)
         ids = np.asarray(self.tokenizer.encode(expanded).ids, dtype=np.int64)
         try:
-            media = media_rows(ids, self.image_token, counts, self.images.merge,
-                               [i.grid for i in images])  # fmt: skip
+            grids = [i.grid for i in images]
+            media = media_rows(ids, self.image_token, counts, self.images.merge, grids,
+                               mrope=self.mrope)  # fmt: skip
         except ValueError as exc:
             raise InvalidInputError(f"input {index}: {exc}", param="input", index=index) from None
         return VlmPrompt(ids, media, images)
 
     def decode(self, item, index: int) -> list:
         return [decode_image(image, index, self.limits) for image in item]
+
+
+class ColQwen2Formatter(VlmFormatter):
+    """ColQwen2Processor's formats: a query (a dict with ``text`` only) is
+    ``query_prefix + text + pad_token * 10 + "\\n"`` (its query augmentation), a page (a dict
+    with one ``image`` only) ``visual_prompt_prefix`` with the image's placeholders; positions
+    are each token's index (``models/colqwen2.py``). The prefixes come from the folder's
+    processor_config.json, else transformers' defaults."""
+
+    def __init__(self, folder: Path, tokenizer_file: Path, image_token: int,
+                 limits: ImageLimits) -> None:  # fmt: skip
+        super().__init__(folder, tokenizer_file, image_token, limits)
+        self.mrope = False
+        given = _json(folder / "processor_config.json")
+        self.query_prefix = given.get("query_prefix") or "Query: "
+        self.visual_prefix = given.get("visual_prompt_prefix") or _COLQWEN2_VISUAL
+        pad = _json(folder / "tokenizer_config.json").get("pad_token")
+        pad = pad.get("content") if isinstance(pad, dict) else pad
+        if not isinstance(pad, str):
+            raise ModelLoadError(f"{folder}: no pad_token, ColQwen2's query augmentation token")
+        self.pad = pad
+
+    def _template(self, folder: Path):
+        return None  # ColQwen2's prompts are its processor's, not a chat template's
+
+    def render(self, text: str, num_images: int, index: int) -> str:
+        if num_images == 0:
+            return f"{self.query_prefix}{text}{self.pad * 10}\n"
+        if num_images == 1 and not text:
+            return self.visual_prefix
+        raise InvalidInputError(
+            f"input {index}: ColQwen2 embeds a query (text only) or a page (one image only)",
+            param="input", index=index,
+        )  # fmt: skip
+
+
+_COLQWEN2_VISUAL = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image."
+    "<|im_end|><|endoftext|>"
+)
+
+
+def _json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -16,6 +16,7 @@ from ..core.dual_encoders import DUAL_ENCODERS, VISION_SUFFIX
 from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
+from .colqwen2 import ColQwen2Config, ColQwen2Stage
 from .deberta import DebertaConfig, DebertaStage
 from .decoder import DecoderConfig, DecoderStage
 from .encoders import RelativeConfig, RelativeEncoderStage
@@ -194,6 +195,25 @@ class Qwen2VLFamily(Family):
         return name
 
 
+@dataclass(frozen=True)
+class ColQwen2Family(Qwen2VLFamily):
+    """ColQwen2 (``models/colqwen2.py``): its Qwen2-VL in ``vlm_config``, its tensors under
+    ``vlm.`` (transformers 5's ``vlm.language_model.`` / ``vlm.visual.``, or with a ``model.``
+    between), the projection as ``embedding_proj_layer``."""
+
+    def num_layers(self, hf: dict) -> int:
+        return super().num_layers(hf.get("vlm_config") or {})
+
+    def vocab_size(self, hf: dict) -> int:
+        return super().vocab_size(hf.get("vlm_config") or {})
+
+    def canonical_name(self, name: str) -> str:
+        for prefix in ("vlm.model.", "vlm."):
+            if name.startswith(prefix):
+                return super().canonical_name("model." + name[len(prefix) :])
+        return name
+
+
 def _tower_config(hf: dict, family: str, *, causal: bool) -> TowerConfig:
     kind, tower = family.split("_")
     cfg = TowerConfig.from_hf(hf, kind, tower)
@@ -294,7 +314,14 @@ _FAMILIES["qwen2_vl"] = Qwen2VLFamily(
     "none",
 )  # fmt: skip
 
+# ColQwen2 (models/colqwen2.py): one vector per token, MaxSim.
+_FAMILIES["colqwen2"] = ColQwen2Family(
+    "colqwen2", True, ColQwen2Config.from_hf, ColQwen2Stage, (), re.compile(r"^lm_head\..*$"),
+    "none", pooling="all",
+)  # fmt: skip
+
 _ARCHITECTURES = {
+    "ColQwen2ForRetrieval": "colqwen2",
     # Vision-language embedders (models/qwen2_vl.py): the last token's hidden state.
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2VLModel": "qwen2_vl",

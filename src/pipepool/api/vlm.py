@@ -157,14 +157,13 @@ def submit_multimodal(
                 f"{name} applies to texts, not to inputs with images", param=name
             )
     items = [items] if isinstance(items, dict) else list(items)
-    if vlm.multi_vector:  # ColQwen2 normalises every token itself; no other width exists
-        if normalize is False or dimensions is not None:
-            name = "normalize" if normalize is False else "dimensions"
+    if vlm.multi_vector:  # ColQwen2 normalises every token (normalize=False: the projection)
+        if dimensions is not None:
             raise InvalidInputError(
-                f"{name}: ColQwen2's token vectors are normalised and {vlm.deployment.output_dim}"
-                " wide, as the checkpoint computes them",
-                param=name,
+                f"dimensions: ColQwen2's token vectors are {vlm.deployment.output_dim} wide, as "
+                "the checkpoint computes them",
+                param="dimensions",
             )
-        normalize = True
+        normalize = True if normalize is None else normalize
     params = inputs.params(pooling or vlm.deployment.pooling, dimensions, normalize)
     return vlm.submit(items, params)

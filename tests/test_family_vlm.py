@@ -1,7 +1,7 @@
-"""Vision-language models against transformers on the same weights (fp32 CPU). Qwen2-VL:
-texts with images, formatted by the folder's processor, pooled at their last token, at PP=1
-and PP=2 (stage processes) with an 8-token budget, so that every image's placeholder tokens
-span several steps; the preprocessing and M-RoPE positions against the processor's and
+"""Vision-language models against transformers on the same weights (fp32 CPU). Qwen2-VL and
+Qwen2.5-VL: texts with images, formatted by the folder's processor, pooled at their last token,
+at PP=1 and PP=2 (stage processes) with an 8-token budget, so that every image's placeholder
+tokens span several steps; the preprocessing and M-RoPE positions against the processor's and
 ``get_rope_index``'s; a stage that applies other positions caught by the lockstep checks;
 ColQwen2's token vectors and MaxSim against ``ColQwen2ForRetrieval`` and its processor's
 ``score_retrieval``; and the inputs refused."""
@@ -82,6 +82,21 @@ def test_vlm_matches_transformers(vlm_path, vlm_reference, pp):
     with torch.no_grad():  # every token's state, placeholders included
         want_tokens = model(**reference_inputs(processor, items[2])).last_hidden_state[0]
     assert float(cosine(tokens, want_tokens.numpy()).min()) >= MIN_COSINE
+
+
+def test_qwen2_5_vl_matches_transformers(model_dir):
+    """Qwen2.5-VL: the same decoder and inputs, its vision tower windowed (windows of 2 x 2
+    merge blocks, one block over the whole image), at PP=2 with the 8-token budget."""
+    path = make_qwen2_vl(model_dir / "qwen2_5_vl", kind="qwen2_5_vl")
+    model, processor = reference(path, "qwen2_5_vl")
+    items = _inputs()
+    want = reference_vectors(model, processor, items)
+    with pipepool.Engine(
+        str(path), pipeline_parallel_size=2, max_num_batched_tokens=BUDGET
+    ) as engine:
+        got = engine.embed(items)
+    worst = float(cosine(got, want).min())
+    assert worst >= MIN_COSINE, f"Qwen2.5-VL: cosine {worst}"
 
 
 def test_preprocessing_and_positions_equal_transformers(vlm_path, vlm_reference):
@@ -201,7 +216,8 @@ def test_text_model_refuses_dict_inputs():
 
 
 @pytest.mark.parametrize(
-    "architecture", ["Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]
+    "architecture",
+    ["Qwen3VLForConditionalGeneration", "Qwen3VLModel", "LlavaForConditionalGeneration"],
 )
 def test_other_vl_families_are_refused(vlm_path, tmp_path, architecture):
     folder = tmp_path / architecture

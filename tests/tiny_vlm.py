@@ -35,9 +35,14 @@ _SPECIALS = [
 PATCH, MERGE = 4, 2  # patch size, spatial merge size: one LLM token per 8 x 8 pixels
 
 
-def make_qwen2_vl(path: Path, *, num_layers: int = 3, seed: int = 0) -> Path:
-    """Qwen2VLForConditionalGeneration with a 3-layer decoder (GQA, M-RoPE sections 2/3/3 of
-    head_dim 16) and a 2-block vision tower (patch 4, merge 2, 8-64 LLM tokens per image)."""
+def make_qwen2_vl(
+    path: Path, *, num_layers: int = 3, seed: int = 0, kind: str = "qwen2_vl"
+) -> Path:
+    """Qwen2VLForConditionalGeneration (``kind="qwen2_5_vl"``: Qwen2_5_VLForConditionalGeneration)
+    with a 3-layer decoder (GQA, M-RoPE sections 2/3/3 of head_dim 16) and a
+    vision tower of patch 4 and merge 2 (8-64 LLM tokens per image; Qwen2.5-VL's: three
+    blocks, the middle one over the whole image, the others in windows of 2 x 2 merge
+    blocks)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -56,7 +61,21 @@ def make_qwen2_vl(path: Path, *, num_layers: int = 3, seed: int = 0) -> Path:
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
     }))  # fmt: skip
     ids = {t: tok.token_to_id(t) for t in _SPECIALS}
-    config = transformers.Qwen2VLConfig(
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=PATCH,
+        spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3,
+    )  # fmt: skip
+    if kind == "qwen2_5_vl":
+        vision = dict(
+            depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4,
+            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3,
+            window_size=2 * PATCH * MERGE, fullatt_block_indexes=[1],
+        )  # fmt: skip
+    config_cls, model_cls = {
+        "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    }[kind]
+    config = getattr(transformers, config_cls)(
         text_config=dict(
             vocab_size=tok.get_vocab_size() + 2, hidden_size=64, intermediate_size=128,
             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -64,16 +83,13 @@ def make_qwen2_vl(path: Path, *, num_layers: int = 3, seed: int = 0) -> Path:
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                              "mrope_section": [2, 3, 3]},
         ),
-        vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=PATCH,
-            spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3,
-        ),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    transformers.Qwen2VLForConditionalGeneration(config).eval().save_pretrained(str(path))
+    getattr(transformers, model_cls)(config).eval().save_pretrained(str(path))
     factor = PATCH * MERGE
     transformers.Qwen2VLImageProcessorPil(
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
@@ -83,21 +99,26 @@ def make_qwen2_vl(path: Path, *, num_layers: int = 3, seed: int = 0) -> Path:
     return path
 
 
-def reference(path: Path):
-    """(transformers' Qwen2VLModel, its Qwen2VLProcessor with the PIL image processor) of a
-    tiny Qwen2-VL folder. The processor is built without a video processor (transformers' needs
-    torchvision, which the test environment lacks; no input here is a video)."""
+def reference(path: Path, kind: str = "qwen2_vl"):
+    """(transformers' Qwen2VLModel or Qwen2_5_VLModel, its processor with the PIL image
+    processor) of a tiny folder. The processor is built without a video processor
+    (transformers' needs torchvision, which the test environment lacks; no input here is a
+    video)."""
     import transformers
     from transformers import processing_utils
 
-    model = transformers.Qwen2VLModel.from_pretrained(path).eval()
+    model_cls, processor_cls = {
+        "qwen2_vl": (transformers.Qwen2VLModel, transformers.Qwen2VLProcessor),
+        "qwen2_5_vl": (transformers.Qwen2_5_VLModel, transformers.Qwen2_5_VLProcessor),
+    }[kind]
+    model = model_cls.from_pretrained(path).eval()
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if name == "video_processor" and arg is None
         else check(self, name, arg)
     )  # fmt: skip
     try:
-        processor = transformers.Qwen2VLProcessor(
+        processor = processor_cls(
             image_processor=transformers.Qwen2VLImageProcessorPil.from_pretrained(path),
             tokenizer=transformers.AutoTokenizer.from_pretrained(path),
             video_processor=None, chat_template=(path / "chat_template.jinja").read_text(),

@@ -28,7 +28,7 @@ from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
 from ..models import family_of
 
 # The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl", "colqwen2")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2")
 _DECODE_THREADS = 4
 
 

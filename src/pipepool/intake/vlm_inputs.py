@@ -33,6 +33,7 @@ _READ = {
     "temporal_patch_size", "merge_size",
 }  # fmt: skip
 _IGNORED = {"image_processor_type", "processor_class", "default_to_square"}
+# Qwen2.5-VL's checkpoints name Qwen2-VL's image processor (transformers has no other).
 _PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 IMAGE_PAD, INPUT_KEYS = "<|image_pad|>", ("text", "image", "images")
 

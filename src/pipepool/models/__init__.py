@@ -309,10 +309,10 @@ for _kind in ("clip", "siglip"):
         "none", pooling="cls",
     )  # fmt: skip
 
-_FAMILIES["qwen2_vl"] = Qwen2VLFamily(
-    "qwen2_vl", True, Qwen2VLConfig.from_hf, Qwen2VLStage, (), re.compile(r"^lm_head\..*$"),
-    "none",
-)  # fmt: skip
+for _vl in ("qwen2_vl", "qwen2_5_vl"):
+    _FAMILIES[_vl] = Qwen2VLFamily(
+        _vl, True, Qwen2VLConfig.from_hf, Qwen2VLStage, (), re.compile(r"^lm_head\..*$"), "none"
+    )
 
 # ColQwen2 (models/colqwen2.py): one vector per token, MaxSim.
 _FAMILIES["colqwen2"] = ColQwen2Family(
@@ -325,6 +325,8 @@ _ARCHITECTURES = {
     # Vision-language embedders (models/qwen2_vl.py): the last token's hidden state.
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2VLModel": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2_5_VLModel": "qwen2_5_vl",
     "CLIPModel": "clip_text",
     "CLIPModel:vision": "clip_vision",
     "SiglipModel": "siglip_text",

@@ -43,6 +43,7 @@ MODEL_TYPES = {
     "siglip_text": ("siglip",),
     "siglip_vision": ("siglip",),
     "qwen2_vl": ("qwen2_vl",),
+    "qwen2_5_vl": ("qwen2_5_vl",),
     "colqwen2": ("colqwen2",),
 }
 
@@ -219,6 +220,7 @@ _QWEN2_VL_FIELDS = {
 }
 _FAMILY_FIELDS = {
     "qwen2_vl": _QWEN2_VL_FIELDS,
+    "qwen2_5_vl": _QWEN2_VL_FIELDS,
     "colqwen2": _QWEN2_VL_FIELDS,
     **dict.fromkeys(("clip_text", "clip_vision", "siglip_text", "siglip_vision"), _TOWER_FIELDS),
     "gemma2": _GEMMA2_FIELDS,

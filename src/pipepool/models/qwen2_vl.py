@@ -1,5 +1,7 @@
-"""Qwen2-VL as an embedding model (GME, Qwen2-VL-based embedders): transformers'
-``Qwen2VLModel`` / ``Qwen2VLForConditionalGeneration``, the last token's final hidden state.
+"""Qwen2-VL and Qwen2.5-VL as embedding models (GME and other embedders built on them):
+transformers' ``Qwen2VLModel`` / ``Qwen2VLForConditionalGeneration`` and their Qwen2.5-VL
+twins, the last token's final hidden state. The two share the decoder and the inputs; their
+vision towers differ (``qwen2_vl_vision.py``).
 
 The decoder is Qwen2's (``decoder.py``), with multimodal rotary positions (M-RoPE): each token
 has a temporal, a height and a width position (``core/media.py``: from the plan, one row per
@@ -72,7 +74,9 @@ class Qwen2VLConfig:
         image_token = hf.get("image_token_id", text.get("image_token_id"))
         if not isinstance(image_token, int):
             raise ModelLoadError("config.json of a Qwen2-VL model has no image_token_id")
-        return cls(decoder, VisionConfig.from_hf(vision, decoder.hidden_size), section, image_token)
+        windowed = family == "qwen2_5_vl"  # Qwen2.5-VL's vision tower
+        vision_cfg = VisionConfig.from_hf(vision, decoder.hidden_size, windowed=windowed)
+        return cls(decoder, vision_cfg, section, image_token)
 
 
 def _axes(section: tuple[int, ...]) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Qwen2-VL's vision tower (transformers' ``Qwen2VisionTransformerPretrainedModel``), run by
-the first stage of a Qwen2-VL pipeline on the images of the requests a plan starts.
+"""Qwen2-VL's vision tower (transformers' ``Qwen2VisionTransformerPretrainedModel``) and
+Qwen2.5-VL's (``Qwen2_5_VisionTransformerPretrainedModel``), run by the first stage of their
+pipelines on the images of the requests a plan starts.
 
 An image arrives as its patches' pixel values (``core/media.ImageInput``: the processor's
 ``pixel_values`` rows, ``channels x temporal_patch x patch x patch`` values each, ordered so
@@ -7,7 +8,13 @@ that each ``merge x merge`` block of patches is consecutive) and its patch grid.
 embedding (a Conv3d whose stride is its kernel) is a linear map of those values; each block
 is pre-norm, bidirectional over one image's patches, with 2-D rotary positions (height, width
 of each patch); the merger concatenates each block's ``merge**2`` patches and projects them
-to the decoder's width: one row per image placeholder token."""
+to the decoder's width: one row per image placeholder token.
+
+Qwen2.5-VL's differs in three ways: RMSNorm instead of LayerNorm (blocks and merger), a gated
+MLP (``gate_proj``, ``up_proj``, ``down_proj``), and windowed attention: its patches are
+reordered merge block by merge block into windows of ``window_size`` pixels, every block but
+``fullatt_block_indexes`` attends within its window only, and the merger's rows are put back
+in the image's order."""
 
 from __future__ import annotations
 
@@ -20,12 +27,13 @@ from torch import nn
 from ..core.media import ImageInput
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
+from ..layers.norm import RMSNorm
 from .base import WeightSpec, linear_specs
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A Qwen2-VL ``vision_config``."""
+    """A Qwen2-VL or Qwen2.5-VL ``vision_config`` (``windowed``: Qwen2.5-VL's tower)."""
 
     depth: int
     embed_dim: int
@@ -38,14 +46,17 @@ class VisionConfig:
     merge_size: int
     in_channels: int
     rope_theta: float
+    windowed: bool = False  # Qwen2.5-VL: RMSNorm, gated MLP, windowed attention
+    window_size: int = 0  # pixels on a window's side
+    full_blocks: tuple[int, ...] = ()  # blocks attending over the whole image
 
     @property
     def patch_values(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
-    def from_hf(cls, vision: dict, out_dim: int) -> VisionConfig:
-        act = vision.get("hidden_act", "quick_gelu")
+    def from_hf(cls, vision: dict, out_dim: int, *, windowed: bool = False) -> VisionConfig:
+        act = vision.get("hidden_act", "silu" if windowed else "quick_gelu")
         get_activation(act)  # refused at load time, not mid-request
         rope = vision.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
@@ -53,22 +64,32 @@ class VisionConfig:
                 f"vision_config.rope_parameters.rope_type={rope['rope_type']!r} is not "
                 "implemented (axial)"
             )
-        embed, heads = int(vision.get("embed_dim", 1280)), int(vision.get("num_heads", 16))
+        # Qwen2.5-VL names the tower's width hidden_size and its output out_hidden_size.
+        embed = int(vision.get("hidden_size" if windowed else "embed_dim", 1280))
+        heads = int(vision.get("num_heads", 16))
         if embed % heads or (embed // heads) % 4:
-            raise ModelLoadError(f"vision_config: embed_dim {embed} over {heads} heads")
-        hidden = vision.get("hidden_size", out_dim)
-        if hidden != out_dim:
+            raise ModelLoadError(f"vision_config: width {embed} over {heads} heads")
+        out = vision.get("out_hidden_size" if windowed else "hidden_size", out_dim)
+        if out != out_dim:
             raise ModelLoadError(
-                f"vision_config.hidden_size {hidden} differs from the decoder's {out_dim}"
+                f"vision_config: the merger's output {out} differs from the decoder's {out_dim}"
             )
+        mlp = (
+            int(vision.get("intermediate_size", 3420))
+            if windowed
+            else int(embed * vision.get("mlp_ratio", 4))
+        )
         return cls(
             depth=int(vision.get("depth", 32)), embed_dim=embed, num_heads=heads,
-            mlp_dim=int(embed * vision.get("mlp_ratio", 4)), hidden_act=act, out_dim=out_dim,
+            mlp_dim=mlp, hidden_act=act, out_dim=out_dim,
             patch_size=int(vision.get("patch_size", 14)),
             temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
             merge_size=int(vision.get("spatial_merge_size", 2)),
             in_channels=int(vision.get("in_channels", 3)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
+            windowed=windowed, window_size=int(vision.get("window_size", 112)) if windowed else 0,
+            full_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", ()))
+            if windowed else (),
         )  # fmt: skip
 
 
@@ -83,12 +104,12 @@ class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         d = cfg.embed_dim
-        self.num_heads = cfg.num_heads
-        self.norm1 = nn.LayerNorm(d, eps=1e-6)
+        self.num_heads, self.gated = cfg.num_heads, cfg.windowed
+        self.norm1, self.norm2 = _norm_module(cfg), _norm_module(cfg)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d, eps=1e-6)
-        self.fc1 = nn.Linear(d, cfg.mlp_dim)
+        # fc1: gate|up of Qwen2.5-VL's gated MLP, fused; fc2: its down projection.
+        self.fc1 = nn.Linear(d, cfg.mlp_dim * (2 if cfg.windowed else 1))
         self.fc2 = nn.Linear(cfg.mlp_dim, d)
         self.act = get_activation(cfg.hidden_act)
 
@@ -105,26 +126,65 @@ class VisionBlock(nn.Module):
             )
             out.append(a.transpose(0, 1).reshape(len(qi), d))
         x = x + self.proj(torch.cat(out))
-        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+        h = self.fc1(self.norm2(x))
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return x + self.fc2(self.act(gate) * up)
+        return x + self.fc2(self.act(h))
 
     @staticmethod
     def specs(cfg: VisionConfig, ckpt: str, param: str) -> list[WeightSpec]:
         d, m = cfg.embed_dim, cfg.mlp_dim
+        if cfg.windowed:
+            mlp = [
+                *linear_specs(f"{ckpt}.mlp.gate_proj", f"{param}.fc1", m, d, True, (0, m)),
+                *linear_specs(f"{ckpt}.mlp.up_proj", f"{param}.fc1", m, d, True, (m, 2 * m)),
+                *linear_specs(f"{ckpt}.mlp.down_proj", f"{param}.fc2", d, m, True),
+            ]
+        else:
+            mlp = [
+                *linear_specs(f"{ckpt}.mlp.fc1", f"{param}.fc1", m, d, True),
+                *linear_specs(f"{ckpt}.mlp.fc2", f"{param}.fc2", d, m, True),
+            ]
         return [
             *linear_specs(f"{ckpt}.attn.qkv", f"{param}.qkv", 3 * d, d, True),
             *linear_specs(f"{ckpt}.attn.proj", f"{param}.proj", d, d, True),
-            *linear_specs(f"{ckpt}.mlp.fc1", f"{param}.fc1", m, d, True),
-            *linear_specs(f"{ckpt}.mlp.fc2", f"{param}.fc2", d, m, True),
-            *_norm(f"{ckpt}.norm1", f"{param}.norm1", d),
-            *_norm(f"{ckpt}.norm2", f"{param}.norm2", d),
+            *mlp,
+            *_norm(cfg, f"{ckpt}.norm1", f"{param}.norm1", d),
+            *_norm(cfg, f"{ckpt}.norm2", f"{param}.norm2", d),
         ]
 
 
-def _norm(ckpt: str, param: str, dim: int) -> list[WeightSpec]:
-    return [
-        WeightSpec(f"{ckpt}.weight", (dim,), f"{param}.weight"),
-        WeightSpec(f"{ckpt}.bias", (dim,), f"{param}.bias"),
-    ]
+def _norm_module(cfg: VisionConfig) -> nn.Module:
+    return RMSNorm(cfg.embed_dim, 1e-6) if cfg.windowed else nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+
+
+def _norm(cfg: VisionConfig, ckpt: str, param: str, dim: int) -> list[WeightSpec]:
+    specs = [WeightSpec(f"{ckpt}.weight", (dim,), f"{param}.weight")]
+    if not cfg.windowed:  # Qwen2.5-VL's RMSNorm has no bias
+        specs.append(WeightSpec(f"{ckpt}.bias", (dim,), f"{param}.bias"))
+    return specs
+
+
+def window_order(grids: list[tuple[int, int, int]], merge: int, window: int):
+    """transformers' ``get_vision_window_index``: the merge blocks of every image in window
+    order (``[blocks]``) and the windows' lengths in patches."""
+    per_side = window // merge
+    order, lens, first = [], [], 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        pad_h, pad_w = per_side - gh % per_side, per_side - gw % per_side
+        padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -100)
+        nh, nw = (gh + pad_h) // per_side, (gw + pad_w) // per_side
+        padded = padded.reshape(t, nh, per_side, nw, per_side).permute(0, 1, 3, 2, 4)
+        padded = padded.reshape(t, nh * nw, per_side * per_side)
+        counts = (padded != -100).sum(-1).reshape(-1)
+        flat = padded.reshape(-1)
+        order.append(flat[flat != -100] + first)
+        lens += [int(c) * merge * merge for c in counts.tolist() if c]
+        first += t * gh * gw
+    return torch.cat(order), lens
 
 
 class VisionTower(nn.Module):
@@ -137,7 +197,7 @@ class VisionTower(nn.Module):
         c, t, p = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
         self.patch_weight = nn.Parameter(torch.empty(d, c, t, p, p))  # the Conv3d's
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
-        self.merger_norm = nn.LayerNorm(d, eps=1e-6)
+        self.merger_norm = _norm_module(cfg)
         self.merger_fc1 = nn.Linear(merged, merged)
         self.merger_fc2 = nn.Linear(merged, cfg.out_dim)
 
@@ -173,11 +233,17 @@ class VisionTower(nn.Module):
         grids = [i.grid for i in images]
         cos, sin = self._rotary(grids, weight.device)
         # Each temporal frame of an image attends within itself (transformers' cu_seqlens).
-        lens = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, cos, sin, lens)
+        full = [h * w for t, h, w in grids for _ in range(t)]
+        lens, order = full, None
+        if cfg.windowed:  # merge blocks in window order; most blocks attend per window
+            order, lens = window_order(grids, cfg.merge_size, cfg.window_size // cfg.patch_size)
+            unit = cfg.merge_size**2
+            x, cos, sin = (_by_blocks(a, order.to(a.device), unit) for a in (x, cos, sin))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if i in cfg.full_blocks else lens)
         merged = self.merger_norm(x).view(-1, cfg.embed_dim * cfg.merge_size**2)
-        return self.merger_fc2(F.gelu(self.merger_fc1(merged)))
+        out = self.merger_fc2(F.gelu(self.merger_fc1(merged)))
+        return out if order is None else out[torch.argsort(order).to(out.device)]
 
     def weight_specs(self, prefix: str, param: str) -> list[WeightSpec]:
         cfg = self.cfg
@@ -190,9 +256,14 @@ class VisionTower(nn.Module):
         ]
         for i in range(cfg.depth):
             specs += VisionBlock.specs(cfg, f"{prefix}.blocks.{i}", f"{param}.blocks.{i}")
-        specs += _norm(f"{prefix}.merger.ln_q", f"{param}.merger_norm", d)
+        specs += _norm(cfg, f"{prefix}.merger.ln_q", f"{param}.merger_norm", d)
         specs += linear_specs(f"{prefix}.merger.mlp.0", f"{param}.merger_fc1", merged, merged, True)
         specs += linear_specs(
             f"{prefix}.merger.mlp.2", f"{param}.merger_fc2", cfg.out_dim, merged, True
         )
         return specs
+
+
+def _by_blocks(a: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:
+    """Rows of ``a`` reordered merge block by merge block (``unit`` rows a block)."""
+    return a.reshape(-1, unit, *a.shape[1:])[order].reshape(a.shape)

@@ -210,6 +210,18 @@ def test_text_options_refused_with_images(vlm_engine):
         vlm_engine.embed([item], late_chunking=True)
 
 
+def test_token_budget_counts_placeholders(vlm_engine):
+    """A server's request budget (``Engine.submit(budget=...)``) counts the images'
+    placeholder tokens too, refusing the call before anything is enqueued."""
+    from pipepool.intake.token_budget import TokenBudget, TokenBudgetError
+
+    item = {"text": "x", "image": sample_images()[0]}
+    tokens = len(vlm_engine.pool([item], pooling="all")[0])  # one vector per token
+    with pytest.raises(TokenBudgetError):
+        vlm_engine.submit([item, item], budget=TokenBudget(per_call=2 * tokens - 1))
+    assert len(vlm_engine.submit([item], budget=TokenBudget(tokens)).result()) == 1
+
+
 def test_text_model_refuses_dict_inputs():
     with pipepool.Engine() as engine, pytest.raises(InvalidInputError, match="no dict inputs"):
         engine.embed([{"text": "x"}])

@@ -236,7 +236,7 @@ class Engine:
                 self._vlm, self._inputs, inputs, pooling=pooling, dimensions=dimensions,
                 normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side, prompt_name=prompt_name,
-                long_inputs=long_inputs,
+                long_inputs=long_inputs, budget=budget,
             )  # fmt: skip
         images = image_inputs(inputs)
         if images is not None:

@@ -24,6 +24,7 @@ from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
 from ..intake.images import ImageLimits, is_image_input
 from ..intake.inputs import InputPreparer, TokenSlice
+from ..intake.token_budget import TokenBudget
 from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
 from ..models import family_of
 
@@ -69,7 +70,7 @@ class VlmInputs:
         self.pipeline, self.deployment = pipeline, d
         self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
 
-    def submit(self, items: list, params) -> Submission:
+    def submit(self, items: list, params, budget: TokenBudget | None = None) -> Submission:
         if self.multi_vector and params.pooling != "all":
             raise InvalidInputError(
                 f"ColQwen2 gives one vector per token (pooling 'all'), not {params.pooling!r}",
@@ -106,6 +107,8 @@ class VlmInputs:
             media=np.concatenate([p.media for p in prompts]),
             images=[p.images for p in prompts],
         )  # fmt: skip
+        if budget is not None:  # a server's request limits, placeholders counted
+            part = next(budget.counted(iter([part]), len(items), None))
         try:
             self.pipeline.enqueue(submission, part)
         except BaseException:
@@ -136,6 +139,7 @@ def submit_multimodal(
     truncation_side: str,
     prompt_name: str | None,
     long_inputs: str | None,
+    budget: TokenBudget | None = None,
 ) -> Submission:
     """``Engine.submit`` for a call of dict inputs (texts with images); the text-only options
     are refused by name, ``pooling``, ``dimensions`` and ``normalize`` apply as for texts."""
@@ -166,4 +170,4 @@ def submit_multimodal(
             )
         normalize = True if normalize is None else normalize
     params = inputs.params(pooling or vlm.deployment.pooling, dimensions, normalize)
-    return vlm.submit(items, params)
+    return vlm.submit(items, params, budget)

@@ -326,3 +326,22 @@ def test_colqwen2_refusals(colqwen2_engine):
         engine.score("a query", [image], instruction="find it")
     with pytest.raises(InvalidInputError, match="return_documents does not apply"):
         engine.rerank("a query", [image], return_documents=True)
+
+
+def test_text_spelling_the_image_token_beside_images(vlm_path):
+    """A plain text that spells ``<|image_pad|>`` out is embedded as tokens (as transformers
+    does without pixel values), also in a step it shares with an input with images: no
+    divergence is claimed for it."""
+    from pipepool.core.request import PoolingParams, RequestBatch
+
+    pipe = SteppedPipeline(vlm_path, pp=2)
+    image_token = json.loads((vlm_path / "config.json").read_text())["image_token_id"]
+    text = np.array([7, 8, image_token, 9, 10, 11], dtype=np.int64)
+    pipe.scheduler.add(RequestBatch(1000, text, np.array([len(text)]), PoolingParams("last")))
+    _stepped_request(pipe, vlm_path)
+    plan = pipe.plan()
+    assert len(plan.media) and len(plan.req_ids) == 2  # the two share the first step
+    pipe.run(plan)
+    while pipe.scheduler.has_schedulable():
+        pipe.run(pipe.plan())
+    assert pipe.scheduler.num_admitted == 0

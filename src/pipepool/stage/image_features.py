@@ -38,15 +38,21 @@ class ImageFeatures:
         if not len(plan.media):
             return None
         feature = plan.media[:, FEATURE_ROW]
-        placeholders = np.asarray(plan.token_ids).reshape(-1) == self.image_token_id
         wanted = feature > 0
-        if not np.array_equal(placeholders, wanted):
-            row = int(np.nonzero(placeholders != wanted)[0][0])
+        lens = plan.ends - plan.starts
+        # Requests with images: their image tokens and the plan's image rows must coincide.
+        # (A text-only prompt may spell the image token out: it is embedded as a token, as
+        # transformers embeds it without pixel values.)
+        with_images = np.repeat(np.isin(plan.req_ids, list(self.rows)), lens)
+        placeholders = np.asarray(plan.token_ids).reshape(-1) == self.image_token_id
+        differ = (placeholders != wanted) & (with_images | wanted)
+        if differ.any():
+            row = int(np.nonzero(differ)[0][0])
             self._diverged(plan, row, int(placeholders[row]), int(wanted[row]),
                            "image placeholder (token id against the plan's image row)")  # fmt: skip
         if not wanted.any():
             return None
-        bounds = np.concatenate([[0], np.cumsum(plan.ends - plan.starts)])
+        bounds = np.concatenate([[0], np.cumsum(lens)])
         out = []
         for i in np.nonzero(np.add.reduceat(wanted.astype(np.int64), bounds[:-1]) > 0)[0].tolist():
             lo, hi = int(bounds[i]), int(bounds[i + 1])

@@ -192,6 +192,7 @@ def vlm_engine(vlm_path):
         ({}, "neither text nor image"),
         ({"image": b"not an image"}, "not a decodable image"),
         ("a plain text", "takes dicts"),
+        ({"text": "spelled <|image_pad|> out"}, "1 image placeholders for 0 images"),
     ],
 )
 def test_bad_inputs_are_refused_by_index(vlm_engine, item, says):

@@ -8,6 +8,7 @@ path, and it installs the fault there when the environment names one."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 import pipepool.stage.runner
+from pipepool.core.media import text_media
 from pipepool.core.plan import StepPlan
 from pipepool.stage.mirror import StepView
 from pipepool.stage.runner import StageRunner
@@ -27,6 +29,7 @@ FAULTS = (
     "keep_aborted_mirror",
     "drop_request",
     "sleep_on_stage",  # not a slip: a slow stage, for the watchdog (``sleeps``)
+    "text_positions_on_stage",  # a vision-language stage applies 1-D positions, not M-RoPE's
 )
 ENV = "PIPEPOOL_TEST_FAULT"  # kind:stage:step
 _SLEEPS_ENV = "PIPEPOOL_TEST_SLEEPS"  # step=seconds,step=seconds
@@ -82,6 +85,10 @@ class FaultyRunner(StageRunner):
             )
         if self.fault == "sleep_on_stage":
             time.sleep(self.sleeps.get(plan.step_id, 0.0))
+        if self.fault == "text_positions_on_stage" and len(plan.media):
+            # Positions counted from the chunk starts as for text, as if no image were there
+            # (and no placeholder read an image row).
+            plan = dataclasses.replace(plan, media=text_media(plan.starts, plan.ends))
         return super().execute(plan, inbound, outbound)
 
     def _pools(self) -> bool:

@@ -33,8 +33,16 @@ from .images import VisionTower, open_vision_tower, submit_images
 from .int8_scale import Int8Calibration
 from .late_chunking import late_chunk_texts
 from .lifecycle import close_at_exit, open_pipeline
+from .page_retrieval import page_rerank, page_scores, refuse_page_options
 from .retrieval import RetrievalEncoder, RetrievalOutputs
 from .scoring import Classification, RerankResult, Scorer
+from .vlm import (
+    VlmInputs,
+    colqwen2_inputs,
+    is_multimodal_call,
+    open_vlm_inputs,
+    submit_multimodal,
+)
 
 if TYPE_CHECKING:
     from ..intake.token_budget import TokenBudget
@@ -99,6 +107,15 @@ class Engine:
         self._int8 = Int8Calibration()
         # A dual encoder's vision tower (api/images.py): a pipeline of its own, for images.
         self._vision: VisionTower | None = None
+        # A vision-language embedder's dict inputs (api/vlm.py): texts with images.
+        self._vlm: VlmInputs | None = None
+        try:
+            self._vlm = open_vlm_inputs(config, self.pipeline)
+        except BaseException:
+            self.pipeline.close()
+            raise
+        # ColQwen2: score and rerank are MaxSim of queries against page images.
+        self._pages = self._vlm is not None and self._vlm.multi_vector
         if vision_pipeline is not None or (config.tower == "text" and pipeline is None):
             opened = open_pipeline if vision_pipeline is None else lambda _: vision_pipeline
             try:
@@ -166,7 +183,7 @@ class Engine:
         (``late_chunking.py`` states the rule; documents longer than the model's context are
         split into overlapping windows)."""
         if late_chunking:
-            if image_inputs(inputs) is not None:
+            if image_inputs(inputs) is not None or is_multimodal_call(inputs):
                 raise InvalidInputError(
                     "late_chunking pools chunks of one text; images cannot be late-chunked",
                     param="late_chunking",
@@ -241,6 +258,15 @@ class Engine:
         thread tokenises the next, paced by the pipeline's ``slice_intake``.
         ``long_inputs`` overrides the engine's policy for inputs over max_model_len.
         """
+        if self._pages:  # ColQwen2: texts are queries, images pages (its processor's formats)
+            inputs = colqwen2_inputs(inputs) or inputs
+        if is_multimodal_call(inputs):
+            return submit_multimodal(
+                self._vlm, self._inputs, inputs, pooling=pooling, dimensions=dimensions,
+                normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side, prompt_name=prompt_name,
+                long_inputs=long_inputs, budget=budget,
+            )  # fmt: skip
         images = image_inputs(inputs)
         if images is not None:
             return submit_images(
@@ -316,7 +342,15 @@ class Engine:
         A pair over its limit loses tokens from its texts' ends (``truncation_side="right"``)
         or starts ("left"), longest text first, as Hugging Face tokenizers truncate pairs.
         A ColBERT model gives MaxSim (``text_1`` the queries), BGE-M3 its
-        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``)."""
+        "colbert+sparse+dense" mix by ``weights`` ([dense, sparse, colbert]; ``M3_WEIGHTS``);
+        ColQwen2 MaxSim of queries against page images (``text_2``; ``page_retrieval.py``)."""
+        if self._pages:
+            refuse_page_options(
+                instruction=instruction, truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=None if truncation_side == "right" else truncation_side,
+                long_inputs=long_inputs, weights=weights,
+            )  # fmt: skip
+            return page_scores(self, text_1, text_2, use_activation=use_activation)
         return self._scorer.score(
             text_1, text_2, use_activation=use_activation, instruction=instruction,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
@@ -344,7 +378,16 @@ class Engine:
         first, as Cohere's API does; ``max_chunks_per_doc`` scores a long document as Cohere
         does instead of truncating it: each of its first N windows beside the whole query, the
         best window's score its score (``submit_chunked_pairs``). ColBERT and BGE-M3 models
-        rank as ``score`` scores (``weights``: BGE-M3's)."""
+        rank as ``score`` scores (``weights``: BGE-M3's); ColQwen2 ranks page images."""
+        if self._pages:
+            refuse_page_options(
+                return_documents=return_documents or None, instruction=instruction,
+                max_tokens_per_doc=max_tokens_per_doc, max_chunks_per_doc=max_chunks_per_doc,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=None if truncation_side == "right" else truncation_side,
+                long_inputs=long_inputs, weights=weights,
+            )  # fmt: skip
+            return page_rerank(self, query, documents, top_n=top_n, use_activation=use_activation)
         return self._scorer.rerank(
             query, documents, top_n=top_n, return_documents=return_documents,
             instruction=instruction, max_tokens_per_doc=max_tokens_per_doc,
@@ -567,6 +610,9 @@ class Engine:
         vision = getattr(self, "_vision", None)  # None too where __init__ failed early
         if vision is not None:
             vision.close()
+        vlm = getattr(self, "_vlm", None)
+        if vlm is not None:
+            vlm.close()
         self.tokenizer.close()
 
     def __enter__(self) -> Engine:

@@ -15,7 +15,7 @@ Torch-free: the scheduler imports this without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from ..errors import StateDivergence
 
 # What each of a stage's four part hashes covers, in order.
 PARTS = (
-    "num_computed_tokens or prompt lengths of the step's requests",
+    "num_computed_tokens, prompt lengths or M-RoPE positions and image rows of the step's requests",
     "block tables of the step's requests",
     "set of live requests",
     "pooler state",
@@ -86,18 +86,24 @@ class StageState:
     live_computed: np.ndarray  # their num_computed_tokens
     pool_ids: np.ndarray  # sorted ids with a pooling accumulator (the last stage's only)
     pool_tokens: np.ndarray  # tokens each accumulator has absorbed
+    # Vision-language models: the step's media rows as applied (``core/media.py``: M-RoPE
+    # positions and image feature rows of every token); empty for other models.
+    media: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
 
     def parts(self, step_id: int) -> np.ndarray:
         """[NUM_PARTS] int64 hashes, in ``PARTS`` order."""
         return np.array(
             [
-                _hash(step_id, self.req_ids, self.computed, self.prompt_lens),
+                _hash(step_id, self.req_ids, self.computed, self.prompt_lens, *self._media()),
                 _hash(step_id, self.req_ids, self.block_counts, self.block_ids),
                 _hash(step_id, self.live_ids, self.live_computed),
                 _hash(step_id, self.pool_ids, self.pool_tokens),
             ],
             dtype=_I64,
         )
+
+    def _media(self) -> tuple[np.ndarray, ...]:
+        return (self.media.reshape(-1),) if self.media.size else ()
 
 
 def _fold(previous: int, parts: np.ndarray) -> int:

@@ -9,11 +9,12 @@ sending and applying a plan grows with the number of requests only inside numpy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .digest import NUM_PARTS, Digest
+from .media import MEDIA_COLUMNS, ImageInput, no_media
 
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 
@@ -43,10 +44,14 @@ class NewRequests:
     # attend but are attended by none: ColBERT's query expansion); 0 = every token. [N] int64,
     # or empty when every token of every request is a key (the usual plan: nothing to send).
     key_lens: np.ndarray = field(default_factory=_empty_i64)
+    # Vision-language prompts: request i's images (``core/media.py``), for the first stage's
+    # vision tower; empty when no request has one (stripped before other stages get a plan).
+    images: tuple[tuple[ImageInput, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
         assert len(self.prompt_lens) == len(self.poolings) == n
+        assert len(self.images) in (0, n), "images per new request, or none"
         assert len(self.normalize) == len(self.dimensions) == n
         assert len(self.block_offsets) == n + 1 and self.block_offsets[-1] == len(self.block_ids)
         assert len(self.key_lens) in (0, n)
@@ -114,6 +119,9 @@ class StepPlan:
     # stage but the last, row 1 for the last ([2, NUM_PARTS] int64); empty when the engine
     # does not verify state.
     expected_state: np.ndarray = field(default_factory=_no_expectation)
+    # Vision-language models: each token's M-RoPE position and image feature row
+    # ([num_tokens, MEDIA_COLUMNS] int64, ``core/media.py``), for every stage; empty otherwise.
+    media: np.ndarray = field(default_factory=no_media)
 
     def __post_init__(self) -> None:
         assert len(self.req_ids) == len(self.starts) == len(self.ends)
@@ -131,6 +139,7 @@ class StepPlan:
             )
         assert len(self.token_ids) in (0, self.num_tokens)
         assert len(self.token_type_ids) in (0, self.num_tokens)
+        assert self.media.shape in ((0, MEDIA_COLUMNS), (self.num_tokens, MEDIA_COLUMNS))
         assert _all_distinct(self.req_ids), "request scheduled twice"
 
     @property
@@ -146,12 +155,14 @@ class StepPlan:
         return self.step_id == _TRACE
 
     def without_tokens(self) -> StepPlan:
-        """The plan as stages after the first get it."""
-        if not len(self.token_ids) and not len(self.token_type_ids):
+        """The plan as stages after the first get it (positions and media rows stay: every
+        stage applies them; images go to the first stage only)."""
+        if not len(self.token_ids) and not len(self.token_type_ids) and not self.new.images:
             return self
+        new = replace(self.new, images=()) if self.new.images else self.new
         return StepPlan(
-            self.step_id, self.req_ids, self.starts, self.ends, self.new, _EMPTY_I64,
-            self.freed_ids, self.num_tokens, _EMPTY_I64, self.expected_state,
+            self.step_id, self.req_ids, self.starts, self.ends, new, _EMPTY_I64,
+            self.freed_ids, self.num_tokens, _EMPTY_I64, self.expected_state, self.media,
         )  # fmt: skip
 
 

@@ -8,6 +8,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from .media import MEDIA_COLUMNS, ImageInput
+
 
 class Pooling(IntEnum):
     """Pooling kinds as the small integers plans carry (one per request, vectorised)."""
@@ -66,11 +68,14 @@ class RequestBatch:
     ``background``: batch-job work (``core.priority``), admitted only where online batches
     leave room in a step. ``call``: the call it belongs to (the first id of that call's first
     batch; a call's slices share it), which takes turns with other calls as one.
+
+    ``media`` and ``images`` (vision-language prompts, ``core/media.py``): each token's M-RoPE
+    position and image feature row, parallel to ``token_ids``; each prompt's images.
     """
 
     __slots__ = (
-        "background", "call", "cancelled", "cursor", "first_id", "key_lens", "lengths",
-        "offsets", "params", "token_ids", "type_ids",
+        "background", "call", "cancelled", "cursor", "first_id", "images", "key_lens",
+        "lengths", "media", "offsets", "params", "token_ids", "type_ids",
     )  # fmt: skip
 
     def __init__(
@@ -82,6 +87,8 @@ class RequestBatch:
         type_ids: np.ndarray | None = None,
         key_lens: np.ndarray | None = None,
         background: bool = False,
+        media: np.ndarray | None = None,
+        images: list[tuple[ImageInput, ...]] | None = None,
     ) -> None:
         assert len(lengths) > 0 and bool((lengths > 0).all()), "empty batch or prompt"
         self.first_id = first_id
@@ -101,6 +108,10 @@ class RequestBatch:
             assert bool(((self.key_lens >= 0) & (self.key_lens <= self.lengths)).all()), (
                 "key lengths must lie in [1, prompt length] (0: every token is a key)"
             )
+        self.media = media
+        assert media is None or media.shape == (len(self.token_ids), MEDIA_COLUMNS)
+        self.images = images
+        assert images is None or len(images) == len(self.lengths), "images per prompt"
         self.background = background
         self.call = first_id
         self.cursor = 0
@@ -119,11 +130,13 @@ class RequestBatch:
     def rows(self, first_id: int, lo: int, hi: int) -> RequestBatch:
         """Rows ``lo .. hi - 1`` as a batch of their own, with ids from ``first_id`` (a
         restarted pipeline runs unfinished requests again under new ids)."""
-        tokens, types = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
+        tokens, types, media = self.span(int(self.offsets[lo]), int(self.offsets[hi]))
         keys = self.key_lens[lo:hi] if self.key_lens is not None else None
+        images = self.images[lo:hi] if self.images is not None else None
         batch = RequestBatch(
-            first_id, tokens, self.lengths[lo:hi], self.params, types, keys, self.background
-        )
+            first_id, tokens, self.lengths[lo:hi], self.params, types, keys, self.background,
+            media, images,
+        )  # fmt: skip
         batch.call = self.call
         return batch
 
@@ -145,10 +158,12 @@ class RequestBatch:
     def prompt(self, row: int) -> np.ndarray:
         return self.token_ids[self.offsets[row] : self.offsets[row + 1]]
 
-    def span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Tokens ``lo:hi`` of the flat token array, and their type ids (None: all type 0)."""
+    def span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Tokens ``lo:hi`` of the flat token array, their type ids (None: all type 0) and
+        media rows (None: a text model's)."""
         types = self.type_ids[lo:hi] if self.type_ids is not None else None
-        return self.token_ids[lo:hi], types
+        media = self.media[lo:hi] if self.media is not None else None
+        return self.token_ids[lo:hi], types, media
 
     def tokens(self, rows: np.ndarray) -> np.ndarray:
         """Whole prompts of ``rows`` (ascending), back to back."""

@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import StageFailure, StateDivergence
 from .digest import StageState, check_digest, empty_ids, expected_parts
 from .kv_blocks import BlockAllocator
+from .media import no_media, text_media
 from .plan import NewRequests, StepPlan, StepResult
 from .request import Pooling, PoolingParams, RequestBatch
 
@@ -74,6 +75,7 @@ class _NewPart(NamedTuple):
     params: PoolingParams
     block_ids: np.ndarray | None  # the KV blocks of a single split request; None: none
     key_lens: np.ndarray | None  # [n] int64 (0: every token a key); None: every token a key
+    images: list | None  # [n] each row's images (vision-language prompts); None: none
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class _PlanBuilder:
         self.ends: list[np.ndarray] = []
         self.tokens: list[np.ndarray] = []
         self.types: list[np.ndarray | None] = []  # None: the slice's tokens are all type 0
+        self.media: list[np.ndarray | None] = []  # None: a text slice (core/media.py)
         self.final: list[np.ndarray] = []
         self.prompt_lens: list[np.ndarray] = []
         self.block_counts: list[np.ndarray] = []  # KV blocks each row taken holds
@@ -134,9 +137,11 @@ class _PlanBuilder:
         return self.budget <= 0 or self.seqs <= 0
 
     def take(self, batch, ids, starts, ends, span, final, blocks=None) -> None:
-        """``span``: (tokens, type ids or None) of the rows taken, back to back; ``blocks``:
-        the KV blocks of a single row taken (a prompt spanning several steps)."""
-        tokens, types = span
+        """``span``: (tokens, type ids or None, media rows or None) of the rows taken, back to
+        back; ``blocks``: the KV blocks of a single row taken (a prompt spanning several
+        steps)."""
+        tokens, types, media = span
+        self.media.append(media)
         self.prompt_lens.append(batch.lengths[ids - batch.first_id])
         if blocks is None:
             self.block_counts.append(np.zeros(len(ids), np.int64))
@@ -174,6 +179,7 @@ class _PlanBuilder:
             num_tokens=int((ends - starts).sum()),
             token_type_ids=self._type_ids(),
             **({"expected_state": expected} if expected is not None else {}),
+            media=self._media(),
         )
         batches = tuple(self.batches[k] for k in sorted(self.batches))
         final = cat(self.final) if self.ids else np.empty(0, dtype=bool)
@@ -200,6 +206,19 @@ class _PlanBuilder:
             live_computed=live_done,
             pool_ids=live_ids[pool],
             pool_tokens=live_done[pool],
+            media=self._media(),
+        )
+
+    def _media(self) -> np.ndarray:
+        """The step's media rows: empty unless some slice carries them (a vision-language
+        prompt), then text rows (``text_media``) for the slices that do not."""
+        if all(m is None for m in self.media):
+            return no_media()
+        return np.concatenate(
+            [
+                m if m is not None else text_media(s, e)
+                for m, s, e in zip(self.media, self.starts, self.ends, strict=True)
+            ]
         )
 
     def _type_ids(self) -> np.ndarray:
@@ -236,6 +255,13 @@ def _new_requests(parts: list[_NewPart]) -> NewRequests:
     if any(p.key_lens is not None for p in parts):
         keys = cat([p.key_lens if p.key_lens is not None else np.zeros(len(p.ids), np.int64)
                     for p in parts])  # fmt: skip
+    images: tuple = ()
+    if any(p.images is not None for p in parts):
+        images = tuple(
+            image
+            for p in parts
+            for image in (p.images if p.images is not None else [()] * len(p.ids))
+        )
     return NewRequests(
         request_ids=cat([p.ids for p in parts]),
         prompt_lens=cat([p.prompt_lens for p in parts]),
@@ -245,6 +271,7 @@ def _new_requests(parts: list[_NewPart]) -> NewRequests:
         block_offsets=offsets,
         block_ids=cat(blocks).astype(np.int32, copy=False),
         key_lens=keys,
+        images=images,
     )
 
 
@@ -467,7 +494,8 @@ class Scheduler:
         span = batch.span(batch.offsets[c], batch.offsets[c + n])
         step.take(batch, ids, np.zeros(n, np.int64), lens, span, np.ones(n, bool))
         keys = batch.key_lens[rows] if batch.key_lens is not None else None
-        step.new.append(_NewPart(ids, lens, batch.params, None, keys))
+        images = batch.images[rows] if batch.images is not None else None
+        step.new.append(_NewPart(ids, lens, batch.params, None, keys, images))
         self._advance(batch, n)
 
     def _admit_split(self, step: _PlanBuilder, batch: RequestBatch) -> bool:
@@ -493,7 +521,8 @@ class Scheduler:
             np.array([n == prompt_len]), blocks,
         )  # fmt: skip
         keys = batch.key_lens[row : row + 1] if batch.key_lens is not None else None
-        step.new.append(_NewPart(ids, np.array([prompt_len]), batch.params, blocks, keys))
+        images = batch.images[row : row + 1] if batch.images is not None else None
+        step.new.append(_NewPart(ids, np.array([prompt_len]), batch.params, blocks, keys, images))
         self._advance(batch, 1)
         return True
 

@@ -265,7 +265,7 @@ class LocalPipeline:
             self.raise_if_dead()
             batch = RequestBatch(
                 self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
-                part.key_lens, submission.background,
+                part.key_lens, submission.background, part.media, part.images,
             )  # fmt: skip
             self._next_id += len(batch)
             if submission.batches:  # a later slice: it takes turns as part of its call

@@ -63,6 +63,10 @@ class TokenSlice:
     # [n] int64 keys per prompt: its first key_lens tokens are the keys of its attention (the
     # rest attend but are not attended to: ColBERT's query expansion); 0 or None: every token.
     key_lens: np.ndarray | None = None
+    # Vision-language prompts (``core/media.py``): [sum(lengths), MEDIA_COLUMNS] int64 media
+    # rows parallel to token_ids, and each prompt's images; None for text models.
+    media: np.ndarray | None = None
+    images: list | None = None
 
     def longest_first(self) -> tuple[TokenSlice, np.ndarray]:
         """The same prompts, longest first (ties in input order), and for each of them its
@@ -75,7 +79,12 @@ class TokenSlice:
         take = np.repeat(starts[order] - new_starts, lengths) + np.arange(int(lengths.sum()))
         types = None if self.type_ids is None else self.type_ids[take]
         keys = None if self.key_lens is None else self.key_lens[order]
-        return TokenSlice(self.first, self.token_ids[take], lengths, types, keys), order
+        media = None if self.media is None else self.media[take]
+        images = None if self.images is None else [self.images[i] for i in order]
+        reordered = TokenSlice(
+            self.first, self.token_ids[take], lengths, types, keys, media, images
+        )
+        return reordered, order
 
 
 class InputPreparer:

@@ -16,11 +16,13 @@ from ..core.dual_encoders import DUAL_ENCODERS, VISION_SUFFIX
 from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
+from .colqwen2 import ColQwen2Config, ColQwen2Stage
 from .deberta import DebertaConfig, DebertaStage
 from .decoder import DecoderConfig, DecoderStage
 from .encoders import RelativeConfig, RelativeEncoderStage
 from .gemma import GemmaConfig, GemmaStage
 from .modernbert import ModernBertConfig, ModernBertStage
+from .qwen2_vl import Qwen2VLConfig, Qwen2VLStage, text_config
 from .t5 import T5Config, T5EncoderStage
 from .tower_vision import VisionStage
 from .towers import KINDS as TOWER_KINDS
@@ -173,6 +175,46 @@ class TowerFamily(Family):
         return hf.get(f"{self.name.split('_')[1]}_config") or {}
 
 
+@dataclass(frozen=True)
+class Qwen2VLFamily(Family):
+    """Qwen2-VL (``models/qwen2_vl.py``): the decoder's sizes may sit in ``text_config``;
+    checkpoint names come in transformers 5's layout (``model.language_model.``,
+    ``model.visual.``) or the published one (``model.``, ``visual.``)."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(text_config(hf)["num_hidden_layers"])
+
+    def vocab_size(self, hf: dict) -> int:
+        return int(text_config(hf)["vocab_size"])
+
+    def canonical_name(self, name: str) -> str:
+        for prefix, becomes in (
+            ("model.language_model.", ""), ("model.visual.", "visual."), ("model.", ""),
+        ):  # fmt: skip
+            if name.startswith(prefix):
+                return becomes + name[len(prefix) :]
+        return name
+
+
+@dataclass(frozen=True)
+class ColQwen2Family(Qwen2VLFamily):
+    """ColQwen2 (``models/colqwen2.py``): its Qwen2-VL in ``vlm_config``, its tensors under
+    ``vlm.`` (transformers 5's ``vlm.language_model.`` / ``vlm.visual.``, or with a ``model.``
+    between), the projection as ``embedding_proj_layer``."""
+
+    def num_layers(self, hf: dict) -> int:
+        return super().num_layers(hf.get("vlm_config") or {})
+
+    def vocab_size(self, hf: dict) -> int:
+        return super().vocab_size(hf.get("vlm_config") or {})
+
+    def canonical_name(self, name: str) -> str:
+        for prefix in ("vlm.model.", "vlm."):
+            if name.startswith(prefix):
+                return super().canonical_name("model." + name[len(prefix) :])
+        return name
+
+
 def _tower_config(hf: dict, family: str, *, causal: bool) -> TowerConfig:
     kind, tower = family.split("_")
     cfg = TowerConfig.from_hf(hf, kind, tower)
@@ -268,7 +310,24 @@ for _kind in TOWER_KINDS:
         "none", pooling="cls",
     )  # fmt: skip
 
+for _vl in ("qwen2_vl", "qwen2_5_vl"):
+    _FAMILIES[_vl] = Qwen2VLFamily(
+        _vl, True, Qwen2VLConfig.from_hf, Qwen2VLStage, (), re.compile(r"^lm_head\..*$"), "none"
+    )
+
+# ColQwen2 (models/colqwen2.py): one vector per token, MaxSim.
+_FAMILIES["colqwen2"] = ColQwen2Family(
+    "colqwen2", True, ColQwen2Config.from_hf, ColQwen2Stage, (), re.compile(r"^lm_head\..*$"),
+    "none", pooling="all",
+)  # fmt: skip
+
 _ARCHITECTURES = {
+    "ColQwen2ForRetrieval": "colqwen2",
+    # Vision-language embedders (models/qwen2_vl.py): the last token's hidden state.
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2VLModel": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2_5_VLModel": "qwen2_5_vl",
     "CLIPModel": "clip_text",
     "CLIPModel:vision": "clip_vision",
     "SiglipModel": "siglip_text",

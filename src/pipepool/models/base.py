@@ -47,6 +47,12 @@ class StepInputs:
     # computes the last layer's work after attention for them alone (attention itself, and so
     # the KV cache, for every row). None: every row.
     keep_rows: torch.Tensor | None = None
+    # Vision-language models (``core/media.py``): [T, 4] int64 each token's M-RoPE position
+    # (t, h, w) and image feature row (1-based; 0: text), on every stage; None: 1-D positions.
+    media: torch.Tensor | None = None
+    # The first stage's image placeholder rows of the step ([k, hidden]), in step order: the
+    # vision tower's features that replace those tokens' embeddings; None: no image token.
+    image_embeds: torch.Tensor | None = None
 
 
 def kept_rows(
@@ -109,6 +115,9 @@ class StageModel(nn.Module):
     # Whether the model pools as its checkpoint does and no other way (a dual encoder's towers:
     # the EOS, the class token, an attention head), so EngineConfig.pooling is refused.
     fixed_pooling: bool = False
+    # The token whose embedding image features replace, on the first stage of a
+    # vision-language model (which then has ``encode_images``); None elsewhere.
+    image_token_id: int | None = None
 
     def __init__(self, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -119,6 +128,11 @@ class StageModel(nn.Module):
 
     def weight_specs(self) -> list[WeightSpec]:
         raise NotImplementedError
+
+    def encode_images(self, images: list) -> torch.Tensor:
+        """The vision tower's feature rows of ``images`` (``core/media.ImageInput``), in order:
+        the first stage of a vision-language model (``image_token_id`` set)."""
+        raise NotImplementedError(f"{type(self).__name__} has no vision tower")
 
     @property
     def output_size(self) -> int:

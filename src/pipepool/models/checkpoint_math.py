@@ -45,6 +45,9 @@ MODEL_TYPES = {
     "siglip_vision": ("siglip",),
     "siglip2_text": ("siglip2",),
     "siglip2_vision": ("siglip2",),
+    "qwen2_vl": ("qwen2_vl",),
+    "qwen2_5_vl": ("qwen2_5_vl",),
+    "colqwen2": ("colqwen2",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -209,8 +212,20 @@ _TOWER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "an attention direction transformers' dual encoders ignore",
     ),
 }
+# Qwen2-VL (models/qwen2_vl.py): causal as transformers computes it, whatever the config says.
+_QWEN2_VL_FIELDS = {
+    **_DECODER_FIELDS,
+    "is_causal": (_absent_or(True), "an attention direction transformers' Qwen2-VL ignores"),
+    "use_bidirectional_attention": (
+        _absent_or(False),
+        "an attention direction transformers' Qwen2-VL ignores",
+    ),
+}
 _TOWER_KINDS = DUAL_ENCODERS.values()
 _FAMILY_FIELDS = {
+    "qwen2_vl": _QWEN2_VL_FIELDS,
+    "qwen2_5_vl": _QWEN2_VL_FIELDS,
+    "colqwen2": _QWEN2_VL_FIELDS,
     **{f"{kind}_{tower}": _TOWER_FIELDS for kind in _TOWER_KINDS for tower in ("text", "vision")},
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,7 @@ from .background_compile import BackgroundCompile, compiled_layer_body
 from .batch import DeviceUploader, build_host_batch, step_key_lens, to_step_inputs
 from .cuda_graphs import GraphedForward
 from .heads import DenseHead, ScoreHead
+from .image_features import ImageFeatures
 from .kv_cache import KVCache
 from .mirror import Mirror, StepView
 from .output import StageOutput
@@ -147,6 +149,9 @@ class StageRunner:
         else:
             self.forward = self._graphed()
         self.mirror = Mirror(spec.index)
+        # A vision-language model's first stage: its requests' image features in flight.
+        token = self.model.image_token_id
+        self.image_features = ImageFeatures(spec.index, token) if token is not None else None
         # Fixed at load, read every step: the attention kernel's work list (encoders with the
         # Triton kernel), MEAN sums by the segment-sum kernel (CUDA).
         self.attn_block_rows = self.model.attention_block_rows()
@@ -196,6 +201,8 @@ class StageRunner:
         """Drop every request's state: the pipeline was restarted and its requests start over
         (the KV cache needs no clearing: a slot is always written before it is read)."""
         self.mirror = Mirror(self.spec.index)
+        if self.image_features is not None:
+            self.image_features.keep(())
         if self.pooler is not None:
             self.pooler = self.pooler.fresh()
         self.clock = BusyClock(self.spec.device)  # counts from zero, as the new stages do
@@ -260,6 +267,8 @@ class StageRunner:
             )  # fmt: skip
         pool = self.pooler.state() if self.pooler is not None else (empty_ids(), empty_ids())
         state = self.mirror.state(plan, view, post, pool)
+        if len(plan.media):  # the M-RoPE positions and image rows this stage applied
+            state = replace(state, media=plan.media)
         return received.extend(state.parts(plan.step_id))
 
     def _check_mirror(self, plan: StepPlan, starts: np.ndarray) -> None:
@@ -303,7 +312,9 @@ class StageRunner:
         # A vision tower's plans carry one row of packed pixel values per position
         # (models/tower_vision.py): flat here, so they ride the one upload with the rest.
         ids = plan.token_ids.reshape(-1) if spec.is_first else None
-        extra: list[np.ndarray | None] = [ids, types, keep]
+        # A vision-language model's M-RoPE positions and image rows (core/media.py).
+        media = plan.media.reshape(-1) if len(plan.media) else None
+        extra: list[np.ndarray | None] = [ids, types, keep, media]
         if prep is not None:
             extra += prep.upload_arrays()
         inputs, uploaded = to_step_inputs(
@@ -311,6 +322,8 @@ class StageRunner:
             attn_block_rows=self.attn_block_rows,
         )  # fmt: skip
         inputs.token_type_ids, inputs.keep_rows = uploaded[1], uploaded[2]
+        if uploaded[3] is not None:
+            inputs.media = uploaded[3].view(-1, plan.media.shape[1])
         tr = self.trace
         if tr is not None and not spec.is_first:
             tr.phase("receive")
@@ -321,6 +334,8 @@ class StageRunner:
             mark = tr.begin_device()
         self.clock.start()
         with torch.inference_mode(), batch_invariant(self.config.batch_invariant):
+            if self.image_features is not None:
+                inputs.image_embeds = self.image_features.step_rows(plan, model.encode_images)
             hidden = self.forward(x, inputs, kv)
             pooled = PooledStep.empty()
             if tr is not None:
@@ -330,7 +345,7 @@ class StageRunner:
                 if tr is not None:
                     mark = tr.begin_device()
                 pooled = self.pooler.pool(
-                    hidden, prep, uploaded[3:], plan.req_ids, view, batch.cu_q,
+                    hidden, prep, uploaded[4:], plan.req_ids, view, batch.cu_q,
                     picks=keep is not None,
                 )  # fmt: skip
                 if tr is not None:
@@ -356,6 +371,8 @@ class StageRunner:
         for rid in self.mirror.drop(plan, view, freed=True):
             if self.pooler is not None:
                 self.pooler.drop(rid)
+        if self.image_features is not None:  # rows of requests whose last chunk this was
+            self.image_features.keep(self.mirror.entries)
 
 
 def new_runner(deployment: Deployment, spec: StageSpec) -> StageRunner:

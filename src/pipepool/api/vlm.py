@@ -1,0 +1,173 @@
+"""Texts with images in, vectors out: a vision-language embedder (Qwen2-VL,
+``models/qwen2_vl.py``) on the engine's own pipeline.
+
+A call of dict inputs (``{"text": ..., "image": ...}`` or ``"images": [...]``; every input a
+dict) is formatted as the folder's processor formats it (``intake/vlm_inputs.py``), its images
+decoded and preprocessed on a pool of threads (PIL releases the GIL), and enqueued as one batch
+whose prompts carry their media rows and images: the scheduler chunks them as any causal
+prompt, through an image's placeholders too, the first stage runs the vision tower once per
+image, and every stage applies the plan's M-RoPE positions (``core/media.py``). Plain text
+inputs take the engine's text path."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..core.priority import current_client, is_background
+from ..core.submission import Submission
+from ..driver.local import LocalPipeline
+from ..driver.pipeline import Pipeline
+from ..errors import InvalidInputError
+from ..intake.images import ImageLimits, is_image_input
+from ..intake.inputs import InputPreparer, TokenSlice
+from ..intake.token_budget import TokenBudget
+from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
+from ..models import family_of
+
+# The families whose checkpoints take dict inputs with images.
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2")
+_DECODE_THREADS = 4
+
+
+def is_multimodal_call(inputs) -> bool:
+    """Whether a call's inputs are dicts (texts with images) rather than texts or images."""
+    if isinstance(inputs, dict):
+        return True
+    return isinstance(inputs, (list, tuple)) and any(isinstance(i, dict) for i in inputs)
+
+
+def colqwen2_inputs(inputs) -> list | None:
+    """A ColQwen2 call of plain texts or plain images as its dict inputs (a text is a query, an
+    image a page, as its processor takes them); None for other calls (token ids, dicts)."""
+    items = [inputs] if isinstance(inputs, str) or is_image_input(inputs) else inputs
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
+    if not all(isinstance(i, str) or is_image_input(i) for i in items):
+        return None
+    return [{"text": i} if isinstance(i, str) else {"image": i} for i in items]
+
+
+class VlmInputs:
+    """A vision-language engine's dict inputs. ``submit(items, params)`` formats, decodes and
+    preprocesses every input (refusing bad ones by index before anything is enqueued) and
+    enqueues them; returns the call's future, ``[n, D]`` float32 in input order."""
+
+    def __init__(self, config: EngineConfig, pipeline: Pipeline) -> None:
+        d = pipeline.deployment
+        folder = config.allowed_local_media_path
+        limits = ImageLimits(Path(folder) if folder else None, config.max_image_pixels)
+        family = family_of(d.folder.architecture)
+        cfg = family.config(d.folder.hf_config, True)
+        # ColQwen2: queries and pages in its processor's formats, one vector per token.
+        self.multi_vector = family.name == "colqwen2"
+        kind = ColQwen2Formatter if self.multi_vector else VlmFormatter
+        vl = cfg.vl if self.multi_vector else cfg
+        self.formatter = kind(d.folder.path, d.folder.tokenizer_file, vl.image_token_id, limits)
+        self.pipeline, self.deployment = pipeline, d
+        self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
+
+    def submit(self, items: list, params, budget: TokenBudget | None = None) -> Submission:
+        if self.multi_vector and params.pooling != "all":
+            raise InvalidInputError(
+                f"ColQwen2 gives one vector per token (pooling 'all'), not {params.pooling!r}",
+                param="pooling",
+            )
+        if not isinstance(self.pipeline, LocalPipeline):
+            raise InvalidInputError(
+                "inputs with images run on a pipeline of this process; data_parallel_size > 1 "
+                "and --api-server-count front ends are not implemented for them",
+                param="input",
+            )
+        parsed = [parse_input(item, i) for i, item in enumerate(items)]
+        decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
+                                      range(len(parsed))))  # fmt: skip
+        prompts = list(self._pool.map(self.formatter.prompt, [p[0] for p in parsed], decoded,
+                                      range(len(parsed))))  # fmt: skip
+        limit = self.deployment.max_model_len
+        for i, prompt in enumerate(prompts):
+            if len(prompt.token_ids) > limit:
+                raise InvalidInputError(
+                    f"input {i}: {len(prompt.token_ids)} tokens with its images' placeholders, "
+                    f"over max_model_len {limit} (inputs with images are not truncated)",
+                    param="input", index=i,
+                )  # fmt: skip
+        submission = Submission(
+            params, len(items), params.dimensions or self.deployment.output_dim,
+            on_cancel=self.pipeline.cancel, background=is_background(), client=current_client(),
+        )  # fmt: skip
+        if not items:
+            return submission
+        part = TokenSlice(
+            0, np.concatenate([p.token_ids for p in prompts]),
+            np.array([len(p.token_ids) for p in prompts], dtype=np.int64),
+            media=np.concatenate([p.media for p in prompts]),
+            images=[p.images for p in prompts],
+        )  # fmt: skip
+        if budget is not None:  # a server's request limits, placeholders counted
+            part = next(budget.counted(iter([part]), len(items), None))
+        try:
+            self.pipeline.enqueue(submission, part)
+        except BaseException:
+            submission.cancel()
+            raise
+        return submission
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def open_vlm_inputs(config: EngineConfig, pipeline: Pipeline) -> VlmInputs | None:
+    """Dict inputs of a vision-language checkpoint (None for every other model)."""
+    if family_of(pipeline.deployment.folder.architecture).name not in VLM_FAMILIES:
+        return None
+    return VlmInputs(config, pipeline)
+
+
+def submit_multimodal(
+    vlm: VlmInputs | None,
+    inputs: InputPreparer,
+    items,
+    *,
+    pooling: str | None,
+    dimensions: int | None,
+    normalize: bool | None,
+    truncate_prompt_tokens: int | None,
+    truncation_side: str,
+    prompt_name: str | None,
+    long_inputs: str | None,
+    budget: TokenBudget | None = None,
+) -> Submission:
+    """``Engine.submit`` for a call of dict inputs (texts with images); the text-only options
+    are refused by name, ``pooling``, ``dimensions`` and ``normalize`` apply as for texts."""
+    if vlm is None:
+        raise InvalidInputError(
+            f"this model ({inputs.deployment.folder.architecture}) takes no dict inputs; texts "
+            "with images need a vision-language embedder (Qwen2VLForConditionalGeneration)",
+            param="input",
+        )
+    text_only = {
+        "truncate_prompt_tokens": truncate_prompt_tokens is not None,
+        "truncation_side": truncation_side != "right",
+        "prompt_name": prompt_name is not None,
+        "long_inputs": long_inputs is not None,
+    }
+    for name, given in text_only.items():
+        if given:
+            raise InvalidInputError(
+                f"{name} applies to texts, not to inputs with images", param=name
+            )
+    items = [items] if isinstance(items, dict) else list(items)
+    if vlm.multi_vector:  # ColQwen2 normalises every token (normalize=False: the projection)
+        if dimensions is not None:
+            raise InvalidInputError(
+                f"dimensions: ColQwen2's token vectors are {vlm.deployment.output_dim} wide, as "
+                "the checkpoint computes them",
+                param="dimensions",
+            )
+        normalize = True if normalize is None else normalize
+    params = inputs.params(pooling or vlm.deployment.pooling, dimensions, normalize)
+    return vlm.submit(items, params, budget)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..config import POOLING_TYPES
 from ..parity import DEFAULT_BUDGETS, DEFAULT_PPS, REFERENCES, Sweep, run_parity
-from ..parity.sweep import DEFAULT_POOLINGS
+from ..parity.settings import DEFAULT_POOLINGS
 from .common import add_engine_args, engine_config
 from .embed import read_inputs
 

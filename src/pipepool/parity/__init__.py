@@ -10,7 +10,7 @@ from .compare import Row
 from .prompts import REPRODUCER_PROMPTS, builtin_prompts
 from .reference import REFERENCES, ParityError
 from .report import ParityReport
-from .sweep import (
+from .settings import (
     DEFAULT_BUDGETS,
     DEFAULT_PPS,
     MIN_COSINE_16BIT,
@@ -18,8 +18,8 @@ from .sweep import (
     MIN_COSINE_INT8,
     Sweep,
     default_min_cosine,
-    run_parity,
 )
+from .sweep import run_parity
 
 __all__ = [
     "DEFAULT_BUDGETS",

@@ -26,13 +26,13 @@ from .compare import Row, fill_row, score_request, within_allowed
 from .prompts import builtin_images
 from .reference import ReferenceOutputs, _require
 from .report import ParityReport
-from .sweep import (
+from .settings import (
     Sweep,
-    _failed,
-    _precision,
-    _preview,
-    _prompts,
     default_min_cosine,
+    failed_row,
+    precision_of,
+    preview,
+    prompt_ids,
     sixteen_bit_bar,
 )
 
@@ -55,7 +55,7 @@ def run_tower_parity(
     prompts: Sequence | None,
     log: Callable[[str], None],
 ) -> ParityReport:
-    texts, token_ids = _prompts(deployment, prompts)
+    texts, token_ids = prompt_ids(deployment, prompts)
     images = builtin_images()
     inputs = {"text": token_ids, "image": images}
     log(f"reference: {sweep.reference} on {len(texts)} texts and {len(images)} images")
@@ -73,10 +73,10 @@ def run_tower_parity(
     report = ParityReport(
         model=str(deployment.folder.path),
         reference=ref.description,
-        engine=f"pipepool, {_precision(deployment)} on {deployment.devices[0].split(':')[0]}",
+        engine=f"pipepool, {precision_of(deployment)} on {deployment.devices[0].split(':')[0]}",
         min_cosine=threshold,
         prompt_tokens=[len(ids) for ids in token_ids] + rows,
-        prompt_previews=[_preview(t) for t in texts]
+        prompt_previews=[preview(t) for t in texts]
         + [_image_preview(i, n) for i, n in zip(images, rows, strict=True)],
         rule=rule,
     )
@@ -127,7 +127,7 @@ def _run_config(
     try:
         engine = Engine.from_config(config)
     except Exception as exc:  # e.g. more stages than layers
-        return [_failed(row(t), exc, 0.0) for t in TOWERS]
+        return [failed_row(row(t), exc, 0.0) for t in TOWERS]
     rows = []
     with engine:
         for tower in TOWERS:
@@ -140,7 +140,7 @@ def _run_config(
                     for i, (g, e) in enumerate(zip(got, expected[tower], strict=True))
                 ]
             except Exception as exc:
-                rows.append(_failed(row(tower), exc, time.perf_counter() - t0))
+                rows.append(failed_row(row(tower), exc, time.perf_counter() - t0))
                 continue
             r = row(tower, engine.stats.chunked_requests - chunked_before)
             r.seconds = time.perf_counter() - t0

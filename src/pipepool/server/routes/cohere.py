@@ -17,6 +17,7 @@ from ...api.st_compat import task_prompt_name
 from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
+from ..fast_route import FastBodyRoute
 from . import cohere_tokens
 from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
@@ -31,7 +32,7 @@ from .shared import (
 )
 from .tokens import served_engine
 
-router = APIRouter(tags=["Cohere"])
+router = APIRouter(tags=["Cohere"], route_class=FastBodyRoute)
 router.include_router(cohere_tokens.router)
 
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError
+from ..fast_route import FastBodyRoute
 from ..front import Encoded
 from ..model_cards import CardQuery, model_card
 from ..models import ServedModel
@@ -26,7 +27,7 @@ from .shared import (
     state_of,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=FastBodyRoute)
 
 # The answer's media types: OpenAI's JSON, or vLLM's bytes (encoding_format bytes, bytes_only).
 VECTOR_ANSWERS = {

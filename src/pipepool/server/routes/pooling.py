@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...errors import PipepoolError
 from ..errors import APIError, from_engine
+from ..fast_route import FastBodyRoute
 from ..front import Encoded
 from ..limits import bounded_scoring, check_input_count
 from ..models import ServedModel
@@ -32,7 +33,7 @@ from .shared import (
     unless_client_leaves,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=FastBodyRoute)
 
 # vLLM's classification tasks as pipepool's (``api.routing.TASKS``).
 _CLASSIFIER_TASKS = {"classify": "classify", "token_classify": "classify_tokens"}

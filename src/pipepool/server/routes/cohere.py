@@ -19,12 +19,12 @@ from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
 from ..fast_route import FastBodyRoute
 from . import cohere_tokens
+from .answers import json_answer
 from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
-    json_answer,
     model_of,
     run_model_outputs,
     select_model,

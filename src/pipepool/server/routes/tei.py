@@ -27,7 +27,8 @@ from ..tei_protocol import (
     TEISimilarityRequest,
     long_inputs_of,
 )
-from .shared import json_answer, run_model_outputs, select_model, state_of
+from .answers import json_answer
+from .shared import run_model_outputs, select_model, state_of
 
 router = APIRouter(tags=["TEI"], route_class=FastBodyRoute)
 

@@ -83,15 +83,22 @@ def test_a_client_with_many_calls_does_not_take_the_turns_of_one_with_few(engine
 def test_the_server_takes_turns_by_client_address():
     import asyncio
 
-    from pipepool.server.turns import ClientTurns
+    from pipepool.server.front_door import FrontDoor
+    from pipepool.server.metrics import HttpMetrics
+    from pipepool.server.settings import ServerSettings
 
     seen = []
 
     async def app(scope, receive, send) -> None:
         seen.append(current_client())
 
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
     async def call(client) -> None:
-        await ClientTurns(app)({"type": "http", "client": client}, None, None)
+        door = FrontDoor(app, settings=ServerSettings(), metrics=HttpMetrics(frozenset()))
+        scope = {"type": "http", "client": client, "method": "GET", "path": "/", "headers": []}
+        await door(scope, receive, None)
 
     asyncio.run(call(("10.0.0.7", 5555)))
     asyncio.run(call(("10.0.0.7", 6666)))

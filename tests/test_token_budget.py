@@ -1,11 +1,12 @@
 """A call's token budget (``intake.token_budget``), counted on the slices the engine
 tokenises: a call over it is refused naming the counts before anything of it is enqueued, one
 within it gives what the call without a budget gives, and the server's embedding limit
-(``server.limits.bounded_embedding``) tokenises each text once, through the engine."""
+(``server.limits.embedding_call``) tokenises each text once, through the engine."""
 
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tiny_models import SENTENCES
 import pipepool
 from pipepool.intake.token_budget import InputOverBudgetError, TokenBudget, TokenBudgetError
 from pipepool.server.errors import APIError
-from pipepool.server.limits import bounded_embedding
+from pipepool.server.limits import embedding_call
 from pipepool.server.settings import ServerSettings
 
 MAX_LEN = 64
@@ -83,16 +84,23 @@ def test_a_budget_that_bounds_the_call_in_advance_counts_nothing(engine):
 def test_the_servers_limit_tokenises_each_text_once_and_words_its_400(engine, tokenised):
     texts = SENTENCES[:6]
     settings = ServerSettings(max_tokens_per_request=10_000)
-    bounded_embedding(settings, texts, {}, "input")(engine).result()
+    _submit(settings, engine, texts, "input").result()
     assert sorted(tokenised) == sorted(texts)
     tokenised.clear()
     total = sum(len(ids) for ids in engine.tokenize(texts))
     tokenised.clear()
     settings = ServerSettings(max_tokens_per_request=total - 1)
     with pytest.raises(APIError) as e:
-        bounded_embedding(settings, texts, {}, "texts")(engine)
+        _submit(settings, engine, texts, "texts")
     assert (e.value.status, e.value.code, e.value.param) == (400, "too_many_tokens", "texts")
     assert f"the request has {total} tokens; this server takes at most {total - 1} tokens" in (
         e.value.message
     )
     assert sorted(tokenised) == sorted(texts)
+
+
+def _submit(settings: ServerSettings, engine, texts: list[str], param: str):
+    """What the server's tokenising thread runs of an embedding request of ``texts``."""
+    work = embedding_call(settings, SimpleNamespace(engine=engine), texts, {}, param)
+    assert work.submit is not None
+    return work.submit(engine)

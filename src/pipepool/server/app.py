@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from .. import __version__
 from . import docs
 from .errors import install_handlers
-from .metrics import HttpMetrics, MetricsMiddleware
+from .front_door import FrontDoor
+from .metrics import HttpMetrics
 from .models import ServedModels
 from .online_gate import OnlineRequests
 from .openapi import bound_by_server
@@ -38,7 +39,6 @@ from .routes import (
 from .routes.shared import ServerState
 from .settings import ServerSettings
 from .store_faults import store_check
-from .turns import ClientTurns
 
 __all__ = ["ServerState", "build_app"]
 
@@ -77,18 +77,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     state.checks.add("batch_store", store_check(settings.batch_state_dir))
     app.state.pipepool = state
     install_handlers(app, http.on_error)
-    # Added last = runs first: metrics count what the guards turn away.
-    app.add_middleware(
-        files.UploadGuards,
-        api_key=settings.api_key,
-        max_body_bytes=settings.max_body_bytes,
-        max_upload_bytes=settings.max_batch_file_bytes,
-        body_timeout_s=settings.body_timeout_s,
-        on_error=http.on_error,
-    )
-    if settings.fair_share == "client":
-        app.add_middleware(ClientTurns)
-    app.add_middleware(MetricsMiddleware, metrics=http, access_log=settings.access_log)
+    # Added last = runs first. One layer: metrics, timing, client turns and the guards.
+    app.add_middleware(FrontDoor, settings=settings, metrics=http)
     # Outermost: a batch's host work waits from the moment an online request arrives.
     app.add_middleware(OnlineRequests)
     _schema_as_answered(app, settings, models)

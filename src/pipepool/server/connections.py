@@ -33,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .errors import RATE_LIMIT, APIError, retry_later_headers
 from .metrics import ConnectionCounts
+from .one_write import hold_head
 
 # What one request's target and headers may take: 4x nginx's default header buffer (8 KiB),
 # and far above what any client library sends.
@@ -141,7 +142,8 @@ class _Guarded(asyncio.Protocol):
 
 class _GuardedHttpTools(_Guarded, HttpToolsProtocol):
     """httptools calls ``on_message_begin`` at a request's first byte and
-    ``on_headers_complete`` at its end of headers."""
+    ``on_headers_complete`` at its end of headers; each answer of known length goes out in
+    one write (``one_write.py``)."""
 
     _header_bytes = 0  # of the request being parsed: its target and header lines
 
@@ -161,6 +163,7 @@ class _GuardedHttpTools(_Guarded, HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._headers_end()
         super().on_headers_complete()
+        hold_head(self.cycle)
 
     def _count_header_bytes(self, size: int) -> None:
         self._header_bytes += size

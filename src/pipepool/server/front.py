@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -60,6 +60,19 @@ class Encoded:
         if isinstance(self.outputs, np.ndarray):
             return self.outputs
         return np.stack(list(self.outputs))
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One HTTP request's work for its model's engine, made ready on the event loop (checked,
+    within the server's limits): ``inputs``, which the queue counts and whose size picks the
+    tokenising lane, and either ``submit`` (enqueues them; the results come by the
+    submission's future: ``AsyncEngine.run``) or ``call`` (an engine call that waits for its
+    own results: ``AsyncEngine.run_call``)."""
+
+    inputs: Sequence
+    submit: Callable[[Engine], AnySubmission] | None = None
+    call: Callable[[Engine], Any] | None = None
 
 
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters
@@ -183,6 +196,14 @@ class AsyncEngine:
             return Encoded(outputs, submission.num_tokens.tolist())
         finally:
             self._free(n)
+
+    async def perform(self, work: EngineCall) -> Any:
+        """``work`` by ``run`` (an ``Encoded``) or ``run_call`` (what its call returns)."""
+        n = len(work.inputs)
+        if work.submit is not None:
+            return await self.run(n, work.submit, work.inputs)
+        assert work.call is not None, "an EngineCall has a submit or a call"
+        return await self.run_call(n, work.call, work.inputs)
 
     async def run_call(self, n: int, call: Callable[[Engine], T], texts: Sequence = ()) -> T:
         """``call(engine)``, an engine call that waits for its own results (the retrieval

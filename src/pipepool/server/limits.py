@@ -20,29 +20,31 @@ tokenised once). Pairs are tokenised by the engine in one piece and enqueued at 
 request not bounded in advance is counted then, and cancelled at once if over (at most a step
 of its work done).
 
-Every function here runs on a tokenising thread (``AsyncEngine.run``) unless it says otherwise.
+Checks run on the event loop; the engine calls they return run on a tokenising thread
+(``AsyncEngine.perform``), as do the functions that say so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..api.engine import Engine
 from ..api.engine_info import EngineInfo
-from ..config import check_long_inputs
 from ..core.submission import Submission
-from ..intake.inputs import MAX_CHARS_PER_TOKEN
+from ..intake.inputs import MAX_CHARS_PER_TOKEN, valid_texts
 from ..intake.token_budget import InputOverBudgetError, TokenBudget, TokenBudgetError
 from .errors import APIError
-from .front import AnySubmission
+from .front import AnySubmission, AsyncEngine, EngineCall
 from .settings import ServerSettings
+
+T = TypeVar("T")
 
 
 def check_input_count(settings: ServerSettings, n: int, param: str) -> None:
-    """400 when a request has more inputs than ``--max-inputs-per-request`` (on the loop)."""
+    """400 when a request has more inputs than ``--max-inputs-per-request``."""
     limit = settings.max_inputs_per_request
     if n > limit:
         raise APIError(
@@ -144,26 +146,89 @@ def over_budget(
     return _input_too_long(param, exc.index or 0, exc.tokens, exc.limit, listed=True)
 
 
-def bounded_embedding(
-    settings: ServerSettings, inputs: list, options: dict[str, Any], param: str = "input"
-) -> Callable[[Engine], AnySubmission]:
-    """``Engine.submit(inputs, **options)`` within the limits, for ``AsyncEngine.run``;
-    ``param``: the request field that holds the inputs, which the errors name. Each text is
-    tokenised once, by the engine, which counts the request's budget on those tokens."""
+def embedding_call(
+    settings: ServerSettings,
+    front: AsyncEngine,
+    inputs: list,
+    options: dict[str, Any],
+    param: str = "input",
+    *,
+    add_special_tokens: bool = True,
+    counted: Callable[[Engine], Any] | None = None,
+) -> EngineCall:
+    """An embedding request's engine work within the limits (on the loop), for ``front``'s
+    model: its inputs checked (``check_inputs``, ``check_input_count``; a text's characters
+    where the engine bounds no length: chunked, or without the special tokens), then
+    ``Engine.submit(inputs, **options)`` with the request's token budget, each text tokenised
+    once, by the engine, which counts the budget on those tokens; ``add_special_tokens``
+    false: texts as their ``plain_token_ids``. ``counted``: instead, a call that waits for
+    its own outputs (sparse and multi-vector outputs, late chunking), which tokenises and
+    computes in one go: its outputs' ``num_tokens`` are held to ``--max-tokens-per-request``
+    once it is done (a request over the limit is answered 400 then, its work done for
+    nothing). ``param``: the request field that holds the inputs, which the errors name."""
+    check_inputs(settings, inputs, param)
+    check_input_count(settings, len(inputs), param)
+    if counted is not None:
+        return EngineCall(inputs, call=_counted(settings, counted, param))
+    engine = front.engine
+    plain = not add_special_tokens and isinstance(inputs[0], str)
+    # The engine refuses a policy that is none (InvalidInputError: a 400).
+    policy = options.get("long_inputs") or engine.config.long_inputs
+    if plain or policy == "chunk":  # the engine bounds neither: held to ours before tokenising
+        check_text_lengths(settings, engine.info, inputs, param)
+    budget = request_budget(settings, engine.info)
 
     def submit(engine: Engine) -> AnySubmission:
-        d = engine.info
-        policy = check_long_inputs(options.get("long_inputs") or engine.config.long_inputs)
-        if policy == "chunk":  # the engine bounds no chunked text: held to ours before tokenising
-            check_text_lengths(settings, d, inputs, param)
+        texts = plain_token_ids(engine, inputs, param) if plain else inputs
         try:
-            return engine.submit(
-                inputs, **{**options, "long_inputs": policy}, budget=request_budget(settings, d)
-            )
+            return engine.submit(texts, **{**options, "long_inputs": policy}, budget=budget)
         except (TokenBudgetError, InputOverBudgetError) as exc:
             raise over_budget(settings, exc, param) from None
 
-    return submit
+    return EngineCall(inputs, submit=submit)
+
+
+def _counted(settings: ServerSettings, call: Callable[[Engine], T], param: str):
+    """``call``, its outputs' ``num_tokens`` held to ``--max-tokens-per-request``."""
+
+    def counted(engine: Engine) -> T:
+        out = call(engine)
+        total = int(sum(out.num_tokens))  # type: ignore[attr-defined]
+        if total > settings.max_tokens_per_request:
+            raise too_many_tokens(settings, total, param)
+        return out
+
+    return counted
+
+
+def check_inputs(settings: ServerSettings, inputs: list, param: str = "input") -> None:
+    """400 for an empty input list, and for token ids unless the server was told to take
+    them (``--allow-token-ids``): ids of another tokenizer would give wrong vectors silently."""
+    if not inputs:
+        raise APIError(400, f"{param} is empty: send at least one text", param=param)
+    if isinstance(inputs[0], str) or settings.allow_token_ids:
+        return
+    raise APIError(
+        400,
+        "this server takes text, not token ids: ids are read as this model's own token ids, "
+        "and ids from another tokenizer give wrong vectors without any error. LangChain's "
+        "OpenAIEmbeddings sends OpenAI tokenizer ids unless you pass "
+        "check_embedding_ctx_length=False; set that (or send text). If these are ids of this "
+        "model's tokenizer, start the server with --allow-token-ids.",
+        param="input",
+        code="token_ids_not_allowed",
+    )
+
+
+def plain_token_ids(engine: Engine, texts: list[str], param: str = "input") -> list[np.ndarray]:
+    """Token ids of texts without the special tokens the model adds ([CLS], [SEP], BOS...):
+    vLLM's ``add_special_tokens: false`` (on a tokenising thread). The model's default prompt
+    stays in front of each: it is text the model expects, not a special token. Texts checked
+    as the engine checks them (empty, lone surrogates), errors naming ``param``."""
+    texts = valid_texts(texts, param=param)
+    name = engine.info.default_prompt_name
+    prefix = engine.info.prompts[name] if name is not None else ""
+    return [engine.tokenizer.encode_plain(prefix + text) for text in texts]
 
 
 def bounded_scoring(

@@ -17,7 +17,6 @@ from urllib.parse import quote
 
 from ..api.engine import Engine
 from ..core.stats import STEP_BUCKETS
-from . import timing
 from .errors import APIError
 from .front import AsyncEngine
 from .health import ComponentHealth
@@ -87,53 +86,7 @@ class HttpMetrics:
         self.latency.setdefault((route, model), _Histogram(HTTP_BUCKETS)).observe(seconds)
 
 
-class MetricsMiddleware:
-    """Counts every HTTP request by route and status (also those the guards turned away) and,
-    with ``access_log``, logs it once answered, with its latency (uvicorn's own access log
-    has none); tells the client where its time went (``timing.py``: ``Server-Timing``)."""
-
-    def __init__(self, app, metrics: HttpMetrics, *, access_log: bool) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.access_log = access_log
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        # If the app raises, the error middleware outside this one answers 500; if it returns
-        # without answering, the client left before its request was read (nginx's 499).
-        status = 499
-        started = time.perf_counter()
-        parts: list[tuple[str, float]] = []
-
-        async def send_with_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                spent = timing.header(parts, time.perf_counter() - started)
-                message = {**message, "headers": [*message.get("headers", ()), spent]}
-            await send(message)
-
-        self.metrics.in_flight += 1
-        try:
-            with timing.timed_request(parts):
-                await self.app(scope, receive, send_with_status)
-        except BaseException:
-            status = 500
-            raise
-        finally:
-            seconds = time.perf_counter() - started
-            self.metrics.in_flight -= 1
-            # The model the route chose (``routes.shared.select_model``), in the request's state.
-            model = scope.get("state", {}).get("pipepool_model")
-            name = model.name if model is not None else ""
-            self.metrics.on_response(scope["path"], status, seconds, name)
-            if self.access_log:
-                _log_access(scope, status, seconds)
-
-
-def _log_access(scope, status: int, seconds: float) -> None:
+def log_access(scope, status: int, seconds: float) -> None:
     """uvicorn's access line, with the time from the request's arrival to its last byte."""
     client = scope.get("client")
     where = f"{client[0]}:{client[1]}" if client else "-"

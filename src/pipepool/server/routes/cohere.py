@@ -17,14 +17,15 @@ from ...api.st_compat import task_prompt_name
 from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
+from ..fast_route import FastBodyRoute
 from ..media_fetch import fetched
 from . import cohere_tokens
+from .answers import json_answer
 from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
-    json_answer,
     model_of,
     run_model_outputs,
     select_model,
@@ -32,7 +33,7 @@ from .shared import (
 )
 from .tokens import served_engine
 
-router = APIRouter(tags=["Cohere"])
+router = APIRouter(tags=["Cohere"], route_class=FastBodyRoute)
 router.include_router(cohere_tokens.router)
 
 

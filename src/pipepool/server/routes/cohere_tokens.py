@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request, Response
 from .. import cohere_protocol as cp
 from ..errors import APIError
 from ..limits import check_text_lengths, check_token_counts
-from .shared import TOKENIZER_ERRORS, json_answer, select_model, state_of
+from .answers import json_answer
+from .shared import TOKENIZER_ERRORS, select_model, state_of
 from .tokens import check_token_ids, served_engine
 
 router = APIRouter(tags=["Cohere"])

@@ -31,11 +31,11 @@ from ..batch_protocol import (
 )
 from ..batch_store import BatchStore, FileInUse, StoreUnavailable
 from ..errors import APIError
-from ..upload_guard import UPLOAD_PATH, UploadGuards
+from ..upload_guard import UPLOAD_PATH
 from ..upload_slots import upload_slot
 from ..upload_stream import FormSpec, ReceivedForm, receive_form
 
-__all__ = ["UploadGuards", "router", "store_of"]
+__all__ = ["router", "store_of"]
 
 router = APIRouter(tags=["files"])
 

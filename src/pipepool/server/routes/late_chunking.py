@@ -4,20 +4,18 @@ own results (a tokenising lane, the model's queue, its limits and errors)."""
 
 from __future__ import annotations
 
-from fastapi import Request, Response
+from collections.abc import Callable
 
 from ...api.engine import Engine
 from ...api.late_chunking import late_chunk_texts
 from .. import protocol
 from ..errors import APIError
 from ..front import Encoded
-from ..limits import too_many_tokens
-from .shared import run_model_call, state_of
 
 
-async def late_chunked(request: Request, body: protocol.EmbeddingRequest) -> Encoded | Response:
-    """Each chunk's vector and the tokens it cost; a bare Response (499) if the client left.
-    Options late chunking cannot honour are a 400 naming them."""
+def late_chunks_call(body: protocol.EmbeddingRequest, chunks: list) -> Callable[[Engine], Encoded]:
+    """The engine call giving each chunk's vector and the tokens it cost. Options late
+    chunking cannot honour are a 400 naming them."""
     if not body.add_special_tokens:
         raise APIError(
             400,
@@ -26,8 +24,6 @@ async def late_chunked(request: Request, body: protocol.EmbeddingRequest) -> Enc
             param="add_special_tokens",
             code="invalid_value",
         )
-    settings = state_of(request).settings
-    chunks = body.inputs()
 
     def call(engine: Engine) -> Encoded:
         done = late_chunk_texts(
@@ -39,9 +35,6 @@ async def late_chunked(request: Request, body: protocol.EmbeddingRequest) -> Enc
             truncation_side=body.truncation_side or "right",
             long_inputs=body.long_inputs,
         )
-        total = sum(done.num_tokens)
-        if total > settings.max_tokens_per_request:
-            raise too_many_tokens(settings, total, "input")
         return Encoded(done.vectors, done.num_tokens)
 
-    return await run_model_call(request, chunks, call)
+    return call

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request, Response
 
-from ...loading.retrieval import OUTPUTS
 from .. import protocol
-from ..errors import APIError
-from ..front import Encoded
+from ..fast_route import FastBodyRoute
 from ..model_cards import CardQuery, model_card
 from ..models import ServedModel
-from ..pooling_protocol import answer_head
-from . import retrieval
+from . import embedding_request
 from .chat_embeddings import embed_messages
-from .late_chunking import late_chunked
-from .shared import (
-    ERRORS,
-    ServerState,
-    binary_answer,
-    errors_doc,
-    json_answer,
-    model_of,
-    run_model_outputs,
-    select_model,
-    state_of,
-)
+from .shared import ERRORS, ServerState, errors_doc, run_engine, select_model, state_of
 
-router = APIRouter()
+router = APIRouter(route_class=FastBodyRoute)
 
 # The answer's media types: OpenAI's JSON, or vLLM's bytes (encoding_format bytes, bytes_only).
 VECTOR_ANSWERS = {
@@ -46,61 +32,19 @@ VECTOR_ANSWERS = {
 async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Response:
     """One vector per input (OpenAI's embeddings API); with ``outputs``, any of the dense
     vector, the sparse vector and the token vectors the model gives (``retrieval.py``); with
-    ``late_chunking``, the chunks of one document (``late_chunking.py``)."""
-    if body.late_chunking and body.outputs not in (None, ["dense"]):
-        raise APIError(
-            400,
-            "late_chunking gives dense vectors only: ask for sparse or multi_vector outputs "
-            "without it",
-            param="late_chunking",
-            code="invalid_value",
-        )
-    if body.outputs is not None:
-        tasks = [retrieval.task_of(o) for o in body.outputs if o in OUTPUTS]
-        select_model(request, body.model, *tasks)
-        outputs = retrieval.check_model_outputs(request, body.outputs)
-        if outputs != ("dense",):
-            if body.wire.binary:
-                raise APIError(
-                    400,
-                    f"encoding_format {body.encoding_format} carries dense vectors only; ask "
-                    f"for {', '.join(outputs)} with encoding_format float or base64",
-                    param="encoding_format",
-                    code="invalid_value",
-                )
-            return await retrieval.embeddings(body, request, outputs)
-    else:
+    ``late_chunking``, the chunks of one document (``late_chunking.py``); with ``messages``
+    (vLLM's chat form), one input (``chat_embeddings.py``). Prepared, run and answered in turn
+    (``embedding_request.py``)."""
+    if body.messages is not None and body.outputs is None and not body.late_chunking:
         select_model(request, body.model, "embed")
-    answered: Encoded | Response
-    if body.late_chunking:
-        answered = await late_chunked(request, body)
-    elif body.messages is not None:  # vLLM's chat form: one input
-        answered = await embed_messages(
+        done = await embed_messages(
             request, body, dimensions=body.dimensions, normalize=body.normalized
         )
-    else:
-        answered = await run_model_outputs(
-            request,
-            body.inputs(),
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-            truncation_side=body.truncation_side or "right",
-            long_inputs=body.long_inputs,
-            add_special_tokens=body.add_special_tokens,
-            dimensions=body.dimensions,
-            normalize=body.normalized,
-        )
-    if isinstance(answered, Response):
-        return answered
-    done = answered
-    name, wire = model_of(request).names.response_name(body.model), body.wire
-    if wire.binary:
-        head = {**answer_head("embd"), "model": name}
-        return await binary_answer(request, done.outputs, wire, head, done.num_tokens)
-    return await json_answer(
-        request,
-        lambda: protocol.embedding_response(name, done.outputs, done.num_tokens, wire),
-        sum(out.size for out in done.outputs),
-    )
+    else:  # messages with outputs or late_chunking: refused there, as input is missing
+        done = await run_engine(request, embedding_request.prepare(request, body))
+    if isinstance(done, Response):  # the client left
+        return done
+    return await embedding_request.answer(request, body, done)
 
 
 @router.get(

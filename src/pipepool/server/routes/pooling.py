@@ -11,29 +11,28 @@ from fastapi import APIRouter, Request, Response
 
 from ...errors import PipepoolError
 from ..errors import APIError, from_engine
+from ..fast_route import FastBodyRoute
 from ..front import Encoded
-from ..limits import bounded_scoring, check_input_count
+from ..limits import bounded_scoring, check_input_count, check_inputs
 from ..models import ServedModel
 from ..pooling_protocol import PoolingRequest, PoolingResponse, answer_head
 from ..pooling_tasks import EMBEDDING_TASKS, TASKS_OF, pooling_tasks
 from ..protocol import list_response
+from .answers import binary_answer, json_answer
 from .chat_embeddings import embed_messages
 from .openai import VECTOR_ANSWERS
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
-    binary_answer,
-    check_inputs,
     check_task,
-    json_answer,
     run_model_outputs,
     select_model,
     state_of,
     unless_client_leaves,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=FastBodyRoute)
 
 # vLLM's classification tasks as pipepool's (``api.routing.TASKS``).
 _CLASSIFIER_TASKS = {"classify": "classify", "token_classify": "classify_tokens"}
@@ -139,7 +138,7 @@ async def _classified(
         )
     state, texts = state_of(request), body.inputs()
     check_task(model, _CLASSIFIER_TASKS[task])
-    check_inputs(state, texts)
+    check_inputs(state.settings, texts)
     if not all(isinstance(t, str) for t in texts):
         raise APIError(400, f"task {task} takes texts, not token ids", param="input")
     check_input_count(state.settings, len(texts), "input")

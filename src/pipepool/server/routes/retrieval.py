@@ -1,8 +1,9 @@
 """Sparse and multi-vector outputs over HTTP: TEI's ``POST /embed_sparse`` (SPLADE's vectors,
-BGE-M3's lexical weights) here, and ``POST /v1/embeddings`` with ``outputs`` (``openai.py``
-hands such requests to ``embeddings`` below). Both wait for ``Engine.encode_outputs`` on a
-tokenising lane (``AsyncEngine.run_call``: one forward per input, every output asked for from
-it), with the limits, error bodies, metrics and API key of ``/embed``.
+BGE-M3's lexical weights) here, and ``POST /v1/embeddings`` with ``outputs``
+(``embedding_request.py`` builds its engine call with ``outputs_call`` below). Both wait for
+``Engine.encode_outputs`` on a tokenising lane (``AsyncEngine.run_call``: one forward per input,
+every output asked for from it), with the limits, error bodies, metrics and API key of
+``/embed``.
 
 Tokens per request are counted once the outputs are back (``encode_outputs`` tokenises and
 computes in one call): a request over ``--max-tokens-per-request`` is answered 400 then, its
@@ -10,7 +11,7 @@ work done for nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastapi import APIRouter, Request, Response
 
@@ -20,16 +21,10 @@ from ...errors import PipepoolError
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
 from ..errors import APIError, from_engine
-from ..limits import too_many_tokens
+from ..limits import embedding_call
 from ..tei_protocol import TEIEmbedSparseRequest, long_inputs_of
-from .shared import (
-    check_task,
-    json_answer,
-    model_of,
-    run_model_call,
-    select_model,
-    state_of,
-)
+from .answers import json_answer
+from .shared import check_task, model_of, run_engine, select_model, state_of
 from .tei import TEI_ERRORS, tei_inputs
 
 router = APIRouter()
@@ -46,14 +41,18 @@ async def embed_sparse(body: TEIEmbedSparseRequest, request: Request) -> Respons
     indices ascending (SPLADE models; BGE-M3's lexical weights)."""
     check_task(select_model(request, None, "sparse"), "sparse")
     check_model_outputs(request, ["sparse"])
-    done = await encode(
-        request,
-        tei_inputs(request, body.items()),
+    inputs = tei_inputs(request, body.items())
+    call = encode_call(
+        inputs,
         ("sparse",),
         long_inputs=long_inputs_of(body.truncate),
         truncation_side=body.side(),
         prompt_name=body.prompt_name,
     )
+    work = embedding_call(
+        state_of(request).settings, model_of(request).front, inputs, {}, counted=call
+    )
+    done = await run_engine(request, work)
     if isinstance(done, Response):
         return done
     sparse = done.sparse
@@ -62,31 +61,31 @@ async def embed_sparse(body: TEIEmbedSparseRequest, request: Request) -> Respons
     return await json_answer(request, lambda: protocol.tei_sparse_response(sparse), size)
 
 
-async def embeddings(
-    body: protocol.EmbeddingRequest, request: Request, outputs: tuple[str, ...]
-) -> Response:
-    """``/v1/embeddings`` asking for ``outputs`` (checked by ``check_model_outputs``), other
-    than the dense vector alone."""
+def outputs_call(
+    body: protocol.EmbeddingRequest, inputs: list, outputs: tuple[str, ...]
+) -> Callable[[Engine], RetrievalOutputs]:
+    """The engine call of ``/v1/embeddings`` asking for ``outputs`` (checked by
+    ``check_model_outputs``), other than the dense vector alone; 400 for the options that
+    apply to dense vectors only."""
+    others = ", ".join(o for o in outputs if o != "dense")
     if not body.add_special_tokens:
         raise APIError(
             400,
-            f"add_special_tokens false applies to dense embeddings only; "
-            f"{', '.join(o for o in outputs if o != 'dense')} outputs are computed from the "
-            "model's own input form",
+            f"add_special_tokens false applies to dense embeddings only; {others} outputs are "
+            "computed from the model's own input form",
             param="add_special_tokens",
             code="invalid_value",
         )
     if body.dimensions is not None:
         raise APIError(
             400,
-            "dimensions applies to dense embeddings only; it cannot be combined with "
-            f"{', '.join(o for o in outputs if o != 'dense')} outputs",
+            f"dimensions applies to dense embeddings only; it cannot be combined with {others} "
+            "outputs",
             param="dimensions",
             code="invalid_value",
         )
-    done = await encode(
-        request,
-        body.inputs(),
+    return encode_call(
+        inputs,
         outputs,
         top_k=body.top_k,
         return_tokens=body.return_tokens,
@@ -96,17 +95,13 @@ async def embeddings(
         truncation_side=body.truncation_side or "right",
         long_inputs=body.long_inputs,
     )
-    if isinstance(done, Response):
-        return done
-    name = model_of(request).names.response_name(body.model)
+
+
+def outputs_size(done: RetrievalOutputs) -> int:
+    """Numbers and indices of ``done``'s outputs: what its answer serialises."""
     size = sum(len(s.indices) for s in done.sparse or ())
     size += sum(m.size for m in done.multi_vector or ())
-    size += done.dense.size if done.dense is not None else 0
-    return await json_answer(
-        request,
-        lambda: protocol.outputs_response(name, done, body.wire),
-        size,
-    )
+    return size + (done.dense.size if done.dense is not None else 0)
 
 
 def task_of(output: str) -> str:
@@ -142,27 +137,17 @@ def check_model_outputs(request: Request, asked: Sequence[str]) -> tuple[str, ..
         raise from_engine(exc) from None
 
 
-async def encode(
-    request: Request,
-    inputs: list,
-    outputs: tuple[str, ...],
-    *,
-    long_inputs: str | None = None,
-    **options,
-) -> RetrievalOutputs | Response:
-    """``Engine.encode_outputs(inputs, outputs, **options)`` within the server's limits; a
-    bare Response (499) if the client left meanwhile. ``long_inputs``: as asked, else the
-    server's policy, chunking (which combines dense vectors only) read as truncation."""
-    settings = state_of(request).settings
+def encode_call(
+    inputs: list, outputs: tuple[str, ...], *, long_inputs: str | None = None, **options
+) -> Callable[[Engine], RetrievalOutputs]:
+    """``Engine.encode_outputs(inputs, outputs, **options)``, for ``AsyncEngine.run_call``.
+    ``long_inputs``: as asked, else the server's policy, chunking (which combines dense
+    vectors only) read as truncation."""
 
     def call(engine: Engine) -> RetrievalOutputs:
         policy = long_inputs or engine.config.long_inputs
         if long_inputs is None and policy == "chunk":
             policy = "truncate"
-        out = engine.encode_outputs(inputs, outputs, long_inputs=policy, **options)
-        total = int(sum(out.num_tokens))
-        if total > settings.max_tokens_per_request:
-            raise too_many_tokens(settings, total, "input")
-        return out
+        return engine.encode_outputs(inputs, outputs, long_inputs=policy, **options)
 
-    return await run_model_call(request, inputs, call)
+    return call

@@ -22,14 +22,13 @@ from ...errors import InvalidInputError
 from .. import scoring_protocol as sp
 from ..errors import EMPTY, APIError, answer_as_tei, from_engine
 from ..front import Encoded
-from ..limits import bounded_scoring, check_input_count
+from ..limits import bounded_scoring, check_input_count, check_inputs
+from .answers import json_answer
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
     ClientGone,
-    check_inputs,
     check_task,
-    json_answer,
     model_of,
     select_model,
     state_of,
@@ -173,7 +172,7 @@ async def score(body: sp.ScoreRequest, request: Request) -> Response:
 async def classify(body: sp.ClassifyRequest, request: Request) -> Response:
     """Label probabilities and the top label per input (vLLM)."""
     texts = body.inputs()
-    check_inputs(state_of(request), texts)
+    check_inputs(state_of(request).settings, texts)
     activation = body.use_activation if body.use_activation is not None else True
     cut = body.truncation()
     done = await _run(

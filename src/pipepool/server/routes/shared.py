@@ -1,27 +1,23 @@
-"""What every route shares: the server's state, the choice of model and the input checks, and
-the one path of a model call (limits, the engine queue, the engine's errors as 4xx/5xx, a 499
-when the client leaves meanwhile)."""
+"""What every route shares: the server's state, the choice of model, and the one path of a
+model call (its work made ready within the limits by ``limits.py``, then the engine queue, the
+engine's errors as 4xx/5xx, a 499 when the client leaves meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import Request, Response
 
-from ...api.engine import Engine
 from ...errors import PipepoolError
-from ...intake.inputs import valid_texts
 from .. import protocol
-from ..encoding import Vectors, Wire, binary_response, json_bytes
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
-from ..front import AnySubmission, Encoded, QueueFullError
+from ..front import Encoded, EngineCall, QueueFullError
 from ..health import HealthChecks
-from ..limits import bounded_embedding, check_input_count, check_text_lengths
+from ..limits import embedding_call
 from ..metrics import HttpMetrics
 from ..models import ServedModel, ServedModels
 from ..settings import ServerSettings
@@ -103,61 +99,30 @@ async def run_model_outputs(
     add_special_tokens: bool = True,
     **options,
 ) -> Encoded | Response:
-    """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits),
-    outputs; a bare Response (499) if the client left meanwhile. ``param``: the request field
-    that holds the inputs, which the errors name. ``add_special_tokens`` false: texts go to
-    the model without the special tokens it adds (``plain_token_ids``). 404 for a model that
-    does not embed."""
+    """Checks, engine call (``Engine.submit(inputs, **options)`` within the server's limits:
+    ``limits.embedding_call``), outputs; a bare Response (499) if the client left meanwhile.
+    ``param``: the request field that holds the inputs, which the errors name.
+    ``add_special_tokens`` false: texts go to the model without the special tokens it adds
+    (``limits.plain_token_ids``). 404 for a model that does not embed."""
     state, model = state_of(request), model_of(request)
     check_task(model, "embed")
-    check_inputs(state, inputs, param)
-    check_input_count(state.settings, len(inputs), param)
-    if add_special_tokens or not isinstance(inputs[0], str):
-        submit = bounded_embedding(state.settings, inputs, options, param)
-    else:
-        check_text_lengths(state.settings, model.front.engine.info, inputs, param)
-        submit = _without_special_tokens(state.settings, inputs, options, param)
+    work = embedding_call(
+        state.settings,
+        model.front,
+        inputs,
+        options,
+        param,
+        add_special_tokens=add_special_tokens,
+    )
+    return await run_engine(request, work)
+
+
+async def run_engine(request: Request, work: EngineCall) -> Any:
+    """``work`` on the request's model (``AsyncEngine.perform``): its outputs, the engine's
+    errors as 4xx/5xx (``unless_client_leaves``), or a bare Response (499) if the client left
+    meanwhile."""
     try:
-        return await unless_client_leaves(request, model.front.run(len(inputs), submit, inputs))
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-
-
-def _without_special_tokens(
-    settings: ServerSettings, texts: list[str], options: dict[str, Any], param: str
-) -> Callable[[Engine], AnySubmission]:
-    """``bounded_embedding`` of the texts' ``plain_token_ids``, tokenised where it runs."""
-
-    def submit(engine: Engine) -> AnySubmission:
-        ids = plain_token_ids(engine, texts, param)
-        return bounded_embedding(settings, ids, options, param)(engine)
-
-    return submit
-
-
-def plain_token_ids(engine: Engine, texts: list[str], param: str = "input") -> list[np.ndarray]:
-    """Token ids of texts without the special tokens the model adds ([CLS], [SEP], BOS...):
-    vLLM's ``add_special_tokens: false``. The model's default prompt stays in front of each:
-    it is text the model expects, not a special token. Texts checked as the engine checks
-    them (empty, lone surrogates), errors naming ``param``."""
-    texts = valid_texts(texts, param=param)
-    name = engine.info.default_prompt_name
-    prefix = engine.info.prompts[name] if name is not None else ""
-    return [engine.tokenizer.encode_plain(prefix + text) for text in texts]
-
-
-async def run_model_call(
-    request: Request, inputs: list, call: Callable[[Engine], T], *, param: str = "input"
-) -> T | Response:
-    """``run_model_outputs`` for an engine call that waits for its own results
-    (``AsyncEngine.run_call``: sparse and multi-vector outputs): the same input checks and
-    count limit, the queue, the engine's errors as 4xx/5xx, and a 499 if the client left
-    meanwhile. ``call`` holds the request to its other limits itself."""
-    state, front = state_of(request), model_of(request).front
-    check_inputs(state, inputs, param)
-    check_input_count(state.settings, len(inputs), param)
-    try:
-        return await unless_client_leaves(request, front.run_call(len(inputs), call, inputs))
+        return await unless_client_leaves(request, model_of(request).front.perform(work))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
 
@@ -173,26 +138,6 @@ _TASKS = {
     "classify_tokens": ("token classification", "a token classifier (*ForTokenClassification)"),
 }  # fmt: skip
 _TASKS["rerank"] = ("reranking", _TASKS["score"][1])
-
-
-async def json_answer(request: Request, build: Callable[[], Any], size: int = 0) -> Response:
-    """The JSON answer ``build()`` returns, built and serialised on a tokenising lane
-    (``AsyncEngine.offload``; ``size``: its numbers and characters, which pick the lane):
-    thousands of numbers, or the documents a reranking quotes back, take milliseconds to
-    encode, which every other request, of every model, would wait for on the event loop."""
-    text = await model_of(request).front.offload(lambda: json_bytes(build()), size=size)
-    return Response(text, media_type="application/json")
-
-
-async def binary_answer(
-    request: Request, outputs: Vectors, wire: Wire, head: dict, num_tokens: list[int]
-) -> Response:
-    """vLLM's binary answer of ``outputs`` (``encoding.binary_response``), built on a
-    tokenising lane as ``json_answer`` builds JSON."""
-    size = sum(out.size for out in outputs)
-    return await model_of(request).front.offload(
-        lambda: binary_response(outputs, wire, head, num_tokens), size=size
-    )
 
 
 def check_task(model: ServedModel, task: str) -> None:
@@ -220,25 +165,6 @@ def check_task(model: ServedModel, task: str) -> None:
             param="model",
             code="unsupported_task",
         )
-
-
-def check_inputs(state: ServerState, inputs: list, param: str = "input") -> None:
-    """400 for an empty input list, and for token ids unless the server was told to take
-    them (``--allow-token-ids``): ids of another tokenizer would give wrong vectors silently."""
-    if not inputs:
-        raise APIError(400, f"{param} is empty: send at least one text", param=param)
-    if isinstance(inputs[0], str) or state.settings.allow_token_ids:
-        return
-    raise APIError(
-        400,
-        "this server takes text, not token ids: ids are read as this model's own token ids, "
-        "and ids from another tokenizer give wrong vectors without any error. LangChain's "
-        "OpenAIEmbeddings sends OpenAI tokenizer ids unless you pass "
-        "check_embedding_ctx_length=False; set that (or send text). If these are ids of this "
-        "model's tokenizer, start the server with --allow-token-ids.",
-        param="input",
-        code="token_ids_not_allowed",
-    )
 
 
 class ClientGone(Exception):

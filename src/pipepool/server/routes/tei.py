@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request, Response
 from ...errors import PipepoolError
 from ..encoding import encode_rows
 from ..errors import EMPTY, APIError, from_engine
+from ..fast_route import FastBodyRoute
 from ..limits import check_input_count, too_many_tokens
 from ..tei_info import tei_info
 from ..tei_protocol import (
@@ -26,9 +27,10 @@ from ..tei_protocol import (
     TEISimilarityRequest,
     long_inputs_of,
 )
-from .shared import json_answer, run_model_outputs, select_model, state_of
+from .answers import json_answer
+from .shared import run_model_outputs, select_model, state_of
 
-router = APIRouter(tags=["TEI"])
+router = APIRouter(tags=["TEI"], route_class=FastBodyRoute)
 
 # TEI's error answers (TEI's ErrorResponse body) of a route that runs the model, and of one
 # that does not.

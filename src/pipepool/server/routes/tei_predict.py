@@ -12,11 +12,11 @@ from ...core.submission import Submission
 from ..errors import EMPTY, APIError
 from ..limits import bounded_scoring, check_input_count
 from ..tei_protocol import TEIPrediction, TEIPredictRequest, long_inputs_of
+from .answers import json_answer
 from .shared import (
     CLIENT_CLOSED,
     ClientGone,
     check_task,
-    json_answer,
     select_model,
     state_of,
     unless_client_leaves,

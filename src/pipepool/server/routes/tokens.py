@@ -19,10 +19,16 @@ from ...errors import PipepoolError
 from ...intake.inputs import valid_texts
 from .. import tokens_protocol as tp
 from ..errors import APIError, answer_as_tei, from_engine
-from ..limits import check_input_count, check_text_lengths, check_token_counts, too_many_tokens
+from ..limits import (
+    check_input_count,
+    check_text_lengths,
+    check_token_counts,
+    plain_token_ids,
+    too_many_tokens,
+)
 from ..models import ServedModel
 from ..settings import ServerSettings
-from .shared import TOKENIZER_ERRORS, ServerState, plain_token_ids, select_model, state_of
+from .shared import TOKENIZER_ERRORS, ServerState, select_model, state_of
 from .tei import TEI_TOKENIZER_FORM_ERRORS
 
 T = TypeVar("T")

@@ -295,6 +295,34 @@ def test_an_image_column_of_bytes_and_paths_gives_the_engines_vectors(clip, imag
         embedder.close()
 
 
+def test_an_image_column_of_pixels_gives_the_engines_vectors(clip, image_folder):
+    """Tensor columns, as ``ray.data.read_images`` makes them: uint8 pixels of one shape or of
+    each row's own, [H, W] or [H, W, C]."""
+    from PIL import Image
+    from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
+
+    images = [image.convert("RGB") for image in tiny_towers.sample_images()]
+    grey = [np.asarray(image.convert("L")) for image in images[:2]]
+    embedder = EmbedBatches(clip, image_column="image")
+    try:
+        batches = [
+            (ArrowVariableShapedTensorArray.from_numpy([np.asarray(i) for i in images]), images),
+            (ArrowTensorArray.from_numpy(np.stack([np.asarray(images[0])] * 2)), images[:1] * 2),
+            (ArrowVariableShapedTensorArray.from_numpy(grey), [Image.fromarray(g) for g in grey]),
+        ]
+        for column, want_images in batches:
+            table = embedder(pa.table({"id": range(len(column)), "image": column}))
+            got = BlockAccessor.for_block(table).to_batch_format("numpy")["embedding"]
+            want = embedder.engine.embed(want_images)
+            assert got.shape == want.shape and _cosines(got, want).min() >= COS_MIN
+        floats = ArrowTensorArray.from_numpy(np.zeros((2, 8, 8, 3), np.float32))
+        with pytest.raises(InvalidInputError, match=r"row 0 of the batch \(id=0\): column 'image' "
+                           r"holds a float32 tensor of shape \(8, 8, 3\)"):  # fmt: skip
+            embedder(pa.table({"id": range(2), "image": floats}))
+    finally:
+        embedder.close()
+
+
 def test_an_image_column_is_refused_where_it_cannot_work(clip, minilm):
     with pytest.raises(InvalidInputError, match="give text_column or image_column"):
         EmbedBatches(clip, text_column="caption", image_column="image")
@@ -437,6 +465,8 @@ def test_pp2_actor_matches_and_its_stage_ends_with_the_job(cluster, minilm, mini
 
 
 def test_an_actor_embeds_an_image_column(cluster, clip, image_folder):
+    from PIL import Image
+
     folder, blobs = image_folder
     rows = [{"id": i, "image": blobs[i % len(blobs)]} for i in range(20)]
     out = ray.data.from_items(rows).map_batches(
@@ -448,10 +478,22 @@ def test_an_actor_embeds_an_image_column(cluster, clip, image_folder):
         batch_size=8,
     )  # fmt: skip
     got = _numpy(out)
+    # Ray's own image reader: a tensor column of each file's pixels.
+    read = ray.data.read_images(str(folder), mode="RGB", include_paths=True).map_batches(
+        EmbedBatches,
+        fn_constructor_kwargs={"model": clip, "image_column": "image"},
+        compute=_pool(1),
+        num_cpus=1,
+        batch_size=8,
+    )
+    pixels = _numpy(read)
     with Engine(clip) as engine:
         want = engine.embed([blobs[i % len(blobs)] for i in range(20)])
+        from_files = engine.embed([Image.open(path).convert("RGB") for path in pixels["path"]])
     assert got["id"].tolist() == list(range(20))
     assert _cosines(got["embedding"], want).min() >= COS_MIN
+    assert len(pixels["path"]) == len(blobs)
+    assert _cosines(pixels["embedding"], from_files).min() >= COS_MIN
 
 
 def test_no_stage_outlives_ray_shutdown(cluster, minilm, minilm_engine):

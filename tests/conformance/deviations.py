@@ -142,8 +142,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _d("cohere", "POST /v1/embed", "positive_data_acceptance",
        "text only: images and image inputs are refused by name (400)"),
     _d("cohere", "POST /v2/embed", "positive_data_acceptance",
-       "images are embedded by dual encoders (CLIP, SigLIP) only, as data URIs: the text "
-       "model served here refuses them (400), and content-part inputs are refused by name"),
+       "images are embedded by dual encoders (CLIP, SigLIP) only, as data URIs, files under "
+       "--allowed-local-media-path or URLs of --allowed-media-domains hosts: the text model "
+       "served here refuses them (400), and content-part inputs are refused by name"),
     *(
         _d("cohere", op, "response_schema_conformance",
            "the document requires a top-level api_version that its properties do not define; "

@@ -19,12 +19,17 @@ import pyarrow as pa
 from ray.data.block import BlockAccessor
 from ray.data.extensions import (
     ArrowTensorArray,
+    ArrowTensorType,
+    ArrowTensorTypeV2,
     ArrowVariableShapedTensorArray,
     ArrowVariableShapedTensorType,
 )
 
 from ..errors import InvalidInputError
 
+# Ray's tensor columns (``ray.data.read_images``' "image"; V2: the fixed-shape type Ray 2.60
+# makes, not a subclass of the first).
+_TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
 # How much of a row an error message shows besides its position: short scalar values (an id, a
 # file name), the first few columns.
 _SHOWN_COLUMNS = 4
@@ -109,17 +114,22 @@ def list_column(rows: Sequence[np.ndarray], kind: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
 
 
-def images_of(table: pa.Table, column: str, folder: str | None) -> list[bytes | Path]:
+def images_of(table: pa.Table, column: str, folder: str | None) -> list:
     """The images of ``column``: a binary value is an image's bytes (PNG, JPEG, ...), a string
     a file's path, relative ones under ``folder`` (the engine's allowed_local_media_path, which
-    every file must lie under); InvalidInputError naming the first row that holds anything else,
-    or the batch's columns where there is no such column."""
+    every file must lie under), a tensor (``ray.data.read_images``' column) an image's uint8
+    pixels, ``[H, W]`` or ``[H, W, C]`` with C 1, 3 or 4; InvalidInputError naming the first
+    row that holds anything else, or the batch's columns where there is no such column."""
     if column not in table.column_names:
         raise InvalidInputError(
             f"the batch has no column {column!r}; its columns are "
             f"{', '.join(map(repr, table.column_names))}",
             param=column,
         )
+    kind = table.schema.field(column).type
+    if isinstance(kind, _TENSOR_TYPES):
+        arrays = BlockAccessor.for_block(table.select([column])).to_batch_format("numpy")[column]
+        return [_pixels_image(table, column, i, np.asarray(a)) for i, a in enumerate(arrays)]
     images: list[bytes | Path] = []
     for i, value in enumerate(table.column(column).to_pylist()):
         if isinstance(value, (bytes, bytearray)):
@@ -136,3 +146,19 @@ def images_of(table: pa.Table, column: str, folder: str | None) -> list[bytes | 
                 index=i,
             )
     return images
+
+
+def _pixels_image(table: pa.Table, column: str, index: int, pixels: np.ndarray):
+    """A row's uint8 pixels as a PIL image (its mode from its channels)."""
+    from PIL import Image
+
+    channels = 1 if pixels.ndim == 2 else pixels.shape[-1] if pixels.ndim == 3 else 0
+    if pixels.dtype != np.uint8 or channels not in (1, 3, 4):
+        raise InvalidInputError(
+            f"{describe_row(table, index, skip=column)}: column {column!r} holds a "
+            f"{pixels.dtype} tensor of shape {pixels.shape}, not an image's uint8 pixels "
+            "([H, W] or [H, W, C], C 1, 3 or 4)",
+            param=column,
+            index=index,
+        )
+    return Image.fromarray(pixels[..., 0] if pixels.ndim == 3 and channels == 1 else pixels)

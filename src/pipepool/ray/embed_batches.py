@@ -47,9 +47,10 @@ class EmbedBatches:
     - ``image_column`` (a dual encoder's, CLIP or SigLIP): the rows' images are embedded
       instead of texts, dense vectors in the same space as the texts'. A binary column holds
       images' bytes, a string one files' paths (relative ones under
-      ``allowed_local_media_path``, an engine option, which every file must lie under); an
-      image refused (not decodable, over ``max_image_pixels``, a file outside the folder)
-      fails the batch naming its row.
+      ``allowed_local_media_path``, an engine option, which every file must lie under), a
+      tensor one (``ray.data.read_images``') their uint8 pixels; an image refused (not
+      decodable, over ``max_image_pixels``, a file outside the folder, a tensor that is no
+      image) fails the batch naming its row.
     - Keyword arguments of a call (map_batches' ``fn_kwargs``) go to the engine method unchanged:
       ``prompt_name``, ``dimensions``, ``is_query``, ``top_k``, ``truncate_prompt_tokens``,
       ``instruction``, ...

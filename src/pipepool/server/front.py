@@ -29,6 +29,7 @@ from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
 from . import timing
 from .encoding import Vectors
+from .errors import APIError
 from .online_gate import BackgroundPool
 from .owner import EngineOwner
 
@@ -68,11 +69,14 @@ class EngineCall:
     within the server's limits): ``inputs``, which the queue counts and whose size picks the
     tokenising lane, and either ``submit`` (enqueues them; the results come by the
     submission's future: ``AsyncEngine.run``) or ``call`` (an engine call that waits for its
-    own results: ``AsyncEngine.run_call``)."""
+    own results: ``AsyncEngine.run_call``). ``renamed``: how the engine's refusals of
+    ``input i`` name the request's own field (``routes/images.renamed``), where it is not
+    ``input``."""
 
     inputs: Sequence
     submit: Callable[[Engine], AnySubmission] | None = None
     call: Callable[[Engine], Any] | None = None
+    renamed: Callable[[APIError], APIError] | None = None
 
 
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters

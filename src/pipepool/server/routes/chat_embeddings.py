@@ -10,6 +10,8 @@ and a vision-language embedder's rendering of a conversation is not wired here y
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import Request, Response
 
 from ...core.dual_encoders import DUAL_ENCODERS
@@ -17,11 +19,12 @@ from ...errors import PipepoolError
 from ...intake.conversation import RemoteImage
 from ..chat_messages import PARAM, parse_messages
 from ..errors import APIError, from_engine
-from ..front import Encoded
+from ..front import Encoded, EngineCall
+from ..limits import embedding_call
 from ..media_fetch import fetched
 from ..protocol import InputsRequest
-from .images import renamed, run_model_images
-from .shared import model_of, run_model_outputs
+from .images import images_call, renamed
+from .shared import check_task, model_of, run_engine, state_of
 
 
 async def embed_messages(
@@ -32,9 +35,25 @@ async def embed_messages(
     pooling: str | None = None,
     dimensions: int | None = None,
 ) -> Encoded | Response:
-    """The vectors of ``body.messages`` (one input), with the route's ``pooling`` ("all":
-    /pooling's token_embed), ``dimensions`` and ``normalize``; a bare Response (499) if the
+    """The vectors of ``body.messages`` (``messages_call``, run); a bare Response (499) if the
     client left meanwhile."""
+    work = await messages_call(
+        request, body, normalize=normalize, pooling=pooling, dimensions=dimensions
+    )
+    return await run_engine(request, work)
+
+
+async def messages_call(
+    request: Request,
+    body: InputsRequest,
+    *,
+    normalize: bool | None,
+    pooling: str | None = None,
+    dimensions: int | None = None,
+) -> EngineCall:
+    """The engine work of ``body.messages`` (one input), with the route's ``pooling`` ("all":
+    /pooling's token_embed), ``dimensions`` and ``normalize``, every check made (a remote
+    image fetched first)."""
     assert body.messages is not None  # the caller's test
     if body.input is not None:
         raise APIError(400, "give input or messages, not both", param=PARAM, code="invalid_value")
@@ -65,21 +84,23 @@ async def embed_messages(
     except PipepoolError as exc:
         raise from_engine(exc) from None
     part = conversation.parts[0]
+    model, settings = model_of(request), state_of(request).settings
     if isinstance(item, str):
+        check_task(model, "embed")
+        options = {
+            "truncate_prompt_tokens": body.truncate_prompt_tokens,
+            "truncation_side": body.truncation_side or "right",
+            "long_inputs": body.long_inputs,
+            "pooling": pooling,
+            "dimensions": dimensions,
+            "normalize": normalize,
+        }
+        name = [part.where]
         try:
-            return await run_model_outputs(
-                request,
-                [item],
-                param=PARAM,
-                truncate_prompt_tokens=body.truncate_prompt_tokens,
-                truncation_side=body.truncation_side or "right",
-                long_inputs=body.long_inputs,
-                pooling=pooling,
-                dimensions=dimensions,
-                normalize=normalize,
-            )
+            work = embedding_call(settings, model.front, [item], options, PARAM)
         except APIError as exc:
-            raise renamed(exc, PARAM, [part.where]) from None
+            raise renamed(exc, PARAM, name) from None
+        return replace(work, renamed=lambda exc: renamed(exc, PARAM, name))
     if pooling == "all":
         raise APIError(
             400,
@@ -90,14 +111,11 @@ async def embed_messages(
         )
     if isinstance(item, RemoteImage):
         item = (await fetched(request, [item], PARAM))[0]
-    return await run_model_images(
-        request,
-        [item],
-        PARAM,
-        [part.where],
-        dimensions=dimensions,
-        normalize=normalize,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncation_side=body.truncation_side or "right",
-        long_inputs=body.long_inputs,
-    )
+    options = {
+        "dimensions": dimensions,
+        "normalize": normalize,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "truncation_side": body.truncation_side or "right",
+        "long_inputs": body.long_inputs,
+    }
+    return images_call(settings, model, [item], PARAM, [part.where], options)

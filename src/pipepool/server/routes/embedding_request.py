@@ -1,7 +1,7 @@
 """A ``/v1/embeddings`` request, from its body to its answer, in three steps that
 ``openai.embeddings`` takes in turn: ``prepare`` (on the event loop: the model chosen, every
-check that a 4xx answers, the engine work within the server's limits), the engine's run
-(``shared.run_engine``), then ``answer``. What the body asks picks the work: the dense
+check that a 4xx answers, the engine work within the server's limits; a chat form's remote
+image fetched), the engine's run (``shared.run_engine``), then ``answer``. What the body asks picks the work: the dense
 vectors (``limits.embedding_call``: ``Engine.submit``, tokenised once and counted on those
 tokens), other outputs (``retrieval.outputs_call``) or late chunking
 (``late_chunking.late_chunks_call``), both calls that wait for their own results, counted once
@@ -24,16 +24,18 @@ from ..limits import embedding_call
 from ..pooling_protocol import answer_head
 from . import retrieval
 from .answers import binary_answer, json_answer
+from .chat_embeddings import messages_call
 from .late_chunking import late_chunks_call
 from .shared import check_task, model_of, select_model, state_of
 
 DENSE = ("dense",)
 
 
-def prepare(request: Request, body: protocol.EmbeddingRequest) -> EngineCall:
+async def prepare(request: Request, body: protocol.EmbeddingRequest) -> EngineCall:
     """The engine work ``body`` asks of its model, every check made: 400 for options that do
     not go together, for outputs the model does not give, and for inputs over the limits; 404
-    for a model that does not embed; 503 while it loads."""
+    for a model that does not embed; 503 while it loads. ``messages`` (vLLM's chat form):
+    one input (``chat_embeddings.py``), a remote image in it fetched here."""
     if body.late_chunking and body.outputs not in (None, list(DENSE)):
         raise APIError(
             400,
@@ -55,6 +57,11 @@ def prepare(request: Request, body: protocol.EmbeddingRequest) -> EngineCall:
             param="encoding_format",
             code="invalid_value",
         )
+    if body.messages is not None and outputs == DENSE and not body.late_chunking:
+        return await messages_call(
+            request, body, dimensions=body.dimensions, normalize=body.normalized
+        )
+    # messages with outputs or late chunking: body.inputs() refuses them (no input)
     settings, inputs = state_of(request).settings, body.inputs()
     counted: Callable[[Engine], Any] | None = None
     if outputs != DENSE:

@@ -17,16 +17,11 @@ from fastapi import Request, Response
 
 from ...intake.conversation import RemoteImage
 from ..errors import APIError
-from ..front import INLINE_SIZE, Encoded
+from ..front import INLINE_SIZE, Encoded, EngineCall
 from ..limits import check_input_count
-from .shared import (
-    CLIENT_CLOSED,
-    ClientGone,
-    check_task,
-    model_of,
-    state_of,
-    unless_client_leaves,
-)
+from ..models import ServedModel
+from ..settings import ServerSettings
+from .shared import check_task, model_of, run_engine, state_of
 
 # Cohere's image formats (its /v2/embed document: jpeg, png, webp, gif).
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif")
@@ -89,24 +84,34 @@ async def run_model_images(
     names: list[str] | None = None,
     **options,
 ) -> Encoded | Response:
-    """``Engine.submit(blobs, **options)`` on a lane (decoding is CPU work), its refusals a
-    400 (field ``param``) naming each image as ``names[i]`` (default ``param[i]``); a bare
-    Response (499) if the client left meanwhile."""
-    state, model = state_of(request), model_of(request)
+    """``images_call`` of the request's model, run (``run_engine``); a bare Response (499) if
+    the client left meanwhile."""
+    work = images_call(state_of(request).settings, model_of(request), blobs, param, names, options)
+    return await run_engine(request, work)
+
+
+def images_call(
+    settings: ServerSettings,
+    model: ServedModel,
+    blobs: list[bytes | Path],
+    param: str,
+    names: list[str] | None,
+    options: dict,
+) -> EngineCall:
+    """``Engine.submit(blobs, **options)`` as an engine call (decoding is CPU work: always on a
+    lane), its refusals a 400 (field ``param``) naming each image as ``names[i]`` (default
+    ``param[i]``). 404 for a model that does not embed."""
     check_task(model, "embed")
-    check_input_count(state.settings, len(blobs), param)
+    check_input_count(settings, len(blobs), param)
     # The front end weighs a request by what it holds to pick where it runs; an image is
     # weighed as at least more than the event loop does itself, so that it is always decoded
     # on a lane (a file:// path would otherwise weigh one).
     weights = [range(max(len(b) if isinstance(b, bytes) else 0, INLINE_SIZE + 1)) for b in blobs]
-    try:
-        return await unless_client_leaves(
-            request, model.front.run(len(blobs), lambda e: e.submit(blobs, **options), weights)
-        )
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    except APIError as exc:  # the engine's refusals name "input i": this route's field
-        raise renamed(exc, param, names) from None
+    return EngineCall(
+        weights,
+        submit=lambda engine: engine.submit(blobs, **options),
+        renamed=lambda exc: renamed(exc, param, names),
+    )
 
 
 def renamed(exc: APIError, param: str, names: list[str] | None = None) -> APIError:

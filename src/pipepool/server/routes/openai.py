@@ -10,8 +10,7 @@ from ..fast_route import FastBodyRoute
 from ..model_cards import CardQuery, model_card
 from ..models import ServedModel
 from . import embedding_request
-from .chat_embeddings import embed_messages
-from .shared import ERRORS, ServerState, errors_doc, run_engine, select_model, state_of
+from .shared import ERRORS, ServerState, errors_doc, run_engine, state_of
 
 router = APIRouter(route_class=FastBodyRoute)
 
@@ -35,13 +34,8 @@ async def embeddings(body: protocol.EmbeddingRequest, request: Request) -> Respo
     ``late_chunking``, the chunks of one document (``late_chunking.py``); with ``messages``
     (vLLM's chat form), one input (``chat_embeddings.py``). Prepared, run and answered in turn
     (``embedding_request.py``)."""
-    if body.messages is not None and body.outputs is None and not body.late_chunking:
-        select_model(request, body.model, "embed")
-        done = await embed_messages(
-            request, body, dimensions=body.dimensions, normalize=body.normalized
-        )
-    else:  # messages with outputs or late_chunking: refused there, as input is missing
-        done = await run_engine(request, embedding_request.prepare(request, body))
+    work = await embedding_request.prepare(request, body)
+    done = await run_engine(request, work)
     if isinstance(done, Response):  # the client left
         return done
     return await embedding_request.answer(request, body, done)

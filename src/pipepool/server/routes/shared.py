@@ -120,11 +120,16 @@ async def run_model_outputs(
 async def run_engine(request: Request, work: EngineCall) -> Any:
     """``work`` on the request's model (``AsyncEngine.perform``): its outputs, the engine's
     errors as 4xx/5xx (``unless_client_leaves``), or a bare Response (499) if the client left
-    meanwhile."""
+    meanwhile. A refusal naming ``input i`` names the request's own field where ``work`` says
+    how (``EngineCall.renamed``)."""
     try:
         return await unless_client_leaves(request, model_of(request).front.perform(work))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:
+        if work.renamed is None:
+            raise
+        raise work.renamed(exc) from None
 
 
 # Each task (``api.routing.TASKS``) as a 404 names it: what it gives, and what model gives it.

@@ -53,7 +53,10 @@ TINY = dict(
     vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
 )  # fmt: skip
-WORDS = "a photo of the page with a chart table figure invoice receipt diagram map".split()
+WORDS = [
+    "a", "photo", "of", "the", "page", "with", "a", "chart", "table", "figure", "invoice",
+    "receipt", "diagram", "map",
+]  # fmt: skip
 
 
 def build_checkpoint(shape: str) -> Path:

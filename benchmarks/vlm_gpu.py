@@ -139,9 +139,9 @@ def run_transformers(folder: Path, inputs: list[dict], args) -> tuple[float, np.
     # The processor without its video processor (transformers' needs torchvision).
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
-        lambda self, name, arg: None
-        if name == "video_processor" and arg is None
-        else check(self, name, arg)
+        lambda self, name, arg: (
+            None if name == "video_processor" and arg is None else check(self, name, arg)
+        )
     )
     try:
         processor = transformers.Qwen2VLProcessor(

@@ -62,7 +62,20 @@ class SharedSteps:
             self._shared_until = now + MEMORY_S
         if now >= self._shared_until or self.seconds_per_token is None:
             return None
+        return self.short_tokens()
+
+    def short_tokens(self) -> int:
+        """The tokens of a step of about ``step_s`` of compute (``MIN_TOKENS`` until a step
+        was timed)."""
+        if self.seconds_per_token is None:
+            return MIN_TOKENS
         return max(MIN_TOKENS, int(self.step_s / self.seconds_per_token))
+
+    def light_served(self, now: float) -> None:
+        """A light call was served beside other calls' work (between two layers of their
+        step, ``LocalPipeline._light_step``): steps stay short, as when one waits for a step."""
+        if self.enabled:
+            self._shared_until = now + MEMORY_S
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A step of ``tokens`` took ``seconds`` from its hand-over to its result."""

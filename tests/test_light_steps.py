@@ -1,0 +1,182 @@
+"""Light calls' steps between two layers of a long step (``Scheduler.schedule_light``,
+``models.between_layers``, ``LocalPipeline._light_step``): a one-word request that arrives
+while an encoder computes a long window waits for a layer of it, not for the window."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import pipepool
+from pipepool.core.digest import expected_digest
+from pipepool.core.plan import StepPlan, StepResult
+from pipepool.core.priority import client_turns
+from pipepool.core.request import PoolingParams, RequestBatch
+from pipepool.core.scheduler import Scheduler
+from pipepool.driver.shared_steps import MEMORY_S, MIN_TOKENS, SharedSteps
+from pipepool.models import bert as bert_model
+from pipepool.stage import runner as stage_runner
+
+PARAMS = PoolingParams(pooling="mean")
+
+
+def batch(first_id: int, *lens: int, call: int | None = None) -> RequestBatch:
+    tokens = np.arange(sum(lens), dtype=np.int64) % 50 + 1
+    made = RequestBatch(first_id, tokens, np.array(lens), PARAMS)
+    if call is not None:
+        made.call = call
+    return made
+
+
+def encoder_scheduler(budget: int = 64) -> Scheduler:
+    return Scheduler(max_num_batched_tokens=budget, max_num_seqs=64, chunked=False, blocks=None)
+
+
+def answer(plan: StepPlan) -> StepResult:
+    """What a correct last stage returns for ``plan``: its state digest as expected, an output
+    for every request (an encoder's requests finish in their step)."""
+    return StepResult(
+        step_id=plan.step_id,
+        digest=expected_digest(plan.step_id, plan.expected_state, 1),
+        vector_ids=plan.req_ids.copy(),
+        vectors=plan.req_ids.astype(np.float32).reshape(-1, 1),
+    )
+
+
+def test_a_light_plan_takes_light_calls_of_other_clients_alone():
+    s = encoder_scheduler(budget=64)
+    s.add(batch(0, 60, 60, call=0))  # a long call: one prompt a step
+    long_step = s.schedule()
+    assert long_step is not None and long_step.req_ids.tolist() == [0]
+    s.add(batch(2, 3, call=0))  # the long call's own small slice: keeps its order
+    job = batch(3, 2)
+    job.background = True
+    s.add(job)  # background work: never in a light plan
+    s.add(batch(4, 40))  # a call over the light bound
+    s.add(batch(5, 3))  # light
+    s.add(batch(6, 2, 2))  # light, two requests
+    s.add(batch(8, 9))  # light, but over what is left of the budget
+    light = s.schedule_light(light_tokens=16, max_tokens=8)
+    assert light is not None
+    assert light.req_ids.tolist() == [5, 6, 7], "light calls of other clients, whole, in order"
+    assert light.num_tokens == 7
+    assert s.schedule_light(light_tokens=16, max_tokens=8).req_ids.tolist() == [8], (
+        "the first light call found always goes"
+    )
+    assert s.schedule_light(light_tokens=16, max_tokens=8) is None
+    # Results come back out of order: the light plans finished inside the long step.
+    for plan in (light,):
+        s.update(plan, answer(plan), last_stage=0)
+    s.update(long_step, answer(long_step), last_stage=0)
+    rest = []
+    while (plan := s.schedule()) is not None:
+        s.update(plan, answer(plan), last_stage=0)
+        rest += plan.req_ids.tolist()
+    assert sorted(rest) == [1, 2, 3, 4], "every other request is planned once, as before"
+
+
+def test_no_light_plan_for_causal_models():
+    from pipepool.core.kv_blocks import BlockAllocator
+
+    s = Scheduler(max_num_batched_tokens=64, max_num_seqs=8, chunked=True,
+                  blocks=BlockAllocator(16, 16))  # fmt: skip
+    with pytest.raises(AssertionError, match="causal"):
+        s.schedule_light(light_tokens=16, max_tokens=64)
+
+
+def test_a_light_call_served_between_layers_keeps_steps_short():
+    steps = SharedSteps(2048, enabled=True)
+    assert steps.short_tokens() == MIN_TOKENS, "no step timed yet"
+    steps.timed(200, 0.02)
+    short = steps.short_tokens()
+    s = encoder_scheduler()
+    s.add(batch(0, *[8] * 20))  # a large call, no light one waiting
+    assert steps.budget(s, now=0.0) is None
+    steps.light_served(now=1.0)
+    assert steps.budget(s, now=1.0 + MEMORY_S / 2) == short
+    assert steps.budget(s, now=1.0 + MEMORY_S) is None
+    off = SharedSteps(2048, enabled=False)
+    off.light_served(now=1.0)
+    assert off.budget(s, now=1.5) is None
+
+
+def test_the_cpu_busy_clock_counts_a_step_inside_another_once(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(stage_runner.time, "perf_counter", lambda: now[0])
+    import torch
+
+    clock = stage_runner.BusyClock(torch.device("cpu"))
+    clock.start()
+    now[0] = 1.0
+    clock.start()  # a light step between two layers
+    now[0] = 1.5
+    clock.stop()
+    now[0] = 3.0
+    clock.stop()
+    assert clock.seconds == 3.0
+
+
+BUDGET = 64
+LONG = " ".join(["a long window of words"] * 30)  # over BUDGET tokens: one step, alone
+LIGHT = ["hi"]
+
+
+@pytest.fixture(scope="module")
+def engine(bert_path):
+    with pipepool.Engine(str(bert_path), max_num_batched_tokens=BUDGET, dtype="float32") as e:
+        assert e.pipeline._between_layers, "a CPU encoder computes its stage on the loop thread"
+        yield e
+
+
+def test_a_light_call_is_computed_between_two_layers_of_a_long_step(engine, monkeypatch):
+    alone_long = engine.embed([LONG])
+    alone_light = engine.embed(LIGHT)
+    loop = engine.pipeline._thread
+    armed = threading.Event()
+    seen: dict[str, object] = {}
+    original = bert_model.between_layers
+
+    def inside_the_long_step() -> None:
+        # The first layer boundary of the long call's step (the only step once armed): a
+        # light call of another client arrives now, while that step computes.
+        if armed.is_set() and threading.current_thread() is loop and "light" not in seen:
+            with client_turns("light"):
+                seen["light"] = light = engine.submit(LIGHT)
+            original()  # the pipeline's hook: the light call's step, here
+            seen["done inside"] = light.done()
+            return
+        original()
+
+    monkeypatch.setattr(bert_model, "between_layers", inside_the_long_step)
+    with client_turns("long"):
+        armed.set()
+        long_call = engine.submit([LONG])
+        long_vectors = long_call.result(timeout=120)
+    assert seen.get("done inside") is True, "the light call finished inside the long step"
+    light_vectors = seen["light"].result(timeout=0)
+    assert np.array_equal(light_vectors, alone_light)
+    assert np.array_equal(long_vectors, alone_long), "the long step resumed where it stopped"
+
+
+def test_a_light_call_of_the_same_client_waits_for_its_long_step(engine, monkeypatch):
+    loop = engine.pipeline._thread
+    seen: dict[str, object] = {}
+    original = bert_model.between_layers
+
+    def inside_the_long_step() -> None:
+        if threading.current_thread() is loop and "light" not in seen:
+            with client_turns("one client"):
+                seen["light"] = light = engine.submit(LIGHT)
+            original()
+            seen["done inside"] = light.done()
+            return
+        original()
+
+    monkeypatch.setattr(bert_model, "between_layers", inside_the_long_step)
+    with client_turns("one client"):
+        long_call = engine.submit([LONG])
+        long_call.result(timeout=120)
+    assert seen["done inside"] is False, "a client's own calls keep their order"
+    assert len(seen["light"].result(timeout=120)) == 1

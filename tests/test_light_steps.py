@@ -127,56 +127,62 @@ LIGHT = ["hi"]
 def engine(bert_path):
     with pipepool.Engine(str(bert_path), max_num_batched_tokens=BUDGET, dtype="float32") as e:
         assert e.pipeline._between_layers, "a CPU encoder computes its stage on the loop thread"
+        # A tiny model's step is over in a few ms: light steps inside it may start at once.
+        e.pipeline._shared_steps = SharedSteps(BUDGET, enabled=True, step_s=0.0)
         yield e
 
 
-def test_a_light_call_is_computed_between_two_layers_of_a_long_step(engine, monkeypatch):
-    alone_long = engine.embed([LONG])
-    alone_light = engine.embed(LIGHT)
+def _light_call_inside(engine, monkeypatch, first: list[str], first_client: str,
+                       light_client: str) -> tuple[np.ndarray, dict]:  # fmt: skip
+    """Submit ``first`` as ``first_client``; at the first layer boundary of its step, a light
+    call of ``light_client`` arrives. Returns ``first``'s vectors and what was seen: the light
+    call ("light") and whether it had finished before that step went on ("done inside")."""
     loop = engine.pipeline._thread
     armed = threading.Event()
-    seen: dict[str, object] = {}
+    seen: dict = {}
     original = bert_model.between_layers
 
-    def inside_the_long_step() -> None:
-        # The first layer boundary of the long call's step (the only step once armed): a
-        # light call of another client arrives now, while that step computes.
+    def at_a_layer_boundary() -> None:
         if armed.is_set() and threading.current_thread() is loop and "light" not in seen:
-            with client_turns("light"):
+            with client_turns(light_client):
                 seen["light"] = light = engine.submit(LIGHT)
-            original()  # the pipeline's hook: the light call's step, here
+            original()  # the pipeline's hook: the light call's step, where it has one
             seen["done inside"] = light.done()
             return
         original()
 
-    monkeypatch.setattr(bert_model, "between_layers", inside_the_long_step)
-    with client_turns("long"):
+    monkeypatch.setattr(bert_model, "between_layers", at_a_layer_boundary)
+    with client_turns(first_client):
         armed.set()
-        long_call = engine.submit([LONG])
-        long_vectors = long_call.result(timeout=120)
-    assert seen.get("done inside") is True, "the light call finished inside the long step"
-    light_vectors = seen["light"].result(timeout=0)
-    assert np.array_equal(light_vectors, alone_light)
+        vectors = engine.submit(first).result(timeout=120)
+    assert "light" in seen, "the step had a layer boundary"
+    return vectors, seen
+
+
+def test_a_light_call_is_computed_between_two_layers_of_a_long_step(engine, monkeypatch):
+    alone_long, alone_light = engine.embed([LONG]), engine.embed(LIGHT)
+    long_vectors, seen = _light_call_inside(engine, monkeypatch, [LONG], "long", "light")
+    assert seen["done inside"] is True, "the light call finished inside the long step"
+    assert np.array_equal(seen["light"].result(timeout=0), alone_light)
     assert np.array_equal(long_vectors, alone_long), "the long step resumed where it stopped"
 
 
 def test_a_light_call_of_the_same_client_waits_for_its_long_step(engine, monkeypatch):
-    loop = engine.pipeline._thread
-    seen: dict[str, object] = {}
-    original = bert_model.between_layers
-
-    def inside_the_long_step() -> None:
-        if threading.current_thread() is loop and "light" not in seen:
-            with client_turns("one client"):
-                seen["light"] = light = engine.submit(LIGHT)
-            original()
-            seen["done inside"] = light.done()
-            return
-        original()
-
-    monkeypatch.setattr(bert_model, "between_layers", inside_the_long_step)
-    with client_turns("one client"):
-        long_call = engine.submit([LONG])
-        long_call.result(timeout=120)
+    _, seen = _light_call_inside(engine, monkeypatch, [LONG], "one client", "one client")
     assert seen["done inside"] is False, "a client's own calls keep their order"
+    assert len(seen["light"].result(timeout=120)) == 1
+
+
+def test_a_short_step_hosts_no_light_step(engine, monkeypatch):
+    _, seen = _light_call_inside(engine, monkeypatch, LIGHT, "first", "light")
+    assert seen["done inside"] is False, "it shares the next step with whatever else came"
+    assert len(seen["light"].result(timeout=120)) == 1
+
+
+def test_light_calls_wait_for_step_s_of_the_long_step_first(engine, monkeypatch):
+    shared = engine.pipeline._shared_steps
+    monkeypatch.setattr(shared, "step_s", 3600.0)
+    monkeypatch.setattr(shared, "short_tokens", lambda: MIN_TOKENS)  # the long step is long
+    _, seen = _light_call_inside(engine, monkeypatch, [LONG], "long", "light")
+    assert seen["done inside"] is False, "the long step had not computed step_s yet"
     assert len(seen["light"].result(timeout=120)) == 1

@@ -104,6 +104,7 @@ class LocalPipeline:
         # thread computes the one stage (CPU) of an encoder, and no trace follows the steps.
         self._between_layers = not (d.overlap_steps or d.causal or d.num_stages > 1 or config.trace)
         self._nested_s = 0.0  # time the step in flight spent on light steps inside it
+        self._light_due = 0.0  # no light step inside the one in flight before (perf_counter)
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -346,8 +347,9 @@ class LocalPipeline:
                 # Stage 0 may run here, and the hand-over waits on the next stages: bounded too.
                 self._watchdog.waiting(max(plan.num_tokens, _largest(inflight)))
                 self._nested_s = 0.0
+                self._light_due = time.perf_counter() + self._shared_steps.step_s
                 try:
-                    with hooked(self._light_step if self._between_layers else None):
+                    with hooked(self._light_step if self._hosts_light_steps(plan) else None):
                         executor.submit(plan)
                 finally:
                     self._watchdog.waited()
@@ -383,14 +385,26 @@ class LocalPipeline:
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
 
+    def _hosts_light_steps(self, plan: StepPlan) -> bool:
+        """Whether light calls may have steps between two layers of ``plan``: one longer than
+        a short step (``SharedSteps.short_tokens``), on a pipeline that can. A light call that
+        arrives during a short step waits for its end and shares the next one with the others
+        that came meanwhile: one step for them all."""
+        return self._between_layers and plan.num_tokens > self._shared_steps.short_tokens()
+
     def _light_step(self) -> None:
         """Between two layers of a step this thread computes: a step of the light calls that
         arrived meanwhile (``Scheduler.schedule_light``), computed and delivered before the
         long step goes on, so a one-word request waits for a layer, not for a whole step
         (an encoder window of 256 tokens: ~70 ms of two CPU cores, a layer of it ~12 ms;
         issue 57). Encoder requests live one step, so a plan inside another changes no state
-        of the other's."""
-        if not self._inbox or any(r.compiling is not None for r in self._executor.local_runners):
+        of the other's. As with short steps (``SharedSteps``), light calls wait for about
+        ``step_s`` of the long step's compute first: a step of their own has a fixed cost
+        (~5 ms for one word), which a light step at every layer would take from the long call
+        up to six times a window."""
+        if not self._inbox or time.perf_counter() < self._light_due:
+            return
+        if any(r.compiling is not None for r in self._executor.local_runners):
             return
         self._apply_inbox(self._take_inbox())
         shared = self._shared_steps
@@ -404,9 +418,11 @@ class LocalPipeline:
             self._executor.submit(plan)
             result = self._executor.collect()
         ledger = self._scheduler.update(plan, result, last_stage=self._executor.num_stages - 1)
-        took = time.perf_counter() - started
+        ended = time.perf_counter()
+        took = ended - started
         self._nested_s += took
-        shared.light_served(time.perf_counter())
+        self._light_due = ended + shared.step_s
+        shared.light_served(ended)
         self.stats.on_result(plan, result, took)
         self._deliver(result, ledger)
 

@@ -21,6 +21,7 @@ from .metrics import HttpMetrics, MetricsMiddleware
 from .models import ServedModels
 from .online_gate import OnlineRequests
 from .openapi import bound_by_server
+from .refusal_pacing import RefusalPacing
 from .routes import (
     batches,
     cohere,
@@ -77,6 +78,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     state.checks.add("batch_store", store_check(settings.batch_state_dir))
     app.state.pipepool = state
     install_handlers(app, http.on_error)
+    # Inside the guards (added before them): refusals of large bodies, held (issue 57).
+    app.add_middleware(RefusalPacing)
     # Added last = runs first: metrics count what the guards turn away.
     app.add_middleware(
         files.UploadGuards,

@@ -186,3 +186,13 @@ def test_light_calls_wait_for_step_s_of_the_long_step_first(engine, monkeypatch)
     _, seen = _light_call_inside(engine, monkeypatch, [LONG], "long", "light")
     assert seen["done inside"] is False, "the long step had not computed step_s yet"
     assert len(seen["light"].result(timeout=120)) == 1
+
+
+def test_no_light_step_in_the_last_step_s_of_the_long_step(engine, monkeypatch):
+    # At the speed measured the long step is over at once: a light call that arrives in it
+    # waits for the next step rather than have one of its own.
+    monkeypatch.setattr(engine.pipeline._shared_steps, "seconds_per_token", 1e-12)
+    monkeypatch.setattr(engine.pipeline._shared_steps, "short_tokens", lambda: MIN_TOKENS)
+    _, seen = _light_call_inside(engine, monkeypatch, [LONG], "long", "light")
+    assert seen["done inside"] is False
+    assert len(seen["light"].result(timeout=120)) == 1

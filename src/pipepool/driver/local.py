@@ -104,7 +104,9 @@ class LocalPipeline:
         # thread computes the one stage (CPU) of an encoder, and no trace follows the steps.
         self._between_layers = not (d.overlap_steps or d.causal or d.num_stages > 1 or config.trace)
         self._nested_s = 0.0  # time the step in flight spent on light steps inside it
-        self._light_due = 0.0  # no light step inside the one in flight before (perf_counter)
+        # No light step inside the step in flight before ``_light_due``, nor after
+        # ``_light_last`` (perf_counter times).
+        self._light_due = self._light_last = 0.0
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -347,7 +349,7 @@ class LocalPipeline:
                 # Stage 0 may run here, and the hand-over waits on the next stages: bounded too.
                 self._watchdog.waiting(max(plan.num_tokens, _largest(inflight)))
                 self._nested_s = 0.0
-                self._light_due = time.perf_counter() + self._shared_steps.step_s
+                self._light_window(plan)
                 try:
                     with hooked(self._light_step if self._hosts_light_steps(plan) else None):
                         executor.submit(plan)
@@ -392,6 +394,16 @@ class LocalPipeline:
         that came meanwhile: one step for them all."""
         return self._between_layers and plan.num_tokens > self._shared_steps.short_tokens()
 
+    def _light_window(self, plan: StepPlan) -> None:
+        """When light steps may run inside ``plan``, about to be computed: after ``step_s`` of
+        its compute, and not in its last ``step_s`` (as far as the speed measured tells), where
+        a light call waits as long for the next step, which it shares with the others that
+        came meanwhile."""
+        shared, now = self._shared_steps, time.perf_counter()
+        compute = shared.expected_s(plan.num_tokens)
+        self._light_due = now + shared.step_s
+        self._light_last = float("inf") if compute is None else now + compute - shared.step_s
+
     def _light_step(self) -> None:
         """Between two layers of a step this thread computes: a step of the light calls that
         arrived meanwhile (``Scheduler.schedule_light``), computed and delivered before the
@@ -402,7 +414,7 @@ class LocalPipeline:
         ``step_s`` of the long step's compute first: a step of their own has a fixed cost
         (~5 ms for one word), which a light step at every layer would take from the long call
         up to six times a window."""
-        if not self._inbox or time.perf_counter() < self._light_due:
+        if not self._inbox or not self._light_due <= time.perf_counter() <= self._light_last:
             return
         if any(r.compiling is not None for r in self._executor.local_runners):
             return
@@ -422,6 +434,7 @@ class LocalPipeline:
         took = ended - started
         self._nested_s += took
         self._light_due = ended + shared.step_s
+        self._light_last += took  # the long step ends that much later
         shared.light_served(ended)
         self.stats.on_result(plan, result, took)
         self._deliver(result, ledger)

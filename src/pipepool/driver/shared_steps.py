@@ -71,6 +71,10 @@ class SharedSteps:
             return MIN_TOKENS
         return max(MIN_TOKENS, int(self.step_s / self.seconds_per_token))
 
+    def expected_s(self, tokens: int) -> float | None:
+        """The compute a step of ``tokens`` takes at the speed measured (None: none yet)."""
+        return None if self.seconds_per_token is None else tokens * self.seconds_per_token
+
     def light_served(self, now: float) -> None:
         """A light call was served beside other calls' work (between two layers of their
         step, ``LocalPipeline._light_step``): steps stay short, as when one waits for a step."""

@@ -3,8 +3,10 @@ long call's windows off and on, alternated in one process (so a loaded host load
 
     PYTHONPATH=src python benchmarks/light_steps.py [--words 6000] [--rounds 3]
 
-Per round and setting: the long call's time and tokens a second, and the light clients' latency
-(two clients of their own, a one-word call, 50 ms pause, again). The bundled MiniLM on the CPU.
+Per round and setting: the long call's time and tokens a second, the light clients' latency
+(two clients of their own, a one-word call, 50 ms pause, again), and the engine's steps: those
+computed inside the long call's windows (light steps) and the others. The bundled MiniLM on the
+CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,25 @@ WORDS = [
 ]  # fmt: skip
 LIGHT_CLIENTS = 2
 THINK_S = 0.05
+
+
+class LightStepClock:
+    """Counts the light steps computed inside others (``LocalPipeline._light_step``) and
+    their time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.pipeline = engine.pipeline
+        self.steps, self.seconds = 0, 0.0
+        hook = self.pipeline._light_step
+
+        def counted() -> None:
+            before, started = self.pipeline.stats.steps, time.perf_counter()
+            hook()
+            if self.pipeline.stats.steps != before:
+                self.steps += 1
+                self.seconds += time.perf_counter() - started
+
+        self.pipeline._light_step = counted  # type: ignore[method-assign]
 
 
 def measure(engine: Engine, long_text: str, on: bool) -> tuple[float, int, np.ndarray]:
@@ -64,13 +85,18 @@ def main() -> None:
     with Engine() as engine:
         engine.embed(["hello"])
         engine.embed([long_text], long_inputs="chunk")  # warm: every shape once
+        clock = LightStepClock(engine)
         for r in range(args.rounds):
             for on in (False, True):
+                steps, inside, inside_s = engine.stats.steps, clock.steps, clock.seconds
                 took, tokens, light = measure(engine, long_text, on)
+                inside, inside_s = clock.steps - inside, clock.seconds - inside_s
                 print(
                     f"round {r + 1}, light steps between layers {'on ' if on else 'off'}: long "
                     f"call {took:.2f} s ({tokens / took:,.0f} tok/s); light n={len(light)} p50 "
-                    f"{np.median(light):.1f} ms, p99 {np.percentile(light, 99):.1f} ms",
+                    f"{np.median(light):.1f} ms, p99 {np.percentile(light, 99):.1f} ms; steps "
+                    f"{engine.stats.steps - steps - inside} + {inside} inside windows "
+                    f"({inside_s:.2f} s)",
                     flush=True,
                 )
 

@@ -92,7 +92,7 @@ def test_a_light_call_served_between_layers_keeps_steps_short():
     steps.timed(200, 0.02)
     short = steps.short_tokens()
     s = encoder_scheduler()
-    s.add(batch(0, *[8] * 20))  # a large call, no light one waiting
+    s.add(batch(0, *[50] * 20))  # a large call, no light one waiting
     assert steps.budget(s, now=0.0) is None
     steps.light_served(now=1.0)
     assert steps.budget(s, now=1.0 + MEMORY_S / 2) == short
@@ -100,6 +100,31 @@ def test_a_light_call_served_between_layers_keeps_steps_short():
     off = SharedSteps(2048, enabled=False)
     off.light_served(now=1.0)
     assert off.budget(s, now=1.5) is None
+
+
+def test_light_calls_alone_keep_the_next_large_calls_steps_short():
+    steps = SharedSteps(2048, enabled=True)
+    steps.timed(200, 0.02)
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 3))
+    s.add(batch(1, 2, 2, call=0))  # one light call (two slices), nothing else
+    assert s.light_call_alone(steps.light_tokens)
+    assert steps.budget(s, now=0.0) is None, "nothing to cut"
+    s.schedule()
+    s.add(batch(3, *[100] * 20))  # a large call within MEMORY_S of it: short steps
+    assert not s.light_call_alone(steps.light_tokens)
+    assert steps.budget(s, now=MEMORY_S / 2) == steps.short_tokens()
+    assert steps.budget(s, now=MEMORY_S) is None, "no light call since: whole steps again"
+
+
+def test_a_call_of_many_light_slices_is_not_light():
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 100, call=7))
+    s.add(batch(1, 100, call=7))
+    assert s.light_call_alone(150) is False, "200 tokens of one call"
+    assert s.light_call_alone(200) is True
+    s.add(batch(2, 1))
+    assert s.light_call_alone(200) is False, "two calls"
 
 
 def test_the_cpu_busy_clock_counts_a_step_inside_another_once(monkeypatch):

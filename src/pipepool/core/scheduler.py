@@ -345,6 +345,17 @@ class Scheduler:
                 return True
         return False
 
+    def light_call_alone(self, light_tokens: int) -> bool:
+        """Whether one light call (``light_call_waits``' kind: at most ``light_tokens`` in all
+        its batches, none of it scheduled) waits and nothing else: no other call's batch, no
+        background batch, no prompt split across steps."""
+        if self.running or self.background or not self.waiting:
+            return False
+        call = self.waiting[0].call
+        if any(b.call != call or b.cursor for b in self.waiting):
+            return False
+        return sum(b.num_tokens for b in self.waiting) <= light_tokens
+
     # -- planning -------------------------------------------------------------------------
 
     def schedule(self, max_tokens: int | None = None) -> StepPlan | None:

@@ -334,6 +334,14 @@ TEI_ERRORS = [
     ("/embed", {"inputs": []}, 400, "Empty", "cannot be empty"),
     ("/embed", {"inputs": ["a", ""]}, 400, "Empty", "`inputs` 1 cannot be empty"),
     ("/embed", {"inputs": ["a"] * (MAX_INPUTS + 1)}, 413, "Validation", f"at most {MAX_INPUTS}"),
+    # A body over refusal_pacing.PACED_BODY_BYTES: its refusal is held, and is the same.
+    (
+        "/tokenize",
+        {"inputs": ["word " * 6000] * (MAX_INPUTS + 1), "model": "minilm"},
+        413,
+        "Validation",
+        f"at most {MAX_INPUTS}",
+    ),
     ("/embed", {"inputs": "a", "encoding_format": "base64"}, 422, "Validation", "encoding_format"),
     ("/embed", {"inputs": "a", "normalize": None}, 422, "Validation", "normalize"),
     ("/embed", {"inputs": "a", "normalize": "true"}, 422, "Validation", "boolean"),

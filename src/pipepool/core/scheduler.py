@@ -16,6 +16,8 @@ Policy, in one place:
 - A step holds at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests, or
   the smaller budget the driver gives it (``schedule(max_tokens)``): shorter steps while a
   light call waits beside other calls' work (``light_call_waits``, ``driver.shared_steps``).
+  Encoders' light calls need not wait for a long step in flight at all: ``schedule_light``
+  plans them alone, and the driver runs that plan between two layers of the long one.
 - Causal models chunk: a prompt longer than the budget left in the step is split, and its
   next chunk may be planned while the previous one is still in the pipeline (stages apply
   plans in FIFO order, so the KV the next chunk reads is always written first). A prompt
@@ -370,6 +372,17 @@ class Scheduler:
                 return True
         return False
 
+    def light_call_alone(self, light_tokens: int) -> bool:
+        """Whether one light call (``light_call_waits``' kind: at most ``light_tokens`` in all
+        its batches, none of it scheduled) waits and nothing else: no other call's batch, no
+        background batch, no prompt split across steps."""
+        if self.running or self.background or not self.waiting:
+            return False
+        call = self.waiting[0].call
+        if any(b.call != call or b.cursor for b in self.waiting):
+            return False
+        return sum(b.num_tokens for b in self.waiting) <= light_tokens
+
     # -- planning -------------------------------------------------------------------------
 
     def schedule(self, max_tokens: int | None = None) -> StepPlan | None:
@@ -387,14 +400,40 @@ class Scheduler:
             self._free_blocks(split)
         if step.empty and not self._freed:
             return None
+        plan = self._plan(step, tuple(self._freed))
+        self._freed.clear()
+        return plan
+
+    def schedule_light(self, light_tokens: int, max_tokens: int) -> StepPlan | None:
+        """A plan of light calls alone, or None: waiting online batches of at most
+        ``light_tokens`` tokens, none of them scheduled yet, of calls other than those of the
+        plans in flight, whole, in queue order while ``max_tokens`` and the seats last (the
+        first one found always goes). The driver runs it between two layers of a step in
+        flight (``LocalPipeline._light_step``), so only for bidirectional models, whose
+        requests live one step and hold no state between steps."""
+        assert not self.chunked, "causal prompts span steps: no plan runs inside another"
+        busy = {b.call for ledger in self._ledgers.values() for b in ledger.batches}
+        step = _PlanBuilder(max(1, min(max_tokens, self.max_num_batched_tokens)), self.max_num_seqs)
+        for batch in list(self.waiting):
+            if step.seqs <= 0:
+                break
+            if batch.background or batch.cursor or batch.num_tokens > light_tokens:
+                continue
+            if batch.call in busy:  # a call's own requests keep their order
+                continue
+            if len(batch) > step.seqs or (not step.empty and batch.num_tokens > step.budget):
+                continue
+            self._take_prompts(step, batch, len(batch))
+        return None if step.empty else self._plan(step, ())
+
+    def _plan(self, step: _PlanBuilder, freed: tuple[int, ...]) -> StepPlan:
+        """The plan of a step built, with what every stage must hold after it; its ledger kept."""
         self._settle_background_share(step)
         expected = None
         if self.verify_state:
-            step_id = self._next_step
-            expected = expected_parts(step.state_after(self.running), step_id)
-        plan, ledger = step.build(self._next_step, tuple(self._freed), expected)
+            expected = expected_parts(step.state_after(self.running), self._next_step)
+        plan, ledger = step.build(self._next_step, freed, expected)
         self._ledgers[plan.step_id] = ledger
-        self._freed.clear()
         self._next_step += 1
         return plan
 

@@ -35,6 +35,7 @@ from ..core.stats import EngineStats
 from ..core.submission import Submission
 from ..errors import EngineDeadError, PipepoolError, StageFailure, StateDivergence
 from ..intake.inputs import TokenSlice
+from ..models.between_layers import hooked
 from ..parallel.executor import Executor
 from ..parallel.launch import deployment_for, start_executor
 from ..runtime import switch_interval
@@ -99,6 +100,13 @@ class LocalPipeline:
         )  # fmt: skip
         # Short steps while light calls share the pipeline, where steps do not overlap.
         self._shared_steps = SharedSteps(d.max_num_batched_tokens, enabled=not d.overlap_steps)
+        # Light calls' steps between two layers of a long one (``_light_step``): where this
+        # thread computes the one stage (CPU) of an encoder, and no trace follows the steps.
+        self._between_layers = not (d.overlap_steps or d.causal or d.num_stages > 1 or config.trace)
+        self._nested_s = 0.0  # time the step in flight spent on light steps inside it
+        # No light step inside the step in flight before ``_light_due``, nor after
+        # ``_light_last`` (perf_counter times).
+        self._light_due = self._light_last = 0.0
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -340,8 +348,11 @@ class LocalPipeline:
                     t0 = tr.span("schedule", t0, plan)
                 # Stage 0 may run here, and the hand-over waits on the next stages: bounded too.
                 self._watchdog.waiting(max(plan.num_tokens, _largest(inflight)))
+                self._nested_s = 0.0
+                self._light_window(plan)
                 try:
-                    executor.submit(plan)
+                    with hooked(self._light_step if self._hosts_light_steps(plan) else None):
+                        executor.submit(plan)
                 finally:
                     self._watchdog.waited()
                 self._handed_over(plan)
@@ -361,7 +372,8 @@ class LocalPipeline:
                 if tr is not None:
                     t0 = tr.span("wait result", t0, plan)
                 ledger = scheduler.update(plan, result, last_stage=executor.num_stages - 1)
-                took = time.perf_counter() - submitted
+                # Without the light steps computed inside it: their time is their own.
+                took = time.perf_counter() - submitted - self._nested_s
                 self._shared_steps.timed(plan.num_tokens, took)
                 self.stats.on_result(plan, result, took)
                 self._deliver(result, ledger)
@@ -374,6 +386,58 @@ class LocalPipeline:
             self.stats.set_queue(
                 scheduler.num_waiting, scheduler.num_waiting + scheduler.num_admitted
             )
+
+    def _hosts_light_steps(self, plan: StepPlan) -> bool:
+        """Whether light calls may have steps between two layers of ``plan``: one longer than
+        a short step (``SharedSteps.short_tokens``), on a pipeline that can. A light call that
+        arrives during a short step waits for its end and shares the next one with the others
+        that came meanwhile: one step for them all."""
+        return self._between_layers and plan.num_tokens > self._shared_steps.short_tokens()
+
+    def _light_window(self, plan: StepPlan) -> None:
+        """When light steps may run inside ``plan``, about to be computed: after ``step_s`` of
+        its compute, and not in its last ``step_s`` (as far as the speed measured tells), where
+        a light call waits as long for the next step, which it shares with the others that
+        came meanwhile."""
+        shared, now = self._shared_steps, time.perf_counter()
+        compute = shared.expected_s(plan.num_tokens)
+        self._light_due = now + shared.step_s
+        self._light_last = float("inf") if compute is None else now + compute - shared.step_s
+
+    def _light_step(self) -> None:
+        """Between two layers of a step this thread computes: a step of the light calls that
+        arrived meanwhile (``Scheduler.schedule_light``), computed and delivered before the
+        long step goes on, so a one-word request waits for a layer, not for a whole step
+        (an encoder window of 256 tokens: ~70 ms of two CPU cores, a layer of it ~12 ms;
+        issue 57). Encoder requests live one step, so a plan inside another changes no state
+        of the other's. As with short steps (``SharedSteps``), light calls wait for about
+        ``step_s`` of the long step's compute first: a step of their own has a fixed cost
+        (~5 ms for one word), which a light step at every layer would take from the long call
+        up to six times a window."""
+        if not self._inbox or not self._light_due <= time.perf_counter() <= self._light_last:
+            return
+        if any(r.compiling is not None for r in self._executor.local_runners):
+            return
+        self._apply_inbox(self._take_inbox())
+        shared = self._shared_steps
+        plan = self._scheduler.schedule_light(shared.light_tokens, shared.short_tokens())
+        if plan is None:
+            return
+        started = time.perf_counter()
+        with hooked(None):  # no step inside this one
+            self._handed_over(plan)
+            self.stats.on_plan(plan)
+            self._executor.submit(plan)
+            result = self._executor.collect()
+        ledger = self._scheduler.update(plan, result, last_stage=self._executor.num_stages - 1)
+        ended = time.perf_counter()
+        took = ended - started
+        self._nested_s += took
+        self._light_due = ended + shared.step_s
+        self._light_last += took  # the long step ends that much later
+        shared.light_served(ended)
+        self.stats.on_result(plan, result, took)
+        self._deliver(result, ledger)
 
     def _step_budget(self, scheduler: Scheduler, busy: bool) -> int | None:
         """The next step's token budget (None: the whole budget): smaller for a step that

@@ -5,12 +5,13 @@ A step cannot be interrupted: a call that arrives while one runs waits for its e
 its own step. One client's large call fills every step with the whole token budget (2,048
 tokens: about half a second of two CPU cores for MiniLM), so a one-word request of another
 client waited that long, ~40x its time on an idle server (issue 57). So while light calls
-(``Scheduler.light_call_waits``) have met other calls' work within the last ``MEMORY_S``,
+(``Scheduler.light_call_waits``) have met other calls' work within the last ``MEMORY_S``, or
+have been served at all within it (a large call that comes then would meet them again),
 every step holds about ``STEP_S`` of compute: its tokens follow the speed measured on recent
 steps. The large call then pays the fixed cost of more steps (docs/benchmarks/http-server.md
-has both clients' figures); with no light call about, or one call alone, steps keep the whole
-budget. A prompt longer than such a step still runs whole, alone (an encoder cannot split
-it), so it bounds the light calls' wait.
+has both clients' figures); with no light call about (a large call alone, or one client's
+calls), steps keep the whole budget. A prompt longer than such a step still runs whole, alone
+(an encoder cannot split it), so it bounds the light calls' wait.
 
 Pipelines whose steps overlap (``overlap_steps``, CUDA's default) keep their budgets: there the
 host builds the next step while the device runs one, a step of the whole budget takes a few
@@ -39,7 +40,8 @@ _NEWEST = 0.2
 
 class SharedSteps:
     """The budget of the next step of one pipeline: None (the whole budget) unless light calls
-    met other work within ``MEMORY_S``; then the tokens ``STEP_S`` of compute holds, at the
+    met other work, or waited alone, within ``MEMORY_S`` (and other work waits now); then the
+    tokens ``STEP_S`` of compute holds, at the
     seconds per token measured on steps of at least ``MIN_TOKENS``, never fewer than that.
     ``step_s``: the compute such a step holds (``STEP_S``).
 
@@ -58,11 +60,31 @@ class SharedSteps:
         """The token budget of the step ``scheduler`` plans next."""
         if not self.enabled:
             return None
-        if scheduler.light_call_waits(self.light_tokens):
+        alone = scheduler.light_call_alone(self.light_tokens)
+        if alone or scheduler.light_call_waits(self.light_tokens):
+            # A light call alone counts too: a large call that comes within MEMORY_S of it
+            # starts in short steps, so the next light requests never meet a whole step.
             self._shared_until = now + MEMORY_S
-        if now >= self._shared_until or self.seconds_per_token is None:
-            return None
+        if alone or now >= self._shared_until or self.seconds_per_token is None:
+            return None  # (a light call alone: nothing to cut)
+        return self.short_tokens()
+
+    def short_tokens(self) -> int:
+        """The tokens of a step of about ``step_s`` of compute (``MIN_TOKENS`` until a step
+        was timed)."""
+        if self.seconds_per_token is None:
+            return MIN_TOKENS
         return max(MIN_TOKENS, int(self.step_s / self.seconds_per_token))
+
+    def expected_s(self, tokens: int) -> float | None:
+        """The compute a step of ``tokens`` takes at the speed measured (None: none yet)."""
+        return None if self.seconds_per_token is None else tokens * self.seconds_per_token
+
+    def light_served(self, now: float) -> None:
+        """A light call was served beside other calls' work (between two layers of their
+        step, ``LocalPipeline._light_step``): steps stay short, as when one waits for a step."""
+        if self.enabled:
+            self._shared_until = now + MEMORY_S
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A step of ``tokens`` took ``seconds`` from its hand-over to its result."""

@@ -21,6 +21,7 @@ from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import Tile, plan_tiles
 from ..layers.linear_activation import linear_activation
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
+from .between_layers import between_layers
 from .score_heads import build_score_head
 
 
@@ -341,6 +342,7 @@ class EncoderStage(StageModel):
                 self.cfg.layer_norm_eps,
             )  # fmt: skip
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
+            between_layers()
             if self.int8:
                 x = layer.forward_int8(x, inputs)
             elif fused:

@@ -36,6 +36,7 @@ from ..layers.disentangled_attention import (
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention
+from .between_layers import between_layers
 from .score_heads import DebertaClassifier, build_score_head
 
 POS_ATT_TYPES = ("c2p", "p2c")
@@ -320,6 +321,7 @@ class DebertaStage(EncoderStage):
             )  # fmt: skip
         rel = self._relative_context()  # one per step (or CPU tile), shared by the layers
         for layer in cast("Iterable[DisentangledLayer]", self.layers.values()):
+            between_layers()
             if fused:
                 x = layer.forward_fused(x, inputs, rel)
             else:

@@ -42,6 +42,7 @@ from ..layers.relative_attention import (
 from . import bert
 from .base import StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .bert import EncoderConfig, EncoderLayer, EncoderStage, norm_specs, post_attention
+from .between_layers import between_layers
 from .score_heads import build_score_head
 
 # transformers' MPNet buckets distances into 32 buckets up to 128 apart whatever its table's
@@ -272,6 +273,7 @@ class RelativeEncoderStage(EncoderStage):
                 bias = (BiasedAttentionPlan.build(inputs.attn.cu_q_host, table, exact=exact),)
         # BiasedEncoderLayers where the stage has the bias; plain EncoderLayers (no bias) where not.
         for layer in cast("Iterable[EncoderLayer]", self.layers.values()):
+            between_layers()
             if self.int8:
                 x = layer.forward_int8(x, inputs)
             elif fused:

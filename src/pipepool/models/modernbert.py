@@ -28,6 +28,7 @@ from ..layers.cpu_tiles import plan_tiles
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..layers.windowed_attention import windowed_attention
 from .base import StageModel, StepInputs, WeightSpec, embedding, linear_specs
+from .between_layers import between_layers
 from .score_heads import ModernBertClassifier
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -257,6 +258,7 @@ class ModernBertStage(StageModel):
         if self.is_first:
             x = self.emb_norm(F.embedding(x, self.tok_embeddings.weight))
         for layer in self.layers.values():
+            between_layers()
             rope = self.rope_global if layer.is_global else self.rope_local
             x = layer(x, inputs, rope, self.attn_kernel)
         return self.final_norm(x) if self.is_last else x

@@ -22,6 +22,7 @@ from .metrics import HttpMetrics
 from .models import ServedModels
 from .online_gate import OnlineRequests
 from .openapi import bound_by_server
+from .refusal_pacing import RefusalPacing
 from .routes import (
     batches,
     cohere,
@@ -77,6 +78,8 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     state.checks.add("batch_store", store_check(settings.batch_state_dir))
     app.state.pipepool = state
     install_handlers(app, http.on_error)
+    # Inside the front door (added before it): refusals of large bodies, held (issue 57).
+    app.add_middleware(RefusalPacing)
     # Added last = runs first. One layer: metrics, timing, client turns and the guards.
     app.add_middleware(FrontDoor, settings=settings, metrics=http)
     # Outermost: a batch's host work waits from the moment an online request arrives.

@@ -161,7 +161,9 @@ def lone_surrogate(body: bytes, scope: Scope | None = None) -> APIError | None:
     where (``input 1``, ``documents 2.text``, ``text_1``); None for any other body (a body that
     is not JSON is the route's to refuse). Bodies with no surrogate in them are not parsed.
     ``scope``: the request's, marked for TEI's error shape where the body is in TEI's form."""
-    escaped = b"\\u" in body and _ESCAPED_SURROGATE.search(body) is not None
+    # A one-byte search first (memchr): "\\u" alone took 2 ms of a 2.4 MB body with no
+    # backslash in it, holding the GIL (issue 57's /tokenize of 100,000 inputs).
+    escaped = b"\\" in body and b"\\u" in body and _ESCAPED_SURROGATE.search(body) is not None
     if not escaped and not (b"\xed" in body and _RAW_SURROGATE.search(body) is not None):
         return None
     try:

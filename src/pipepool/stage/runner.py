@@ -64,6 +64,9 @@ class BusyClock:
         self.cuda = device.type == "cuda"
         self._done_s = 0.0
         self._t0 = 0.0
+        # CPU: starts not yet stopped. A step computed between two layers of another
+        # (``models.between_layers``) starts and stops inside it: its time is the outer's.
+        self._open = 0
         self._pending: deque = deque()
 
     def start(self) -> None:
@@ -72,7 +75,9 @@ class BusyClock:
             event.record()
             self._pending.append([event, None])
         else:
-            self._t0 = time.perf_counter()
+            if not self._open:
+                self._t0 = time.perf_counter()
+            self._open += 1
 
     def stop(self) -> None:
         if self.cuda:
@@ -80,7 +85,9 @@ class BusyClock:
             event.record()
             self._pending[-1][1] = event
         else:
-            self._done_s += time.perf_counter() - self._t0
+            self._open -= 1
+            if not self._open:
+                self._done_s += time.perf_counter() - self._t0
 
     @property
     def seconds(self) -> float:
@@ -98,8 +105,10 @@ class StageRunner:
     the forward over the packed batch, the post-step (every stage advances every scheduled
     request by its chunk, whatever its role), the drop of finished requests, and the digest of
     its state for the next stage or the driver. Plans are applied strictly in order, by one
-    thread. The steps of ``execute`` are methods (``_view``, ``_post_step``, ``_drop``,
-    ``_pools``), each one job that can be read, timed and checked alone.
+    thread, except that an encoder's plan of light calls may be applied between two layers of
+    the plan before it (``models.between_layers``: its requests live that step only). The
+    steps of ``execute`` are methods (``_view``, ``_post_step``, ``_drop``, ``_pools``), each
+    one job that can be read, timed and checked alone.
     """
 
     def __init__(self, config: EngineConfig, folder: ModelFolder, spec: StageSpec) -> None:

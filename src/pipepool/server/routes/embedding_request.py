@@ -1,11 +1,12 @@
 """A ``/v1/embeddings`` request, from its body to its answer, in three steps that
 ``openai.embeddings`` takes in turn: ``prepare`` (on the event loop: the model chosen, every
 check that a 4xx answers, the engine work within the server's limits; a chat form's remote
-image fetched), the engine's run (``shared.run_engine``), then ``answer``. What the body asks picks the work: the dense
-vectors (``limits.embedding_call``: ``Engine.submit``, tokenised once and counted on those
-tokens), other outputs (``retrieval.outputs_call``) or late chunking
+image fetched), the engine's run (``shared.run_engine``), then ``answer``. What the body asks
+picks the work: the dense vectors (``limits.embedding_call``: ``Engine.submit``, tokenised
+once and counted on those tokens), other outputs (``retrieval.outputs_call``), late chunking
 (``late_chunking.late_chunks_call``), both calls that wait for their own results, counted once
-done; each held to the server's limits by ``limits.embedding_call``."""
+done, each held to the server's limits by ``limits.embedding_call``; or vLLM's chat form
+(``chat_embeddings.messages_call``)."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -412,19 +413,27 @@ class Scheduler:
         flight (``LocalPipeline._light_step``), so only for bidirectional models, whose
         requests live one step and hold no state between steps."""
         assert not self.chunked, "causal prompts span steps: no plan runs inside another"
-        busy = {b.call for ledger in self._ledgers.values() for b in ledger.batches}
         step = _PlanBuilder(max(1, min(max_tokens, self.max_num_batched_tokens)), self.max_num_seqs)
-        for batch in list(self.waiting):
+        for batch in self._light_batches(light_tokens):
             if step.seqs <= 0:
                 break
-            if batch.background or batch.cursor or batch.num_tokens > light_tokens:
-                continue
-            if batch.call in busy:  # a call's own requests keep their order
-                continue
             if len(batch) > step.seqs or (not step.empty and batch.num_tokens > step.budget):
                 continue
             self._take_prompts(step, batch, len(batch))
         return None if step.empty else self._plan(step, ())
+
+    def light_call_to_run(self, light_tokens: int) -> bool:
+        """Whether ``schedule_light`` has a light call to plan."""
+        return next(self._light_batches(light_tokens), None) is not None
+
+    def _light_batches(self, light_tokens: int) -> Iterator[RequestBatch]:
+        """Waiting online batches of at most ``light_tokens``, none of them scheduled, of calls
+        other than those of the plans in flight (a call's own requests keep their order)."""
+        busy = {b.call for ledger in self._ledgers.values() for b in ledger.batches}
+        for batch in list(self.waiting):
+            fresh = not batch.background and not batch.cursor
+            if fresh and batch.num_tokens <= light_tokens and batch.call not in busy:
+                yield batch
 
     def _plan(self, step: _PlanBuilder, freed: tuple[int, ...]) -> StepPlan:
         """The plan of a step built, with what every stage must hold after it; its ledger kept."""

@@ -104,9 +104,10 @@ class LocalPipeline:
         # thread computes the one stage (CPU) of an encoder, and no trace follows the steps.
         self._between_layers = not (d.overlap_steps or d.causal or d.num_stages > 1 or config.trace)
         self._nested_s = 0.0  # time the step in flight spent on light steps inside it
-        # No light step inside the step in flight before ``_light_due``, nor after
-        # ``_light_last`` (perf_counter times).
-        self._light_due = self._light_last = 0.0
+        # The step in flight's expected end, and when a light call was first seen waiting
+        # during it (perf_counter times; ``_light_step``).
+        self._light_end = 0.0
+        self._light_seen: float | None = None
         self._dead: BaseException | None = None
         self._restarting = False  # the loop is starting a failed pipeline again
         self._on_death: list[Callable[[BaseException], None]] = []
@@ -395,14 +396,11 @@ class LocalPipeline:
         return self._between_layers and plan.num_tokens > self._shared_steps.short_tokens()
 
     def _light_window(self, plan: StepPlan) -> None:
-        """When light steps may run inside ``plan``, about to be computed: after ``step_s`` of
-        its compute, and not in its last ``step_s`` (as far as the speed measured tells), where
-        a light call waits as long for the next step, which it shares with the others that
-        came meanwhile."""
-        shared, now = self._shared_steps, time.perf_counter()
-        compute = shared.expected_s(plan.num_tokens)
-        self._light_due = now + shared.step_s
-        self._light_last = float("inf") if compute is None else now + compute - shared.step_s
+        """``plan`` is about to be computed: when it will end, as far as the speed measured
+        tells (light steps inside it push that back), and no light call seen waiting yet."""
+        compute = self._shared_steps.expected_s(plan.num_tokens)
+        self._light_end = time.perf_counter() + (float("inf") if compute is None else compute)
+        self._light_seen = None
 
     def _light_step(self) -> None:
         """Between two layers of a step this thread computes: a step of the light calls that
@@ -410,17 +408,22 @@ class LocalPipeline:
         long step goes on, so a one-word request waits for a layer, not for a whole step
         (an encoder window of 256 tokens: ~70 ms of two CPU cores, a layer of it ~12 ms;
         issue 57). Encoder requests live one step, so a plan inside another changes no state
-        of the other's. As with short steps (``SharedSteps``), light calls wait for about
-        ``step_s`` of the long step's compute first: a step of their own has a fixed cost
-        (~5 ms for one word), which a light step at every layer would take from the long call
-        up to six times a window."""
-        if not self._inbox or not self._light_due <= time.perf_counter() <= self._light_last:
-            return
+        of the other's. A step of their own has a fixed cost (~5 ms for one word) that the
+        long call pays, so light calls get one only where waiting for the long step's end
+        would keep them more than ``step_s`` (as a short step would, ``SharedSteps``): the
+        ones that come near its end share the next step."""
         if any(r.compiling is not None for r in self._executor.local_runners):
             return
-        self._apply_inbox(self._take_inbox())
-        shared = self._shared_steps
+        shared, now = self._shared_steps, time.perf_counter()
+        if self._inbox:
+            self._apply_inbox(self._take_inbox())
+            if self._light_seen is None and self._scheduler.light_call_to_run(shared.light_tokens):
+                self._light_seen = now  # (it came within the layer just computed)
+        # Left for the next step, it would wait from when it was seen to the long step's end.
+        if self._light_seen is None or self._light_end - self._light_seen <= shared.step_s:
+            return
         plan = self._scheduler.schedule_light(shared.light_tokens, shared.short_tokens())
+        self._light_seen = None
         if plan is None:
             return
         started = time.perf_counter()
@@ -433,8 +436,7 @@ class LocalPipeline:
         ended = time.perf_counter()
         took = ended - started
         self._nested_s += took
-        self._light_due = ended + shared.step_s
-        self._light_last += took  # the long step ends that much later
+        self._light_end += took  # the long step ends that much later
         shared.light_served(ended)
         self.stats.on_result(plan, result, took)
         self._deliver(result, ledger)

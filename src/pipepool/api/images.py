@@ -155,14 +155,33 @@ def submit_images(
             "encoder (CLIPModel, SiglipModel, Siglip2Model)",
             param="input",
         )
-    text_only = {
+    refuse_text_options(
+        "images",
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        truncation_side=truncation_side,
+        prompt_name=prompt_name,
+        long_inputs=long_inputs,
+    )
+    params = inputs.params(pooling or vision.deployment.pooling, dimensions, normalize)
+    return vision.submit(images, params)
+
+
+def refuse_text_options(
+    what: str,
+    *,
+    truncate_prompt_tokens: int | None,
+    truncation_side: str,
+    prompt_name: str | None,
+    long_inputs: str | None,
+) -> None:
+    """Refuse by name ``Engine.submit``'s options that apply to texts only, given for a call
+    of ``what`` (images, inputs with images)."""
+    given = {
         "truncate_prompt_tokens": truncate_prompt_tokens is not None,
         "truncation_side": truncation_side != "right",
         "prompt_name": prompt_name is not None,
         "long_inputs": long_inputs is not None,
     }
-    for name, given in text_only.items():
-        if given:
-            raise InvalidInputError(f"{name} applies to texts, not to images", param=name)
-    params = inputs.params(pooling or vision.deployment.pooling, dimensions, normalize)
-    return vision.submit(images, params)
+    for name, set_ in given.items():
+        if set_:
+            raise InvalidInputError(f"{name} applies to texts, not to {what}", param=name)

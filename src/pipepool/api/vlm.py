@@ -27,6 +27,7 @@ from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.token_budget import TokenBudget
 from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
 from ..models import family_of
+from .images import refuse_text_options
 
 # The families whose checkpoints take dict inputs with images.
 VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2")
@@ -149,17 +150,13 @@ def submit_multimodal(
             "with images need a vision-language embedder (Qwen2VLForConditionalGeneration)",
             param="input",
         )
-    text_only = {
-        "truncate_prompt_tokens": truncate_prompt_tokens is not None,
-        "truncation_side": truncation_side != "right",
-        "prompt_name": prompt_name is not None,
-        "long_inputs": long_inputs is not None,
-    }
-    for name, given in text_only.items():
-        if given:
-            raise InvalidInputError(
-                f"{name} applies to texts, not to inputs with images", param=name
-            )
+    refuse_text_options(
+        "inputs with images",
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        truncation_side=truncation_side,
+        prompt_name=prompt_name,
+        long_inputs=long_inputs,
+    )
     items = [items] if isinstance(items, dict) else list(items)
     if vlm.multi_vector:  # ColQwen2 normalises every token (normalize=False: the projection)
         if dimensions is not None:

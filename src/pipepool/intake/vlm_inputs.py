@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.media import MEDIA_COLUMNS, ImageInput
 from ..errors import InvalidInputError, ModelLoadError
+from ..loading.st_dual_encoder import checked_processor_config
 from .images import ImageLimits, ImageProcessing, decode_image
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -73,17 +74,7 @@ class Qwen2VLImages:
 
     @classmethod
     def from_folder(cls, folder: Path) -> Qwen2VLImages:
-        file = folder / "preprocessor_config.json"
-        given = json.loads(file.read_text()) if file.is_file() else {}
-        kind = given.get("image_processor_type")
-        if kind is not None and kind not in _PROCESSORS:
-            raise ModelLoadError(f"{file}: image_processor_type {kind!r} is not Qwen2-VL's")
-        unknown = sorted(set(given) - _READ - _IGNORED)
-        if unknown:
-            raise ModelLoadError(
-                f"{file}: {unknown[0]!r} is not implemented by pipepool's Qwen2-VL image "
-                "preprocessing; refusing rather than preprocessing differently"
-            )
+        file, given = checked_processor_config(folder, _PROCESSORS, _READ, _IGNORED, "Qwen2-VL")
         if given.get("do_resize") is False:
             raise ModelLoadError(f"{file}: do_resize=false is not implemented")
         size = dict(given.get("size") or {})

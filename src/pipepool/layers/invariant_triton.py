@@ -36,10 +36,16 @@ ROW_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def _k_step(a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, left, IEEE: tl.constexpr):
+    def _k_step(
+        a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, left, IEEE: tl.constexpr, EVEN_K: tl.constexpr
+    ):
         """One BLOCK_K slice of K added to the tile's fp32 accumulator."""
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] < left) & (rn[None, :] < N), other=0.0)
+        if EVEN_K:  # K is a whole number of slices: no mask along K
+            a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=rn[None, :] < N, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < left), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] < left) & (rn[None, :] < N), other=0.0)
         if IEEE:
             return tl.dot(a, b, acc, input_precision="ieee")
         return tl.dot(a, b, acc)
@@ -48,7 +54,7 @@ if triton is not None:
     def _matmul_kernel(
         a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
     ):  # fmt: skip
@@ -69,13 +75,13 @@ if triton is not None:
         if LOOP_AS_WHILE:  # Triton's interpreter cannot range() over a runtime bound
             k = 0
             while k < K:
-                acc = _k_step(a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, K - k, IEEE)
+                acc = _k_step(a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, K - k, IEEE, EVEN_K)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
                 k += BLOCK_K
         else:
             for k in range(0, K, BLOCK_K):
-                acc = _k_step(a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, K - k, IEEE)
+                acc = _k_step(a_ptrs, b_ptrs, acc, rm, rn, rk, M, N, K - k, IEEE, EVEN_K)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
@@ -126,7 +132,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     _matmul_kernel[grid](
         a, b, bias if bias is not None else a, out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
         LOOP_AS_WHILE=INTERPRETING, num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -1,6 +1,9 @@
 """Gemma decoders: Gemma2 (bge-multilingual-gemma2) and Gemma3 text (EmbeddingGemma,
 Gemma3ForCausalLM), computed as transformers 5.17's ``modeling_gemma2.py`` /
-``modeling_gemma3.py`` do.
+``modeling_gemma3.py`` do; and the first Gemma (``modeling_gemma.py``), the decoder of
+PaliGemma (``colpali.py``): pre-norms only (``input_layernorm`` before attention,
+``post_attention_layernorm`` before the MLP), queries scaled by ``head_dim ** -0.5``, its MLP's
+activation in ``hidden_act``.
 
 What sets them apart from the Llama-style decoders (``decoder.py``): embeddings scaled by
 sqrt(hidden) rounded to the model's dtype; RMSNorm scaling by ``1 + weight`` in float32 before the
@@ -58,6 +61,12 @@ _COMMON_DEFAULTS = dict(
     rms_norm_eps=1e-6, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
 )  # fmt: skip
 _DEFAULTS = {
+    "gemma": dict(
+        _COMMON_DEFAULTS, vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
+        hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192,
+        attn_logit_softcapping=None, layer_types=None,
+    ),
     "gemma2": dict(
         _COMMON_DEFAULTS, vocab_size=256000, max_position_embeddings=8192,
         attn_logit_softcapping=50.0,
@@ -95,13 +104,20 @@ class GemmaConfig:
     max_positions: int
     # False: Gemma3 with use_bidirectional_attention; prompts run whole, with no KV cache.
     causal: bool = True
+    # Gemma2 / Gemma3: norms after attention and after the MLP too; the first Gemma: none.
+    sandwich: bool = True
     # final_logit_softcapping is not here: it caps LM-head logits, which no output computes.
 
     @classmethod
     def from_hf(cls, hf: dict, family: str, *, causal: bool = True) -> GemmaConfig:
         c = {**_DEFAULTS[family], **hf}
-        get_activation(c["hidden_activation"])  # refused at load, not mid-request
+        first = family == "gemma"  # its own attention scale and activation field; no windows
+        activation = c["hidden_act" if first else "hidden_activation"]
+        get_activation(activation)  # refused at load, not mid-request
         num_layers = int(c["num_hidden_layers"])
+        if first:  # transformers' Gemma reads no layer types, windows nor soft-capping
+            c.update(layer_types=[FULL] * num_layers, attn_logit_softcapping=None,
+                     query_pre_attn_scalar=c["head_dim"])  # fmt: skip
         types = tuple(c.get("layer_types") or _default_layer_types(hf, family, num_layers))
         if len(types) != num_layers or not set(types) <= {FULL, SLIDING}:
             raise ModelLoadError(
@@ -118,7 +134,7 @@ class GemmaConfig:
             num_kv_heads=int(c["num_key_value_heads"]),
             head_dim=int(c["head_dim"]),
             rms_norm_eps=float(c["rms_norm_eps"]),
-            activation=c["hidden_activation"],
+            activation=activation,
             scale=float(c["query_pre_attn_scalar"]) ** -0.5,
             softcap=float(softcap) if softcap is not None else None,
             attention_bias=bool(c["attention_bias"]),
@@ -128,6 +144,7 @@ class GemmaConfig:
             windows=_windows(c, family, types, causal),
             max_positions=int(c["max_position_embeddings"]),
             causal=causal,
+            sandwich=not first,
         )
 
     def own_attention(self, layer: int) -> bool:
@@ -162,7 +179,7 @@ def _windows(c: dict, family: str, types: tuple[str, ...], causal: bool) -> tupl
 def _rope_parameters(hf: dict, family: str) -> dict[str, dict]:
     """RoPE parameters per layer type, from the 5.x ``rope_parameters`` or the older top-level
     fields, with the precedence of transformers' config classes."""
-    if family == "gemma2":
+    if family in ("gemma", "gemma2"):
         params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         by_type = {FULL: params, SLIDING: params}
@@ -212,11 +229,11 @@ class MlpWeights(NamedTuple):
 
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_attention_norm: torch.Tensor
+    post_attention_norm: torch.Tensor | None  # None: no sandwich norms (the first Gemma)
     pre_feedforward_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-    post_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor | None
 
 
 def project_qkv(cfg: GemmaConfig, x: torch.Tensor, w: AttnWeights) -> torch.Tensor:
@@ -238,19 +255,24 @@ def qkv_projection(
 def attention_residual_and_gate_up(
     cfg: GemmaConfig, x: torch.Tensor, attn_out: torch.Tensor, w: MlpWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x += norm(o_proj(attn)); (x, gate|up of norm(x)). x: [T, hidden]."""
+    """x += norm(o_proj(attn)) (the first Gemma: no norm); (x, gate|up of norm(x)).
+    x: [T, hidden]."""
     eps = cfg.rms_norm_eps
-    x = x + gemma_rms_norm(F.linear(attn_out.flatten(1), w.o, w.o_bias), w.post_attention_norm, eps)
+    o = F.linear(attn_out.flatten(1), w.o, w.o_bias)
+    x = x + (gemma_rms_norm(o, w.post_attention_norm, eps) if w.post_attention_norm is not None
+             else o)  # fmt: skip
     return x, F.linear(gemma_rms_norm(x, w.pre_feedforward_norm, eps), w.gate_up)
 
 
 def mlp_residual(
     cfg: GemmaConfig, x: torch.Tensor, activated: torch.Tensor, w: MlpWeights
 ) -> torch.Tensor:
-    """x += norm(down(act(gate) * up)), from ``activated`` = act(gate) * up."""
-    return x + gemma_rms_norm(
-        F.linear(activated, w.down), w.post_feedforward_norm, cfg.rms_norm_eps
-    )
+    """x += norm(down(act(gate) * up)) (the first Gemma: no norm), from ``activated`` =
+    act(gate) * up."""
+    down = F.linear(activated, w.down)
+    if w.post_feedforward_norm is None:
+        return x + down
+    return x + gemma_rms_norm(down, w.post_feedforward_norm, cfg.rms_norm_eps)
 
 
 def post_attention(
@@ -316,17 +338,27 @@ _LAYER_NORMS = (
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
+# The first Gemma's two norms: parameter -> checkpoint name (its pre-MLP norm is named
+# post_attention_layernorm, as Llama names it).
+_PRE_NORMS = {"input_layernorm": "input_layernorm",
+              "pre_feedforward_layernorm": "post_attention_layernorm"}  # fmt: skip
+
+
+def layer_norm_names(cfg: GemmaConfig) -> dict[str, str]:
+    """The layer's norms: parameter name -> checkpoint name."""
+    return {n: n for n in _LAYER_NORMS} if cfg.sandwich else _PRE_NORMS
 
 
 class GemmaLayer(nn.Module):
-    """Sandwich-norm block: x += norm(attn(norm(x))); x += norm(mlp(norm(x))). q|k|v and
-    gate|up are fused; ``layer_type`` picks the RoPE table and whether a window applies."""
+    """Sandwich-norm block: x += norm(attn(norm(x))); x += norm(mlp(norm(x))) (the first
+    Gemma: pre-norms only, x += attn(norm(x)); x += mlp(norm(x))). q|k|v and gate|up are
+    fused; ``layer_type`` picks the RoPE table and whether a window applies."""
 
-    # Set by name (_LAYER_NORMS) in __init__.
+    # Set by name (layer_norm_names) in __init__; the first Gemma's post_* norms are None.
     input_layernorm: GemmaNorm
-    post_attention_layernorm: GemmaNorm
+    post_attention_layernorm: GemmaNorm | None
     pre_feedforward_layernorm: GemmaNorm
-    post_feedforward_layernorm: GemmaNorm
+    post_feedforward_layernorm: GemmaNorm | None
 
     def __init__(self, cfg: GemmaConfig, layer: int) -> None:
         super().__init__()
@@ -335,8 +367,9 @@ class GemmaLayer(nn.Module):
         h, q_dim, kv_dim = (
             cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
         )  # fmt: skip
+        norms = layer_norm_names(cfg)
         for name in _LAYER_NORMS:
-            setattr(self, name, GemmaNorm(h, cfg.rms_norm_eps))
+            setattr(self, name, GemmaNorm(h, cfg.rms_norm_eps) if name in norms else None)
         self.qkv_proj = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = GemmaNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -400,10 +433,12 @@ class GemmaLayer(nn.Module):
         return ops.post(cfg, x, attn_out, mlp)
 
     def mlp_weights(self) -> MlpWeights:
+        post_attn, post_ff = self.post_attention_layernorm, self.post_feedforward_layernorm
         return MlpWeights(
-            self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
+            self.o_proj.weight, self.o_proj.bias,
+            post_attn.weight if post_attn is not None else None,
             self.pre_feedforward_layernorm.weight, self.gate_up_proj.weight,
-            self.down_proj.weight, self.post_feedforward_layernorm.weight,
+            self.down_proj.weight, post_ff.weight if post_ff is not None else None,
         )  # fmt: skip
 
 
@@ -533,6 +568,10 @@ class GemmaStage(StageModel):
         if self.is_first:
             x = self.embed_tokens(x)
             x = x * embed_scale(self.cfg.hidden_size, x.dtype)
+        return self.decoder_layers(x, inputs, kv_caches)
+
+    def decoder_layers(self, x: torch.Tensor, inputs: StepInputs, kv_caches) -> torch.Tensor:
+        """The stage's layers on embedded rows (then the final norm on the last stage)."""
         last = len(self.layers) - 1
         for j, layer in enumerate(cast("Iterable[GemmaLayer]", self.layers.values())):
             kv = kv_caches[j] if kv_caches is not None else None
@@ -553,7 +592,10 @@ class GemmaStage(StageModel):
             )
         for i in self.layer_range:
             p = f"layers.{i}"
-            specs += [WeightSpec(f"{p}.{n}.weight", (h,), f"{p}.{n}.weight") for n in _LAYER_NORMS]
+            specs += [
+                WeightSpec(f"{p}.{ckpt}.weight", (h,), f"{p}.{n}.weight")
+                for n, ckpt in layer_norm_names(cfg).items()
+            ]
             if cfg.qk_norm:
                 specs += [
                     WeightSpec(f"{p}.self_attn.{n}.weight", (cfg.head_dim,), f"{p}.{n}.weight")

@@ -16,6 +16,7 @@ from ..core.dual_encoders import DUAL_ENCODERS, VISION_SUFFIX
 from ..errors import ModelLoadError
 from .base import KVLayout, StageModel, StepInputs, WeightSpec
 from .bert import EncoderConfig, EncoderStage
+from .colpali import ColPaliConfig, ColPaliStage, paligemma_text
 from .colqwen2 import ColQwen2Config, ColQwen2Stage
 from .deberta import DebertaConfig, DebertaStage
 from .decoder import DecoderConfig, DecoderStage
@@ -215,6 +216,33 @@ class ColQwen2Family(Qwen2VLFamily):
         return name
 
 
+@dataclass(frozen=True)
+class ColPaliFamily(Family):
+    """ColPali (``models/colpali.py``): its PaliGemma in ``vlm_config``, its tensors under
+    ``vlm.`` (``vlm.language_model.`` with or without a ``model.`` after it,
+    ``vlm.vision_tower.`` with or without ``vision_model.``, ``vlm.multi_modal_projector.``;
+    or with a ``model.`` after ``vlm.``), the projection as ``embedding_proj_layer``."""
+
+    def num_layers(self, hf: dict) -> int:
+        return int(paligemma_text(hf.get("vlm_config") or {})["num_hidden_layers"])
+
+    def vocab_size(self, hf: dict) -> int:
+        return int(paligemma_text(hf.get("vlm_config") or {})["vocab_size"])
+
+    def canonical_name(self, name: str) -> str:
+        if not name.startswith("vlm."):
+            return name
+        name = name[len("vlm.") :]
+        name = name[len("model.") :] if name.startswith("model.") else name
+        for prefix, becomes in (
+            ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+            ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."),
+        ):  # fmt: skip
+            if name.startswith(prefix):
+                return becomes + name[len(prefix) :]
+        return name
+
+
 def _tower_config(hf: dict, family: str, *, causal: bool) -> TowerConfig:
     kind, tower = family.split("_")
     cfg = TowerConfig.from_hf(hf, kind, tower)
@@ -321,8 +349,16 @@ _FAMILIES["colqwen2"] = ColQwen2Family(
     "none", pooling="all",
 )  # fmt: skip
 
+# ColPali (models/colpali.py): bidirectional over the whole prompt, one vector per token. The
+# SigLIP tower's pooling head is not PaliGemma's (it reads the tower's last hidden state).
+_FAMILIES["colpali"] = ColPaliFamily(
+    "colpali", False, ColPaliConfig.from_hf, ColPaliStage, (),
+    re.compile(r"^(lm_head\..*|vision_tower\.head\..*)$"), "none", pooling="all",
+)  # fmt: skip
+
 _ARCHITECTURES = {
     "ColQwen2ForRetrieval": "colqwen2",
+    "ColPaliForRetrieval": "colpali",
     # Vision-language embedders (models/qwen2_vl.py): the last token's hidden state.
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2VLModel": "qwen2_vl",

@@ -48,6 +48,7 @@ MODEL_TYPES = {
     "qwen2_vl": ("qwen2_vl",),
     "qwen2_5_vl": ("qwen2_5_vl",),
     "colqwen2": ("colqwen2",),
+    "colpali": ("colpali",),
 }
 
 # Decoders whose transformers implementation reads ``is_causal`` from the config (the mask is
@@ -221,11 +222,21 @@ _QWEN2_VL_FIELDS = {
         "an attention direction transformers' Qwen2-VL ignores",
     ),
 }
+# ColPali (models/colpali.py): bidirectional as transformers runs it on its processor's
+# inputs; its top level holds no field of its math (vlm_config does, read by ColPaliConfig).
+_COLPALI_FIELDS = {
+    "is_causal": (_absent_or(False), "an attention direction transformers' ColPali ignores"),
+    "use_bidirectional_attention": (
+        _absent_or(True),
+        "an attention direction transformers' ColPali ignores",
+    ),
+}
 _TOWER_KINDS = DUAL_ENCODERS.values()
 _FAMILY_FIELDS = {
     "qwen2_vl": _QWEN2_VL_FIELDS,
     "qwen2_5_vl": _QWEN2_VL_FIELDS,
     "colqwen2": _QWEN2_VL_FIELDS,
+    "colpali": _COLPALI_FIELDS,
     **{f"{kind}_{tower}": _TOWER_FIELDS for kind in _TOWER_KINDS for tower in ("text", "vision")},
     "gemma2": _GEMMA2_FIELDS,
     "gemma3": _GEMMA3_FIELDS,

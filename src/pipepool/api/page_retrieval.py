@@ -1,8 +1,8 @@
-"""Page retrieval with ColQwen2 (``models/colqwen2.py``): queries (texts) against pages
-(images), each embedded as one vector per token, scored by MaxSim (``retrieval.max_sim``, the
-score transformers' ``ColQwen2Processor.score_retrieval`` computes for one query and one
-page). ``Engine.score`` and ``Engine.rerank`` of a ColQwen2 engine come here: the first texts
-are queries, the second inputs page images (PIL images, bytes or ``pathlib.Path``s)."""
+"""Page retrieval with ColQwen2 (``models/colqwen2.py``) or ColPali (``models/colpali.py``):
+queries (texts) against pages (images), each embedded as one vector per token, scored by MaxSim
+(``retrieval.max_sim``, the score their processors' ``score_retrieval`` computes for one query
+and one page). ``Engine.score`` and ``Engine.rerank`` of such an engine come here: the first
+texts are queries, the second inputs page images (PIL images, bytes or ``pathlib.Path``s)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def refuse_page_options(**given: object) -> None:
     for name, value in given.items():
         if value is not None:
             raise InvalidInputError(
-                f"{name} does not apply to ColQwen2's queries against page images", param=name
+                f"{name} does not apply to queries against page images (ColQwen2, ColPali)",
+                param=name,
             )
 
 
@@ -38,12 +39,14 @@ def page_scores(
         raise InvalidInputError("use_activation must be true or false", param="use_activation")
     queries = [text_1] if isinstance(text_1, str) else list(text_1)
     if not queries or not all(isinstance(q, str) for q in queries):
-        raise InvalidInputError("the queries (text_1) of ColQwen2 are texts", param="text_1")
+        raise InvalidInputError(
+            "the queries (text_1) against page images are texts", param="text_1"
+        )
     pages = [pages] if is_image_input(pages) else list(pages)
     bad = next((i for i, p in enumerate(pages) if not is_image_input(p)), None)
     if not pages or bad is not None:
         raise InvalidInputError(
-            f"the pages (text_2) of ColQwen2 are images (PIL, bytes or pathlib.Path)"
+            f"the pages (text_2) of ColQwen2 / ColPali are images (PIL, bytes or pathlib.Path)"
             f"{f'; input {bad} is not' if bad is not None else ''}",
             param="text_2",
         )

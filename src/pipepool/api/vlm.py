@@ -22,15 +22,18 @@ from ..core.submission import Submission
 from ..driver.local import LocalPipeline
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
+from ..intake.colpali_inputs import ColPaliFormatter
 from ..intake.images import ImageLimits, is_image_input
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.token_budget import TokenBudget
 from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
-from ..models import family_of
+from ..models import Family, family_of
 from .images import refuse_text_options
 
 # The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2", "colpali")
+# Page retrieval models (one vector per token, MaxSim), by family: their name in messages.
+PAGE_RETRIEVERS = {"colqwen2": "ColQwen2", "colpali": "ColPali"}
 _DECODE_THREADS = 4
 
 
@@ -42,8 +45,9 @@ def is_multimodal_call(inputs) -> bool:
 
 
 def colqwen2_inputs(inputs) -> list | None:
-    """A ColQwen2 call of plain texts or plain images as its dict inputs (a text is a query, an
-    image a page, as its processor takes them); None for other calls (token ids, dicts)."""
+    """A ColQwen2 / ColPali call of plain texts or plain images as its dict inputs (a text is a
+    query, an image a page, as its processor takes them); None for other calls (token ids,
+    dicts)."""
     items = [inputs] if isinstance(inputs, str) or is_image_input(inputs) else inputs
     if not isinstance(items, (list, tuple)) or not items:
         return None
@@ -62,19 +66,18 @@ class VlmInputs:
         folder = config.allowed_local_media_path
         limits = ImageLimits(Path(folder) if folder else None, config.max_image_pixels)
         family = family_of(d.folder.architecture)
-        cfg = family.config(d.folder.hf_config, True)
-        # ColQwen2: queries and pages in its processor's formats, one vector per token.
-        self.multi_vector = family.name == "colqwen2"
-        kind = ColQwen2Formatter if self.multi_vector else VlmFormatter
-        vl = cfg.vl if self.multi_vector else cfg
-        self.formatter = kind(d.folder.path, d.folder.tokenizer_file, vl.image_token_id, limits)
+        # ColQwen2, ColPali: queries and pages in their processor's formats, a vector a token.
+        self.model_name = PAGE_RETRIEVERS.get(family.name, "")
+        self.multi_vector = bool(self.model_name)
+        self.formatter = _formatter(family, d, limits)
         self.pipeline, self.deployment = pipeline, d
         self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
 
     def submit(self, items: list, params, budget: TokenBudget | None = None) -> Submission:
         if self.multi_vector and params.pooling != "all":
             raise InvalidInputError(
-                f"ColQwen2 gives one vector per token (pooling 'all'), not {params.pooling!r}",
+                f"{self.model_name} gives one vector per token (pooling 'all'), not "
+                f"{params.pooling!r}",
                 param="pooling",
             )
         if not isinstance(self.pipeline, LocalPipeline):
@@ -121,6 +124,20 @@ class VlmInputs:
         self._pool.shutdown(wait=False)
 
 
+def _formatter(family: Family, d, limits: ImageLimits):
+    """The family's prompt formatter (``intake/vlm_inputs.py``, ``intake/colpali_inputs.py``)."""
+    cfg = family.config(d.folder.hf_config, d.causal)
+    folder, tokenizer = d.folder.path, d.folder.tokenizer_file
+    if family.name == "colpali":
+        return ColPaliFormatter(
+            folder, tokenizer, cfg.image_token_id, limits, image_size=cfg.vision.image_size,
+            patch_size=cfg.vision.patch_size,
+        )  # fmt: skip
+    if family.name == "colqwen2":
+        return ColQwen2Formatter(folder, tokenizer, cfg.vl.image_token_id, limits)
+    return VlmFormatter(folder, tokenizer, cfg.image_token_id, limits)
+
+
 def open_vlm_inputs(config: EngineConfig, pipeline: Pipeline) -> VlmInputs | None:
     """Dict inputs of a vision-language checkpoint (None for every other model)."""
     if family_of(pipeline.deployment.folder.architecture).name not in VLM_FAMILIES:
@@ -158,10 +175,11 @@ def submit_multimodal(
         long_inputs=long_inputs,
     )
     items = [items] if isinstance(items, dict) else list(items)
-    if vlm.multi_vector:  # ColQwen2 normalises every token (normalize=False: the projection)
+    if vlm.multi_vector:  # ColQwen2 / ColPali normalise every token (False: the projection)
         if dimensions is not None:
             raise InvalidInputError(
-                f"dimensions: ColQwen2's token vectors are {vlm.deployment.output_dim} wide, as "
+                f"dimensions: {vlm.model_name}'s token vectors are {vlm.deployment.output_dim} "
+                "wide, as "
                 "the checkpoint computes them",
                 param="dimensions",
             )

@@ -73,8 +73,13 @@ class ImageProcessing:
     do_convert_rgb: bool
 
     @classmethod
-    def from_folder(cls, folder: Path, kind: str, image_size: int) -> ImageProcessing:
-        file, given = checked_processor_config(folder, _PROCESSORS[kind], _READ, _IGNORED, kind)
+    def from_folder(
+        cls, folder: Path, kind: str, image_size: int, *, read_elsewhere: frozenset = frozenset()
+    ) -> ImageProcessing:
+        """``read_elsewhere``: keys the caller reads itself (ColPali's ``image_seq_length``)."""
+        file, given = checked_processor_config(
+            folder, _PROCESSORS[kind], _READ, _IGNORED | read_elsewhere, kind
+        )
         values = {**_DEFAULTS[kind], **{k: v for k, v in given.items() if k in _READ}}
         proc = cls(
             do_resize=bool(values.get("do_resize", True)),

@@ -158,6 +158,26 @@ def _edited(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+def test_tensor_names_of_earlier_saves(colpali_path, colpali_engine, tmp_path):
+    """The hub's ColPali folders (saved by transformers 4) name the vision tower's tensors
+    ``vlm.vision_tower.vision_model.*``; transformers 5's in-memory names drop the
+    ``.model`` after ``language_model``: both load to the same vectors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(colpali_path / "model.safetensors")
+    renames = (("vlm.vision_tower.", "vlm.vision_tower.vision_model."),
+               ("vlm.language_model.model.", "vlm.language_model."))  # fmt: skip
+    for old, new in renames:
+        folder = shutil.copytree(colpali_path, tmp_path / new.replace(".", "_"))
+        renamed = {new + k[len(old) :] if k.startswith(old) else k: v for k, v in tensors.items()}
+        assert renamed.keys() != tensors.keys()
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+        page = {"image": sample_images()[1]}
+        with pipepool.Engine(str(folder)) as engine:
+            got = engine.pool([page], pooling="all")[0]
+        np.testing.assert_array_equal(got, colpali_engine.pool([page], pooling="all")[0])
+
+
 def test_checkpoints_refused_by_name(colpali_path, tmp_path):
     """PaliGemma 2's Gemma2 decoder, causal attention and a processor whose image token count
     is not the tower's patches are refused at load, naming what."""
@@ -175,3 +195,21 @@ def test_checkpoints_refused_by_name(colpali_path, tmp_path):
     (seq / "processor_config.json").write_text(json.dumps(processor))
     with pytest.raises(ModelLoadError, match="image_seq_length 9 differs"):
         pipepool.Engine(str(seq))
+
+
+def test_a_first_stage_without_the_image_rows_is_caught(colpali_path, monkeypatch):
+    """A first stage whose plan lost its image rows (it would embed the image tokens as text)
+    is named before computing: its placeholders read no image row."""
+    import faults
+
+    from pipepool import StateDivergence
+
+    faults.install(monkeypatch, "text_positions_on_stage", stage=0)
+    engine = pipepool.Engine(
+        str(colpali_path), pipeline_parallel_size=2, max_num_batched_tokens=BUDGET,
+        pipeline_backend="inproc",
+    )  # fmt: skip
+    with engine, pytest.raises(StateDivergence) as info:
+        engine.pool([{"image": sample_images()[0]}], pooling="all")
+    assert (info.value.check, info.value.stage) == ("mirror", 0)
+    assert "image placeholder" in str(info.value)

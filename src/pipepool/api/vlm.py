@@ -7,7 +7,8 @@ decoded and preprocessed on a pool of threads (PIL releases the GIL), and enqueu
 whose prompts carry their media rows and images: the scheduler chunks them as any causal
 prompt, through an image's placeholders too, the first stage runs the vision tower once per
 image, and every stage applies the plan's M-RoPE positions (``core/media.py``). Plain text
-inputs take the engine's text path."""
+inputs take the engine's text path. ColQwen2 and ColPali take queries and pages the same way
+(``page_retrieval.py``); ColPali's prompts are bidirectional, so they go whole into a step."""
 
 from __future__ import annotations
 
@@ -179,8 +180,7 @@ def submit_multimodal(
         if dimensions is not None:
             raise InvalidInputError(
                 f"dimensions: {vlm.model_name}'s token vectors are {vlm.deployment.output_dim} "
-                "wide, as "
-                "the checkpoint computes them",
+                "wide, as the checkpoint computes them",
                 param="dimensions",
             )
         normalize = True if normalize is None else normalize

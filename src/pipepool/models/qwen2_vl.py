@@ -17,6 +17,7 @@ embeddings, as transformers' ``masked_scatter`` does."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -79,6 +80,15 @@ class Qwen2VLConfig:
         return cls(decoder, vision_cfg, section, image_token)
 
 
+class ImageTower(Protocol):
+    """A vision tower of the first stage (an ``nn.Module``): images in, one row per image
+    placeholder token out, in image order."""
+
+    def encode(self, images: list[ImageInput]) -> torch.Tensor: ...
+
+    def weight_specs(self, prefix: str, param: str) -> list[WeightSpec]: ...
+
+
 def _axes(section: tuple[int, ...]) -> torch.Tensor:
     """The position axis (t, h, w) each component of the cos|sin table turns by."""
     half = [axis for axis, n in enumerate(section) for _ in range(n)]
@@ -104,13 +114,21 @@ class Qwen2VLStage(DecoderStage):
             raise ModelLoadError("a Qwen2-VL checkpoint has no classifier head here")
         super().__init__(cfg.text, layers, first, last, max_len)
         self.vl = cfg
-        self.visual = VisionTower(cfg.vision) if first else None
+        self.visual = self.vision_tower() if first else None
         self.image_token_id = cfg.image_token_id if first else None
-        self.register_buffer("axes", _axes(cfg.mrope_section), persistent=False)
+        self.register_buffer("axes", self.rope_axes(), persistent=False)
+
+    def vision_tower(self) -> ImageTower:
+        """The first stage's vision tower (``encode``, ``weight_specs``)."""
+        return VisionTower(self.vl.vision)
+
+    def rope_axes(self) -> torch.Tensor:
+        """The position axis (t, h, w) each component of the cos|sin table turns by."""
+        return _axes(self.vl.mrope_section)
 
     def reset_buffers(self) -> None:
         super().reset_buffers()
-        self.axes = _axes(self.vl.mrope_section).to(self.rotary.cos_sin.device)
+        self.axes = self.rope_axes().to(self.rotary.cos_sin.device)
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:
         """The vision tower's rows for ``images``, in order (first stage only)."""

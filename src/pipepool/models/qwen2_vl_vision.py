@@ -187,6 +187,36 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int):
     return torch.cat(order), lens
 
 
+def vision_rotary(cfg: VisionConfig, grids: list[tuple[int, int, int]], device):
+    """cos, sin ``[patches, 1, head_dim]`` (float32) of every image's patches, as
+    transformers' ``get_vision_position_ids`` orders them (block-major per merge block): the
+    2-D rotary positions of Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers."""
+    m, spatial = cfg.merge_size, (cfg.embed_dim // cfg.num_heads) // 2
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial)
+    )
+    rows = []
+    for t, h, w in grids:
+        hpos, wpos = block_major(h, w, m, device)
+        rows.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
+    freqs = torch.cat(rows)[..., None].float() * inv_freq  # [N, 2, spatial / 2]
+    hw = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    full = torch.cat([hw, hw], dim=-1)[:, None, :]
+    return full.cos(), full.sin()
+
+
+def block_major(h: int, w: int, merge: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each patch of an ``h x w`` grid, merge block by merge block (the
+    order of the processor's patches)."""
+    hpos, wpos = torch.meshgrid(
+        torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
+    shape = (h // merge, merge, w // merge, merge)
+    rows = hpos.reshape(shape).transpose(1, 2).flatten()
+    cols = wpos.reshape(shape).transpose(1, 2).flatten()
+    return rows, cols
+
+
 class VisionTower(nn.Module):
     """Images in, one decoder-width row per placeholder token out (``encode``)."""
 
@@ -201,29 +231,6 @@ class VisionTower(nn.Module):
         self.merger_fc1 = nn.Linear(merged, merged)
         self.merger_fc2 = nn.Linear(merged, cfg.out_dim)
 
-    def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, ...]:
-        """cos, sin ``[patches, 1, head_dim]`` (float32) of every image's patches, as
-        transformers' ``get_vision_position_ids`` orders them (block-major per merge block)."""
-        cfg = self.cfg
-        m, spatial = cfg.merge_size, (cfg.embed_dim // cfg.num_heads) // 2
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device)
-                               / spatial)
-        )  # fmt: skip
-        rows = []
-        for t, h, w in grids:
-            hpos, wpos = torch.meshgrid(
-                torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
-            )
-            shape = (h // m, m, w // m, m)
-            hpos = hpos.reshape(shape).transpose(1, 2).flatten()
-            wpos = wpos.reshape(shape).transpose(1, 2).flatten()
-            rows.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
-        freqs = torch.cat(rows)[..., None].float() * inv_freq  # [N, 2, spatial / 2]
-        hw = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        full = torch.cat([hw, hw], dim=-1)[:, None, :]
-        return full.cos(), full.sin()
-
     def encode(self, images: list[ImageInput]) -> torch.Tensor:
         """``[sum of placeholder tokens, out_dim]``: each image's rows, in image order."""
         cfg = self.cfg
@@ -231,7 +238,7 @@ class VisionTower(nn.Module):
         pixels = torch.cat([torch.from_numpy(i.pixels) for i in images]).to(weight.device)
         x = F.linear(pixels.to(weight.dtype), weight.flatten(1))  # the Conv3d, patch by patch
         grids = [i.grid for i in images]
-        cos, sin = self._rotary(grids, weight.device)
+        cos, sin = vision_rotary(cfg, grids, weight.device)
         # Each temporal frame of an image attends within itself (transformers' cu_seqlens).
         full = [h * w for t, h, w in grids for _ in range(t)]
         lens, order = full, None

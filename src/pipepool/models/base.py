@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from torch import nn
 from ..layers import triton_attention
 from ..layers.attention import AttentionMetadata, AttentionShape
 from ..runtime.user_cache import cache_dir
+
+if TYPE_CHECKING:
+    from ..core.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,11 @@ class StageModel(nn.Module):
         """The vision tower's feature rows of ``images`` (``core/media.ImageInput``), in order:
         the first stage of a vision-language model (``image_token_id`` set)."""
         raise NotImplementedError(f"{type(self).__name__} has no vision tower")
+
+    def received_rows(self, plan: StepPlan) -> int:
+        """Rows the previous stage sends this one for ``plan``: its hidden states, one a token
+        (Qwen3-VL's DeepStack rows follow them, ``models/qwen3_vl.py``)."""
+        return plan.num_tokens
 
     @property
     def output_size(self) -> int:

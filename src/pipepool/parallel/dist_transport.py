@@ -15,6 +15,7 @@ pressure). Receives are posted early and waited lazily, right before first use.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,12 +170,14 @@ class _DistIncoming:
 
 
 class DistInbound:
-    """Stage k's receives from stage k-1; shapes come from the plan."""
+    """Stage k's receives from stage k-1; shapes come from the plan (``rows(plan)``: the rows
+    stage k-1 sends, ``StageModel.received_rows``)."""
 
     def __init__(
-        self, groups: Groups, src: int, hidden_size: int, dtype, device, stage: int
-    ) -> None:
-        self.groups, self.src = groups, src
+        self, groups: Groups, src: int, hidden_size: int, dtype, device, stage: int,
+        rows: Callable[[StepPlan], int],
+    ) -> None:  # fmt: skip
+        self.groups, self.src, self.rows = groups, src, rows
         self.hidden_size, self.dtype, self.device, self.stage = hidden_size, dtype, device, stage
 
     def post(self, plan: StepPlan) -> _DistIncoming:
@@ -182,7 +185,7 @@ class DistInbound:
             self.groups,
             self.src,
             plan,
-            (plan.num_tokens, self.hidden_size),
+            (self.rows(plan), self.hidden_size),
             self.dtype,
             self.device,
             self.stage,

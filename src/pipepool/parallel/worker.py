@@ -114,8 +114,9 @@ def run_stage(
         store.set(f"loaded/{rank}", b"1")
         groups = make_groups(store, rdv, rank, spec.device)
         inbound = DistInbound(
-            groups, rank - 1, deployment.hidden_size, spec.dtype, spec.device, rank
-        )
+            groups, rank - 1, deployment.hidden_size, spec.dtype, spec.device, rank,
+            runner.model.received_rows,
+        )  # fmt: skip
         outbound = None if spec.is_last else DistOutbound(groups, rank + 1)
         results = ResultSender(groups, hold_back=deployment.overlap_steps)
         trace = runner.trace  # None unless tracing

@@ -336,7 +336,7 @@ class StageRunner:
         tr = self.trace
         if tr is not None and not spec.is_first:
             tr.phase("receive")
-        x = uploaded[0] if spec.is_first else incoming.hidden()
+        x = uploaded[0] if spec.is_first else self._received(plan, incoming)
         kv = self.kv_cache.layers() if self.kv_cache is not None else None
         if tr is not None:
             tr.phase("compute")  # on CUDA: queueing the kernels; on CPU: computing
@@ -361,6 +361,21 @@ class StageRunner:
                     tr.end_device(mark, "pool")
         self.clock.stop()
         return hidden, pooled
+
+    def _received(self, plan: StepPlan, incoming) -> torch.Tensor:
+        """The previous stage's rows for ``plan``, checked against the count the plan implies
+        (the hidden states, then Qwen3-VL's DeepStack rows of the plan's image tokens): rows
+        of another step's images are never added to this step's tokens."""
+        hidden = incoming.hidden()
+        want = self.model.received_rows(plan)
+        if len(hidden) != want:
+            raise StateDivergence(
+                step_id=plan.step_id, stage=self.spec.index, request_id=-1, expected=want,
+                found=len(hidden), check="neighbour", found_by=f"stage {self.spec.index}",
+                what="rows received from the previous stage (hidden states, then DeepStack "
+                "rows of the plan's image tokens)",
+            )  # fmt: skip
+        return hidden
 
     def _pools(self) -> bool:
         """Whether this stage keeps pooling state and pools: the last one only."""

@@ -230,7 +230,7 @@ def test_text_model_refuses_dict_inputs():
 
 @pytest.mark.parametrize(
     "architecture",
-    ["Qwen3VLForConditionalGeneration", "Qwen3VLModel", "LlavaForConditionalGeneration"],
+    ["Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel", "LlavaForConditionalGeneration"],
 )
 def test_other_vl_families_are_refused(vlm_path, tmp_path, architecture):
     folder = tmp_path / architecture

@@ -28,6 +28,31 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3-VL-Instruct's chat template (its chat_template.json), abridged: the tool branches, which
+# no input here reaches, are left out; the system, user and assistant turns are as published.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].content is string %}{{- messages[0].content }}{%- else %}"
+    "{%- for content in messages[0].content %}{%- if 'text' in content %}{{- content.text }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    '{%- for message in messages %}{%- if message.role == "user" %}'
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.content is string %}"
+    "{{- message.content }}{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- elif message.role == \"assistant\" %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.content is string %}"
+    "{{- message.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 _SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
     "<|image_pad|>", "<|video_pad|>",
@@ -35,15 +60,9 @@ _SPECIALS = [
 PATCH, MERGE = 4, 2  # patch size, spatial merge size: one LLM token per 8 x 8 pixels
 
 
-def make_qwen2_vl(
-    path: Path, *, num_layers: int = 3, seed: int = 0, kind: str = "qwen2_vl"
-) -> Path:
-    """Qwen2VLForConditionalGeneration (``kind="qwen2_5_vl"``: Qwen2_5_VLForConditionalGeneration)
-    with a 3-layer decoder (GQA, M-RoPE sections 2/3/3 of head_dim 16) and a
-    vision tower of patch 4 and merge 2 (8-64 LLM tokens per image; Qwen2.5-VL's: three
-    blocks, the middle one over the whole image, the others in windows of 2 x 2 merge
-    blocks)."""
-    import transformers
+def write_tokenizer(path: Path) -> tuple[dict[str, int], int]:
+    """A small byte-level BPE tokenizer holding Qwen's chat and vision tokens, in ``path``;
+    returns the special tokens' ids and the vocabulary's size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -60,7 +79,20 @@ def make_qwen2_vl(
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
     }))  # fmt: skip
-    ids = {t: tok.token_to_id(t) for t in _SPECIALS}
+    return {t: tok.token_to_id(t) for t in _SPECIALS}, tok.get_vocab_size()
+
+
+def make_qwen2_vl(
+    path: Path, *, num_layers: int = 3, seed: int = 0, kind: str = "qwen2_vl"
+) -> Path:
+    """Qwen2VLForConditionalGeneration (``kind="qwen2_5_vl"``: Qwen2_5_VLForConditionalGeneration)
+    with a 3-layer decoder (GQA, M-RoPE sections 2/3/3 of head_dim 16) and a
+    vision tower of patch 4 and merge 2 (8-64 LLM tokens per image; Qwen2.5-VL's: three
+    blocks, the middle one over the whole image, the others in windows of 2 x 2 merge
+    blocks)."""
+    import transformers
+
+    ids, vocab = write_tokenizer(path)
     vision = dict(
         depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=PATCH,
         spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3,
@@ -77,7 +109,7 @@ def make_qwen2_vl(
     }[kind]
     config = getattr(transformers, config_cls)(
         text_config=dict(
-            vocab_size=tok.get_vocab_size() + 2, hidden_size=64, intermediate_size=128,
+            vocab_size=vocab + 2, hidden_size=64, intermediate_size=128,
             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.1,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
@@ -99,9 +131,47 @@ def make_qwen2_vl(
     return path
 
 
+def make_qwen3_vl(path: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """Qwen3VLForConditionalGeneration with a 4-layer Qwen3 decoder (GQA, q/k norms,
+    interleaved M-RoPE sections 4/2/2 of head_dim 16) and a 3-block vision tower of patch 4
+    and merge 2 (8-64 LLM tokens per image), a 4 x 4 learned position grid (interpolated to
+    every image's grid) and DeepStack from all three blocks into decoder layers 0-2: at PP=2
+    the second stage's first layer adds DeepStack rows the first stage sends it."""
+    import transformers
+
+    ids, vocab = write_tokenizer(path)
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=vocab + 2, hidden_size=64, intermediate_size=128, head_dim=16,
+            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                             "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3,
+            num_position_embeddings=16, deepstack_visual_indexes=[0, 1, 2],
+            initializer_range=0.1,
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.Qwen3VLForConditionalGeneration(config).eval().save_pretrained(str(path))
+    factor = PATCH * MERGE
+    transformers.Qwen2VLImageProcessorPil(  # Qwen3-VL's checkpoints name this processor
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, image_mean=[0.5] * 3,
+        image_std=[0.5] * 3, min_pixels=8 * factor * factor, max_pixels=64 * factor * factor,
+    ).save_pretrained(str(path))  # fmt: skip
+    (path / "chat_template.jinja").write_text(QWEN3_VL_CHAT_TEMPLATE)
+    return path
+
+
 def reference(path: Path, kind: str = "qwen2_vl"):
-    """(transformers' Qwen2VLModel or Qwen2_5_VLModel, its processor with the PIL image
-    processor) of a tiny folder. The processor is built without a video processor
+    """(transformers' Qwen2VLModel, Qwen2_5_VLModel or Qwen3VLModel, its processor with the PIL
+    image processor) of a tiny folder. The processor is built without a video processor
     (transformers' needs torchvision, which the test environment lacks; no input here is a
     video)."""
     import transformers
@@ -110,6 +180,7 @@ def reference(path: Path, kind: str = "qwen2_vl"):
     model_cls, processor_cls = {
         "qwen2_vl": (transformers.Qwen2VLModel, transformers.Qwen2VLProcessor),
         "qwen2_5_vl": (transformers.Qwen2_5_VLModel, transformers.Qwen2_5_VLProcessor),
+        "qwen3_vl": (transformers.Qwen3VLModel, transformers.Qwen3VLProcessor),
     }[kind]
     model = model_cls.from_pretrained(path).eval()
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class

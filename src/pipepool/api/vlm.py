@@ -32,7 +32,7 @@ from ..models import Family, family_of
 from .images import refuse_text_options
 
 # The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "colqwen2", "colpali")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "colqwen2", "colpali")
 # Page retrieval models (one vector per token, MaxSim), by family: their name in messages.
 PAGE_RETRIEVERS = {"colqwen2": "ColQwen2", "colpali": "ColPali"}
 _DECODE_THREADS = 4

@@ -1,4 +1,5 @@
-"""Inputs of a vision-language embedder (Qwen2-VL, ``models/qwen2_vl.py``): a text and its
+"""Inputs of a vision-language embedder (Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
+``models/qwen2_vl.py``, ``models/qwen3_vl.py``): a text and its
 images, formatted as the folder's processor formats them, to token ids, media rows and
 preprocessed images (``core/media.py``).
 
@@ -174,6 +175,12 @@ def parse_input(item, index: int) -> tuple[str, list]:
         raise InvalidInputError(
             f"input {index}: a vision-language call takes dicts ({{'text': ..., 'image': ...}}) "
             f"or texts, got {type(item).__name__}", param="input", index=index,
+        )  # fmt: skip
+    videos = sorted(set(item) & {"video", "videos"})
+    if videos:  # Qwen2-VL and Qwen3-VL read videos (Qwen3-VL with timestamps); pipepool not
+        raise InvalidInputError(
+            f"input {index}: {videos[0]!r}: video inputs are not implemented (images only)",
+            param="input", index=index,
         )  # fmt: skip
     unknown = sorted(set(item) - set(INPUT_KEYS))
     if unknown:

@@ -24,6 +24,7 @@ from .encoders import RelativeConfig, RelativeEncoderStage
 from .gemma import GemmaConfig, GemmaStage
 from .modernbert import ModernBertConfig, ModernBertStage
 from .qwen2_vl import Qwen2VLConfig, Qwen2VLStage, text_config
+from .qwen3_vl import Qwen3VLConfig, Qwen3VLStage
 from .t5 import T5Config, T5EncoderStage
 from .tower_vision import VisionStage
 from .towers import KINDS as TOWER_KINDS
@@ -178,7 +179,8 @@ class TowerFamily(Family):
 
 @dataclass(frozen=True)
 class Qwen2VLFamily(Family):
-    """Qwen2-VL (``models/qwen2_vl.py``): the decoder's sizes may sit in ``text_config``;
+    """Qwen2-VL and its relatives (``models/qwen2_vl.py``, ``models/qwen3_vl.py``): the
+    decoder's sizes may sit in ``text_config``;
     checkpoint names come in transformers 5's layout (``model.language_model.``,
     ``model.visual.``) or the published one (``model.``, ``visual.``)."""
 
@@ -343,6 +345,11 @@ for _vl in ("qwen2_vl", "qwen2_5_vl"):
         _vl, True, Qwen2VLConfig.from_hf, Qwen2VLStage, (), re.compile(r"^lm_head\..*$"), "none"
     )
 
+_FAMILIES["qwen3_vl"] = Qwen2VLFamily(
+    "qwen3_vl", True, Qwen3VLConfig.from_hf, Qwen3VLStage, (), re.compile(r"^lm_head\..*$"),
+    "none",
+)  # fmt: skip
+
 # ColQwen2 (models/colqwen2.py): one vector per token, MaxSim.
 _FAMILIES["colqwen2"] = ColQwen2Family(
     "colqwen2", True, ColQwen2Config.from_hf, ColQwen2Stage, (), re.compile(r"^lm_head\..*$"),
@@ -364,6 +371,8 @@ _ARCHITECTURES = {
     "Qwen2VLModel": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen2_5_VLModel": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",  # models/qwen3_vl.py
+    "Qwen3VLModel": "qwen3_vl",
     "CLIPModel": "clip_text",
     "CLIPModel:vision": "clip_vision",
     "SiglipModel": "siglip_text",

@@ -47,6 +47,7 @@ MODEL_TYPES = {
     "siglip2_vision": ("siglip2",),
     "qwen2_vl": ("qwen2_vl",),
     "qwen2_5_vl": ("qwen2_5_vl",),
+    "qwen3_vl": ("qwen3_vl",),
     "colqwen2": ("colqwen2",),
     "colpali": ("colpali",),
 }
@@ -213,7 +214,8 @@ _TOWER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "an attention direction transformers' dual encoders ignore",
     ),
 }
-# Qwen2-VL (models/qwen2_vl.py): causal as transformers computes it, whatever the config says.
+# Qwen2-VL and Qwen3-VL (models/qwen2_vl.py, qwen3_vl.py): causal as transformers computes
+# them, whatever the config says.
 _QWEN2_VL_FIELDS = {
     **_DECODER_FIELDS,
     "is_causal": (_absent_or(True), "an attention direction transformers' Qwen2-VL ignores"),
@@ -235,6 +237,7 @@ _TOWER_KINDS = DUAL_ENCODERS.values()
 _FAMILY_FIELDS = {
     "qwen2_vl": _QWEN2_VL_FIELDS,
     "qwen2_5_vl": _QWEN2_VL_FIELDS,
+    "qwen3_vl": _QWEN2_VL_FIELDS,
     "colqwen2": _QWEN2_VL_FIELDS,
     "colpali": _COLPALI_FIELDS,
     **{f"{kind}_{tower}": _TOWER_FIELDS for kind in _TOWER_KINDS for tower in ("text", "vision")},

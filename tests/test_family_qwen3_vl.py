@@ -96,6 +96,22 @@ def test_deepstack_into_the_last_layer(model_dir):
     assert worst >= MIN_COSINE, f"DeepStack into the last layer: cosine {worst}"
 
 
+def test_a_qwen3_vl_model_saved_alone(qwen3_vl_path, qwen3_vl_reference, tmp_path):
+    """``Qwen3VLModel.save_pretrained`` (architecture Qwen3VLModel, tensors under
+    ``language_model.`` and ``visual.``) loads and embeds as transformers does."""
+    model, processor = qwen3_vl_reference
+    folder = tmp_path / "model_only"
+    model.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        shutil.copy(qwen3_vl_path / name, folder / name)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3VLModel"]
+    items = _inputs()[:2]
+    with pipepool.Engine(str(folder)) as engine:
+        got = engine.embed(items)
+    assert float(cosine(got, reference_vectors(model, processor, items)).min()) >= MIN_COSINE
+
+
 def test_preprocessing_and_positions_equal_transformers(qwen3_vl_path, qwen3_vl_reference):
     """pixel_values, image_grid_thw and input_ids equal Qwen3VLProcessor's exactly; the media
     rows' positions equal Qwen3VLModel.get_rope_index's."""

@@ -99,6 +99,21 @@ def test_qwen2_5_vl_matches_transformers(model_dir):
     assert worst >= MIN_COSINE, f"Qwen2.5-VL: cosine {worst}"
 
 
+def test_a_qwen2_vl_model_saved_alone(vlm_path, vlm_reference, tmp_path):
+    """``Qwen2VLModel.save_pretrained`` (architecture Qwen2VLModel, tensors under
+    ``language_model.`` and ``visual.``) loads and embeds as transformers does."""
+    model, processor = vlm_reference
+    folder = tmp_path / "model_only"
+    model.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        shutil.copy(vlm_path / name, folder / name)
+    items = _inputs()[:2]
+    with pipepool.Engine(str(folder)) as engine:
+        got = engine.embed(items)
+    assert float(cosine(got, reference_vectors(model, processor, items)).min()) >= MIN_COSINE
+
+
 def test_preprocessing_and_positions_equal_transformers(vlm_path, vlm_reference):
     """pixel_values, image_grid_thw and input_ids equal the processor's exactly; the media rows'
     positions equal ``get_rope_index``'s."""

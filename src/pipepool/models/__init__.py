@@ -182,7 +182,8 @@ class Qwen2VLFamily(Family):
     """Qwen2-VL and its relatives (``models/qwen2_vl.py``, ``models/qwen3_vl.py``): the
     decoder's sizes may sit in ``text_config``;
     checkpoint names come in transformers 5's layout (``model.language_model.``,
-    ``model.visual.``) or the published one (``model.``, ``visual.``)."""
+    ``model.visual.``; a ``*VLModel`` saved alone: ``language_model.``, ``visual.``) or the
+    published one (``model.``, ``visual.``)."""
 
     def num_layers(self, hf: dict) -> int:
         return int(text_config(hf)["num_hidden_layers"])
@@ -193,6 +194,7 @@ class Qwen2VLFamily(Family):
     def canonical_name(self, name: str) -> str:
         for prefix, becomes in (
             ("model.language_model.", ""), ("model.visual.", "visual."), ("model.", ""),
+            ("language_model.", ""),  # a *VLModel's own save (no ``model.``)
         ):  # fmt: skip
             if name.startswith(prefix):
                 return becomes + name[len(prefix) :]

@@ -51,16 +51,26 @@ def _inputs() -> list:
     ]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_qwen3_vl_matches_transformers(qwen3_vl_path, qwen3_vl_reference, pp):
+@pytest.fixture(scope="module")
+def qwen3_vl_wanted(qwen3_vl_reference):
+    """transformers' vectors of ``_inputs()`` and of plain texts, its every-token states of
+    input 2, and each input's placeholder count (computed once for both PP degrees)."""
     model, processor = qwen3_vl_reference
     items, texts = _inputs(), SENTENCES[:3] + long_prompts()[:1]
-    want = reference_vectors(model, processor, items)
-    want_texts = reference_vectors(model, processor, texts)
+    with torch.no_grad():  # every token's state, the image tokens' DeepStack sums included
+        tokens = model(**reference_inputs(processor, items[2])).last_hidden_state[0].numpy()
     placeholders = [
         int((reference_inputs(processor, i)["input_ids"] == model.config.image_token_id).sum())
         for i in items
     ]
+    return (reference_vectors(model, processor, items), reference_vectors(model, processor, texts),
+            tokens, placeholders)  # fmt: skip
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_qwen3_vl_matches_transformers(qwen3_vl_path, qwen3_vl_wanted, pp):
+    want, want_texts, want_tokens, placeholders = qwen3_vl_wanted
+    items, texts = _inputs(), SENTENCES[:3] + long_prompts()[:1]
     assert max(placeholders) > 2 * BUDGET  # an image's placeholders span three steps or more
     with pipepool.Engine(
         str(qwen3_vl_path), pipeline_parallel_size=pp, max_num_batched_tokens=BUDGET
@@ -75,9 +85,7 @@ def test_qwen3_vl_matches_transformers(qwen3_vl_path, qwen3_vl_reference, pp):
     worst_text = float(cosine(got_texts, want_texts).min())
     assert worst_text >= MIN_COSINE, f"PP={pp} texts: cosine {worst_text}"
     assert float(cosine(mixed[:2], want[:2]).min()) >= MIN_COSINE
-    with torch.no_grad():  # every token's state, the image tokens' DeepStack sums included
-        want_tokens = model(**reference_inputs(processor, items[2])).last_hidden_state[0]
-    assert float(cosine(tokens, want_tokens.numpy()).min()) >= MIN_COSINE
+    assert float(cosine(tokens, want_tokens).min()) >= MIN_COSINE
 
 
 def test_deepstack_into_the_last_layer(model_dir):

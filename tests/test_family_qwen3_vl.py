@@ -226,3 +226,22 @@ def test_configs_it_does_not_compute_are_refused(qwen3_vl_path, tmp_path, edit, 
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=re.escape(says)):
         pipepool.Engine(str(folder))
+
+
+@pytest.mark.slow
+def test_parity_on_text_prompts(qwen3_vl_path, tmp_path, capsys):
+    """``pipepool parity`` on a Qwen3-VL folder: the built-in text prompts (no images: the
+    parity sweep of vision-language models is text only) at PP 1 and 2, chunked, against
+    transformers' Qwen3VLModel."""
+    from pipepool.commands.cli import main
+
+    out = tmp_path / "parity.json"
+    rc = main([
+        "parity", "--model", str(qwen3_vl_path), "--pp", "1,2", "--max-num-batched-tokens",
+        "16", "--pooling", "last", "--max-model-len", "256", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["reference"].startswith("transformers ")
+    assert [(r["pp"], r["passed"]) for r in report["rows"]] == [(1, True), (2, True)]
+    assert all(r["chunked"] >= 4 and r["min_cosine"] >= MIN_COSINE for r in report["rows"])

@@ -40,6 +40,39 @@ def text_config(hf: dict) -> dict:
     return {k: v for k, v in hf.items() if k != "vision_config"}
 
 
+def vl_parts(
+    hf: dict,
+    text: dict,
+    rope: dict,
+    label: str,
+    decoder_family: str,
+    default_section: tuple[int, ...],
+    default_theta: float,
+    unread: tuple[str, ...],
+) -> tuple[DecoderConfig, tuple[int, ...], dict, int]:
+    """What every Qwen-VL config.json holds alike: the causal decoder (M-RoPE's theta as a
+    plain rotary table, the ``unread`` text fields dropped), its checked M-RoPE sections, the
+    vision_config and the image placeholder token."""
+    section = tuple(int(s) for s in rope.get("mrope_section", default_section))
+    theta = rope.get("rope_theta", text.get("rope_theta", default_theta))
+    for name in unread:
+        text.pop(name, None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    decoder = DecoderConfig.from_hf(text, decoder_family, causal=True)
+    if len(section) != 3 or sum(section) * 2 != decoder.rotary_dim:
+        raise ModelLoadError(
+            f"mrope_section {list(section)}: three parts adding up to half the rotary "
+            f"dimension ({decoder.rotary_dim // 2}) expected"
+        )
+    vision = hf.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ModelLoadError(f"config.json of a {label} model has no vision_config")
+    image_token = hf.get("image_token_id", text.get("image_token_id"))
+    if not isinstance(image_token, int):
+        raise ModelLoadError(f"config.json of a {label} model has no image_token_id")
+    return decoder, section, vision, image_token
+
+
 @dataclass(frozen=True)
 class Qwen2VLConfig:
     """A Qwen2-VL config.json: the decoder, the vision tower, the M-RoPE sections and the
@@ -59,22 +92,9 @@ class Qwen2VLConfig:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", "mrope"):
             raise ModelLoadError(f"Qwen2-VL rope type {kind!r} is not implemented (M-RoPE)")
-        section = tuple(int(s) for s in rope.get("mrope_section", _DEFAULT_SECTION))
-        theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
-        text.pop("rope_scaling", None)
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-        decoder = DecoderConfig.from_hf(text, "qwen2", causal=True)
-        if len(section) != 3 or sum(section) * 2 != decoder.rotary_dim:
-            raise ModelLoadError(
-                f"mrope_section {list(section)}: three parts adding up to half the rotary "
-                f"dimension ({decoder.rotary_dim // 2}) expected"
-            )
-        vision = hf.get("vision_config")
-        if not isinstance(vision, dict):
-            raise ModelLoadError("config.json of a Qwen2-VL model has no vision_config")
-        image_token = hf.get("image_token_id", text.get("image_token_id"))
-        if not isinstance(image_token, int):
-            raise ModelLoadError("config.json of a Qwen2-VL model has no image_token_id")
+        decoder, section, vision, image_token = vl_parts(
+            hf, text, rope, "Qwen2-VL", "qwen2", _DEFAULT_SECTION, 1000000.0, ("rope_scaling",)
+        )
         windowed = family == "qwen2_5_vl"  # Qwen2.5-VL's vision tower
         vision_cfg = VisionConfig.from_hf(vision, decoder.hidden_size, windowed=windowed)
         return cls(decoder, vision_cfg, section, image_token)

@@ -29,7 +29,7 @@ from ..core.plan import StepPlan
 from ..errors import ModelLoadError
 from .base import StepInputs
 from .decoder import DecoderConfig
-from .qwen2_vl import ImageTower, Qwen2VLStage, text_config
+from .qwen2_vl import ImageTower, Qwen2VLStage, text_config, vl_parts
 from .qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 _DEFAULT_SECTION = (24, 20, 20)  # transformers' Qwen3-VL default
@@ -70,23 +70,10 @@ class Qwen3VLConfig:
                 "Qwen3-VL interleaves M-RoPE's axes whatever it says; refusing a checkpoint that "
                 "asks otherwise"
             )
-        section = tuple(int(s) for s in rope.get("mrope_section", _DEFAULT_SECTION))
-        theta = rope.get("rope_theta", text.get("rope_theta", _DEFAULT_THETA))
-        for name in ("rope_scaling", *_UNREAD):
-            text.pop(name, None)
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-        decoder = DecoderConfig.from_hf(text, "qwen3", causal=True)
-        if len(section) != 3 or sum(section) * 2 != decoder.rotary_dim:
-            raise ModelLoadError(
-                f"mrope_section {list(section)}: three parts adding up to half the rotary "
-                f"dimension ({decoder.rotary_dim // 2}) expected"
-            )
-        vision = hf.get("vision_config")
-        if not isinstance(vision, dict):
-            raise ModelLoadError("config.json of a Qwen3-VL model has no vision_config")
-        image_token = hf.get("image_token_id", text.get("image_token_id"))
-        if not isinstance(image_token, int):
-            raise ModelLoadError("config.json of a Qwen3-VL model has no image_token_id")
+        decoder, section, vision, image_token = vl_parts(
+            hf, text, rope, "Qwen3-VL", "qwen3", _DEFAULT_SECTION, _DEFAULT_THETA,
+            ("rope_scaling", *_UNREAD),
+        )  # fmt: skip
         vision_cfg = Qwen3VisionConfig.from_hf(vision, decoder.hidden_size)
         return cls(decoder, vision_cfg, section, image_token)
 

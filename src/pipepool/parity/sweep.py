@@ -52,6 +52,12 @@ def run_parity(
 
         sweep.refuse_poolings("a dual encoder (each tower)")
         return run_tower_parity(base, deployment, sweep, prompts, log)
+    from .vlm_sweep import is_vlm
+
+    if is_vlm(deployment):  # texts, images and texts with images
+        from .vlm_sweep import run_vlm_parity
+
+        return run_vlm_parity(base, deployment, sweep, prompts, log)
     poolings = sweep.embedder_poolings
     texts, token_ids = prompt_ids(deployment, prompts)
     lengths = [len(ids) for ids in token_ids]

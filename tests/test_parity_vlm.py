@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_colpali import make_colpali
 from tiny_models import MIN_COSINE
 from tiny_vlm import make_colqwen2, make_qwen2_vl
 
@@ -33,6 +34,11 @@ def colqwen2_path(vlm_path, model_dir) -> Path:
     return make_colqwen2(vlm_path, model_dir / "parity_colqwen2")
 
 
+@pytest.fixture(scope="module")
+def colpali_path(model_dir) -> Path:
+    return make_colpali(model_dir / "parity_colpali")
+
+
 def _parity(args: list[str], tmp_path: Path) -> tuple[int, dict]:
     out = tmp_path / "parity.json"
     rc = main(["parity", *args, "--max-num-batched-tokens", BUDGET, *SMALL, "--json", str(out)])
@@ -52,7 +58,7 @@ def _other_pixels(monkeypatch) -> None:
     monkeypatch.setattr(pipepool.parity.vlm_reference, "_to", shifted)
 
 
-def test_vlm_embedder_images_and_texts_match_transformers(vlm_path, tmp_path, monkeypatch):
+def test_vlm_embedder_images_and_texts_match_transformers(vlm_path, tmp_path, monkeypatch, capsys):
     rc, report = _parity(["--model", str(vlm_path), "--pp", "1,2", "--pooling", "last"],
                          tmp_path)  # fmt: skip
     assert rc == 0, report["rows"]
@@ -76,6 +82,9 @@ def test_vlm_embedder_images_and_texts_match_transformers(vlm_path, tmp_path, mo
     verdict = {r["pooling"]: r["passed"] for r in report["rows"]}
     assert verdict == {"text last": True, "text-dict last": True, "image last": False,
                        "text+image last": False}  # fmt: skip
+    capsys.readouterr()
+    assert main(["parity", "--model", str(vlm_path), "--max-score-diff", "0.1"]) == 2
+    assert "max_score_diff applies to classifiers' scores and page" in capsys.readouterr().err
 
 
 def test_page_retriever_queries_pages_and_maxsim_match_transformers(
@@ -105,3 +114,14 @@ def test_page_retriever_queries_pages_and_maxsim_match_transformers(
         "query": True, "page": False, "maxsim": False,
     }  # fmt: skip
     assert "FAIL pp=1 tokens=8 maxsim: worst pair #" in capsys.readouterr().out
+
+
+def test_colpali_runs_each_prompt_whole(colpali_path, tmp_path):
+    """ColPali's prompts are bidirectional: below their length, each runs alone in one step
+    (nothing chunks), at PP 1 and 2, against ColPaliForRetrieval."""
+    rc, report = _parity(["--model", str(colpali_path), "--pp", "1,2"], tmp_path)
+    assert rc == 0, report["rows"]
+    assert "ColPaliForRetrieval (ColPaliProcessor)" in report["reference"]
+    assert min(p["tokens"] for p in report["prompts"]) > int(BUDGET)
+    assert [r["pooling"] for r in report["rows"]] == ["query", "page", "maxsim"] * 2
+    assert all(r["passed"] and r["chunked"] == 0 for r in report["rows"])

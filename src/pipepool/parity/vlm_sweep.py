@@ -36,7 +36,7 @@ from .report import ParityReport
 from .score_sweep import MAX_SCORE_DIFF_16BIT, MAX_SCORE_DIFF_FP32, allowed_score_error
 from .settings import (
     Sweep,
-    default_min_cosine,
+    cosine_bar,
     failed_row,
     precision_of,
     preview,
@@ -65,6 +65,8 @@ def run_vlm_parity(
     retriever = PAGE_RETRIEVERS.get(family_of(deployment.folder.architecture).name)
     if retriever is not None:
         sweep.refuse_poolings(f"{retriever} (a vector per token)")
+    else:
+        sweep.refuse_max_score_diff("a vision-language embedder")
     poolings = ("all",) if retriever else sweep.embedder_poolings
     groups, seen = _groups(deployment, prompts, bool(retriever), log)
     lengths = {g: [_length(i, s) for i, s in zip(groups[g], seen[g], strict=True)] for g in groups}
@@ -72,13 +74,12 @@ def run_vlm_parity(
     ref = _reference(sweep.reference, deployment, groups, seen, poolings, bool(retriever),
                      sweep.reference_device, sweep.reference_dtype, lengths)  # fmt: skip
     keys = [k for k in ref.outputs if k != MAXSIM]
-    threshold = sweep.min_cosine or default_min_cosine(deployment.dtype)
-    fp32 = deployment.dtype == torch.float32
-    max_sim_diff = None
-    if retriever:
-        max_sim_diff = sweep.max_score_diff or (MAX_SCORE_DIFF_FP32 if fp32 else
-                                                MAX_SCORE_DIFF_16BIT)  # fmt: skip
-    allowed, rule = None, None
+    threshold, rule = cosine_bar(sweep, deployment)
+    fp32 = deployment.dtype == torch.float32 and not deployment.int8_linears
+    max_sim_diff = sweep.max_score_diff
+    if retriever and max_sim_diff is None:
+        max_sim_diff = MAX_SCORE_DIFF_FP32 if fp32 else MAX_SCORE_DIFF_16BIT
+    allowed = None
     if sweep.min_cosine is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")
         log(f"reference: transformers in {engine_dtype} too, for docs/design.md §3's bar")

@@ -1,8 +1,8 @@
 """``pipepool parity`` on vision-language models (issue 59 part 6): a Qwen2-VL embedder's
 texts, texts as dicts, images and texts with images, and ColQwen2's queries, pages and MaxSim,
 at PP 1 and 2 with an 8-token budget (an image's placeholder tokens span several steps),
-against transformers on the processor's outputs; a reference fed other pixels fails exactly
-the rows with images."""
+against transformers on the processor's outputs; a reference fed other pixels, or a stage
+that loses M-RoPE, fails exactly the rows with images."""
 
 from __future__ import annotations
 
@@ -125,3 +125,19 @@ def test_colpali_runs_each_prompt_whole(colpali_path, tmp_path):
     assert min(p["tokens"] for p in report["prompts"]) > int(BUDGET)
     assert [r["pooling"] for r in report["rows"]] == ["query", "page", "maxsim"] * 2
     assert all(r["passed"] and r["chunked"] == 0 for r in report["rows"])
+
+
+def test_a_stage_applying_text_positions_fails_the_image_rows(vlm_path, tmp_path, monkeypatch):
+    """With the lockstep checks off, a second stage that rotates by 1-D positions (as if no
+    image were there: M-RoPE lost mid-pipeline) is caught by the vectors themselves: the rows
+    with images fail on cosine, the text rows (whose M-RoPE positions are 1-D) pass."""
+    import faults
+
+    faults.install(monkeypatch, "text_positions_on_stage", stage=1)
+    args = ["--model", str(vlm_path), "--pp", "2", "--pooling", "last", "--no-verify-state"]
+    rc, report = _parity(args, tmp_path)
+    assert rc == 1
+    rows = {r["pooling"]: r for r in report["rows"]}
+    assert rows["text last"]["passed"] and rows["text-dict last"]["passed"]
+    for key in ("image last", "text+image last"):
+        assert rows[key]["error"] is None and rows[key]["min_cosine"] < MIN_COSINE, rows[key]

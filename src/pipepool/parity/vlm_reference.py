@@ -86,7 +86,7 @@ def vlm_reference(
                     hidden = out.last_hidden_state[0].float().cpu().numpy()
                     for p in poolings:
                         outputs.setdefault(f"{group} {p}", []).append(pool(hidden, p))
-        if retriever is not None:
+        if retriever is not None and {"query", "page"} <= set(tokens):
             outputs["maxsim"] = [
                 np.array([float(processor.score_retrieval([q], [p])[0, 0])])
                 for q in tokens["query"] for p in tokens["page"]

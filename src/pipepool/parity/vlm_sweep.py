@@ -86,7 +86,7 @@ def run_vlm_parity(
         peer = _reference("transformers", deployment, groups, seen, poolings, bool(retriever),
                           sweep.reference_device, engine_dtype, lengths)  # fmt: skip
         allowed, rule = sixteen_bit_bar(peer, ref, keys, engine_dtype)
-        if retriever and sweep.max_score_diff is None:
+        if MAXSIM in ref.outputs and sweep.max_score_diff is None:
             error = float(np.abs(np.stack(peer.outputs[MAXSIM]) - np.stack(ref.outputs[MAXSIM]))
                           .max())  # fmt: skip
             max_sim_diff = allowed_score_error(error)
@@ -124,7 +124,8 @@ def _groups(
     deployment: Deployment, prompts: Sequence | None, retriever: bool, log
 ) -> tuple[dict[str, list], dict[str, list[EnginePrompt | None]]]:
     """The inputs of each group, and what the engine enqueues for each dict input (None: token
-    ids). Built-in inputs over max_model_len are left out, with a line in the log."""
+    ids). Dict inputs over max_model_len (their images' placeholders counted) are left out,
+    with a line in the log."""
     given = [p for p in prompts or () if isinstance(p, str)]
     texts = given or list(REPRODUCER_PROMPTS)
     images = builtin_images()
@@ -183,8 +184,9 @@ class _Config:
         self.poolings, self.retriever = poolings, retriever
 
     def row_keys(self) -> list[str]:
-        if self.retriever:
-            return [*self.groups, MAXSIM]
+        if self.retriever:  # MaxSim where there are queries and pages to pair
+            pairs = {"query", "page"} <= set(self.groups)
+            return [*self.groups, MAXSIM] if pairs else [*self.groups]
         return [f"{g} {p}" for g in self.groups for p in self.poolings]
 
     def row(self, key: str, chunked: int = 0) -> Row:

@@ -28,7 +28,8 @@ from ..intake.images import ImageLimits, is_image_input
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.token_budget import TokenBudget
 from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
-from ..models import Family, family_of
+from ..loading.deployment import Deployment
+from ..models import family_of
 from .images import refuse_text_options
 
 # The families whose checkpoints take dict inputs with images.
@@ -70,7 +71,7 @@ class VlmInputs:
         # ColQwen2, ColPali: queries and pages in their processor's formats, a vector a token.
         self.model_name = PAGE_RETRIEVERS.get(family.name, "")
         self.multi_vector = bool(self.model_name)
-        self.formatter = _formatter(family, d, limits)
+        self.formatter = prompt_formatter(d, limits)
         self.pipeline, self.deployment = pipeline, d
         self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
 
@@ -125,8 +126,11 @@ class VlmInputs:
         self._pool.shutdown(wait=False)
 
 
-def _formatter(family: Family, d, limits: ImageLimits):
-    """The family's prompt formatter (``intake/vlm_inputs.py``, ``intake/colpali_inputs.py``)."""
+def prompt_formatter(d: Deployment, limits: ImageLimits):
+    """The prompt formatter of a vision-language deployment's family (``intake/vlm_inputs.py``,
+    ``intake/colpali_inputs.py``): ``decode`` and ``prompt`` turn a dict input into what the
+    engine enqueues."""
+    family = family_of(d.folder.architecture)
     cfg = family.config(d.folder.hf_config, d.causal)
     folder, tokenizer = d.folder.path, d.folder.tokenizer_file
     if family.name == "colpali":

@@ -24,7 +24,9 @@ def add_parser(sub, help: str) -> None:
         epilog="Without --prompts: the five prompts of the published PP reproducer plus "
         "prompts of mixed lengths up to max_model_len (pass --max-model-len to cap them). "
         "Classifiers (cross-encoders, rerankers) are compared per pair of a built-in query with "
-        "each prompt, on raw logits (sentence-transformers' CrossEncoder or transformers).",
+        "each prompt, on raw logits (sentence-transformers' CrossEncoder or transformers). "
+        "Vision-language models are compared on texts, built-in images and texts with images "
+        "(ColQwen2 / ColPali: queries, pages and every query-page MaxSim).",
     )
     p.add_argument(
         "--pp",
@@ -47,7 +49,8 @@ def add_parser(sub, help: str) -> None:
         metavar="LIST",
         default=None,
         help=f"poolings to compare, comma-separated (default: {_join(DEFAULT_POOLINGS)}; "
-        "classifiers and dual encoders pool as their checkpoints say and take none)",
+        "classifiers, dual encoders and page retrievers pool as their checkpoints say and take "
+        "none)",
     )
     p.add_argument(
         "--reference-device",
@@ -85,8 +88,10 @@ def add_parser(sub, help: str) -> None:
         "--max-score-diff",
         type=float,
         metavar="X",
-        help="classifiers: pass threshold per pair's raw logit (default: 1e-4 for float32, "
-        "5e-2 for 16-bit)",
+        help="classifiers: pass threshold per pair's raw logit; page retrievers (ColQwen2, "
+        "ColPali): per query-page MaxSim (default: 1e-4 for float32, 5e-2 for 16-bit; a 16-bit "
+        "engine against a float32 transformers reference: 1.5x transformers' own largest "
+        "16-bit error + 1e-5)",
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the report as JSON")
     add_engine_args(

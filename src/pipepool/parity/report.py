@@ -34,6 +34,8 @@ class ParityReport:
     rows: list[Row] = field(default_factory=list)
     # docs/design.md §3's bar in words where it judges the rows (min_cosine is then reported only)
     rule: str | None = None
+    # Page retrievers' MaxSim rows: the largest |engine - reference| per query-page pair
+    max_sim_diff: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -51,6 +53,7 @@ class ParityReport:
                 "engine": self.engine,
                 "min_cosine": self.min_cosine,
                 "rule": self.rule,
+                "max_sim_diff": self.max_sim_diff,
                 "passed": self.passed,
                 "prompts": [
                     {"index": i, "tokens": n, "preview": text}
@@ -72,6 +75,11 @@ class ParityReport:
             f"{', '.join(map(str, lengths))})\n"
             f"pass:      {self.rule or f'cosine >= {self.min_cosine} for every request'}"
             " (every token for pooling 'all')"
+            + (
+                f"; |MaxSim - reference| <= {self.max_sim_diff:.3e} for every query-page pair"
+                if self.max_sim_diff is not None
+                else ""
+            )
         )
 
     def table(self) -> str:
@@ -85,6 +93,12 @@ class ParityReport:
         for r in self.failures():
             if r.error is not None:
                 lines.append(f"FAIL {r.config}: {r.error}")
+            elif r.min_cosine is None:  # a MaxSim row: scores, not vectors
+                lines.append(
+                    f"FAIL {r.config}: worst pair #{r.worst_request} (query-major) is "
+                    f"{_num(r.max_abs_diff, 2, exp=True)} off; the bar: |MaxSim - reference| "
+                    f"<= {self.max_sim_diff}"
+                )
             else:
                 where = f", token {r.worst_token}" if r.worst_token is not None else ""
                 bar = self.rule or f"cosine >= {self.min_cosine}"
@@ -123,13 +137,17 @@ def _cells(r: Row) -> tuple[str, ...]:
         dashes = ("-",) * 4
         return (r.config, str(r.requests), str(r.chunked), *dashes, f"{r.seconds:.2f}",
                 f"ERROR {r.error}")  # fmt: skip
-    worst = f"#{r.worst_request} ({r.worst_prompt_tokens} tok)"
+    if r.worst_prompt_tokens is None:  # a MaxSim row: pairs, numbered query-major
+        worst = f"pair #{r.worst_request}"
+    else:
+        worst = f"#{r.worst_request} ({r.worst_prompt_tokens} tok)"
+    no_cosine = r.min_cosine is None  # a MaxSim row
     return (
         r.config,
         str(r.requests),
         str(r.chunked),
-        _num(r.min_cosine, 8),
-        _num(r.mean_cosine, 8),
+        "-" if no_cosine else _num(r.min_cosine, 8),
+        "-" if no_cosine else _num(r.mean_cosine, 8),
         worst,
         _num(r.max_abs_diff, 2, exp=True),
         f"{r.seconds:.2f}",

@@ -49,7 +49,8 @@ class Sweep:
     # Where the transformers reference runs; None: the engine's own device / dtype.
     reference_device: str | None = None
     reference_dtype: str | None = None
-    # Classifiers: largest |engine - reference| per raw logit (None: by dtype, score_sweep.py).
+    # Classifiers: largest |engine - reference| per raw logit (None: by dtype, score_sweep.py);
+    # page retrievers: per query-page MaxSim (vlm_sweep.py).
     max_score_diff: float | None = None
 
     @property
@@ -62,6 +63,15 @@ class Sweep:
             raise InvalidInputError(
                 f"{what} pools as its checkpoint says; poolings cannot be chosen for it",
                 param="pooling",
+            )
+
+    def refuse_max_score_diff(self, what: str) -> None:
+        """For models compared by vectors alone (``what`` says which kind)."""
+        if self.max_score_diff is not None:
+            raise InvalidInputError(
+                f"{what} is compared by its vectors' cosine; max_score_diff applies to "
+                "classifiers' scores and page retrievers' MaxSim",
+                param="max_score_diff",
             )
 
     def uses_16bit_rule(self, deployment: Deployment) -> bool:
@@ -86,6 +96,21 @@ class Sweep:
 
 def default_min_cosine(dtype: torch.dtype) -> float:
     return MIN_COSINE_FP32 if dtype == torch.float32 else MIN_COSINE_16BIT
+
+
+def cosine_bar(sweep: Sweep, deployment: Deployment) -> tuple[float, str | None]:
+    """The per-request cosine threshold of a sweep's vector rows and, where it is not the plain
+    threshold, its rule in words: ``--min-cosine`` if given, int8's fixed floor, else by dtype
+    (a 16-bit engine against a float32 reference is then judged by ``sixteen_bit_bar``)."""
+    if sweep.min_cosine is not None:
+        return sweep.min_cosine, None
+    if deployment.int8_linears:
+        return MIN_COSINE_INT8, (
+            f"cosine >= {MIN_COSINE_INT8} for every request: int8 is judged by this fixed "
+            "floor (there is no transformers int8 reference), not by docs/design.md §3's "
+            "16-bit rule"
+        )
+    return default_min_cosine(deployment.dtype), None
 
 
 def sixteen_bit_bar(

@@ -18,9 +18,8 @@ from .compare import Row, fill_row, score_request, within_allowed
 from .reference import compute_reference
 from .report import ParityReport
 from .settings import (
-    MIN_COSINE_INT8,
     Sweep,
-    default_min_cosine,
+    cosine_bar,
     failed_row,
     precision_of,
     preview,
@@ -51,7 +50,15 @@ def run_parity(
         from .tower_sweep import run_tower_parity
 
         sweep.refuse_poolings("a dual encoder (each tower)")
+        sweep.refuse_max_score_diff("a dual encoder")
         return run_tower_parity(base, deployment, sweep, prompts, log)
+    from .vlm_sweep import is_vlm
+
+    if is_vlm(deployment):  # texts, images and texts with images
+        from .vlm_sweep import run_vlm_parity
+
+        return run_vlm_parity(base, deployment, sweep, prompts, log)
+    sweep.refuse_max_score_diff("an embedding model")
     poolings = sweep.embedder_poolings
     texts, token_ids = prompt_ids(deployment, prompts)
     lengths = [len(ids) for ids in token_ids]
@@ -65,17 +72,7 @@ def run_parity(
         device=sweep.reference_device,
         dtype=sweep.reference_dtype,
     )
-    threshold = sweep.min_cosine
-    rule = None
-    if threshold is None and deployment.int8_linears:
-        threshold = MIN_COSINE_INT8
-        rule = (
-            f"cosine >= {MIN_COSINE_INT8} for every request: int8 is judged by this fixed "
-            "floor (there is no transformers int8 reference), not by docs/design.md §3's "
-            "16-bit rule"
-        )
-    if threshold is None:
-        threshold = default_min_cosine(deployment.dtype)
+    threshold, rule = cosine_bar(sweep, deployment)
     allowed = None  # per pooling and prompt: docs/design.md §3's bar, where it applies
     if sweep.min_cosine is None and sweep.uses_16bit_rule(deployment):
         engine_dtype = str(deployment.dtype).removeprefix("torch.")

@@ -117,6 +117,31 @@ def test_light_calls_alone_keep_the_next_large_calls_steps_short():
     assert steps.budget(s, now=MEMORY_S) is None, "no light call since: whole steps again"
 
 
+def test_one_clients_stream_of_light_requests_keeps_whole_steps():
+    # A server's client takes one turn (``client_turns``): its one-text requests are one
+    # call's light batches, which short steps would only split into more steps.
+    steps = SharedSteps(2048, enabled=True)
+    steps.timed(200, 0.02)
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 10, call=-5))
+    assert steps.budget(s, now=0.0) is None, "a light call alone"
+    s.schedule()
+    for i in range(40):
+        s.add(batch(1 + i, 10, call=-5))
+    assert s.light_batches_of_one_call(steps.light_tokens) == 400
+    assert not s.light_call_alone(steps.light_tokens)
+    assert steps.short_tokens() < 400
+    assert steps.budget(s, now=1.0) is None, "one client's light requests: nothing to cut"
+    s.add(batch(41, 10))  # another client's light call beside them
+    assert s.light_batches_of_one_call(steps.light_tokens) is None
+    assert steps.budget(s, now=1.0) == steps.short_tokens()
+    alone = encoder_scheduler(budget=2048)
+    alone.add(batch(0, 10, call=-5))
+    alone.add(batch(1, 300, call=-5))  # the same client's large request
+    assert alone.light_batches_of_one_call(steps.light_tokens) is None
+    assert steps.budget(alone, now=1.0) == steps.short_tokens(), "within MEMORY_S of light calls"
+
+
 def test_a_call_of_many_light_slices_is_not_light():
     s = encoder_scheduler(budget=2048)
     s.add(batch(0, 100, call=7))

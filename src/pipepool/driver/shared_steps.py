@@ -60,13 +60,18 @@ class SharedSteps:
         """The token budget of the step ``scheduler`` plans next."""
         if not self.enabled:
             return None
-        alone = scheduler.light_call_alone(self.light_tokens)
-        if alone or scheduler.light_call_waits(self.light_tokens):
+        light = self.light_tokens
+        one_call = scheduler.light_batches_of_one_call(light)
+        alone = one_call is not None and one_call <= light
+        # (Where one call's light batches wait alone, no two calls wait either.)
+        if alone or (one_call is None and scheduler.light_call_waits(light)):
             # A light call alone counts too: a large call that comes within MEMORY_S of it
             # starts in short steps, so the next light requests never meet a whole step.
             self._shared_until = now + MEMORY_S
-        if alone or now >= self._shared_until or self.seconds_per_token is None:
-            return None  # (a light call alone: nothing to cut)
+        if one_call is not None or now >= self._shared_until or self.seconds_per_token is None:
+            # Nothing to cut: one call's small requests alone (one client's stream, however
+            # many wait) hold up no other call; cut, they would only pay more steps.
+            return None
         return self.short_tokens()
 
     def short_tokens(self) -> int:

@@ -135,11 +135,28 @@ def test_one_clients_stream_of_light_requests_keeps_whole_steps():
     s.add(batch(41, 10))  # another client's light call beside them
     assert s.light_batches_of_one_call(steps.light_tokens) is None
     assert steps.budget(s, now=1.0) == steps.short_tokens()
-    alone = encoder_scheduler(budget=2048)
-    alone.add(batch(0, 10, call=-5))
-    alone.add(batch(1, 300, call=-5))  # the same client's large request
-    assert alone.light_batches_of_one_call(steps.light_tokens) is None
-    assert steps.budget(alone, now=1.0) == steps.short_tokens(), "within MEMORY_S of light calls"
+    own = encoder_scheduler(budget=2048)
+    own.add(batch(0, 10, call=-5))
+    own.add(batch(1, 300, call=-5))  # the same client's large request
+    assert own.light_batches_of_one_call(steps.light_tokens) is None
+    assert steps.budget(own, now=1.0) == steps.short_tokens(), "light calls of two met at 1.0"
+
+
+def test_a_light_calls_own_large_work_keeps_whole_steps():
+    # Its light requests waited alone: a large request of the same client (the same turn)
+    # after them holds up no one, so it is not cut; another client's is.
+    steps = SharedSteps(2048, enabled=True)
+    steps.timed(200, 0.02)
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 10, call=-5))
+    assert steps.budget(s, now=0.0) is None, "a light call alone"
+    s.schedule()
+    s.add(batch(1, *[100] * 20, call=-5))
+    assert s.sole_call() == -5
+    assert steps.budget(s, now=1.0) is None, "the same call's large work"
+    s.add(batch(21, *[100] * 20, call=-6))
+    assert s.sole_call() is None
+    assert steps.budget(s, now=1.0) == steps.short_tokens(), "another call's, within MEMORY_S"
 
 
 def test_a_call_of_many_light_slices_is_not_light():

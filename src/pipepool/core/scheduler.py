@@ -380,6 +380,15 @@ class Scheduler:
         tokens = self.light_batches_of_one_call(light_tokens)
         return tokens is not None and tokens <= light_tokens
 
+    def sole_call(self) -> int | None:
+        """The call all work waiting or under way belongs to (None: several calls, or none)."""
+        calls = {s.batch.call for s in self.running}
+        for b in itertools.chain(self.waiting, self.background):
+            calls.add(b.call)
+            if len(calls) > 1:
+                return None
+        return next(iter(calls)) if len(calls) == 1 else None
+
     def light_batches_of_one_call(self, light_tokens: int) -> int | None:
         """The tokens waiting where all of it is one call's online batches of at most
         ``light_tokens`` each, none of them scheduled, and nothing else is (no other call's

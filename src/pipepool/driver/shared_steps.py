@@ -41,9 +41,8 @@ _NEWEST = 0.2
 class SharedSteps:
     """The budget of the next step of one pipeline: None (the whole budget) unless light calls
     met other work, or waited alone, within ``MEMORY_S`` (and another call's work waits now);
-    then the
-    tokens ``STEP_S`` of compute holds, at the
-    seconds per token measured on steps of at least ``MIN_TOKENS``, never fewer than that.
+    then the tokens ``STEP_S`` of compute holds, at the seconds per token measured on steps of
+    at least ``MIN_TOKENS``, never fewer than that.
     ``step_s``: the compute such a step holds (``STEP_S``).
 
     ``enabled`` false (steps overlap): always None. One thread (the pipeline's loop) calls it;

@@ -10,7 +10,9 @@ of the texts (``served_text``'s queries on its ``tiny`` shape, bodies as the ``o
 sends them: base64, the model's name) from ``--clients`` processes, after a warm pass; it
 prints the server's CPU seconds per request and per text: all its threads (user + system), and
 its main thread alone (the event loop's: HTTP, routing, checks, small requests' tokenising and
-answers; the engine's steps and the tokenising lanes run on other threads).
+answers; the engine's steps and the tokenising lanes run on other threads), and how many
+requests shared an engine step (``/metrics``' ``pipepool_steps_total``: fewer, larger steps
+cost less a request).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def loop_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def steps_total(url: str) -> float:
+    """The server's ``pipepool_steps_total`` (engine steps planned so far)."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pipepool_steps_total"):
+            return float(line.split()[-1])
+    raise SystemExit("no pipepool_steps_total in /metrics")
+
+
 def measure(model, texts: list[str], tree: str, sizes: list[int], args) -> dict:
     """(all threads', event loop's) server CPU seconds per request, by texts per request, of the
     server on ``tree``."""
@@ -51,17 +61,19 @@ def measure(model, texts: list[str], tree: str, sizes: list[int], args) -> dict:
                 for i in range(0, len(texts), n)
             ]
             run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)
+            steps = steps_total(url)
             before = cpu_seconds(proc.pid), loop_cpu_seconds(proc.pid)
             seconds, _, failed, _, _ = run_pass(url, bodies, args.clients, args.concurrency)
             if failed:
                 raise SystemExit(f"{failed} requests failed")
             every = (cpu_seconds(proc.pid) - before[0]) / len(bodies)
             loop = (loop_cpu_seconds(proc.pid) - before[1]) / len(bodies)
+            steps = steps_total(url) - steps
             out[n] = (every, loop)
             print(
                 f"{tree}: {n}/request {every * 1e3:.3f} ms CPU a request ({every / n * 1e6:.0f} "
                 f"us a text), event loop {loop * 1e3:.3f} ms; {len(bodies) / seconds:,.0f} "
-                "requests/s",
+                f"requests/s; {len(bodies) / steps:.1f} requests an engine step",
                 flush=True,
             )
         return out

@@ -16,6 +16,7 @@ from tiny_towers import make_clip, make_siglip, png_bytes, png_header, sample_im
 
 import pipepool
 from pipepool.errors import InvalidInputError
+from pipepool.intake.images import plain_texts
 
 BUDGET = 16
 
@@ -133,6 +134,19 @@ def test_image_call_refusals(clip_engine):
         engine.pool([image], pooling="mean")
     with pytest.raises(InvalidInputError, match="late_chunking"):
         engine.embed([image], late_chunking=True)
+
+
+def test_a_text_among_images_is_still_told_apart(clip_engine):
+    # Texts alone skip the look at each input (``plain_texts``); any other item brings it back.
+    engine, _ = clip_engine
+    image = sample_images()[0]
+    assert plain_texts("a") and plain_texts(["a", "b"])
+    for call in ([], ["a", image], [["a"]], ("a",), [{"text": "a"}], [[1, 2]]):
+        assert not plain_texts(call)
+    with pytest.raises(InvalidInputError, match="input 0: a call embeds images or texts"):
+        engine.embed(["a text", image])
+    texts = engine.embed(["a photo of a cat", "a dog"])
+    assert np.array_equal(texts, engine.embed(("a photo of a cat", "a dog")))
 
 
 def test_local_files_refused_without_a_folder(tower_paths):

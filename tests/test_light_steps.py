@@ -117,6 +117,48 @@ def test_light_calls_alone_keep_the_next_large_calls_steps_short():
     assert steps.budget(s, now=MEMORY_S) is None, "no light call since: whole steps again"
 
 
+def test_one_clients_stream_of_light_requests_keeps_whole_steps():
+    # A server's client takes one turn (``client_turns``): its one-text requests are one
+    # call's light batches, which short steps would only split into more steps.
+    steps = SharedSteps(2048, enabled=True)
+    steps.timed(200, 0.02)
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 10, call=-5))
+    assert steps.budget(s, now=0.0) is None, "a light call alone"
+    s.schedule()
+    for i in range(40):
+        s.add(batch(1 + i, 10, call=-5))
+    assert s.light_batches_of_one_call(steps.light_tokens) == 400
+    assert not s.light_call_alone(steps.light_tokens)
+    assert steps.short_tokens() < 400
+    assert steps.budget(s, now=1.0) is None, "one client's light requests: nothing to cut"
+    s.add(batch(41, 10))  # another client's light call beside them
+    assert s.light_batches_of_one_call(steps.light_tokens) is None
+    assert steps.budget(s, now=1.0) == steps.short_tokens()
+    own = encoder_scheduler(budget=2048)
+    own.add(batch(0, 10, call=-5))
+    own.add(batch(1, 300, call=-5))  # the same client's large request
+    assert own.light_batches_of_one_call(steps.light_tokens) is None
+    assert steps.budget(own, now=1.0) == steps.short_tokens(), "light calls of two met at 1.0"
+
+
+def test_a_light_calls_own_large_work_keeps_whole_steps():
+    # Its light requests waited alone: a large request of the same client (the same turn)
+    # after them holds up no one, so it is not cut; another client's is.
+    steps = SharedSteps(2048, enabled=True)
+    steps.timed(200, 0.02)
+    s = encoder_scheduler(budget=2048)
+    s.add(batch(0, 10, call=-5))
+    assert steps.budget(s, now=0.0) is None, "a light call alone"
+    s.schedule()
+    s.add(batch(1, *[100] * 20, call=-5))
+    assert s.sole_call() == -5
+    assert steps.budget(s, now=1.0) is None, "the same call's large work"
+    s.add(batch(21, *[100] * 20, call=-6))
+    assert s.sole_call() is None
+    assert steps.budget(s, now=1.0) == steps.short_tokens(), "another call's, within MEMORY_S"
+
+
 def test_a_call_of_many_light_slices_is_not_light():
     s = encoder_scheduler(budget=2048)
     s.add(batch(0, 100, call=7))

@@ -75,7 +75,7 @@ class RequestBatch:
 
     __slots__ = (
         "background", "call", "cancelled", "cursor", "first_id", "images", "key_lens",
-        "lengths", "media", "offsets", "params", "token_ids", "type_ids",
+        "lengths", "media", "num_tokens", "offsets", "params", "token_ids", "type_ids",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +97,8 @@ class RequestBatch:
         self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=self.offsets[1:])
         assert len(token_ids) == self.offsets[-1], "lengths do not add up to the tokens"
+        # Read on every step's scans of the queue (``Scheduler``): one int, not an array read.
+        self.num_tokens = int(self.offsets[-1])
         self.token_ids = np.asarray(token_ids, dtype=np.int64)
         # Token type (segment) ids of pair inputs, parallel to token_ids; None: type 0 throughout.
         self.type_ids = None if type_ids is None else np.asarray(type_ids, dtype=np.int64)
@@ -150,10 +152,6 @@ class RequestBatch:
     def end_id(self) -> int:
         """One past the last request id of the batch."""
         return self.first_id + len(self.lengths)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
 
     def prompt(self, row: int) -> np.ndarray:
         return self.token_ids[self.offsets[row] : self.offsets[row + 1]]

@@ -377,12 +377,33 @@ class Scheduler:
         """Whether one light call (``light_call_waits``' kind: at most ``light_tokens`` in all
         its batches, none of it scheduled) waits and nothing else: no other call's batch, no
         background batch, no prompt split across steps."""
+        tokens = self.light_batches_of_one_call(light_tokens)
+        return tokens is not None and tokens <= light_tokens
+
+    def sole_call(self) -> int | None:
+        """The call all work waiting or under way belongs to (None: several calls, or none)."""
+        calls = {s.batch.call for s in self.running}
+        for b in itertools.chain(self.waiting, self.background):
+            calls.add(b.call)
+            if len(calls) > 1:
+                return None
+        return next(iter(calls)) if len(calls) == 1 else None
+
+    def light_batches_of_one_call(self, light_tokens: int) -> int | None:
+        """The tokens waiting where all of it is one call's online batches of at most
+        ``light_tokens`` each, none of them scheduled, and nothing else is (no other call's
+        batch, no background batch, no prompt split across steps); else None. One client's
+        stream of small requests (a server's client takes one turn) is such a call, however
+        many of its requests wait."""
         if self.running or self.background or not self.waiting:
-            return False
+            return None
         call = self.waiting[0].call
-        if any(b.call != call or b.cursor for b in self.waiting):
-            return False
-        return sum(b.num_tokens for b in self.waiting) <= light_tokens
+        tokens = 0
+        for b in self.waiting:
+            if b.call != call or b.cursor or b.num_tokens > light_tokens:
+                return None
+            tokens += b.num_tokens
+        return tokens
 
     # -- planning -------------------------------------------------------------------------
 

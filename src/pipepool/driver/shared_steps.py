@@ -40,9 +40,9 @@ _NEWEST = 0.2
 
 class SharedSteps:
     """The budget of the next step of one pipeline: None (the whole budget) unless light calls
-    met other work, or waited alone, within ``MEMORY_S`` (and other work waits now); then the
-    tokens ``STEP_S`` of compute holds, at the
-    seconds per token measured on steps of at least ``MIN_TOKENS``, never fewer than that.
+    met other work, or waited alone, within ``MEMORY_S`` (and another call's work waits now);
+    then the tokens ``STEP_S`` of compute holds, at the seconds per token measured on steps of
+    at least ``MIN_TOKENS``, never fewer than that.
     ``step_s``: the compute such a step holds (``STEP_S``).
 
     ``enabled`` false (steps overlap): always None. One thread (the pipeline's loop) calls it;
@@ -55,18 +55,31 @@ class SharedSteps:
         self.light_tokens = max(1, step_tokens // LIGHT_SHARE)
         self.seconds_per_token: float | None = None  # none timed yet
         self._shared_until = float("-inf")
+        # The call whose light requests, waiting alone, set ``_shared_until`` (None: light
+        # calls met other calls' work): its own later work holds up no other call.
+        self._alone_call: int | None = None
 
     def budget(self, scheduler: Scheduler, now: float) -> int | None:
         """The token budget of the step ``scheduler`` plans next."""
         if not self.enabled:
             return None
-        alone = scheduler.light_call_alone(self.light_tokens)
-        if alone or scheduler.light_call_waits(self.light_tokens):
+        light = self.light_tokens
+        one_call = scheduler.light_batches_of_one_call(light)
+        if one_call is not None and one_call <= light:
             # A light call alone counts too: a large call that comes within MEMORY_S of it
             # starts in short steps, so the next light requests never meet a whole step.
             self._shared_until = now + MEMORY_S
-        if alone or now >= self._shared_until or self.seconds_per_token is None:
-            return None  # (a light call alone: nothing to cut)
+            self._alone_call = scheduler.sole_call()
+        elif one_call is None and scheduler.light_call_waits(light):
+            # (Where one call's light batches wait alone, no two calls wait either.)
+            self._shared_until = now + MEMORY_S
+            self._alone_call = None
+        if one_call is not None or now >= self._shared_until or self.seconds_per_token is None:
+            # Nothing to cut: one call's small requests alone (one client's stream, however
+            # many wait) hold up no other call; cut, they would only pay more steps.
+            return None
+        if self._alone_call is not None and scheduler.sole_call() == self._alone_call:
+            return None  # the light call's own large work: there is no one else to wait
         return self.short_tokens()
 
     def short_tokens(self) -> int:
@@ -85,6 +98,7 @@ class SharedSteps:
         step, ``LocalPipeline._light_step``): steps stay short, as when one waits for a step."""
         if self.enabled:
             self._shared_until = now + MEMORY_S
+            self._alone_call = None
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A step of ``tokens`` took ``seconds`` from its hand-over to its result."""

@@ -264,8 +264,16 @@ def patch_rows(pixels: np.ndarray, patch: int, width: int, class_token: bool) ->
     return rows.view(np.int64)
 
 
+def plain_texts(inputs) -> bool:
+    """Whether a call's inputs are one text or a list of texts (no image, no dict, no token
+    ids): the common call, told apart without a Python call per input."""
+    return type(inputs) is str or (type(inputs) is list and {*map(type, inputs)} == {str})
+
+
 def is_image_input(item) -> bool:
     """Whether one input is an image rather than text or token ids."""
+    if isinstance(item, str):
+        return False
     if isinstance(item, (bytes, bytearray, memoryview, Path)):
         return True
     try:

@@ -164,7 +164,8 @@ class InputPreparer:
                 "truncation_side must be 'right' or 'left'", param="truncation_side"
             )
         keep = "first" if truncation_side == "right" else "last"
-        if all(isinstance(x, str) for x in items):
+        # The set first: no Python call per text (a str subclass takes the second test).
+        if {*map(type, items)} <= {str} or all(isinstance(x, str) for x in items):
             parts = self._text_slices(items, limit, longest, keep, prompt_name, slice_size)
         elif prompt_name is not None:
             raise InvalidInputError("prompt_name applies to text inputs only", param="prompt_name")

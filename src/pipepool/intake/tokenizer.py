@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,6 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
 from .shared_batches import SharedBatches
+
+_IDS = operator.attrgetter("ids")  # an encoding's token ids
 
 log = logging.getLogger("pipepool.intake")
 
@@ -113,7 +116,8 @@ class Tokenizer:
                 return done
         small = _chars(texts) < OFFLOAD_CHARS
         encodings = self._shared.encodings(texts) if small else self._encode(texts)
-        lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(texts))
+        # map, not generators: no Python call per text
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(texts))
         if max_tokens is not None and len(lengths) and lengths.max() > max_tokens:
             ids = [
                 _truncate_keeping_specials(
@@ -125,7 +129,7 @@ class Tokenizer:
             lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
             return np.concatenate(ids), lengths
         flat = np.fromiter(
-            itertools.chain.from_iterable(e.ids for e in encodings),
+            itertools.chain.from_iterable(map(_IDS, encodings)),
             dtype=np.int64,
             count=int(lengths.sum()),
         )

@@ -47,6 +47,14 @@ _BITS = {
 Vectors = np.ndarray | Sequence[np.ndarray]
 
 
+def values_in(vectors: Vectors) -> int:
+    """How many numbers ``vectors`` hold (an answer's size): a matrix's without a view of each
+    row."""
+    if isinstance(vectors, np.ndarray):
+        return vectors.size
+    return sum(v.size for v in vectors)
+
+
 @dataclass(frozen=True)
 class Wire:
     """How a request asked for its vectors written: ``encoding_format``, ``embed_dtype`` and

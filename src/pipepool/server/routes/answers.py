@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from ..encoding import Vectors, Wire, binary_response, json_bytes
+from ..encoding import Vectors, Wire, binary_response, json_bytes, values_in
 from .shared import model_of
 
 
@@ -26,7 +26,7 @@ async def binary_answer(
 ) -> Response:
     """vLLM's binary answer of ``outputs`` (``encoding.binary_response``), built on a
     tokenising lane as ``json_answer`` builds JSON."""
-    size = sum(out.size for out in outputs)
+    size = values_in(outputs)
     return await model_of(request).front.offload(
         lambda: binary_response(outputs, wire, head, num_tokens), size=size
     )

@@ -19,6 +19,7 @@ from ...api.engine import Engine
 from ...api.retrieval import RetrievalOutputs
 from ...loading.retrieval import OUTPUTS
 from .. import protocol
+from ..encoding import values_in
 from ..errors import APIError
 from ..front import Encoded, EngineCall
 from ..limits import embedding_call
@@ -103,5 +104,5 @@ async def answer(
     return await json_answer(
         request,
         lambda: protocol.embedding_response(name, done.outputs, done.num_tokens, wire),
-        sum(out.size for out in done.outputs),
+        values_in(done.outputs),
     )

@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ...errors import PipepoolError
-from ..encoding import encode_rows
+from ..encoding import encode_rows, values_in
 from ..errors import EMPTY, APIError, from_engine
 from ..fast_route import FastBodyRoute
 from ..limits import check_input_count, too_many_tokens
@@ -93,7 +93,7 @@ async def embed(body: TEIEmbedRequest, request: Request) -> Response:
     if isinstance(done, Response):
         return done
     return await json_answer(
-        request, lambda: encode_rows(done.outputs, "float"), sum(v.size for v in done.outputs)
+        request, lambda: encode_rows(done.outputs, "float"), values_in(done.outputs)
     )
 
 

@@ -11,7 +11,9 @@ and ``Engine.rerank``; every refusal a 400 naming the request's field."""
 from __future__ import annotations
 
 import base64
+import json
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from test_images_server import ImageHost
+from test_images_server import ImageHost, assert_answered_as_online, batch_file
 from test_server import ServerProcess
 from test_server_limits import assert_error
 from tiny_models import MIN_COSINE, cosine
@@ -75,6 +77,7 @@ def server(paths, media, tmp_path_factory):
     log = tmp_path_factory.mktemp("vlm-server") / "serve.log"
     args = ["--model", f"vlm={paths['vlm']}", "--model", f"colqwen2={paths['colqwen2']}"]
     args += ["--allowed-local-media-path", str(media), "--allowed-media-domains", "127.0.0.1"]
+    args += ["--state-dir", str(log.parent / "state")]  # the Batch API's files
     s = ServerProcess(args, log)
     try:
         yield s.wait_ready(timeout=180)
@@ -86,6 +89,12 @@ def server(paths, media, tmp_path_factory):
 def vlm_engine(paths):
     with pipepool.Engine(str(paths["vlm"])) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def vlm_reference(paths):
+    """(transformers' Qwen2VLModel, its processor) of the served Qwen2-VL."""
+    return reference(paths["vlm"])
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +185,10 @@ def _with_urls(messages: list[dict], url) -> tuple[list[dict], list[dict], list[
 
 
 @pytest.mark.parametrize(("messages", "options"), CONVERSATIONS)
-def test_messages_render_as_vllm(server, paths, vlm_engine, messages, options):
+def test_messages_render_as_vllm(server, vlm_reference, vlm_engine, messages, options):
     """Each conversation against transformers on the processor's rendering with the same
     options (cos >= 0.99999), and against ``Engine.embed`` of the same ``ChatPrompt``."""
-    model, processor = _reference(paths["vlm"])
+    model, processor = vlm_reference
     sent, rendered, order = _with_urls(messages, lambda i: data_uri(PNGS[i]))
     r = post(server, "/v1/embeddings", messages=sent, **options)
     got = vector(r)
@@ -188,28 +197,16 @@ def test_messages_render_as_vllm(server, paths, vlm_engine, messages, options):
     want = _reference_vector(model, processor, rendered, [IMAGES[i] for i in order],
                              **flags, **kwargs)  # fmt: skip
     assert float(cosine(got, want)[0]) >= MIN_COSINE
-    conversation = Conversation(tuple(
-        ChatMessage(m["role"], tuple(
-            TextPart(p["text"], "") if p["type"] == "text" else ImagePart(b"", "")
-            for p in m["content"]
-        )) for m in rendered
-    ))  # fmt: skip
     images = iter(PNGS[i] for i in order)
     conversation = Conversation(tuple(
-        ChatMessage(m.role, tuple(ImagePart(next(images), "") if isinstance(p, ImagePart) else p
-                                  for p in m.parts)) for m in conversation.messages
+        ChatMessage(m["role"], tuple(
+            TextPart(p["text"], "") if p["type"] == "text" else ImagePart(next(images), "")
+            for p in m["content"]
+        ))
+        for m in rendered
     ))  # fmt: skip
     prompt = ChatPrompt(conversation, template_kwargs=kwargs, **flags)
     assert float(cosine(got, vlm_engine.embed([prompt]))[0]) >= MIN_COSINE
-
-
-_REFERENCES: dict = {}
-
-
-def _reference(path: Path):
-    if path not in _REFERENCES:
-        _REFERENCES[path] = reference(path)
-    return _REFERENCES[path]
 
 
 def test_files_remote_images_and_token_vectors(server, vlm_engine, media, image_host):
@@ -370,3 +367,45 @@ def test_colqwen2_score_and_rerank_equal_the_python_api(server, colqwen2_engine,
 def test_colqwen2_scoring_refusals_name_the_field(server, path, body, param, says):
     r = post(server, path, model="colqwen2", **body)
     assert_error(r, 400, "invalid_request_error", param=param, says=says)
+
+
+def test_batch_api_lines_answer_as_online(server, media):
+    """Batch API lines of vLLM's chat form and Cohere's inputs for the Qwen2-VL: each line
+    answered as the online route answers its body (vectors, and a bad image's error)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": [image_part(f"file://{media / 'page.png'}"),
+                                             text_part("a page")]}]  # fmt: skip
+    bodies = {
+        "/v1/embeddings": [
+            {"model": "vlm", "messages": messages, "add_generation_prompt": True},
+            {"model": "vlm", "messages": [{"role": "user", "content": "only words"}]},
+            {"model": "vlm", "messages": [{"role": "user",
+                                           "content": [image_part(data_uri(b"junk"))]}]},
+        ],
+        "/v2/embed": [
+            {"model": "vlm", "input_type": "search_document",
+             "inputs": [{"content": [image_part(data_uri(PNGS[1])), text_part("x")]}]},
+        ],
+    }  # fmt: skip
+    for route, some in bodies.items():
+        source = client.files.create(file=("b.jsonl", batch_file(bodies, route)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=source.id,
+            endpoint=route,
+            completion_window="24h",  # type: ignore[arg-type]
+        )
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.05)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        lines = [
+            json.loads(x)
+            for file_id in (batch.output_file_id, batch.error_file_id) if file_id
+            for x in client.files.content(file_id).text.splitlines()
+        ]  # fmt: skip
+        assert len(lines) == len(some)
+        assert_answered_as_online(server, {route: some}, lines)

@@ -362,6 +362,11 @@ def test_colqwen2_score_and_rerank_equal_the_python_api(server, colqwen2_engine,
          "documents[0]: not a decodable image"),
         ("/score", {"queries": "q", "documents": [page(PNGS[0])], "max_tokens_per_doc": 3},
          "max_tokens_per_doc", "does not apply"),
+        ("/score", {"text_1": ["a", "b"], "text_2": [page(PNGS[0])] * 3}, "text_1",
+         "give one query"),
+        ("/rerank", {"query": "q", "documents": [{"content": [image_part(data_uri(PNGS[0])),
+                                                              text_part("x")]}]},
+         "documents", "content of one image_url part"),
     ],
 )  # fmt: skip
 def test_colqwen2_scoring_refusals_name_the_field(server, path, body, param, says):

@@ -94,6 +94,14 @@ async def page_score(request: Request, body: sp.ScoreRequest) -> Response:
     firsts, seconds = getattr(body, first), getattr(body, second)
     firsts = firsts if isinstance(firsts, list) else [firsts]
     seconds = seconds if isinstance(seconds, list) else [seconds]
+    if len(firsts) not in (1, len(seconds)):
+        raise APIError(
+            400,
+            f"{first} has {len(firsts)} queries and {second} {len(seconds)} pages: give one "
+            f"query (scored against every page) or as many as pages",
+            param=first,
+            code="invalid_value",
+        )
     queries = [_query(q, f"{first}[{i}]") for i, q in enumerate(firsts)]
     pages = await fetched(request, [_page(d, i, second) for i, d in enumerate(seconds)], second)
     cut = body.truncation()

@@ -162,8 +162,9 @@ def model_tasks(deployment: Deployment) -> tuple[str, ...]:
 def retrieves_pages(deployment: Deployment) -> bool:
     """Whether the model is ColQwen2 (queries against page images by MaxSim)."""
     from ..models import family_of
+    from .vlm import PAGE_FAMILIES
 
     try:
-        return family_of(deployment.folder.architecture).name == "colqwen2"
+        return family_of(deployment.folder.architecture).name in PAGE_FAMILIES
     except ModelLoadError:  # a dual encoder: none of the decoder families
         return False

@@ -34,10 +34,13 @@ from ..loading.deployment import Deployment
 from ..models import family_of
 from .images import refuse_text_options
 
-# The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "colqwen2", "colpali")
 # Page retrieval models (one vector per token, MaxSim), by family: their name in messages.
 PAGE_RETRIEVERS = {"colqwen2": "ColQwen2", "colpali": "ColPali"}
+# The families whose checkpoints take dict inputs with images: those that render their chat
+# template (one vector per input), and the page retrievers (queries and pages).
+CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PAGE_FAMILIES = tuple(PAGE_RETRIEVERS)
+VLM_FAMILIES = CHAT_FAMILIES + PAGE_FAMILIES
 _DECODE_THREADS = 4
 
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...api.st_compat import task_prompt_name
+from ...api.vlm import CHAT_FAMILIES
 from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
@@ -33,7 +34,7 @@ from .shared import (
     unless_client_leaves,
 )
 from .tokens import served_engine
-from .vlm_calls import CHAT_FAMILIES, refuse_token_vectors, vlm_family
+from .vlm_calls import refuse_token_vectors, vlm_family
 
 router = APIRouter(tags=["Cohere"], route_class=FastBodyRoute)
 router.include_router(cohere_tokens.router)

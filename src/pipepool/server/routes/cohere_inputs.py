@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastapi import Request, Response
 
+from ...api.vlm import CHAT_FAMILIES
 from ...intake.conversation import ChatMessage, Conversation, ImagePart, TextPart
 from ...intake.vlm_chat import ChatPrompt
 from .. import cohere_protocol as cp
@@ -19,7 +20,7 @@ from ..front import Encoded
 from ..media_fetch import fetched
 from .images import image_from_uri
 from .shared import model_of, run_engine, state_of
-from .vlm_calls import CHAT_FAMILIES, vlm_call, vlm_family
+from .vlm_calls import vlm_call, vlm_family
 
 PARAM = "inputs"
 

@@ -16,6 +16,7 @@ from fastapi import Request, Response
 
 from ...api.page_retrieval import counted_page_scores, refuse_page_options
 from ...api.scoring import ranking
+from ...api.vlm import PAGE_FAMILIES
 from ...errors import InvalidInputError
 from ...intake.conversation import RemoteImage
 from .. import scoring_protocol as sp
@@ -27,7 +28,7 @@ from ..models import ServedModel
 from .answers import json_answer
 from .images import image_from_uri, renamed
 from .shared import check_task, model_of, run_engine, select_model, state_of
-from .vlm_calls import PAGE_FAMILIES, vlm_family
+from .vlm_calls import vlm_family
 
 
 def takes_pages(request: Request, model: str | None, task: str, sides: list[Any]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from ...api.vlm import PAGE_FAMILIES
 from ...errors import PipepoolError
 from ..errors import APIError, from_engine
 from ..fast_route import FastBodyRoute
@@ -32,7 +33,7 @@ from .shared import (
     state_of,
     unless_client_leaves,
 )
-from .vlm_calls import PAGE_FAMILIES, query_call, refuse_token_vectors, vlm_family
+from .vlm_calls import query_call, refuse_token_vectors, vlm_family
 
 router = APIRouter(route_class=FastBodyRoute)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fastapi import Request
 
+from ...api.vlm import PAGE_FAMILIES, VLM_FAMILIES
 from ...errors import ModelLoadError, PipepoolError
 from ...intake.conversation import Conversation, ImagePart, ImageSource
 from ...intake.token_budget import InputOverBudgetError, TokenBudgetError
@@ -25,9 +26,6 @@ from ..settings import ServerSettings
 from .images import renamed
 from .shared import check_task, model_of, state_of
 
-CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-PAGE_FAMILIES = ("colqwen2",)
-
 
 def vlm_family(model: ServedModel) -> str | None:
     """The served model's vision-language family (``CHAT_FAMILIES``, ``PAGE_FAMILIES``), None
@@ -40,7 +38,7 @@ def vlm_family(model: ServedModel) -> str | None:
         name = family_of(architecture).name
     except ModelLoadError:  # a dual encoder: not one of the decoder families
         return None
-    return name if name in CHAT_FAMILIES + PAGE_FAMILIES else None
+    return name if name in VLM_FAMILIES else None
 
 
 def refuse_token_vectors(model: ServedModel, route: str, param: str) -> None:

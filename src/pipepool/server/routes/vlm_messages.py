@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from ...api.vlm import PAGE_FAMILIES
 from ...intake.conversation import Conversation, ImagePart
 from ...intake.vlm_chat import ChatPrompt
 from ..chat_messages import PARAM
@@ -18,7 +19,7 @@ from ..front import EngineCall
 from ..media_fetch import fetched
 from ..protocol import InputsRequest
 from .shared import model_of, state_of
-from .vlm_calls import PAGE_FAMILIES, vlm_call, vlm_family, with_images
+from .vlm_calls import vlm_call, vlm_family, with_images
 
 
 async def vlm_messages_call(

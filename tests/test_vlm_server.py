@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -374,15 +376,11 @@ def test_colqwen2_scoring_refusals_name_the_field(server, path, body, param, say
     assert_error(r, 400, "invalid_request_error", param=param, says=says)
 
 
-def test_batch_api_lines_answer_as_online(server, media):
-    """Batch API lines of vLLM's chat form and Cohere's inputs for the Qwen2-VL: each line
-    answered as the online route answers its body (vectors, and a bad image's error)."""
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def batch_bodies(media: Path) -> dict[str, list[dict]]:
+    """Bodies per route for the Qwen2-VL: vLLM's chat form and Cohere's inputs, a bad image."""
     messages = [{"role": "user", "content": [image_part(f"file://{media / 'page.png'}"),
                                              text_part("a page")]}]  # fmt: skip
-    bodies = {
+    return {
         "/v1/embeddings": [
             {"model": "vlm", "messages": messages, "add_generation_prompt": True},
             {"model": "vlm", "messages": [{"role": "user", "content": "only words"}]},
@@ -394,6 +392,15 @@ def test_batch_api_lines_answer_as_online(server, media):
              "inputs": [{"content": [image_part(data_uri(PNGS[1])), text_part("x")]}]},
         ],
     }  # fmt: skip
+
+
+def test_batch_api_lines_answer_as_online(server, media):
+    """Batch API lines of vLLM's chat form and Cohere's inputs for the Qwen2-VL: each line
+    answered as the online route answers its body (vectors, and a bad image's error)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    bodies = batch_bodies(media)
     for route, some in bodies.items():
         source = client.files.create(file=("b.jsonl", batch_file(bodies, route)), purpose="batch")
         batch = client.batches.create(
@@ -414,3 +421,17 @@ def test_batch_api_lines_answer_as_online(server, media):
         ]  # fmt: skip
         assert len(lines) == len(some)
         assert_answered_as_online(server, {route: some}, lines)
+
+
+def test_run_batch_lines_answer_as_online(server, paths, media, tmp_path):
+    bodies = batch_bodies(media)
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(batch_file(bodies))
+    command = [sys.executable, "-m", "pipepool", "run-batch", "-i", str(source), "-o",
+               str(output), "--model", str(paths["vlm"]), "--served-model-name", "vlm",
+               "--allowed-local-media-path", str(media)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(x) for x in output.read_bytes().splitlines()]
+    assert len(lines) == sum(len(b) for b in bodies.values())
+    assert_answered_as_online(server, bodies, lines)

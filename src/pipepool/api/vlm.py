@@ -90,6 +90,13 @@ class VlmInputs:
                 f"{params.pooling!r}",
                 param="pooling",
             )
+        chat = next((i for i, item in enumerate(items) if isinstance(item, ChatPrompt)), None)
+        if self.multi_vector and chat is not None:
+            raise InvalidInputError(
+                f"input {chat}: {self.model_name} renders no chat template: it embeds a query "
+                "(a text) or a page (one image) in its processor's formats",
+                param="input", index=chat,
+            )  # fmt: skip
         parsed = [parse_input(item, i) for i, item in enumerate(items)]
         decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
                                       range(len(parsed))))  # fmt: skip

@@ -305,13 +305,6 @@ class ColQwen2Formatter(VlmFormatter):
     def _template(self, folder: Path):
         return None, set()  # ColQwen2's prompts are its processor's, not a chat template's
 
-    def render_chat(self, prompt: ChatPrompt, index: int) -> str:
-        raise InvalidInputError(
-            f"input {index}: ColQwen2 renders no chat template: it embeds a query (a text) or "
-            "a page (one image) in its processor's formats",
-            param="input", index=index,
-        )  # fmt: skip
-
     def render(self, text: str, num_images: int, index: int) -> str:
         if num_images == 0:
             return f"{self.query_prefix}{text}{self.pad * 10}\n"

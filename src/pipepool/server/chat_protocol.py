@@ -66,9 +66,9 @@ class ChatFields(BaseModel):
         "messages, answered as one data item. Parts: text, and image_url with a data URI "
         "(data:image/png;base64,...), a file:// URI under --allowed-local-media-path, or an "
         "http(s) URL of a host --allowed-media-domains names. A dual encoder (CLIP, SigLIP) "
-        "takes one message holding one text or one image; a Qwen2-VL / Qwen2.5-VL embedder "
-        "the whole conversation, rendered by its chat template; ColQwen2 one message of one "
-        "text (a query) or one image (a page).",
+        "takes one message holding one text or one image; a Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+        "embedder the whole conversation, rendered by its chat template; a page retriever "
+        "(ColQwen2, ColPali) one message of one text (a query) or one image (a page).",
     )
     add_generation_prompt: StrictBool = Field(
         False,

@@ -127,7 +127,7 @@ class CohereEmbedInput(_Strict):
 class CohereEmbedRequest(_CohereEmbedBody):
     """Cohere v2's embed body: ``texts``; or ``images`` (data URIs, files, URLs of allowed
     hosts) with ``input_type`` image, for a dual encoder (CLIP, SigLIP) or a vision-language
-    embedder (Qwen2-VL, Qwen2.5-VL); or ``inputs`` (content parts) for a vision-language
+    embedder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); or ``inputs`` (content parts) for a vision-language
     embedder; plus pipepool's ``ranges``."""
 
     texts: Texts | None = Field(None, description="The texts to embed (or images).")
@@ -136,13 +136,14 @@ class CohereEmbedRequest(_CohereEmbedBody):
         description="Images to embed, as data URIs (data:image/png;base64,...: jpeg, png, webp, "
         "gif), file:// URIs under --allowed-local-media-path, or http(s) URLs of the hosts "
         "--allowed-media-domains names (others refused), with input_type image; a dual "
-        "encoder's (CLIP, SigLIP) or a vision-language embedder's (Qwen2-VL, Qwen2.5-VL).",
+        "encoder's (CLIP, SigLIP) or a vision-language embedder's (Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL).",
     )
     inputs: Annotated[list[CohereEmbedInput], Field(min_length=1)] | None = Field(
         None,
         description="Inputs of content parts (text, image_url), each embedded as one vector: "
         "one user message of its parts in order, rendered by a vision-language embedder's "
-        "chat template (Qwen2-VL, Qwen2.5-VL) as Engine.embed renders a dict input.",
+        "chat template (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) as Engine.embed renders a dict input.",
     )
     input_type: InputTypeV2 = Field(description=_INPUT_TYPE_HELP + _IMAGE_TYPE_HELP)
     embedding_types: _Types = Field(["float"], description=_TYPES_HELP)

@@ -83,8 +83,8 @@ async def messages_call(
         raise APIError(
             400,
             f"messages are taken for dual encoders ({', '.join(DUAL_ENCODERS)}) and "
-            f"vision-language embedders (Qwen2-VL, Qwen2.5-VL, ColQwen2) here; this model "
-            f"({architecture}) takes input",
+            "vision-language embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ColQwen2, ColPali) "
+            f"here; this model ({architecture}) takes input",
             param=PARAM,
             code="invalid_value",
         )

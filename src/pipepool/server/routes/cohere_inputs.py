@@ -36,9 +36,9 @@ async def embed_inputs(
     if vlm_family(model) not in CHAT_FAMILIES:
         raise APIError(
             400,
-            f"inputs (content parts) need a vision-language embedder (Qwen2-VL, Qwen2.5-VL); "
-            f"model {model.name} takes texts, or images with input_type image where it embeds "
-            "them",
+            "inputs (content parts) need a vision-language embedder (Qwen2-VL, Qwen2.5-VL, "
+            f"Qwen3-VL); model {model.name} takes texts, or images with input_type image where "
+            "it embeds them",
             param=PARAM,
             code="invalid_value",
         )

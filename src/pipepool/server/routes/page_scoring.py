@@ -1,10 +1,10 @@
-"""ColQwen2's ``/score`` and ``/rerank``: text queries against page images by MaxSim, as
-``Engine.score`` and ``Engine.rerank`` compute it (``api/page_retrieval.py``). A page is a
-document in vLLM's multimodal form, ``{"content": [{"type": "image_url", "image_url": {"url":
-...}}]}`` (one image: data URI, file under --allowed-local-media-path, URL of an allowed host);
-a query a string or ``{"content": [{"type": "text", "text": ...}]}``. The options of text pairs
-are refused by name (the engine's ``refuse_page_options``), and so are content parts anywhere
-for any other model."""
+"""A page retriever's (ColQwen2, ColPali) ``/score`` and ``/rerank``: text queries against page
+images by MaxSim, as ``Engine.score`` and ``Engine.rerank`` compute it
+(``api/page_retrieval.py``). A page is a document in vLLM's multimodal form, ``{"content":
+[{"type": "image_url", "image_url": {"url": ...}}]}`` (one image: data URI, file under
+--allowed-local-media-path, URL of an allowed host); a query a string or ``{"content": [{"type":
+"text", "text": ...}]}``. The options of text pairs are refused by name (the engine's
+``refuse_page_options``), and so are content parts anywhere for any other model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from fastapi import Request, Response
 
 from ...api.page_retrieval import counted_page_scores, refuse_page_options
 from ...api.scoring import ranking
-from ...api.vlm import PAGE_FAMILIES
 from ...errors import InvalidInputError
 from ...intake.conversation import RemoteImage
 from .. import scoring_protocol as sp
@@ -28,22 +27,22 @@ from ..models import ServedModel
 from .answers import json_answer
 from .images import image_from_uri, renamed
 from .shared import check_task, model_of, run_engine, select_model, state_of
-from .vlm_calls import vlm_family
+from .vlm_calls import page_retriever
 
 
 def takes_pages(request: Request, model: str | None, task: str, sides: list[Any]) -> bool:
-    """Whether a score or rerank request goes here: its model is ColQwen2. 400 for content
+    """Whether a score or rerank request goes here: its model is a page retriever. 400 for content
     parts (in ``sides``) sent to any other model."""
     served = select_model(request, model, task)
-    if vlm_family(served) in PAGE_FAMILIES:
+    if page_retriever(served) is not None:
         return True
     for name, value in sides:
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, sp.ScoreContent) for v in values):
             raise APIError(
                 400,
-                f"{name} holds content parts (vLLM's multimodal form), which ColQwen2 takes "
-                f"(page images); model {served.name} scores texts",
+                f"{name} holds content parts (vLLM's multimodal form), which page retrievers "
+                f"(ColQwen2, ColPali) take as page images; model {served.name} scores texts",
                 param=name,
                 code="invalid_value",
             )
@@ -51,18 +50,19 @@ def takes_pages(request: Request, model: str | None, task: str, sides: list[Any]
 
 
 async def page_rerank(request: Request, body: sp.RerankRequest) -> Response:
-    """ColQwen2's rerank answer: pages by MaxSim against the query, best first."""
+    """A page retriever's rerank answer: pages by MaxSim against the query, best first."""
+    retriever = _retriever(request)
     if body.texts is not None or body.rank_fields is not None:
         name = "texts" if body.texts is not None else "rank_fields"
-        raise APIError(400, f"{name}: ColQwen2 ranks page images (documents as content "
+        raise APIError(400, f"{name}: {retriever} ranks page images (documents as content "
                        "parts)", param=name, code="invalid_value")  # fmt: skip
     if body.max_tokens_per_query is not None:
         _refuse("max_tokens_per_query")
     assert body.documents is not None  # RerankRequest: documents or texts
     documents = body.documents if isinstance(body.documents, list) else [body.documents]
-    query = _query(body.query, "query")
-    pages = await fetched(request, [_page(d, i, "documents") for i, d in enumerate(documents)],
-                          "documents")  # fmt: skip
+    query = _query(body.query, "query", retriever)
+    sources = [_page(d, i, "documents", retriever) for i, d in enumerate(documents)]
+    pages = await fetched(request, sources, "documents")
     cut = body.truncation()
     options = dict(
         use_activation=body.activation(), instruction=body.instruction,
@@ -87,8 +87,8 @@ async def page_rerank(request: Request, body: sp.RerankRequest) -> Response:
 
 
 async def page_score(request: Request, body: sp.ScoreRequest) -> Response:
-    """ColQwen2's score answer: one MaxSim per query-page pair (1:N or N:N)."""
-    first, second = body.sides
+    """A page retriever's score answer: one MaxSim per query-page pair (1:N or N:N)."""
+    first, second, retriever = *body.sides, _retriever(request)
     for name in ("max_tokens_per_query", "max_tokens_per_doc"):
         if getattr(body, name) is not None:
             _refuse(name)
@@ -103,8 +103,9 @@ async def page_score(request: Request, body: sp.ScoreRequest) -> Response:
             param=first,
             code="invalid_value",
         )
-    queries = [_query(q, f"{first}[{i}]") for i, q in enumerate(firsts)]
-    pages = await fetched(request, [_page(d, i, second) for i, d in enumerate(seconds)], second)
+    queries = [_query(q, f"{first}[{i}]", retriever) for i, q in enumerate(firsts)]
+    sources = [_page(d, i, second, retriever) for i, d in enumerate(seconds)]
+    pages = await fetched(request, sources, second)
     cut = body.truncation()
     options = dict(
         use_activation=body.use_activation if body.use_activation is not None else True,
@@ -146,19 +147,25 @@ def _work(
     return EngineCall(weights, call=call, renamed=lambda exc: renamed(exc, param))
 
 
-def _query(value: Any, where: str) -> str:
+def _retriever(request: Request) -> str:
+    name = page_retriever(model_of(request))
+    assert name is not None  # takes_pages chose this route
+    return name
+
+
+def _query(value: Any, where: str, retriever: str) -> str:
     if isinstance(value, str):
         return value
     parts = value.content
     if len(parts) != 1 or parts[0].get("type") != "text" or set(parts[0]) != {"type", "text"} \
             or not isinstance(parts[0]["text"], str):  # fmt: skip
-        raise APIError(400, f"{where}: a ColQwen2 query is a string or content of one text "
+        raise APIError(400, f"{where}: a {retriever} query is a string or content of one text "
                        "part ({type: text, text})", param=where.split("[")[0],
                        code="invalid_value")  # fmt: skip
     return parts[0]["text"]
 
 
-def _page(value: Any, i: int, param: str) -> bytes | Path | RemoteImage:
+def _page(value: Any, i: int, param: str, retriever: str) -> bytes | Path | RemoteImage:
     where = f"{param}[{i}]"
     parts = value.content if isinstance(value, sp.ScoreContent) else None
     image = parts[0].get("image_url") if parts and len(parts) == 1 else None
@@ -170,7 +177,7 @@ def _page(value: Any, i: int, param: str) -> bytes | Path | RemoteImage:
     ):  # fmt: skip
         raise APIError(
             400,
-            f"{where}: a ColQwen2 document is a page image, as content of one image_url part "
+            f"{where}: a {retriever} document is a page image, as content of one image_url part "
             '({"content": [{"type": "image_url", "image_url": {"url": ...}}]}; detail auto)',
             param=param,
             code="invalid_value",

@@ -51,9 +51,9 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     pages = vlm_family(model) in PAGE_FAMILIES
     if task in EMBEDDING_TASKS:
         token_embed = task == "token_embed"
-        # ColQwen2's token vectors are its embeddings: normalised, as the checkpoint makes them
+        # a page retriever's token vectors are its embeddings: normalised, as it makes them
         normalize = bool(body.normalized) if token_embed and not pages else body.normalized
-        if pages and body.messages is None:  # queries: ColQwen2's processor's format
+        if pages and body.messages is None:  # queries: the retriever's processor's format
             done = await run_engine(request, query_call(request, body, normalize))
         elif body.messages is not None:  # vLLM's chat form: one input
             done = await embed_messages(
@@ -111,7 +111,7 @@ def _task(model: ServedModel, asked: str | None) -> str:
             param="model",
             code="unsupported_task",
         )
-    pages = vlm_family(model) in PAGE_FAMILIES  # ColQwen2: token vectors are its embeddings
+    pages = vlm_family(model) in PAGE_FAMILIES  # token vectors are its embeddings
     task = asked if asked is not None else "token_embed" if pages else does[0]
     if task == "embed":
         refuse_token_vectors(model, "task embed", "task")

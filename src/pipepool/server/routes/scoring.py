@@ -133,7 +133,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
 @router.post("/v1/score", response_model=sp.ScoreResponse, responses=ERRORS)
 async def score(body: sp.ScoreRequest, request: Request) -> Response:
     """One score per pair (vLLM): the first side's one text against every text of the
-    second, or the two sides' texts pairwise (ColQwen2: queries against page images)."""
+    second, or the two sides' texts pairwise (ColQwen2, ColPali: queries against page images)."""
     first, second = body.sides
     sides = [(name, getattr(body, name)) for name in (first, second)]
     if takes_pages(request, body.model, "score", sides):

@@ -1,10 +1,10 @@
 """Vision-language embedders over HTTP (``api/vlm.py``): which served models take which input
-forms, and the engine call of their inputs. A Qwen2-VL / Qwen2.5-VL embedder takes
+forms, and the engine call of their inputs. A Qwen2-VL / Qwen2.5-VL / Qwen3-VL embedder takes
 conversations (vLLM's ``messages``, rendered by its chat template: ``intake/vlm_chat.py``) and
-texts with images (Cohere's ``inputs`` content parts, ``images``), one vector per input; a
-ColQwen2 embeds a query (a text) or a page (one image) as one vector per token, so it answers
-where a route can carry token vectors (/pooling's token_embed) and scores and reranks by MaxSim
-(``page_scoring.py``)."""
+texts with images (Cohere's ``inputs`` content parts, ``images``), one vector per input; a page
+retriever (ColQwen2, ColPali) embeds a query (a text) or a page (one image) as one vector per
+token, so it answers where a route can carry token vectors (/pooling's token_embed) and scores
+and reranks by MaxSim (``page_scoring.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from ...api.vlm import PAGE_FAMILIES, VLM_FAMILIES
+from ...api.vlm import PAGE_RETRIEVERS, VLM_FAMILIES
 from ...errors import ModelLoadError, PipepoolError
 from ...intake.conversation import Conversation, ImagePart, ImageSource
 from ...intake.token_budget import InputOverBudgetError, TokenBudgetError
@@ -41,14 +41,21 @@ def vlm_family(model: ServedModel) -> str | None:
     return name if name in VLM_FAMILIES else None
 
 
+def page_retriever(model: ServedModel) -> str | None:
+    """The served model's name as a page retriever (ColQwen2, ColPali), None for others."""
+    family = vlm_family(model)
+    return PAGE_RETRIEVERS.get(family) if family is not None else None
+
+
 def refuse_token_vectors(model: ServedModel, route: str, param: str) -> None:
     """400 (field ``param``) where ``route`` answers one vector per input and the model gives
-    one per token (ColQwen2)."""
-    if vlm_family(model) in PAGE_FAMILIES:
+    one per token (a page retriever: ColQwen2, ColPali)."""
+    retriever = page_retriever(model)
+    if retriever is not None:
         raise APIError(
             400,
-            f"model {model.name} (ColQwen2) gives one vector per token of a query or page, and "
-            f"{route} answers one vector per input: ask /pooling with task token_embed for the "
+            f"model {model.name} ({retriever}) gives one vector per token of a query or page, "
+            f"and {route} answers one vector per input: ask /pooling with task token_embed for the "
             "token vectors, or /score and /rerank for MaxSim",
             param=param,
             code="invalid_value",
@@ -97,11 +104,11 @@ def vlm_call(
 
 
 def query_call(request: Request, body: PoolingRequest, normalize: bool | None) -> EngineCall:
-    """ColQwen2's token vectors of ``body.input``'s texts (/pooling), each a query in its
+    """A page retriever's token vectors of ``body.input``'s texts (/pooling), each a query in its
     processor's format; the texts' options go along, for the engine to refuse by name."""
     texts = body.inputs()
     if not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "ColQwen2's queries are texts, not token ids", param="input",
+        raise APIError(400, "a page retriever's queries are texts, not token ids", param="input",
                        code="invalid_value")  # fmt: skip
     options = {
         "pooling": "all",
@@ -111,7 +118,7 @@ def query_call(request: Request, body: PoolingRequest, normalize: bool | None) -
         "long_inputs": body.long_inputs,
     }
     if "add_special_tokens" in body.model_fields_set:
-        raise APIError(400, "add_special_tokens is not taken for ColQwen2: a query is "
+        raise APIError(400, "add_special_tokens is not taken for a page retriever: a query is "
                        "formatted as its processor formats it", param="add_special_tokens",
                        code="invalid_value")  # fmt: skip
     items = [{"text": t} for t in texts]

@@ -1,16 +1,15 @@
-"""vLLM's chat form (``messages``) of a vision-language embedder, one input per body: a
-Qwen2-VL / Qwen2.5-VL embedder renders the whole conversation with its chat template as vLLM
+"""vLLM's chat form (``messages``) of a vision-language embedder, one input per body: a Qwen2-VL /
+Qwen2.5-VL / Qwen3-VL embedder renders the whole conversation with its chat template as vLLM
 does for an embedding model (``intake/vlm_chat.py``: ``add_generation_prompt`` and
 ``continue_final_message`` default false, ``chat_template_kwargs`` given to the template, no
-special tokens added unless ``add_special_tokens``), images at their placeholders, and pools
-it as ``Engine.embed`` does; a ColQwen2 embeds one message's one part, a text as a query or an
-image as a page, as token vectors (/pooling's token_embed)."""
+special tokens added unless ``add_special_tokens``), images at their placeholders, and pools it
+as ``Engine.embed`` does; a page retriever (ColQwen2, ColPali) embeds one message's one part, a
+text as a query or an image as a page, as token vectors (/pooling's token_embed)."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
-from ...api.vlm import PAGE_FAMILIES
 from ...intake.conversation import Conversation, ImagePart
 from ...intake.vlm_chat import ChatPrompt
 from ..chat_messages import PARAM
@@ -19,7 +18,7 @@ from ..front import EngineCall
 from ..media_fetch import fetched
 from ..protocol import InputsRequest
 from .shared import model_of, state_of
-from .vlm_calls import vlm_call, vlm_family, with_images
+from .vlm_calls import page_retriever, vlm_call, with_images
 
 
 async def vlm_messages_call(
@@ -45,9 +44,10 @@ async def vlm_messages_call(
         "long_inputs": body.long_inputs,
     }
     item: dict | ChatPrompt
-    if vlm_family(model) in PAGE_FAMILIES:
-        _refuse_template_options(body)
-        item = _query_or_page(conversation)
+    retriever = page_retriever(model)
+    if retriever is not None:
+        _refuse_template_options(body, retriever)
+        item = _query_or_page(conversation, retriever)
     else:
         given = "add_special_tokens" in body.model_fields_set  # vLLM's chat default: false
         special = body.add_special_tokens if given else False
@@ -61,15 +61,15 @@ async def vlm_messages_call(
     return vlm_call(state_of(request).settings, model, [item], PARAM, [PARAM], options)
 
 
-def _query_or_page(conversation: Conversation) -> dict:
-    """ColQwen2's input of a conversation: one message of one text (a query) or one image (a
+def _query_or_page(conversation: Conversation, retriever: str) -> dict:
+    """A page retriever's input of a conversation: one message of one text (a query) or one image (a
     page), as its processor takes them; 400 for anything else."""
     parts = [p for m in conversation.messages for p in m.parts]
     if len(conversation.messages) != 1 or len(parts) != 1:
         raise APIError(
             400,
             f"messages holds {len(conversation.messages)} messages of {len(parts)} parts; "
-            "ColQwen2 embeds a query (one text part) or a page (one image_url part) per "
+            f"{retriever} embeds a query (one text part) or a page (one image_url part) per "
             "request, in its processor's formats (it renders no chat template)",
             param=PARAM,
             code="invalid_value",
@@ -78,8 +78,8 @@ def _query_or_page(conversation: Conversation) -> dict:
     return {"image": part.image} if isinstance(part, ImagePart) else {"text": part.text}
 
 
-def _refuse_template_options(body: InputsRequest) -> None:
-    """ColQwen2 renders no chat template: the options of one are refused by name."""
+def _refuse_template_options(body: InputsRequest, retriever: str) -> None:
+    """A page retriever renders no chat template: the options of one are refused by name."""
     given = {
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
@@ -90,7 +90,7 @@ def _refuse_template_options(body: InputsRequest) -> None:
         if value:
             raise APIError(
                 400,
-                f"{name} is not taken for ColQwen2: it renders no chat template (a query or a "
+                f"{name} is not taken for {retriever}: it renders no chat template (a query or a "
                 "page is formatted as its processor formats it)",
                 param=name,
                 code="invalid_value",

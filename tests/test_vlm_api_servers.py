@@ -1,7 +1,9 @@
-"""A vision-language embedder where the server runs its pipeline in replica processes: a tiny
-Qwen2-VL with ``--api-server-count 2``. Both front-end processes format, decode and
-preprocess texts with images (vLLM's ``messages``, Cohere's ``inputs``) and send them, media
-rows and images along, to the replica: the vectors of ``Engine.embed`` of the same inputs."""
+"""Vision-language embedders where the server runs its pipelines in replica processes: a tiny
+Qwen2-VL with ``--api-server-count 2`` (both front-end processes format, decode and
+preprocess texts with images, vLLM's ``messages`` and Cohere's ``inputs``, and send them,
+media rows and images along, to the replica: the vectors of ``Engine.embed`` of the same
+inputs), a call split between ``data_parallel_size`` replicas, and the other families over
+HTTP (a Qwen3-VL conversation, ColPali's pages): each as the Python API computes it."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import httpx
 import numpy as np
 import pytest
 from test_server import ServerProcess, wait_for
+from test_server_limits import assert_error
+from test_vlm_server import IMAGES, PNGS, data_uri, image_part, page, post, text_part, vector
+from tiny_colpali import make_colpali
 from tiny_models import MIN_COSINE, cosine
 from tiny_towers import png_bytes, sample_images
-from tiny_vlm import make_qwen2_vl
+from tiny_vlm import make_qwen2_vl, make_qwen3_vl
 
 import pipepool
 
@@ -102,3 +107,44 @@ def test_data_parallel_replicas_split_texts_with_images(vlm_path):
         got = engine.embed(items)
     assert sorted(set(sent)) == [0, 1]
     assert float(cosine(got, want).min()) >= MIN_COSINE
+
+
+@pytest.fixture(scope="module")
+def families(model_dir, tmp_path_factory):
+    """A server of a tiny Qwen3-VL and a tiny ColPali, and their folders."""
+    paths = {
+        "qwen3_vl": make_qwen3_vl(model_dir / "qwen3_vl-http"),
+        "colpali": make_colpali(model_dir / "colpali-http"),
+    }
+    args = [arg for name, path in paths.items() for arg in ("--model", f"{name}={path}")]
+    proc = ServerProcess(args, tmp_path_factory.mktemp("vlm-families") / "serve.log")
+    try:
+        yield proc.wait_ready(timeout=240), paths
+    finally:
+        proc.stop()
+
+
+def test_qwen3_vl_and_colpali(families):
+    """The other families of each kind: a Qwen3-VL conversation equals ``Engine.embed`` of
+    its dict input; ColPali's pages rerank as ``Engine.rerank`` ranks them, and its
+    conversations are refused by name where a chat template would be rendered."""
+    server, paths = families
+    item = {"text": "a cat", "image": IMAGES[0]}
+    messages = [{"role": "user", "content": [image_part(data_uri(PNGS[0])), text_part("a cat")]}]
+    r = post(server, "/v1/embeddings", model="qwen3_vl", messages=messages,
+             add_generation_prompt=True)  # fmt: skip
+    with pipepool.Engine(str(paths["qwen3_vl"])) as engine:
+        want = engine.embed([item])
+    assert float(cosine(vector(r), want)[0]) >= MIN_COSINE
+    query, pages = "a chart", [page(PNGS[i]) for i in range(3)]
+    r = post(server, "/rerank", model="colpali", query=query, documents=pages)
+    assert r.status_code == 200, r.text
+    with pipepool.Engine(str(paths["colpali"])) as engine:
+        ranked = engine.rerank(query, IMAGES[:3])
+    assert [x["index"] for x in r.json()["results"]] == [x.index for x in ranked]
+    np.testing.assert_allclose([x["relevance_score"] for x in r.json()["results"]],
+                               [x.relevance_score for x in ranked], rtol=1e-5)  # fmt: skip
+    r = post(server, "/pooling", model="colpali", messages=messages)
+    assert_error(r, 400, "invalid_request_error", param="messages", says="ColPali embeds a query")
+    r = post(server, "/v1/embeddings", model="colpali", input=["x"])
+    assert_error(r, 400, "invalid_request_error", param="model", says="(ColPali) gives one vector")

@@ -77,7 +77,7 @@ def image_host():
 @pytest.fixture(scope="module")
 def server(paths, media, tmp_path_factory):
     log = tmp_path_factory.mktemp("vlm-server") / "serve.log"
-    args = ["--model", f"vlm={paths['vlm']}", "--model", f"colqwen2={paths['colqwen2']}"]
+    args = [arg for name, path in paths.items() for arg in ("--model", f"{name}={path}")]
     args += ["--allowed-local-media-path", str(media), "--allowed-media-domains", "127.0.0.1"]
     args += ["--state-dir", str(log.parent / "state")]  # the Batch API's files
     s = ServerProcess(args, log)

@@ -60,19 +60,21 @@ async def page_rerank(request: Request, body: sp.RerankRequest) -> Response:
         _refuse("max_tokens_per_query")
     assert body.documents is not None  # RerankRequest: documents or texts
     documents = body.documents if isinstance(body.documents, list) else [body.documents]
-    query = _query(body.query, "query", retriever)
-    sources = [_page(d, i, "documents", retriever) for i, d in enumerate(documents)]
-    pages = await fetched(request, sources, "documents")
+    if body.return_documents:
+        _refuse("return_documents")
     cut = body.truncation()
-    options = dict(
-        use_activation=body.activation(), instruction=body.instruction,
+    activation = body.activation()
+    options: dict[str, Any] = dict(
+        use_activation=activation, instruction=body.instruction,
         max_tokens_per_doc=body.per_doc, max_chunks_per_doc=body.max_chunks_per_doc,
         truncate_prompt_tokens=cut.tokens, long_inputs=cut.long_inputs, weights=body.weights,
         truncation_side=cut.side,
     )  # fmt: skip
-    if body.return_documents:
-        _refuse("return_documents")
-    work = _work(request, "rerank", [query], pages, "documents", options)
+    _check_options(options)
+    query = _query(body.query, "query", retriever)
+    sources = [_page(d, i, "documents", retriever) for i, d in enumerate(documents)]
+    pages = await fetched(request, sources, "documents")  # once every check is made
+    work = _work(request, "rerank", [query], pages, "documents", activation)
     done = await run_engine(request, work)
     if isinstance(done, Response):
         return done
@@ -103,16 +105,18 @@ async def page_score(request: Request, body: sp.ScoreRequest) -> Response:
             param=first,
             code="invalid_value",
         )
-    queries = [_query(q, f"{first}[{i}]", retriever) for i, q in enumerate(firsts)]
-    sources = [_page(d, i, second, retriever) for i, d in enumerate(seconds)]
-    pages = await fetched(request, sources, second)
     cut = body.truncation()
-    options = dict(
-        use_activation=body.use_activation if body.use_activation is not None else True,
+    activation = body.use_activation if body.use_activation is not None else True
+    options: dict[str, Any] = dict(
+        use_activation=activation,
         instruction=body.instruction, truncate_prompt_tokens=cut.tokens, weights=body.weights,
         truncation_side=cut.side,
     )  # fmt: skip
-    work = _work(request, "score", queries, pages, second, options)
+    _check_options(options)
+    queries = [_query(q, f"{first}[{i}]", retriever) for i, q in enumerate(firsts)]
+    sources = [_page(d, i, second, retriever) for i, d in enumerate(seconds)]
+    pages = await fetched(request, sources, second)  # once every check is made
+    work = _work(request, "score", queries, pages, second, activation)
     done = await run_engine(request, work)
     if isinstance(done, Response):
         return done
@@ -124,14 +128,8 @@ async def page_score(request: Request, body: sp.ScoreRequest) -> Response:
     )
 
 
-def _work(
-    request: Request, task: str, queries: list[str], pages: list, param: str, options: dict
-) -> EngineCall:
-    """``Engine.score`` of the queries against the pages (its option checks first), as an
-    engine call that waits for its MaxSim scores; page i's refusals name ``param[i]``."""
-    model: ServedModel = model_of(request)
-    check_task(model, task)
-    check_input_count(state_of(request).settings, len(pages), param)
+def _check_options(options: dict) -> None:
+    """The text pairs' options given, refused by name as ``Engine.score`` refuses them."""
     given = {k: v for k, v in options.items() if k != "use_activation"}
     given["truncation_side"] = None if given["truncation_side"] == "right" else "left"
     try:
@@ -139,8 +137,17 @@ def _work(
     except InvalidInputError as exc:
         raise from_engine(exc) from None
 
+
+def _work(
+    request: Request, task: str, queries: list[str], pages: list, param: str, activation: bool
+) -> EngineCall:
+    """``Engine.score`` of the queries against the pages, as an engine call that waits for its
+    MaxSim scores; page i's refusals name ``param[i]``."""
+    model: ServedModel = model_of(request)
+    check_task(model, task)
+    check_input_count(state_of(request).settings, len(pages), param)
+
     def call(engine) -> tuple[np.ndarray, list[int]]:
-        activation = options["use_activation"]
         return counted_page_scores(engine, queries, pages, use_activation=activation)
 
     weights = [range(INLINE_SIZE + 1 + (len(p) if isinstance(p, bytes) else 0)) for p in pages]

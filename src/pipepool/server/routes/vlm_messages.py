@@ -31,8 +31,13 @@ async def vlm_messages_call(
     dimensions: int | None,
 ) -> EngineCall:
     """The engine work of ``conversation`` (``body.messages``) for a vision-language embedder
-    (``vlm_calls.vlm_family``), its remote images fetched first."""
+    (``vlm_calls.vlm_family``), its remote images fetched once the request's own checks pass
+    (the chat template's are the engine's)."""
     model = model_of(request)
+    retriever = page_retriever(model)
+    if retriever is not None:
+        _refuse_template_options(body, retriever)
+        _query_or_page(conversation, retriever)  # its shape, before anything is fetched
     images = await fetched(request, [p.image for p in conversation.images], PARAM)
     conversation = with_images(conversation, images)
     options = {
@@ -44,9 +49,7 @@ async def vlm_messages_call(
         "long_inputs": body.long_inputs,
     }
     item: dict | ChatPrompt
-    retriever = page_retriever(model)
     if retriever is not None:
-        _refuse_template_options(body, retriever)
         item = _query_or_page(conversation, retriever)
     else:
         given = "add_special_tokens" in body.model_fields_set  # vLLM's chat default: false

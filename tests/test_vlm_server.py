@@ -31,8 +31,6 @@ from tiny_towers import png_bytes, sample_images
 from tiny_vlm import make_colqwen2, make_qwen2_vl, reference
 
 import pipepool
-from pipepool.intake.conversation import ChatMessage, Conversation, ImagePart, TextPart
-from pipepool.intake.vlm_chat import ChatPrompt
 
 IMAGES = sample_images()
 PNGS = [png_bytes(image) for image in IMAGES]
@@ -199,15 +197,12 @@ def test_messages_render_as_vllm(server, vlm_reference, vlm_engine, messages, op
     want = _reference_vector(model, processor, rendered, [IMAGES[i] for i in order],
                              **flags, **kwargs)  # fmt: skip
     assert float(cosine(got, want)[0]) >= MIN_COSINE
-    images = iter(PNGS[i] for i in order)
-    conversation = Conversation(tuple(
-        ChatMessage(m["role"], tuple(
-            TextPart(p["text"], "") if p["type"] == "text" else ImagePart(next(images), "")
-            for p in m["content"]
-        ))
-        for m in rendered
-    ))  # fmt: skip
-    prompt = ChatPrompt(conversation, template_kwargs=kwargs, **flags)
+    images = iter(IMAGES[i] for i in order)  # Python's form: the images themselves
+    python = [{"role": m["role"], "content": [
+        {"type": "image", "image": next(images)} if p["type"] == "image" else p
+        for p in m["content"]
+    ]} for m in rendered]  # fmt: skip
+    prompt = pipepool.ChatPrompt.from_messages(python, template_kwargs=kwargs, **flags)
     assert float(cosine(got, vlm_engine.embed([prompt]))[0]) >= MIN_COSINE
 
 
@@ -435,3 +430,24 @@ def test_run_batch_lines_answer_as_online(server, paths, media, tmp_path):
     lines = [json.loads(x) for x in output.read_bytes().splitlines()]
     assert len(lines) == sum(len(b) for b in bodies.values())
     assert_answered_as_online(server, bodies, lines)
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([], "messages must be a non-empty list"),
+        ([{"role": "tool", "content": "x"}], r"messages\[0\].role must be one of"),
+        ([{"role": "user", "content": "x", "name": "a"}], r"messages\[0\] must be a message"),
+        ([{"role": "user", "content": [image_part("data:,")]}],
+         r"messages\[0\].content\[0\] must be"),
+    ],
+)  # fmt: skip
+def test_python_conversations_refuse_what_they_do_not_take(messages, says):
+    with pytest.raises(pipepool.InvalidInputError, match=says):
+        pipepool.ChatPrompt.from_messages(messages)
+
+
+def test_page_retrievers_render_no_conversation(colqwen2_engine):
+    prompt = pipepool.ChatPrompt.from_messages([{"role": "user", "content": "a query"}])
+    with pytest.raises(pipepool.InvalidInputError, match="input 0: ColQwen2 renders no chat"):
+        colqwen2_engine.pool([prompt], pooling="all")

@@ -9,12 +9,12 @@ transformers' ``apply_chat_template`` does (vLLM calls it). Torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from .conversation import Conversation, ImagePart, ImageSource
+from .conversation import ChatMessage, Conversation, ImagePart, ImageSource, TextPart
 
 # Template variables a request's chat_template_kwargs may not set: each is set here, from the
 # conversation or from a field of its own.
@@ -24,6 +24,7 @@ RESERVED_KWARGS = (
 )  # fmt: skip
 # transformers' marker for the end of the final message (continue_final_message).
 _TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,17 @@ class ChatPrompt:
     @property
     def images(self) -> list[ImageSource]:
         return [part.image for part in self.conversation.images]
+
+    @classmethod
+    def from_messages(cls, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatPrompt:
+        """The Python form of vLLM's chat form: ``messages`` of ``{"role", "content"}`` (role
+        system, user or assistant), a content a string or a list of ``{"type": "text",
+        "text"}`` and ``{"type": "image", "image"}`` parts (a PIL image, bytes or a
+        ``pathlib.Path``); ``options`` are the fields (``add_generation_prompt``, ...).
+        InvalidInputError (param ``input``) naming what is not taken."""
+        if isinstance(messages, (str, Mapping)) or not messages:
+            _refuse("messages", "a non-empty list of messages")
+        return cls(Conversation(tuple(_message(m, i) for i, m in enumerate(messages))), **options)
 
 
 def check_chat_options(prompt: ChatPrompt, template_variables: set[str]) -> None:
@@ -122,3 +134,32 @@ def render_chat(template, prompt: ChatPrompt, index: int) -> str:
 def _final_text(conversation: Conversation) -> str | None:
     texts = [p for p in conversation.messages[-1].parts if not isinstance(p, ImagePart)]
     return texts[-1].text if texts else None
+
+
+def _message(message: Any, i: int) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+        _refuse(where, "a message of role and content")
+    if message["role"] not in _ROLES:
+        _refuse(f"{where}.role", f"one of {', '.join(_ROLES)}")
+    content = message["content"]
+    if isinstance(content, str):
+        return ChatMessage(message["role"], (TextPart(content, f"{where}.content"),))
+    if not isinstance(content, Sequence) or not content:
+        _refuse(f"{where}.content", "a string or a non-empty list of parts")
+    return ChatMessage(message["role"], tuple(
+        _part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
+    ))  # fmt: skip
+
+
+def _part(part: Any, where: str) -> TextPart | ImagePart:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind == "text" and set(part) == {"type", "text"} and isinstance(part["text"], str):
+        return TextPart(part["text"], where)
+    if kind == "image" and set(part) == {"type", "image"}:
+        return ImagePart(part["image"], where)  # decoded, or refused, with the call's images
+    return _refuse(where, '{"type": "text", "text": str} or {"type": "image", "image": image}')
+
+
+def _refuse(where: str, what: str) -> Any:
+    raise InvalidInputError(f"{where} must be {what}", param="input")

@@ -83,14 +83,17 @@ _NER = ClassifierHead("token", 3, ("O", "PER", "LOC"), "softmax", "pair")
 
 
 @pytest.mark.parametrize(
-    ("classifier", "retrieval", "tasks"),
-    [(None, _SPLADE, ("sparse",)), (None, _COLBERT, ("multi_vector", "score", "rerank")),
-     (_NER, None, ("classify_tokens",))],
+    ("classifier", "retrieval", "tasks", "architecture"),
+    [(None, _SPLADE, ("sparse",), "BertForMaskedLM"),
+     (None, _COLBERT, ("multi_vector", "score", "rerank"), "BertModel"),
+     (_NER, None, ("classify_tokens",), "BertForTokenClassification"),
+     (None, None, ("embed", "score", "rerank"), "ColQwen2ForRetrieval")],
 )  # fmt: skip
-def test_model_tasks_of_the_kinds_not_started_here(classifier, retrieval, tasks):
+def test_model_tasks_of_the_kinds_not_started_here(classifier, retrieval, tasks, architecture):
     deployment = SimpleNamespace(
-        classifier=classifier, retrieval=retrieval, outputs=outputs_of(retrieval)
-    )
+        classifier=classifier, retrieval=retrieval, outputs=outputs_of(retrieval),
+        folder=SimpleNamespace(architecture=architecture),
+    )  # fmt: skip
     assert model_tasks(deployment) == tasks  # type: ignore[arg-type]
 
 

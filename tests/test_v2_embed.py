@@ -333,11 +333,22 @@ def test_cohere_client_v2_embeds(server, engine):
         ({"output_dimension": 1000}, "dimensions", "larger than"),
         ({"ranges": [[0.0], [1.0]], "embedding_types": ["float"]}, "ranges", "int8 or uint8"),
         ({"priority": 3}, "priority", "no other levels"),
-        ({"inputs": [{"content": []}]}, "inputs", "mixed content inputs"),
+        (
+            {"inputs": [{"content": [{"type": "text", "text": "x"}]}]},
+            "inputs",
+            "send texts, images or inputs",
+        ),
+        ({"texts": None, "inputs": [{"content": []}]}, "inputs", "at least 1 item"),
+        (
+            {"texts": None, "inputs": [{"content": [{"type": "text", "text": "x"}]}]},
+            "inputs",
+            "need a vision-language embedder",
+        ),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(server, body, param, says):
-    r = embed(server, **{"texts": TEXTS[:2], **body})
+    full = {"texts": TEXTS[:2], **body}
+    r = embed(server, **{k: v for k, v in full.items() if v is not None})
     assert_error(r, 400, "invalid_request_error", param=param, says=says)
 
 

@@ -18,6 +18,7 @@ keep_bytecode()
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ChatPrompt": "intake.vlm_chat",
     "CrossEncoder": "api.cross_encoder",
     "Engine": "api.engine",
     "EngineInfo": "api.engine_info",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "quantize_embeddings": "api.quantization",
 }
 __all__ = [
+    "ChatPrompt",
     "CrossEncoder",
     "Engine",
     "EngineConfig",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         StageFailure,
         StateDivergence,
     )
+    from .intake.vlm_chat import ChatPrompt
 
 
 def __getattr__(name: str):

@@ -35,6 +35,14 @@ def page_scores(
 ) -> np.ndarray:
     """One MaxSim per pair: one query against every page, or ``text_1[i]`` with ``pages[i]``;
     ``[n]`` float32. MaxSim has no activation: ``use_activation`` is checked, changes nothing."""
+    return counted_page_scores(engine, text_1, pages, use_activation=use_activation)[0]
+
+
+def counted_page_scores(
+    engine: Engine, text_1: str | Sequence[str], pages, *, use_activation: bool = True
+) -> tuple[np.ndarray, list[int]]:
+    """``page_scores`` and the tokens of each prompt embedded for them (each distinct query
+    once, then each page), for a server's usage."""
     if not isinstance(use_activation, bool):
         raise InvalidInputError("use_activation must be true or false", param="use_activation")
     queries = [text_1] if isinstance(text_1, str) else list(text_1)
@@ -59,16 +67,18 @@ def page_scores(
             param="text_1",
         )
     unique = list(dict.fromkeys(queries))
-    query_vectors = engine.pool([{"text": q} for q in unique], pooling="all")
-    page_vectors = engine.pool([{"image": p} for p in pages], pooling="all")
+    query_call = engine.submit([{"text": q} for q in unique], pooling="all")
+    page_call = engine.submit([{"image": p} for p in pages], pooling="all")
+    query_vectors, page_vectors = query_call.result(), page_call.result()
     row = {q: i for i, q in enumerate(unique)}
-    return np.array(
+    scores = np.array(
         [
             max_sim(query_vectors[row[q]], page)
             for q, page in zip(queries, page_vectors, strict=True)
         ],
         dtype=np.float32,
     )
+    return scores, [*query_call.num_tokens.tolist(), *page_call.num_tokens.tolist()]
 
 
 def page_rerank(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError, PipepoolError
+from ..errors import InvalidInputError, ModelLoadError, PipepoolError
 from .retrieval_scoring import scores_pairs_itself
 
 if TYPE_CHECKING:
@@ -141,13 +141,14 @@ def model_tasks(deployment: Deployment) -> tuple[str, ...]:
     """What a model can be asked to do, in ``TASKS`` order: "embed", "sparse" and
     "multi_vector" for the outputs it gives (``deployment.outputs``) where it is no classifier
     (a classifier's hidden states are not embeddings); "score" and "rerank" for a one-label
-    classifier and for a model that scores pairs from its retrieval outputs (ColBERT, BGE-M3);
+    classifier, for a model that scores pairs from its retrieval outputs (ColBERT, BGE-M3) and
+    for ColQwen2 (MaxSim of queries against page images, ``api/page_retrieval.py``);
     "classify" for a sequence classifier; "classify_tokens" for a token classifier."""
     head = deployment.classifier
     found: set[str] = set()
     if head is None:
         found.update(OUTPUT_TASKS[o] for o in deployment.outputs)
-        if scores_pairs_itself(deployment):
+        if scores_pairs_itself(deployment) or retrieves_pages(deployment):
             found.update(("score", "rerank"))
     elif head.per_token:
         found.add("classify_tokens")
@@ -156,3 +157,14 @@ def model_tasks(deployment: Deployment) -> tuple[str, ...]:
         if head.can_rerank:
             found.update(("score", "rerank"))
     return tuple(t for t in TASKS if t in found)
+
+
+def retrieves_pages(deployment: Deployment) -> bool:
+    """Whether the model is ColQwen2 (queries against page images by MaxSim)."""
+    from ..models import family_of
+    from .vlm import PAGE_FAMILIES
+
+    try:
+        return family_of(deployment.folder.architecture).name in PAGE_FAMILIES
+    except ModelLoadError:  # a dual encoder: none of the decoder families
+        return False

@@ -2,13 +2,15 @@
 ``models/qwen2_vl.py``) on the engine's own pipeline.
 
 A call of dict inputs (``{"text": ..., "image": ...}`` or ``"images": [...]``; every input a
-dict) is formatted as the folder's processor formats it (``intake/vlm_inputs.py``), its images
-decoded and preprocessed on a pool of threads (PIL releases the GIL), and enqueued as one batch
-whose prompts carry their media rows and images: the scheduler chunks them as any causal
-prompt, through an image's placeholders too, the first stage runs the vision tower once per
-image, and every stage applies the plan's M-RoPE positions (``core/media.py``). Plain text
-inputs take the engine's text path. ColQwen2 and ColPali take queries and pages the same way
-(``page_retrieval.py``); ColPali's prompts are bidirectional, so they go whole into a step."""
+dict) or of conversations (``intake/vlm_chat.ChatPrompt``: rendered by the model's chat template
+as vLLM renders a chat-form embedding request) is formatted as the folder's processor formats it
+(``intake/vlm_inputs.py``), its images decoded and preprocessed on a pool of threads (PIL
+releases the GIL), and enqueued as one batch whose prompts carry their media rows and images:
+the scheduler chunks them as any causal prompt, through an image's placeholders too, the first
+stage runs the vision tower once per image, and every stage applies the plan's M-RoPE positions
+(``core/media.py``). Plain text inputs take the engine's text path. ColQwen2 and ColPali take
+queries and pages the same way (``page_retrieval.py``); ColPali's prompts are bidirectional,
+so they go whole into a step."""
 
 from __future__ import annotations
 
@@ -20,30 +22,36 @@ import numpy as np
 from ..config import EngineConfig
 from ..core.priority import current_client, is_background
 from ..core.submission import Submission
-from ..driver.local import LocalPipeline
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
 from ..intake.colpali_inputs import ColPaliFormatter
 from ..intake.images import ImageLimits, is_image_input
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.token_budget import TokenBudget
+from ..intake.vlm_chat import ChatPrompt
 from ..intake.vlm_inputs import ColQwen2Formatter, VlmFormatter, parse_input
 from ..loading.deployment import Deployment
 from ..models import family_of
 from .images import refuse_text_options
 
-# The families whose checkpoints take dict inputs with images.
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "colqwen2", "colpali")
 # Page retrieval models (one vector per token, MaxSim), by family: their name in messages.
 PAGE_RETRIEVERS = {"colqwen2": "ColQwen2", "colpali": "ColPali"}
+# The families whose checkpoints take dict inputs with images: those that render their chat
+# template (one vector per input), and the page retrievers (queries and pages).
+CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PAGE_FAMILIES = tuple(PAGE_RETRIEVERS)
+VLM_FAMILIES = CHAT_FAMILIES + PAGE_FAMILIES
 _DECODE_THREADS = 4
 
 
 def is_multimodal_call(inputs) -> bool:
-    """Whether a call's inputs are dicts (texts with images) rather than texts or images."""
-    if isinstance(inputs, dict):
+    """Whether a call's inputs are dicts (texts with images) or conversations (``ChatPrompt``)
+    rather than texts or images."""
+    if isinstance(inputs, (dict, ChatPrompt)):
         return True
-    return isinstance(inputs, (list, tuple)) and any(isinstance(i, dict) for i in inputs)
+    return isinstance(inputs, (list, tuple)) and any(
+        isinstance(i, (dict, ChatPrompt)) for i in inputs
+    )
 
 
 def colqwen2_inputs(inputs) -> list | None:
@@ -82,12 +90,13 @@ class VlmInputs:
                 f"{params.pooling!r}",
                 param="pooling",
             )
-        if not isinstance(self.pipeline, LocalPipeline):
+        chat = next((i for i, item in enumerate(items) if isinstance(item, ChatPrompt)), None)
+        if self.multi_vector and chat is not None:
             raise InvalidInputError(
-                "inputs with images run on a pipeline of this process; data_parallel_size > 1 "
-                "and --api-server-count front ends are not implemented for them",
-                param="input",
-            )
+                f"input {chat}: {self.model_name} renders no chat template: it embeds a query "
+                "(a text) or a page (one image) in its processor's formats",
+                param="input", index=chat,
+            )  # fmt: skip
         parsed = [parse_input(item, i) for i, item in enumerate(items)]
         decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
                                       range(len(parsed))))  # fmt: skip
@@ -179,7 +188,7 @@ def submit_multimodal(
         prompt_name=prompt_name,
         long_inputs=long_inputs,
     )
-    items = [items] if isinstance(items, dict) else list(items)
+    items = [items] if isinstance(items, (dict, ChatPrompt)) else list(items)
     if vlm.multi_vector:  # ColQwen2 / ColPali normalise every token (False: the projection)
         if dimensions is not None:
             raise InvalidInputError(

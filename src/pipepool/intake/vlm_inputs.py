@@ -26,6 +26,7 @@ from ..core.media import MEDIA_COLUMNS, ImageInput
 from ..errors import InvalidInputError, ModelLoadError
 from ..loading.st_dual_encoder import checked_processor_config
 from .images import ImageLimits, ImageProcessing, decode_image
+from .vlm_chat import ChatPrompt, check_chat_options, render_chat
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 # preprocessor_config.json keys read below; the bookkeeping ones change nothing computed.
@@ -169,8 +170,11 @@ class VlmPrompt:
     images: tuple[ImageInput, ...]
 
 
-def parse_input(item, index: int) -> tuple[str, list]:
-    """(text, images) of one dict input; refuses other keys and shapes by name."""
+def parse_input(item, index: int) -> tuple[str | ChatPrompt, list]:
+    """(text, images) of one dict input, (the prompt, its images) of a ``ChatPrompt``; refuses
+    other keys and shapes by name."""
+    if isinstance(item, ChatPrompt):
+        return item, item.images
     if not isinstance(item, dict):
         raise InvalidInputError(
             f"input {index}: a vision-language call takes dicts ({{'text': ..., 'image': ...}}) "
@@ -216,7 +220,7 @@ class VlmFormatter:
                  limits: ImageLimits) -> None:  # fmt: skip
         from tokenizers import Tokenizer
 
-        self.template = self._template(folder)
+        self.template, self.template_variables = self._template(folder)
         self.images = Qwen2VLImages.from_folder(folder)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         if self.tokenizer.token_to_id(IMAGE_PAD) != image_token:
@@ -226,15 +230,18 @@ class VlmFormatter:
 
     def _template(self, folder: Path):
         """The folder's chat template, in transformers' apply_chat_template environment (its
-        templates rely on loop controls and ``raise_exception``)."""
+        templates rely on loop controls and ``raise_exception``), and the variables it reads."""
         import jinja2.ext
+        import jinja2.meta
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
         env.globals["raise_exception"] = _raise
-        return env.from_string(chat_template(folder))
+        source = chat_template(folder)
+        variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+        return env.from_string(source), variables - set(env.globals)
 
     def render(self, text: str, num_images: int, index: int) -> str:
         content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text
@@ -242,9 +249,16 @@ class VlmFormatter:
         messages = [{"role": "user", "content": content}]
         return self.template.render(messages=messages, add_generation_prompt=True)
 
-    def prompt(self, text: str, decoded: list, index: int) -> VlmPrompt:
+    def render_chat(self, prompt: ChatPrompt, index: int) -> str:
+        check_chat_options(prompt, self.template_variables)
+        return render_chat(self.template, prompt, index)
+
+    def prompt(self, text: str | ChatPrompt, decoded: list, index: int) -> VlmPrompt:
         images = tuple(self.images.image_input(image, index) for image in decoded)
-        rendered = self.render(text, len(images), index)
+        if isinstance(text, ChatPrompt):
+            rendered, special = self.render_chat(text, index), text.add_special_tokens
+        else:
+            rendered, special = self.render(text, len(images), index), True
         pieces = rendered.split(IMAGE_PAD)
         if len(pieces) != len(images) + 1:
             raise InvalidInputError(
@@ -254,7 +268,8 @@ class VlmFormatter:
         counts = [self.images.tokens(i) for i in images]
         runs = (IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
         expanded = pieces[0] + "".join(runs)
-        ids = np.asarray(self.tokenizer.encode(expanded).ids, dtype=np.int64)
+        encoded = self.tokenizer.encode(expanded, add_special_tokens=special)
+        ids = np.asarray(encoded.ids, dtype=np.int64)
         try:
             grids = [i.grid for i in images]
             media = media_rows(ids, self.image_token, counts, self.images.merge, grids,
@@ -288,7 +303,7 @@ class ColQwen2Formatter(VlmFormatter):
         self.pad = pad
 
     def _template(self, folder: Path):
-        return None  # ColQwen2's prompts are its processor's, not a chat template's
+        return None, set()  # ColQwen2's prompts are its processor's, not a chat template's
 
     def render(self, text: str, num_images: int, index: int) -> str:
         if num_images == 0:

@@ -47,6 +47,10 @@ class Work:
     key_lens: np.ndarray | None = None  # keys per prompt (RequestBatch.key_lens); None: all
     background: bool = False  # batch-job work (RequestBatch.background)
     client: str | None = None  # whose turns it takes (core.priority.client_turns)
+    # Vision-language prompts (RequestBatch.media / .images): media rows parallel to
+    # token_ids and each prompt's preprocessed images; None for text models.
+    media: np.ndarray | None = None
+    images: list | None = None
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ class ReplicaPipeline:
     def _new_batch(self, submission: Submission, part: TokenSlice) -> RequestBatch:
         batch = RequestBatch(
             self._next_id, part.token_ids, part.lengths, submission.params, part.type_ids,
-            part.key_lens, submission.background,
+            part.key_lens, submission.background, part.media, part.images,
         )  # fmt: skip
         self._next_id += len(batch)
         submission.num_tokens[part.first : part.first + len(batch)] = part.lengths
@@ -257,7 +257,7 @@ class ReplicaPipeline:
         slot.outstanding += batch.num_tokens
         work = Work(
             batch.first_id, batch.token_ids, batch.lengths, batch.params, batch.type_ids,
-            batch.key_lens, batch.background, submission.client,
+            batch.key_lens, batch.background, submission.client, batch.media, batch.images,
         )  # fmt: skip
         slot.serving_proc().post(work)
 

@@ -129,7 +129,10 @@ class ReplicaServer:
                     client=work.client,
                     on_result=forward,
                 )
-                part = TokenSlice(0, work.token_ids, work.lengths, work.type_ids, work.key_lens)
+                part = TokenSlice(
+                    0, work.token_ids, work.lengths, work.type_ids, work.key_lens,
+                    work.media, work.images,
+                )  # fmt: skip
                 self.pipeline.enqueue(submission, part)
         except Exception:
             return  # the pipeline is dead: the next snapshot says so, the front end re-runs it

@@ -1,15 +1,24 @@
 """The fields of vLLM's chat-style embedding request (its ``EmbeddingChatRequest``, also
 ``/pooling``'s chat form): ``messages`` in place of ``input``, and the chat options vLLM
 declares beside it. ``messages`` is read by ``chat_messages.py`` and embedded by
-``routes/chat_embeddings.py``; the chat options that need a chat template (pipepool renders
-none: a dual encoder embeds one text or one image) are refused by name when given, each saying
-why."""
+``routes/chat_embeddings.py``. The chat template's options (``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``) are taken with messages, for a
+vision-language embedder, which renders its chat template (``intake/vlm_chat.py``); a dual
+encoder (one text or one image, no template) refuses them by name, and so does a body without
+messages. A request's own chat template is refused."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, StrictBool, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from .errors import APIError
 
@@ -38,31 +47,44 @@ _Messages = Annotated[
     ),
 ]
 _NO_TEMPLATE = (
-    "pipepool renders no chat template: a dual encoder (CLIP, SigLIP) embeds a message's one "
-    "text or one image as it is"
+    "a request's own chat template is not taken (vLLM takes one only with "
+    "--trust-request-chat-template, which this server does not have): messages are rendered "
+    "by the model's chat template"
 )
+# The chat template's options, which apply to messages only.
+TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 class ChatFields(BaseModel):
     """vLLM's chat form of an embedding request: ``messages`` (one input), and its chat
-    options, those that would need a chat template refused when given."""
+    options (module doc): the template's taken with messages only, a request's own template
+    refused when given."""
 
     messages: _Messages | None = Field(
         None,
         description="vLLM's chat form, in place of input: one input given as OpenAI chat "
         "messages, answered as one data item. Parts: text, and image_url with a data URI "
-        "(data:image/png;base64,...) or a file:// URI under --allowed-local-media-path. A dual "
-        "encoder (CLIP, SigLIP) takes one message holding one text or one image.",
+        "(data:image/png;base64,...), a file:// URI under --allowed-local-media-path, or an "
+        "http(s) URL of a host --allowed-media-domains names. A dual encoder (CLIP, SigLIP) "
+        "takes one message holding one text or one image; a Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+        "embedder the whole conversation, rendered by its chat template; a page retriever "
+        "(ColQwen2, ColPali) one message of one text (a query) or one image (a page).",
     )
     add_generation_prompt: StrictBool = Field(
-        False, description="vLLM's; only false (no chat template is rendered here)."
+        False,
+        description="vLLM's, with messages: the chat template opens an assistant message after "
+        "the conversation (a vision-language embedder's; a dual encoder takes only false).",
     )
     continue_final_message: StrictBool = Field(
-        False, description="vLLM's; only false (no chat template is rendered here)."
+        False,
+        description="vLLM's, with messages: the rendering ends right after the final message's "
+        "last text, leaving it open (not with add_generation_prompt).",
     )
     chat_template: _Refused = Field(None, description="vLLM's; refused: " + _NO_TEMPLATE + ".")
-    chat_template_kwargs: _Refused = Field(
-        None, description="vLLM's; refused: " + _NO_TEMPLATE + "."
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's, with messages: variables for the model's chat template (each one "
+        "the template reads, else refused by name).",
     )
     mm_processor_kwargs: _Refused = Field(
         None,
@@ -73,14 +95,16 @@ class ChatFields(BaseModel):
         None, description="vLLM's; refused: images are decoded with the server's limits only."
     )
 
-    @field_validator("add_generation_prompt", "continue_final_message")
+    @field_validator(*TEMPLATE_OPTIONS)
     @classmethod
-    def _only_false(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(f"only false is taken: {_NO_TEMPLATE}")
+    def _with_messages(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and info.data.get("messages") is None:
+            raise ValueError(
+                "applies to messages (the model's chat template renders them); this body holds none"
+            )
         return value
 
-    @field_validator("chat_template", "chat_template_kwargs")
+    @field_validator("chat_template")
     @classmethod
     def _no_template(cls, value: Any) -> Any:
         if value is not None:

@@ -1,7 +1,8 @@
 """Request and response bodies of Cohere's embed routes, v2 ``POST /v2/embed`` and v1 ``POST
-/v1/embed``: every text's embedding in each type asked for. Text only: ``images`` and
-``inputs`` are refused by name. Every field of Cohere's spec is declared, honoured or refused
-by name; unknown fields follow ``protocol._Strict``.
+/v1/embed``: every text's embedding in each type asked for; v2 also of ``images`` (a dual
+encoder's or a vision-language embedder's) and of ``inputs`` (content parts, texts and images
+mixed in one input: a vision-language embedder's). Every field of Cohere's spec is declared,
+honoured or refused by name; unknown fields follow ``protocol._Strict``.
 
 int8/uint8 are ``api/int8_scale.py``'s rule (one symmetric scale per model, so a text's
 integers are the same in any request) unless the caller gives ``ranges`` (pipepool's):
@@ -89,9 +90,45 @@ def _distinct(value: list[EmbeddingType] | None) -> list[EmbeddingType] | None:
     return None if value is None else list(dict.fromkeys(value))  # each once, in order asked
 
 
+class CohereImageUrl(_Strict):
+    """Cohere's ``image_url`` of a content part: its URL (as ``images`` takes them)."""
+
+    url: StrictStr
+    detail: Literal["auto"] | None = Field(
+        None,
+        description="Cohere's; only auto: an image is preprocessed as the checkpoint's image "
+        "processor says (low and high are Cohere's own resizing).",
+    )
+
+
+class CohereContentPart(_Strict):
+    """One part of an input's content: a text (``type`` text, ``text``) or an image
+    (``type`` image_url, ``image_url``)."""
+
+    type: Literal["text", "image_url"]
+    text: StrictStr | None = None
+    image_url: CohereImageUrl | None = None
+
+    @model_validator(mode="after")
+    def _its_own_field(self) -> CohereContentPart:
+        if (self.text is None) == (self.type == "text") or (
+            (self.image_url is None) == (self.type == "image_url")
+        ):
+            raise ValueError("a text part holds text only, an image_url part image_url only")
+        return self
+
+
+class CohereEmbedInput(_Strict):
+    """One input of v2's ``inputs``: its content parts in order, embedded as one vector."""
+
+    content: Annotated[list[CohereContentPart], Field(min_length=1)]
+
+
 class CohereEmbedRequest(_CohereEmbedBody):
-    """Cohere v2's embed body: ``texts``, or ``images`` (data URIs) for a dual encoder (CLIP,
-    SigLIP) with ``input_type`` image; plus pipepool's ``ranges``."""
+    """Cohere v2's embed body: ``texts``; or ``images`` (data URIs, files, URLs of allowed
+    hosts) with ``input_type`` image, for a dual encoder (CLIP, SigLIP) or a vision-language
+    embedder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); or ``inputs`` (content parts) for a vision-language
+    embedder; plus pipepool's ``ranges``."""
 
     texts: Texts | None = Field(None, description="The texts to embed (or images).")
     images: _Images | None = Field(
@@ -99,9 +136,15 @@ class CohereEmbedRequest(_CohereEmbedBody):
         description="Images to embed, as data URIs (data:image/png;base64,...: jpeg, png, webp, "
         "gif), file:// URIs under --allowed-local-media-path, or http(s) URLs of the hosts "
         "--allowed-media-domains names (others refused), with input_type image; a dual "
-        "encoder's (CLIP, SigLIP) only.",
+        "encoder's (CLIP, SigLIP) or a vision-language embedder's (Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL).",
     )
-    inputs: _Refused = Field(None, description="Not supported: send texts or images.")
+    inputs: Annotated[list[CohereEmbedInput], Field(min_length=1)] | None = Field(
+        None,
+        description="Inputs of content parts (text, image_url), each embedded as one vector: "
+        "one user message of its parts in order, rendered by a vision-language embedder's "
+        "chat template (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) as Engine.embed renders a dict input.",
+    )
     input_type: InputTypeV2 = Field(description=_INPUT_TYPE_HELP + _IMAGE_TYPE_HELP)
     embedding_types: _Types = Field(["float"], description=_TYPES_HELP)
     output_dimension: Dimensions | None = Field(
@@ -116,18 +159,18 @@ class CohereEmbedRequest(_CohereEmbedBody):
         "every request here has; other values are refused (no priority levels here).",
     )
 
-    @field_validator("inputs")
-    @classmethod
-    def _no_inputs(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("mixed content inputs are not supported: send texts or images")
-        return value
-
     @field_validator("images")
     @classmethod
     def _not_both(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if value is not None and info.data.get("texts") is not None:
             raise ValueError("send texts or images, not both in one request")
+        return value
+
+    @field_validator("inputs")
+    @classmethod
+    def _one_form(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value is not None and (info.data.get("texts") or info.data.get("images")):
+            raise ValueError("send texts, images or inputs: one of them in one request")
         return value
 
     @field_validator("input_type")
@@ -139,8 +182,8 @@ class CohereEmbedRequest(_CohereEmbedBody):
 
     @model_validator(mode="after")
     def _texts_or_images(self) -> CohereEmbedRequest:
-        if self.texts is None and self.images is None:
-            raise ValueError("send texts or images")
+        if self.texts is None and self.images is None and self.inputs is None:
+            raise ValueError("send texts, images or inputs")
         return self
 
     @field_validator("embedding_types")

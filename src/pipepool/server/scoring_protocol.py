@@ -7,7 +7,7 @@ the reason (``scoring_common`` for vLLM's shared fields); the answers are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -36,6 +36,7 @@ from .openapi import (
     inputs_bound,
     one_of_fields,
 )
+from .protocol import _Strict
 from .rerank_documents import document_texts, returned_documents
 from .scoring_answers import (  # noqa: F401  (the routes' names for the answers)
     ClassifyResponse,
@@ -78,9 +79,23 @@ _WEIGHTS = Field(
     "FlagEmbedding's colbert+sparse+dense mix (w_dense * dense + w_sparse * sparse + w_colbert "
     "* colbert) / (w_dense + w_sparse + w_colbert). Default [0.4, 0.2, 0.4].",
 )
-# Texts (each may be empty: half of a query-document pair) or objects of string fields.
-_Documents = Annotated[list[StrictStr | dict[str, StrictStr]], inputs_bound()]
-_ScoreInputs = StrictStr | AnyTexts
+
+
+class ScoreContent(_Strict):
+    """vLLM's multimodal score input: one query or document given as content parts
+    (``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url"}}``), read by
+    ``routes/page_scoring.py`` (ColQwen2: a query's one text part, a page's one image)."""
+
+    content: Annotated[list[dict[str, Any]], Field(min_length=1)]
+
+
+# Texts (each may be empty: half of a query-document pair), objects of string fields, or
+# vLLM's content parts.
+_Documents = Annotated[list[StrictStr | ScoreContent | dict[str, StrictStr]], inputs_bound()]
+_ScoreInputs = (
+    StrictStr | AnyTexts | ScoreContent
+    | Annotated[list[StrictStr | ScoreContent], inputs_bound()]
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -108,8 +123,8 @@ class RerankRequest(VllmPoolingFields):
     model_config = ConfigDict(json_schema_extra=one_of_fields("documents", "texts"))
 
     model: StrictStr | None = Field(None, description="The served model name (default: that one).")
-    query: StrictStr
-    documents: _Documents | StrictStr | None = Field(
+    query: StrictStr | ScoreContent
+    documents: _Documents | StrictStr | ScoreContent | None = Field(
         None,
         description="Texts, or objects of string fields (Cohere v1, Jina: ranked by 'text', or "
         "by rank_fields), to rank by the query; one text alone is one document (vLLM).",
@@ -200,8 +215,12 @@ class RerankRequest(VllmPoolingFields):
         return returned_documents(self._document_list())
 
     def _document_list(self) -> list[str | dict[str, str]]:
-        assert self.documents is not None
-        return [self.documents] if isinstance(self.documents, str) else list(self.documents)
+        """The documents of a text model (content parts went to ``routes/page_scoring.py``,
+        or were refused there)."""
+        documents = self.documents
+        assert documents is not None and not isinstance(documents, ScoreContent)
+        listed = [documents] if isinstance(documents, str) else documents
+        return [d for d in listed if not isinstance(d, ScoreContent)]
 
     def activation(self) -> bool:
         given = self.use_activation is not None and self.raw_scores is not None

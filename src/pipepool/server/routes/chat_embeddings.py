@@ -2,11 +2,12 @@
 conversation (``chat_messages.py``) embedded as one input, answered as one data item in the
 route's usual answer.
 
-A dual encoder (CLIP, SigLIP) embeds the conversation's one text through its text tower (as
-``input`` would: the same vectors, the same truncation options) or its one image through its
-vision tower (as Cohere's ``images`` would); anything else in it is a 400 saying so
-(``Conversation.single_input``). Other models are refused: pipepool renders no chat template,
-and a vision-language embedder's rendering of a conversation is not wired here yet."""
+A vision-language embedder renders the whole conversation with its chat template
+(``vlm_messages.py``). A dual encoder (CLIP, SigLIP) embeds the conversation's one text through
+its text tower (as ``input`` would: the same vectors, the same truncation options) or its one
+image through its vision tower (as Cohere's ``images`` would); anything else in it is a 400
+saying so (``Conversation.single_input``), and refuses the chat template's options by name.
+Other models are refused: a text model's chat template is not rendered here."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from ..media_fetch import fetched
 from ..protocol import InputsRequest
 from .images import images_call, renamed
 from .shared import check_task, model_of, run_engine, state_of
+from .vlm_calls import vlm_family
+from .vlm_messages import vlm_messages_call
 
 
 async def embed_messages(
@@ -57,6 +60,12 @@ async def messages_call(
     assert body.messages is not None  # the caller's test
     if body.input is not None:
         raise APIError(400, "give input or messages, not both", param=PARAM, code="invalid_value")
+    conversation = parse_messages(body.messages)
+    if vlm_family(model_of(request)) is not None:
+        return await vlm_messages_call(
+            request, body, conversation, normalize=normalize, pooling=pooling,
+            dimensions=dimensions,
+        )  # fmt: skip
     if "add_special_tokens" in body.model_fields_set:
         raise APIError(
             400,
@@ -73,12 +82,13 @@ async def messages_call(
     if architecture not in DUAL_ENCODERS:
         raise APIError(
             400,
-            f"messages are taken for dual encoders ({', '.join(DUAL_ENCODERS)}) here; this "
-            f"model ({architecture}) takes input (pipepool renders no chat template)",
+            f"messages are taken for dual encoders ({', '.join(DUAL_ENCODERS)}) and "
+            "vision-language embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ColQwen2, ColPali) "
+            f"here; this model ({architecture}) takes input",
             param=PARAM,
             code="invalid_value",
         )
-    conversation = parse_messages(body.messages)
+    refuse_template_options(body, architecture)
     try:
         item = conversation.single_input(architecture)
     except PipepoolError as exc:
@@ -119,3 +129,21 @@ async def messages_call(
         "long_inputs": body.long_inputs,
     }
     return images_call(settings, model, [item], PARAM, [part.where], options)
+
+
+def refuse_template_options(body: InputsRequest, architecture: str) -> None:
+    """A dual encoder renders no chat template: the options of one are refused by name."""
+    given = {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        "chat_template_kwargs": body.chat_template_kwargs,
+    }
+    for name, value in given.items():
+        if value:
+            raise APIError(
+                400,
+                f"{name} is not taken for {architecture}: a dual encoder renders no chat "
+                "template (it embeds a message's one text or one image as it is)",
+                param=name,
+                code="invalid_value",
+            )

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 
 from ...api.engine import Engine
 from ...api.st_compat import task_prompt_name
+from ...api.vlm import CHAT_FAMILIES
 from ...errors import PipepoolError
 from .. import cohere_protocol as cp
 from ..errors import APIError, from_engine
@@ -21,6 +22,7 @@ from ..fast_route import FastBodyRoute
 from ..media_fetch import fetched
 from . import cohere_tokens
 from .answers import json_answer
+from .cohere_inputs import embed_inputs, embed_vlm_images, refuse_text_fields
 from .images import data_uri_bytes, image_meta, run_model_images
 from .shared import (
     CLIENT_CLOSED,
@@ -32,6 +34,7 @@ from .shared import (
     unless_client_leaves,
 )
 from .tokens import served_engine
+from .vlm_calls import refuse_token_vectors, vlm_family
 
 router = APIRouter(tags=["Cohere"], route_class=FastBodyRoute)
 router.include_router(cohere_tokens.router)
@@ -76,8 +79,11 @@ async def _embed(
     """The embed answer of either version; ``types`` None: v1's floats answer."""
     model = select_model(request, body.model, "embed")
     engine = served_engine(model)
+    refuse_token_vectors(model, f"/v{version}/embed", "model")
     int8 = _needs_int8(types, body.ranges)
-    if isinstance(body, cp.CohereEmbedRequest) and body.images is not None:
+    if isinstance(body, cp.CohereEmbedRequest) and (
+        body.images is not None or body.inputs is not None
+    ):
         return await _embed_images(request, body, types or ["float"], int8, dimensions)
     texts = body.texts
     assert texts is not None  # v2's validator: texts or images
@@ -123,12 +129,10 @@ async def _embed_images(
     dimensions: int | None,
 ) -> Response:
     """v2's answer for ``images`` (data URIs, files, URLs of allowed hosts; api/images.py
-    embeds them): the texts' options are refused by name, and int8/uint8 need ``ranges`` (the
-    model's fixed bound is measured on texts)."""
-    assert body.images is not None  # the caller's test
-    for name in ("truncate", "max_tokens"):
-        if name in body.model_fields_set:
-            raise APIError(400, f"{name} applies to texts, not images", param=name)
+    embeds them, or a vision-language embedder) and for ``inputs`` (``cohere_inputs.py``): the
+    texts' options are refused by name, and int8/uint8 need ``ranges`` (the model's fixed
+    bound is measured on texts)."""
+    refuse_text_fields(body)
     if int8:
         raise APIError(
             400,
@@ -136,13 +140,21 @@ async def _embed_images(
             "texts); or ask for float, base64, binary or ubinary",
             param="embedding_types",
         )
-    blobs = await fetched(request, data_uri_bytes(body.images, "images"), "images")
-    done = await run_model_images(request, blobs, "images", dimensions=dimensions)
+    metas: list[dict] | None = None
+    if body.inputs is not None:
+        done = await embed_inputs(request, body, dimensions)
+    else:
+        assert body.images is not None  # the caller's test
+        blobs = await fetched(request, data_uri_bytes(body.images, "images"), "images")
+        if vlm_family(model_of(request)) in CHAT_FAMILIES:
+            done = await embed_vlm_images(request, blobs, dimensions)
+        else:
+            done = await run_model_images(request, blobs, "images", dimensions=dimensions)
+        metas = None if isinstance(done, Response) else [image_meta(blob) for blob in blobs]
     if isinstance(done, Response):
         return done
     vectors = done.matrix()
     ranges = None if body.ranges is None else np.asarray(body.ranges)
-    metas = [image_meta(blob) for blob in blobs]
 
     def build() -> dict:
         return cp.embed_response(

@@ -29,6 +29,7 @@ from .answers import binary_answer, json_answer
 from .chat_embeddings import messages_call
 from .late_chunking import late_chunks_call
 from .shared import check_task, model_of, select_model, state_of
+from .vlm_calls import refuse_token_vectors
 
 DENSE = ("dense",)
 
@@ -51,6 +52,7 @@ async def prepare(request: Request, body: protocol.EmbeddingRequest) -> EngineCa
         request, body.model, *(retrieval.task_of(o) for o in asked if o in OUTPUTS)
     )
     outputs = DENSE if body.outputs is None else retrieval.check_model_outputs(request, asked)
+    refuse_token_vectors(model, "/v1/embeddings", "model")
     if outputs != DENSE and body.wire.binary:
         raise APIError(
             400,

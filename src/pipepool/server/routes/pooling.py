@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from ...api.vlm import PAGE_FAMILIES
 from ...errors import PipepoolError
 from ..errors import APIError, from_engine
 from ..fast_route import FastBodyRoute
@@ -26,11 +27,13 @@ from .shared import (
     ERRORS,
     ClientGone,
     check_task,
+    run_engine,
     run_model_outputs,
     select_model,
     state_of,
     unless_client_leaves,
 )
+from .vlm_calls import query_call, refuse_token_vectors, vlm_family
 
 router = APIRouter(route_class=FastBodyRoute)
 
@@ -45,10 +48,14 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     probabilities; token_classify: ``[num_tokens, num_labels]``."""
     model = select_model(request, body.model, *_routing_tasks(body.task))
     task = _task(model, body.task)
+    pages = vlm_family(model) in PAGE_FAMILIES
     if task in EMBEDDING_TASKS:
         token_embed = task == "token_embed"
-        normalize = bool(body.normalized) if token_embed else body.normalized
-        if body.messages is not None:  # vLLM's chat form: one input
+        # a page retriever's token vectors are its embeddings: normalised, as it makes them
+        normalize = bool(body.normalized) if token_embed and not pages else body.normalized
+        if pages and body.messages is None:  # queries: the retriever's processor's format
+            done = await run_engine(request, query_call(request, body, normalize))
+        elif body.messages is not None:  # vLLM's chat form: one input
             done = await embed_messages(
                 request, body, pooling="all" if token_embed else None, normalize=normalize
             )
@@ -104,7 +111,10 @@ def _task(model: ServedModel, asked: str | None) -> str:
             param="model",
             code="unsupported_task",
         )
-    task = asked if asked is not None else does[0]
+    pages = vlm_family(model) in PAGE_FAMILIES  # token vectors are its embeddings
+    task = asked if asked is not None else "token_embed" if pages else does[0]
+    if task == "embed":
+        refuse_token_vectors(model, "task embed", "task")
     if task not in does:
         raise APIError(
             400,

@@ -24,6 +24,7 @@ from ..errors import EMPTY, APIError, answer_as_tei, from_engine
 from ..front import Encoded
 from ..limits import bounded_scoring, check_input_count, check_inputs
 from .answers import json_answer
+from .page_scoring import page_rerank, page_score, takes_pages
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
@@ -50,7 +51,12 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
     with ``texts`` instead of ``documents``, TEI's request, answer and errors)."""
     if body.tei:
         answer_as_tei(request.scope)
+    sides = [("query", body.query), ("documents", body.documents)]
+    if takes_pages(request, body.model, "rerank", sides):
+        return await page_rerank(request, body)
     body.check_form()
+    query = body.query
+    assert isinstance(query, str)  # content parts: takes_pages answered or refused them
     documents = body.document_texts()
     param = "texts" if body.tei else "documents"
     if not documents:
@@ -78,7 +84,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
             long_inputs=cut.long_inputs,
             weights=body.weights,
         )
-        queries = [body.query] * n
+        queries = [query] * n
         if body.max_chunks_per_doc is None:
             return engine.submit_pairs(queries, documents, truncation_side=cut.side, **options)
         submission, owners = engine.submit_chunked_pairs(
@@ -94,7 +100,7 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
         n,
         submit,
         param=param,
-        texts=[body.query, *documents],
+        texts=[query, *documents],
         truncate_prompt_tokens=cut.tokens,
         prompts=n * (body.max_chunks_per_doc or 1),
     )
@@ -127,8 +133,11 @@ async def rerank(body: sp.RerankRequest, request: Request) -> Response:
 @router.post("/v1/score", response_model=sp.ScoreResponse, responses=ERRORS)
 async def score(body: sp.ScoreRequest, request: Request) -> Response:
     """One score per pair (vLLM): the first side's one text against every text of the
-    second, or the two sides' texts pairwise."""
+    second, or the two sides' texts pairwise (ColQwen2, ColPali: queries against page images)."""
     first, second = body.sides
+    sides = [(name, getattr(body, name)) for name in (first, second)]
+    if takes_pages(request, body.model, "score", sides):
+        return await page_score(request, body)
     try:
         firsts, seconds = pair_up(
             getattr(body, first), getattr(body, second), name_1=first, name_2=second

@@ -17,8 +17,9 @@ from ..errors import APIError
 from ..front import EngineCall
 from ..media_fetch import fetched
 from ..protocol import InputsRequest
+from .page_retrievers import page_retriever
 from .shared import model_of, state_of
-from .vlm_calls import page_retriever, vlm_call, with_images
+from .vlm_calls import vlm_call, with_images
 
 
 async def vlm_messages_call(
@@ -31,7 +32,7 @@ async def vlm_messages_call(
     dimensions: int | None,
 ) -> EngineCall:
     """The engine work of ``conversation`` (``body.messages``) for a vision-language embedder
-    (``vlm_calls.vlm_family``), its remote images fetched once the request's own checks pass
+    (``page_retrievers.vlm_family``), its remote images fetched once the request's own checks pass
     (the chat template's are the engine's)."""
     model = model_of(request)
     retriever = page_retriever(model)

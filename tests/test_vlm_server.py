@@ -253,6 +253,27 @@ def test_messages_refusals_name_the_field(server, body, param, says):
     assert_error(r, 400, "invalid_request_error", param=param, says=says)
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "reads no variable"),
+        ({"chat_template_kwargs": {"messages": []}}, "set from the request's own fields"),
+        ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
+    ],
+)  # fmt: skip
+def test_template_options_refused_before_any_image_is_fetched(server, image_host, options, says):
+    """The template's checks come before the fetch: a URL whose fetch would fail (the host
+    answers 404, a 400 naming messages) is never fetched when the options are refused."""
+    messages = [{"role": "user", "content": [image_part(f"{image_host}/missing.png"),
+                                             text_part("x")]}]  # fmt: skip
+    r = post(server, "/v1/embeddings", messages=messages)
+    assert_error(r, 400, "invalid_request_error", param="messages", says="404")
+    r = post(server, "/v1/embeddings", messages=messages, **options)
+    param = "chat_template_kwargs" if "chat_template_kwargs" in options else None
+    assert_error(r, 400, "invalid_request_error", param=param or "continue_final_message",
+                 says=says)  # fmt: skip
+
+
 def test_cohere_inputs_and_images_equal_the_python_api(server, vlm_engine, image_host):
     """Cohere's content parts: one user message of the parts in order, with the generation
     prompt, as ``Engine.embed`` renders a dict input; ``images``: ``{"image": ...}``."""

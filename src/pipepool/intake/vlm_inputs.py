@@ -25,6 +25,7 @@ import numpy as np
 from ..core.media import MEDIA_COLUMNS, ImageInput
 from ..errors import InvalidInputError, ModelLoadError
 from ..loading.st_dual_encoder import checked_processor_config
+from .chat_templates import compiled_chat_template
 from .images import ImageLimits, ImageProcessing, decode_image
 from .vlm_chat import ChatPrompt, check_chat_options, render_chat
 
@@ -116,20 +117,6 @@ class Qwen2VLImages:
         return image.grid[0] * image.grid[1] * image.grid[2] // self.merge**2
 
 
-def chat_template(folder: Path) -> str:
-    """The folder's chat template: chat_template.jinja, chat_template.json, or
-    tokenizer_config.json's ``chat_template``."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        file = folder / name
-        if file.is_file():
-            template = json.loads(file.read_text()).get("chat_template")
-            if isinstance(template, str):
-                return template
-    raise ModelLoadError(f"{folder}: no chat template (chat_template.jinja or .json)")
-
-
 def media_rows(ids: np.ndarray, image_token: int, token_counts: list[int], merge: int,
                grids: list[tuple[int, int, int]], *, mrope: bool = True) -> np.ndarray:  # fmt: skip
     """[len(ids), MEDIA_COLUMNS]: transformers' ``get_rope_index`` positions (``mrope``; else
@@ -209,10 +196,6 @@ def parse_input(item, index: int) -> tuple[str | ChatPrompt, list]:
     return text, list(images)
 
 
-def _raise(message: str):
-    raise InvalidInputError(f"the chat template refused the input: {message}", param="input")
-
-
 class VlmFormatter:
     """Dict inputs to ``VlmPrompt``s, as the folder's processor formats them (module doc)."""
 
@@ -229,19 +212,8 @@ class VlmFormatter:
         self.mrope = True
 
     def _template(self, folder: Path):
-        """The folder's chat template, in transformers' apply_chat_template environment (its
-        templates rely on loop controls and ``raise_exception``), and the variables it reads."""
-        import jinja2.ext
-        import jinja2.meta
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.globals["raise_exception"] = _raise
-        source = chat_template(folder)
-        variables = jinja2.meta.find_undeclared_variables(env.parse(source))
-        return env.from_string(source), variables - set(env.globals)
+        """The folder's chat template and the variables it reads (``chat_templates.py``)."""
+        return compiled_chat_template(folder)
 
     def render(self, text: str, num_images: int, index: int) -> str:
         content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text
@@ -250,7 +222,7 @@ class VlmFormatter:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def render_chat(self, prompt: ChatPrompt, index: int) -> str:
-        check_chat_options(prompt, self.template_variables)
+        check_chat_options(prompt, set(self.template_variables))
         return render_chat(self.template, prompt, index)
 
     def prompt(self, text: str | ChatPrompt, decoded: list, index: int) -> VlmPrompt:

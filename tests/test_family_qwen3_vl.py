@@ -21,7 +21,13 @@ import torch
 from test_lockstep import SteppedPipeline
 from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tiny_towers import png_bytes, sample_images
-from tiny_vlm import make_qwen3_vl, reference, reference_inputs, reference_vectors
+from tiny_vlm import (
+    instructed_inputs,
+    make_qwen3_vl,
+    reference,
+    reference_inputs,
+    reference_vectors,
+)
 
 import pipepool
 from pipepool import StateDivergence
@@ -248,3 +254,20 @@ def test_parity_on_texts_and_images(qwen3_vl_path, tmp_path, capsys):
         (pp, f"{g} last", True) for pp in (1, 2) for g in groups
     ]
     assert all(r["chunked"] >= 2 and r["min_cosine"] >= MIN_COSINE for r in report["rows"])
+
+
+def test_instruction_as_qwen3_vl_embedding_writes_it(qwen3_vl_path, qwen3_vl_reference):
+    """A dict input's ``instruction`` is Qwen3-VL-Embedding's system message (its reference
+    code's ``format_model_input``): transformers' hidden state at the last token of the
+    processor's rendering with that system message, cos >= 0.99999, with images cut by the
+    budget; the same input without it is another vector (the template's default system turn)."""
+    items = instructed_inputs()
+    want = reference_vectors(*qwen3_vl_reference, items)
+    with pipepool.Engine(str(qwen3_vl_path), max_num_batched_tokens=BUDGET) as engine:
+        got = engine.embed(items)
+        plain = engine.embed([{k: v for k, v in items[0].items() if k != "instruction"}])
+        for bad in ("", "   ", 3):
+            with pytest.raises(InvalidInputError, match="input 0: 'instruction' is not a non-"):
+                engine.embed([{"text": "x", "instruction": bad}])
+    assert float(cosine(got, want).min()) >= MIN_COSINE
+    assert float(cosine(plain, want[:1])[0]) < 0.999

@@ -20,6 +20,7 @@ from tiny_models import MIN_COSINE, SENTENCES, cosine, long_prompts
 from tiny_towers import png_bytes, sample_images
 from tiny_vlm import (
     colqwen2_reference,
+    instructed_inputs,
     make_colqwen2,
     make_qwen2_vl,
     reference,
@@ -361,3 +362,15 @@ def test_text_spelling_the_image_token_beside_images(vlm_path):
     while pipe.scheduler.has_schedulable():
         pipe.run(pipe.plan())
     assert pipe.scheduler.num_admitted == 0
+
+
+def test_instruction_as_a_system_message(vlm_engine, vlm_reference, colqwen2_engine):
+    """Qwen2-VL renders a dict input's ``instruction`` as Qwen3-VL-Embedding's reference code
+    does (a system message, in place of the template's default one): transformers' hidden state
+    at the last token, cos >= 0.99999. A page retriever takes none."""
+    items = instructed_inputs()
+    want = reference_vectors(*vlm_reference, items)
+    got = vlm_engine.embed(items, normalize=False)
+    assert float(cosine(got, want).min()) >= MIN_COSINE
+    with pytest.raises(InvalidInputError, match="input 0: 'instruction' is not taken by ColQwen2"):
+        colqwen2_engine.embed([{"text": "q", "instruction": "Find"}])

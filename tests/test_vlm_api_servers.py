@@ -147,4 +147,4 @@ def test_qwen3_vl_and_colpali(families):
     r = post(server, "/pooling", model="colpali", messages=messages)
     assert_error(r, 400, "invalid_request_error", param="messages", says="ColPali embeds a query")
     r = post(server, "/v1/embeddings", model="colpali", input=["x"])
-    assert_error(r, 400, "invalid_request_error", param="model", says="(ColPali) gives one vector")
+    assert_error(r, 400, "invalid_request_error", param="model", says="ColPali, a page retriever")

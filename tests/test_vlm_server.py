@@ -253,6 +253,27 @@ def test_messages_refusals_name_the_field(server, body, param, says):
     assert_error(r, 400, "invalid_request_error", param=param, says=says)
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "reads no variable"),
+        ({"chat_template_kwargs": {"messages": []}}, "set from the request's own fields"),
+        ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
+    ],
+)  # fmt: skip
+def test_template_options_refused_before_any_image_is_fetched(server, image_host, options, says):
+    """The template's checks come before the fetch: a URL whose fetch would fail (the host
+    answers 404, a 400 naming messages) is never fetched when the options are refused."""
+    messages = [{"role": "user", "content": [image_part(f"{image_host}/missing.png"),
+                                             text_part("x")]}]  # fmt: skip
+    r = post(server, "/v1/embeddings", messages=messages)
+    assert_error(r, 400, "invalid_request_error", param="messages", says="404")
+    r = post(server, "/v1/embeddings", messages=messages, **options)
+    param = "chat_template_kwargs" if "chat_template_kwargs" in options else None
+    assert_error(r, 400, "invalid_request_error", param=param or "continue_final_message",
+                 says=says)  # fmt: skip
+
+
 def test_cohere_inputs_and_images_equal_the_python_api(server, vlm_engine, image_host):
     """Cohere's content parts: one user message of the parts in order, with the generation
     prompt, as ``Engine.embed`` renders a dict input; ``images``: ``{"image": ...}``."""
@@ -451,3 +472,69 @@ def test_page_retrievers_render_no_conversation(colqwen2_engine):
     prompt = pipepool.ChatPrompt.from_messages([{"role": "user", "content": "a query"}])
     with pytest.raises(pipepool.InvalidInputError, match="input 0: ColQwen2 renders no chat"):
         colqwen2_engine.pool([prompt], pooling="all")
+
+
+@pytest.fixture(scope="module")
+def colqwen2_alone(paths, tmp_path_factory):
+    """A server of the ColQwen2 alone: TEI's routes name no model, so only a server whose one
+    embedding model is a page retriever reaches it on them."""
+    log = tmp_path_factory.mktemp("colqwen2-server") / "serve.log"
+    s = ServerProcess(["--model", str(paths["colqwen2"]), "--served-model-name", "colqwen2"], log)
+    try:
+        yield s.wait_ready(timeout=180)
+    finally:
+        s.stop()
+
+
+_Q = {"model": "colqwen2"}
+# Per route that answers one vector per input or takes texts only, bodies a text model takes.
+REFUSING_ROUTES = {
+    "/v1/embeddings": [{**_Q, "input": ["x"]}, {**_Q, "input": ["x"], "outputs": ["multi_vector"]},
+                       {**_Q, "input": ["x"], "outputs": ["sparse"]},
+                       {**_Q, "messages": [{"role": "user", "content": "x"}]}],
+    "/pooling": [{**_Q, "input": ["x"], "task": t}
+                 for t in ("embed", "classify", "token_classify")],
+    "/v1/embed": [{**_Q, "texts": ["x"], "input_type": "search_query"}],
+    "/v2/embed": [{**_Q, "texts": ["x"], "input_type": "search_query"},
+                  {**_Q, "inputs": [{"content": [text_part("x")]}], "input_type": "search_query"}],
+    "/classify": [{**_Q, "input": ["x"]}],
+    "/v1/classify": [{**_Q, "input": ["x"]}],
+    "/embed": [{"inputs": "x"}],
+    "/embed_all": [{"inputs": "x"}],
+    "/embed_sparse": [{"inputs": "x"}],
+    "/similarity": [{"inputs": {"source_sentence": "x", "sentences": ["y"]}}],
+    "/predict": [{"inputs": "x"}],
+    "/": [{"inputs": "x"}],
+    "/invocations": [{"inputs": "x"}],
+}  # fmt: skip
+TEI_ROUTES = {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/",
+              "/invocations"}  # fmt: skip
+# The routes that serve a page retriever (test_colqwen2_*), and those that run no model.
+SERVING_ROUTES = {"/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
+OTHER_ROUTES = {"/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/decode",
+                "/v1/files", "/v1/batches", "/v1/batches/{batch_id}/cancel"}  # fmt: skip
+
+
+def test_page_retrievers_refused_by_every_route_that_cannot_serve_them(colqwen2_alone):
+    """Every POST route of the app is accounted for (a new one fails here until it is); each
+    that answers one vector per input or reads texts only refuses a ColQwen2 with a 400 in its
+    peer's error body (TEI's: 422 Validation) saying it is a page retriever and naming the
+    routes that serve it, never a generic check's message or a 500."""
+    spec = httpx.get(colqwen2_alone.url + "/openapi.json", timeout=10).json()
+    posts = {path for path, ops in spec["paths"].items() if "post" in ops}
+    assert posts == set(REFUSING_ROUTES) | SERVING_ROUTES | OTHER_ROUTES
+    served_by = "/pooling with task token_embed (its token vectors), and by /score and /rerank"
+    for path, bodies in REFUSING_ROUTES.items():
+        for body in bodies:
+            r = httpx.post(colqwen2_alone.url + path, json=body, timeout=30)
+            if path in TEI_ROUTES:
+                assert r.status_code == 422, (path, r.text)
+                assert r.json()["error_type"] == "Validation", (path, r.text)
+                message = r.json()["error"]
+            else:
+                param = "task" if path == "/pooling" else "model"
+                message = assert_error(r, 400, "invalid_request_error", param=param)["message"]
+            assert "is ColQwen2, a page retriever: it gives one vector per token" in message
+            assert served_by in message, (path, body, message)
+    r = post(colqwen2_alone, "/pooling", model="colqwen2", input=["x"], task="multi_vector")
+    assert_error(r, 400, "invalid_request_error", param="task", says="its tasks: token_embed")

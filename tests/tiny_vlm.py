@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,9 @@ def reference(path: Path, kind: str = "qwen2_vl"):
 
 def reference_inputs(processor, item: dict) -> dict:
     """The processor's tensors for one dict input, formatted as pipepool formats it: one user
-    message of its images then its text, with the generation prompt."""
+    message of its images then its text, with the generation prompt; an ``instruction`` as
+    Qwen3-VL-Embedding's reference code (``Qwen3VLEmbedder.format_model_input``) writes it, a
+    system message of it stripped, with a full stop unless it ends in punctuation."""
     from PIL import Image
 
     images = item.get("images", [item["image"]] if "image" in item else [])
@@ -209,9 +212,14 @@ def reference_inputs(processor, item: dict) -> dict:
     content = [{"type": "image"}] * len(images)
     if item.get("text"):
         content.append({"type": "text", "text": item["text"]})
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
+    messages = [{"role": "user", "content": content}]
+    if "instruction" in item:  # Qwen3-VL-Embedding's format_model_input
+        instruction = item["instruction"].strip()
+        if not unicodedata.category(instruction[-1]).startswith("P"):
+            instruction += "."
+        system = {"role": "system", "content": [{"type": "text", "text": instruction}]}
+        messages.insert(0, system)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return dict(processor(text=[text], images=images or None, return_tensors="pt"))
 
 
@@ -257,3 +265,27 @@ def colqwen2_reference(path: Path):
         tokenizer=transformers.AutoTokenizer.from_pretrained(path),
     )
     return model, processor
+
+
+INSTRUCTED = [
+    {"text": "a photo of a cat", "image": 0, "instruction": "Retrieve images of the query"},
+    {"image": 2, "instruction": "  Represent the user's input. "},
+    {"text": SENTENCES[1], "instruction": "Find the answer!"},
+    {"images": [1, 4], "text": "two views", "instruction": "Represent the pair"},
+]  # fmt: skip
+
+
+def instructed_inputs() -> list[dict]:
+    """``INSTRUCTED`` with its image indices as the sample images."""
+    from tiny_towers import sample_images
+
+    images = sample_images()
+    out = []
+    for item in INSTRUCTED:
+        item = dict(item)  # a copy, the images in place of their indices
+        if "image" in item:
+            item["image"] = images[item["image"]]
+        if "images" in item:
+            item["images"] = [images[i] for i in item["images"]]
+        out.append(item)
+    return out

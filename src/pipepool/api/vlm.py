@@ -97,6 +97,14 @@ class VlmInputs:
                 "(a text) or a page (one image) in its processor's formats",
                 param="input", index=chat,
             )  # fmt: skip
+        told = next((i for i, item in enumerate(items)
+                     if isinstance(item, dict) and "instruction" in item), None)  # fmt: skip
+        if self.multi_vector and told is not None:
+            raise InvalidInputError(
+                f"input {told}: 'instruction' is not taken by {self.model_name}: it embeds a "
+                "query (a text) or a page (one image) in its processor's formats",
+                param="input", index=told,
+            )  # fmt: skip
         parsed = [parse_input(item, i) for i, item in enumerate(items)]
         decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
                                       range(len(parsed))))  # fmt: skip

@@ -6,7 +6,9 @@ preprocessed images (``core/media.py``).
 An input is a dict: ``{"text": str, "image": image}`` or ``{"text": ..., "images": [...]}``
 (either key optional, not both; an image is a PIL image, bytes or a ``pathlib.Path`` under the
 allowed folder). It becomes one user message whose content is its images, then its text, as
-GME and Qwen3-VL-Embedding build theirs; the folder's chat template renders it with
+GME and Qwen3-VL-Embedding build theirs (with ``"instruction": str``, a system message of it
+before, as Qwen3-VL-Embedding's reference code writes one; no instruction, no system message:
+the template's own default, if any); the folder's chat template renders it with
 ``add_generation_prompt=True``; each image's ``<|image_pad|>`` is expanded to its number of
 placeholder tokens (patches / merge**2), and the text is tokenised as the processor does.
 M-RoPE positions follow transformers' ``get_rope_index``: text tokens count on, an image's
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +28,8 @@ import numpy as np
 from ..core.media import MEDIA_COLUMNS, ImageInput
 from ..errors import InvalidInputError, ModelLoadError
 from ..loading.st_dual_encoder import checked_processor_config
+from .chat_templates import compiled_chat_template
+from .conversation import ChatMessage, Conversation, ImagePart, TextPart
 from .images import ImageLimits, ImageProcessing, decode_image
 from .vlm_chat import ChatPrompt, check_chat_options, render_chat
 
@@ -38,7 +43,7 @@ _READ = {
 _IGNORED = {"image_processor_type", "processor_class", "default_to_square"}
 # Qwen2.5-VL's checkpoints name Qwen2-VL's image processor (transformers has no other).
 _PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
-IMAGE_PAD, INPUT_KEYS = "<|image_pad|>", ("text", "image", "images")
+IMAGE_PAD, INPUT_KEYS = "<|image_pad|>", ("text", "image", "images", "instruction")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
@@ -116,20 +121,6 @@ class Qwen2VLImages:
         return image.grid[0] * image.grid[1] * image.grid[2] // self.merge**2
 
 
-def chat_template(folder: Path) -> str:
-    """The folder's chat template: chat_template.jinja, chat_template.json, or
-    tokenizer_config.json's ``chat_template``."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        file = folder / name
-        if file.is_file():
-            template = json.loads(file.read_text()).get("chat_template")
-            if isinstance(template, str):
-                return template
-    raise ModelLoadError(f"{folder}: no chat template (chat_template.jinja or .json)")
-
-
 def media_rows(ids: np.ndarray, image_token: int, token_counts: list[int], merge: int,
                grids: list[tuple[int, int, int]], *, mrope: bool = True) -> np.ndarray:  # fmt: skip
     """[len(ids), MEDIA_COLUMNS]: transformers' ``get_rope_index`` positions (``mrope``; else
@@ -171,8 +162,8 @@ class VlmPrompt:
 
 
 def parse_input(item, index: int) -> tuple[str | ChatPrompt, list]:
-    """(text, images) of one dict input, (the prompt, its images) of a ``ChatPrompt``; refuses
-    other keys and shapes by name."""
+    """(text, images) of one dict input, (the prompt, its images) of a ``ChatPrompt`` or of a
+    dict with an instruction (``_instructed``); refuses other keys and shapes by name."""
     if isinstance(item, ChatPrompt):
         return item, item.images
     if not isinstance(item, dict):
@@ -206,11 +197,30 @@ def parse_input(item, index: int) -> tuple[str | ChatPrompt, list]:
     if not text and not images:
         raise InvalidInputError(f"input {index}: neither text nor image", param="input",
                                 index=index)  # fmt: skip
+    if "instruction" in item:
+        return _instructed(item["instruction"], text, list(images), index), list(images)
     return text, list(images)
 
 
-def _raise(message: str):
-    raise InvalidInputError(f"the chat template refused the input: {message}", param="input")
+def _instructed(instruction, text: str, images: list, index: int) -> ChatPrompt:
+    """A dict input with an instruction as Qwen3-VL-Embedding's reference formats it: a system
+    message of the instruction (stripped, a full stop added unless it ends in punctuation), then
+    the user message of the images and the text, with the generation prompt."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise InvalidInputError(f"input {index}: 'instruction' is not a non-empty string",
+                                param="input", index=index)  # fmt: skip
+    instruction = instruction.strip()
+    if not unicodedata.category(instruction[-1]).startswith("P"):
+        instruction += "."
+    where = f"input {index}"
+    parts: list[TextPart | ImagePart] = [ImagePart(image, where) for image in images]
+    parts += [TextPart(text, where)] if text else []
+    conversation = Conversation((
+        ChatMessage("system", (TextPart(instruction, where),)),
+        ChatMessage("user", tuple(parts)),
+    ))  # fmt: skip
+    # the special tokens as for any dict input (``VlmFormatter.prompt``)
+    return ChatPrompt(conversation, add_generation_prompt=True, add_special_tokens=True)
 
 
 class VlmFormatter:
@@ -229,19 +239,8 @@ class VlmFormatter:
         self.mrope = True
 
     def _template(self, folder: Path):
-        """The folder's chat template, in transformers' apply_chat_template environment (its
-        templates rely on loop controls and ``raise_exception``), and the variables it reads."""
-        import jinja2.ext
-        import jinja2.meta
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.globals["raise_exception"] = _raise
-        source = chat_template(folder)
-        variables = jinja2.meta.find_undeclared_variables(env.parse(source))
-        return env.from_string(source), variables - set(env.globals)
+        """The folder's chat template and the variables it reads (``chat_templates.py``)."""
+        return compiled_chat_template(folder)
 
     def render(self, text: str, num_images: int, index: int) -> str:
         content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text
@@ -250,7 +249,7 @@ class VlmFormatter:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def render_chat(self, prompt: ChatPrompt, index: int) -> str:
-        check_chat_options(prompt, self.template_variables)
+        check_chat_options(prompt, set(self.template_variables))
         return render_chat(self.template, prompt, index)
 
     def prompt(self, text: str | ChatPrompt, decoded: list, index: int) -> VlmPrompt:

@@ -113,7 +113,7 @@ def _processor(transformers, deployment: Deployment, family: str):
         return getattr(transformers, processor_cls)(
             image_processor=image_processor, tokenizer=tokenizer
         )
-    from ..intake.vlm_inputs import chat_template
+    from ..intake.chat_templates import chat_template
 
     base = getattr(transformers, _QWEN_PROCESSORS[family])
 

@@ -25,8 +25,8 @@ from ..limits import embedding_call
 from ..media_fetch import fetched
 from ..protocol import InputsRequest
 from .images import images_call, renamed
+from .page_retrievers import vlm_family
 from .shared import check_task, model_of, run_engine, state_of
-from .vlm_calls import vlm_family
 from .vlm_messages import vlm_messages_call
 
 

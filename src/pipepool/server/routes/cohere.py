@@ -24,6 +24,7 @@ from . import cohere_tokens
 from .answers import json_answer
 from .cohere_inputs import embed_inputs, embed_vlm_images, refuse_text_fields
 from .images import data_uri_bytes, image_meta, run_model_images
+from .page_retrievers import refuse_page_retriever, vlm_family
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
@@ -34,7 +35,6 @@ from .shared import (
     unless_client_leaves,
 )
 from .tokens import served_engine
-from .vlm_calls import refuse_token_vectors, vlm_family
 
 router = APIRouter(tags=["Cohere"], route_class=FastBodyRoute)
 router.include_router(cohere_tokens.router)
@@ -79,7 +79,7 @@ async def _embed(
     """The embed answer of either version; ``types`` None: v1's floats answer."""
     model = select_model(request, body.model, "embed")
     engine = served_engine(model)
-    refuse_token_vectors(model, f"/v{version}/embed", "model")
+    refuse_page_retriever(model, f"/v{version}/embed answers one vector per input")
     int8 = _needs_int8(types, body.ranges)
     if isinstance(body, cp.CohereEmbedRequest) and (
         body.images is not None or body.inputs is not None

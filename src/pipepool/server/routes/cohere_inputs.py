@@ -19,8 +19,9 @@ from ..errors import APIError
 from ..front import Encoded
 from ..media_fetch import fetched
 from .images import image_from_uri
+from .page_retrievers import vlm_family
 from .shared import model_of, run_engine, state_of
-from .vlm_calls import vlm_call, vlm_family
+from .vlm_calls import vlm_call
 
 PARAM = "inputs"
 

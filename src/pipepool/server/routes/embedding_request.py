@@ -28,8 +28,8 @@ from . import retrieval
 from .answers import binary_answer, json_answer
 from .chat_embeddings import messages_call
 from .late_chunking import late_chunks_call
+from .page_retrievers import refuse_page_retriever
 from .shared import check_task, model_of, select_model, state_of
-from .vlm_calls import refuse_token_vectors
 
 DENSE = ("dense",)
 
@@ -51,8 +51,11 @@ async def prepare(request: Request, body: protocol.EmbeddingRequest) -> EngineCa
     model = select_model(
         request, body.model, *(retrieval.task_of(o) for o in asked if o in OUTPUTS)
     )
+    refuse_page_retriever(
+        model,
+        "/v1/embeddings answers one vector per input (or a text's sparse or multi-vector outputs)",
+    )
     outputs = DENSE if body.outputs is None else retrieval.check_model_outputs(request, asked)
-    refuse_token_vectors(model, "/v1/embeddings", "model")
     if outputs != DENSE and body.wire.binary:
         raise APIError(
             400,

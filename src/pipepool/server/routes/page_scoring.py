@@ -26,8 +26,8 @@ from ..media_fetch import fetched
 from ..models import ServedModel
 from .answers import json_answer
 from .images import image_from_uri, renamed
+from .page_retrievers import page_retriever
 from .shared import check_task, model_of, run_engine, select_model, state_of
-from .vlm_calls import page_retriever
 
 
 def takes_pages(request: Request, model: str | None, task: str, sides: list[Any]) -> bool:

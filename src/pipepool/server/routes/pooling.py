@@ -22,6 +22,7 @@ from ..protocol import list_response
 from .answers import binary_answer, json_answer
 from .chat_embeddings import embed_messages
 from .openai import VECTOR_ANSWERS
+from .page_retrievers import refuse_page_retriever, vlm_family
 from .shared import (
     CLIENT_CLOSED,
     ERRORS,
@@ -33,12 +34,18 @@ from .shared import (
     state_of,
     unless_client_leaves,
 )
-from .vlm_calls import query_call, refuse_token_vectors, vlm_family
+from .vlm_calls import query_call
 
 router = APIRouter(route_class=FastBodyRoute)
 
 # vLLM's classification tasks as pipepool's (``api.routing.TASKS``).
 _CLASSIFIER_TASKS = {"classify": "classify", "token_classify": "classify_tokens"}
+# What each task answers per input, as a refusal names it.
+_ANSWERS = {
+    "embed": "one vector",
+    "classify": "label probabilities",
+    "token_classify": "label probabilities per token",
+}
 
 
 @router.post("/pooling", response_model=PoolingResponse, responses={**ERRORS, 200: VECTOR_ANSWERS})
@@ -112,9 +119,11 @@ def _task(model: ServedModel, asked: str | None) -> str:
             code="unsupported_task",
         )
     pages = vlm_family(model) in PAGE_FAMILIES  # token vectors are its embeddings
-    task = asked if asked is not None else "token_embed" if pages else does[0]
-    if task == "embed":
-        refuse_token_vectors(model, "task embed", "task")
+    if pages:
+        does = ("token_embed",)
+    task = asked if asked is not None else does[0]
+    if pages and task in _ANSWERS:
+        refuse_page_retriever(model, f"/pooling's task {task} answers {_ANSWERS[task]}", "task")
     if task not in does:
         raise APIError(
             400,

@@ -21,6 +21,7 @@ from ..limits import embedding_call
 from ..metrics import HttpMetrics
 from ..models import ServedModel, ServedModels
 from ..settings import ServerSettings
+from .page_retrievers import refuse_page_retriever
 
 T = TypeVar("T")
 
@@ -105,6 +106,9 @@ async def run_model_outputs(
     ``add_special_tokens`` false: texts go to the model without the special tokens it adds
     (``limits.plain_token_ids``). 404 for a model that does not embed."""
     state, model = state_of(request), model_of(request)
+    per_token = options.get("pooling") == "all"
+    answers = "a text's hidden state per token" if per_token else "one vector per input"
+    refuse_page_retriever(model, f"{request.url.path} answers {answers}")
     check_task(model, "embed")
     work = embedding_call(
         state.settings,
@@ -156,6 +160,7 @@ def check_task(model: ServedModel, task: str) -> None:
     tasks = model.tasks() or ()
     if task not in tasks:
         what, needs = _TASKS[task]
+        refuse_page_retriever(model, f"it does not give {what}")
         does = ", ".join(tasks) or "nothing"
         if task in info.tasks:
             message = f"model {model.name} is not offered for {what} here; what it does: {does}"

@@ -12,12 +12,9 @@ from pathlib import Path
 
 from fastapi import Request
 
-from ...api.vlm import PAGE_RETRIEVERS, VLM_FAMILIES
-from ...errors import ModelLoadError, PipepoolError
 from ...intake.conversation import Conversation, ImagePart, ImageSource
 from ...intake.token_budget import InputOverBudgetError, TokenBudgetError
-from ...models import family_of
-from ..errors import APIError, from_engine
+from ..errors import APIError
 from ..front import INLINE_SIZE, EngineCall
 from ..limits import check_input_count, over_budget, request_budget
 from ..models import ServedModel
@@ -25,41 +22,6 @@ from ..pooling_protocol import PoolingRequest
 from ..settings import ServerSettings
 from .images import renamed
 from .shared import check_task, model_of, state_of
-
-
-def vlm_family(model: ServedModel) -> str | None:
-    """The served model's vision-language family (``CHAT_FAMILIES``, ``PAGE_FAMILIES``), None
-    for any other model; 503 while it loads."""
-    try:
-        architecture = model.front.engine.info.architecture
-    except PipepoolError as exc:  # loading, or failed to start
-        raise from_engine(exc) from None
-    try:
-        name = family_of(architecture).name
-    except ModelLoadError:  # a dual encoder: not one of the decoder families
-        return None
-    return name if name in VLM_FAMILIES else None
-
-
-def page_retriever(model: ServedModel) -> str | None:
-    """The served model's name as a page retriever (ColQwen2, ColPali), None for others."""
-    family = vlm_family(model)
-    return PAGE_RETRIEVERS.get(family) if family is not None else None
-
-
-def refuse_token_vectors(model: ServedModel, route: str, param: str) -> None:
-    """400 (field ``param``) where ``route`` answers one vector per input and the model gives
-    one per token (a page retriever: ColQwen2, ColPali)."""
-    retriever = page_retriever(model)
-    if retriever is not None:
-        raise APIError(
-            400,
-            f"model {model.name} ({retriever}) gives one vector per token of a query or page, "
-            f"and {route} answers one vector per input: ask /pooling with task token_embed for the "
-            "token vectors, or /score and /rerank for MaxSim",
-            param=param,
-            code="invalid_value",
-        )
 
 
 def with_images(conversation: Conversation, images: list[bytes | Path]) -> Conversation:

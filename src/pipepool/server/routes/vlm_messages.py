@@ -8,17 +8,24 @@ text as a query or an image as a page, as token vectors (/pooling's token_embed)
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 from fastapi import Request
 
+from ...errors import PipepoolError
+from ...intake.chat_templates import check_chat_prompt
 from ...intake.conversation import Conversation, ImagePart
 from ...intake.vlm_chat import ChatPrompt
 from ..chat_messages import PARAM
-from ..errors import APIError
+from ..errors import APIError, from_engine
 from ..front import EngineCall
 from ..media_fetch import fetched
+from ..models import ServedModel
 from ..protocol import InputsRequest
+from .page_retrievers import page_retriever
 from .shared import model_of, state_of
-from .vlm_calls import page_retriever, vlm_call, with_images
+from .vlm_calls import vlm_call, with_images
 
 
 async def vlm_messages_call(
@@ -31,13 +38,24 @@ async def vlm_messages_call(
     dimensions: int | None,
 ) -> EngineCall:
     """The engine work of ``conversation`` (``body.messages``) for a vision-language embedder
-    (``vlm_calls.vlm_family``), its remote images fetched once the request's own checks pass
-    (the chat template's are the engine's)."""
+    (``page_retrievers.vlm_family``), its remote images fetched once every check of the request
+    and of its template options has passed."""
     model = model_of(request)
     retriever = page_retriever(model)
+    prompt = None
     if retriever is not None:
         _refuse_template_options(body, retriever)
         _query_or_page(conversation, retriever)  # its shape, before anything is fetched
+    else:
+        given = "add_special_tokens" in body.model_fields_set  # vLLM's chat default: false
+        prompt = ChatPrompt(
+            conversation,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=dict(body.chat_template_kwargs or {}),
+            add_special_tokens=body.add_special_tokens if given else False,
+        )
+        _check_template_options(model, prompt)
     images = await fetched(request, [p.image for p in conversation.images], PARAM)
     conversation = with_images(conversation, images)
     options = {
@@ -49,19 +67,22 @@ async def vlm_messages_call(
         "long_inputs": body.long_inputs,
     }
     item: dict | ChatPrompt
-    if retriever is not None:
-        item = _query_or_page(conversation, retriever)
+    if prompt is None:
+        item = _query_or_page(conversation, retriever or "")
     else:
-        given = "add_special_tokens" in body.model_fields_set  # vLLM's chat default: false
-        special = body.add_special_tokens if given else False
-        item = ChatPrompt(
-            conversation,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=dict(body.chat_template_kwargs or {}),
-            add_special_tokens=special,
-        )
+        item = replace(prompt, conversation=conversation)
     return vlm_call(state_of(request).settings, model, [item], PARAM, [PARAM], options)
+
+
+def _check_template_options(model: ServedModel, prompt: ChatPrompt) -> None:
+    """The engine's own check of a conversation's template options (``check_chat_prompt``: a
+    variable the template does not read, options that do not go together), made here so that a
+    refused request fetches no image."""
+    try:
+        folder = Path(model.front.engine.info.model_path)
+        check_chat_prompt(prompt, folder)
+    except PipepoolError as exc:  # a refusal, or the model loading
+        raise from_engine(exc) from None
 
 
 def _query_or_page(conversation: Conversation, retriever: str) -> dict:

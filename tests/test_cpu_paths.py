@@ -57,6 +57,27 @@ def test_fused_linear_matches_eager(activation):
     torch.testing.assert_close(added, F.linear(x, w, b) + res)
 
 
+@pytest.mark.skipif(not cpu_linear.packs(torch.bfloat16), reason="no native bf16 oneDNN here")
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new"])
+def test_bf16_linear_rounds_before_activation_and_residual_as_eager_ops(activation):
+    """In bf16 the product is rounded before the activation and the residual add, as an eager
+    model (transformers) rounds it: bit for bit the eager ops' result, where the fused
+    epilogue (on the fp32 accumulator) differed by an ulp on some elements."""
+    from pipepool.layers.activation import ACTIVATIONS
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, res = (
+        torch.randn(*shape, generator=gen).bfloat16()
+        for shape in ((300, 64), (96, 64), (96,), (300, 96))
+    )
+    packed = cpu_linear.pack(w)
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, packed, b, activation)
+        added = cpu_linear.linear_add(x, res, packed, b)
+    assert torch.equal(got, ACTIVATIONS[activation](F.linear(x, w, b)))
+    assert torch.equal(added, res + F.linear(x, w, b))
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_encoder_in_many_tiles_matches_transformers(bert_path, reference, monkeypatch, fused):
     # Tiles of ~40 tokens: the step splits into many tiles; repeated prompts make runs of equal

@@ -276,6 +276,43 @@ def test_vision_tower_runs_once_per_image(vlm_path, monkeypatch):
     assert sorted(calls) == [1, 1, 2, 2]
 
 
+def test_vision_block_in_bf16_is_transformers_bit_for_bit():
+    """A vision block in bf16 on two images' patches: transformers' Qwen2VLVisionBlock's output
+    bit for bit. Its attention runs as transformers calls SDPA (4-D, per image): a 3-D call per
+    image took the CPU's math path, more precise than transformers' flash kernel, so the image
+    rows' bf16 error was not transformers' own (docs/parity.md)."""
+    import transformers
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+
+    from pipepool.models.qwen2_vl_vision import VisionBlock, VisionConfig, vision_rotary
+
+    config = transformers.Qwen2VLVisionConfig(
+        depth=1, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    theirs = hf.Qwen2VLVisionBlock(config).eval()
+    cfg = VisionConfig.from_hf(config.to_dict(), 64)
+    ours = VisionBlock(cfg)
+    weights = theirs.state_dict()
+    renamed = {"attn.qkv": "qkv", "attn.proj": "proj", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+    for name, value in weights.items():
+        module, _, kind = name.rpartition(".")
+        ours.get_submodule(renamed.get(module, module)).get_parameter(kind).data.copy_(value)
+    theirs, ours = theirs.bfloat16(), ours.bfloat16()
+    grids = [(1, 6, 8), (1, 10, 14)]
+    lens = [h * w for _, h, w in grids]
+    cos, sin = vision_rotary(cfg, grids, "cpu")
+    x = torch.randn(sum(lens), 32).bfloat16()
+    with torch.no_grad():
+        want = theirs(
+            x, cu_seqlens=torch.tensor([0, lens[0], sum(lens)]),
+            position_embeddings=(cos[:, 0], sin[:, 0]),
+        )  # fmt: skip
+        got = ours(x, cos, sin, lens)
+    assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def colqwen2_path(vlm_path, model_dir) -> Path:
     return make_colqwen2(vlm_path, model_dir / "colqwen2")

@@ -7,6 +7,12 @@ oneDNN's blocked layout, an encoder's post-attention block (output projection + 
 FFN in + GELU, FFN out + residual) ran 15% faster than the eager ops (MiniLM shapes, 2048
 rows, fp32, 2 Sapphire Rapids cores, torch 2.13), with identical GELU outputs.
 
+In 16 bits only the bias stays in the epilogue: an eager model (transformers) rounds the
+product to bf16 before its activation or residual add, and the epilogue would apply them to
+the fp32 accumulator instead, a rounding point the checkpoint's reference does not have
+(with it a bf16 decoder layer differs from transformers' by an ulp on some elements; rounded
+as transformers rounds, it is transformers' bit for bit: docs/parity.md).
+
 The ops are internal to PyTorch (inductor's CPU backend emits them), so :func:`supported` checks
 once that they exist and agree with the eager ops before any model uses them; where they do
 not (other builds, other versions), callers keep the eager path.
@@ -18,6 +24,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from .activation import ACTIVATIONS
 
 # Activation name (layers/activation.py) -> oneDNN post-op (attr, algorithm).
 _POST_OPS: dict[str, tuple[str, str | None]] = {
@@ -118,7 +126,10 @@ def _version(t: torch.Tensor) -> int:
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str = "identity"
 ) -> torch.Tensor:
-    """activation(x @ W.T + bias); ``activation`` must be :func:`fusable`."""
+    """activation(x @ W.T + bias); ``activation`` must be :func:`fusable`. In 16 bits the
+    activation applies to the product rounded to ``x``'s dtype, as the eager ops apply it."""
+    if x.dtype != torch.float32 and activation != "identity":
+        return ACTIVATIONS[activation](linear(x, packed, bias))
     attr, algorithm = _POST_OPS[activation]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
 
@@ -126,5 +137,8 @@ def linear(
 def linear_add(
     x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ W.T + bias + residual, the add done in the GEMM's epilogue."""
+    """x @ W.T + bias + residual: the add done in the GEMM's epilogue in fp32; in 16 bits
+    to the product rounded to ``x``'s dtype, as the eager ops add it."""
+    if x.dtype != torch.float32:
+        return residual + linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")

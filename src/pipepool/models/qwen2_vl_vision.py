@@ -105,6 +105,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         d = cfg.embed_dim
         self.num_heads, self.gated = cfg.num_heads, cfg.windowed
+        self.scale = (d // cfg.num_heads) ** -0.5  # transformers' scaling
         self.norm1, self.norm2 = _norm_module(cfg), _norm_module(cfg)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -121,9 +122,10 @@ class VisionBlock(nn.Module):
         k = (kf * cos + _rotate_half(kf) * sin).to(k.dtype)
         out = []
         for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens), strict=True):
-            a = F.scaled_dot_product_attention(
-                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)
-            )
+            # [1, H, L, D], as transformers calls it: on the CPU a 3-D call takes the math
+            # path (fp32 probabilities), a 4-D one the flash kernel transformers' bf16 runs.
+            qb, kb, vb = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+            a = F.scaled_dot_product_attention(qb, kb, vb, scale=self.scale)[0]
             out.append(a.transpose(0, 1).reshape(len(qi), d))
         x = x + self.proj(torch.cat(out))
         h = self.fc1(self.norm2(x))

@@ -8,30 +8,16 @@ import threading
 
 import numpy as np
 import pytest
+from test_shared_steps import batch, encoder_scheduler
 
 import pipepool
 from pipepool.core.digest import expected_digest
 from pipepool.core.plan import StepPlan, StepResult
 from pipepool.core.priority import client_turns
-from pipepool.core.request import PoolingParams, RequestBatch
 from pipepool.core.scheduler import Scheduler
 from pipepool.driver.shared_steps import MEMORY_S, MIN_TOKENS, SharedSteps
 from pipepool.models import bert as bert_model
 from pipepool.stage import runner as stage_runner
-
-PARAMS = PoolingParams(pooling="mean")
-
-
-def batch(first_id: int, *lens: int, call: int | None = None) -> RequestBatch:
-    tokens = np.arange(sum(lens), dtype=np.int64) % 50 + 1
-    made = RequestBatch(first_id, tokens, np.array(lens), PARAMS)
-    if call is not None:
-        made.call = call
-    return made
-
-
-def encoder_scheduler(budget: int = 64) -> Scheduler:
-    return Scheduler(max_num_batched_tokens=budget, max_num_seqs=64, chunked=False, blocks=None)
 
 
 def answer(plan: StepPlan) -> StepResult:
@@ -108,11 +94,11 @@ def test_light_calls_alone_keep_the_next_large_calls_steps_short():
     s = encoder_scheduler(budget=2048)
     s.add(batch(0, 3))
     s.add(batch(1, 2, 2, call=0))  # one light call (two slices), nothing else
-    assert s.light_call_alone(steps.light_tokens)
+    assert s.light_batches_of_one_call(steps.light_tokens) == 7
     assert steps.budget(s, now=0.0) is None, "nothing to cut"
     s.schedule()
     s.add(batch(3, *[100] * 20))  # a large call within MEMORY_S of it: short steps
-    assert not s.light_call_alone(steps.light_tokens)
+    assert s.light_batches_of_one_call(steps.light_tokens) is None
     assert steps.budget(s, now=MEMORY_S / 2) == steps.short_tokens()
     assert steps.budget(s, now=MEMORY_S) is None, "no light call since: whole steps again"
 
@@ -128,8 +114,7 @@ def test_one_clients_stream_of_light_requests_keeps_whole_steps():
     s.schedule()
     for i in range(40):
         s.add(batch(1 + i, 10, call=-5))
-    assert s.light_batches_of_one_call(steps.light_tokens) == 400
-    assert not s.light_call_alone(steps.light_tokens)
+    assert s.light_batches_of_one_call(steps.light_tokens) == 400 > steps.light_tokens
     assert steps.short_tokens() < 400
     assert steps.budget(s, now=1.0) is None, "one client's light requests: nothing to cut"
     s.add(batch(41, 10))  # another client's light call beside them
@@ -159,14 +144,14 @@ def test_a_light_calls_own_large_work_keeps_whole_steps():
     assert steps.budget(s, now=1.0) == steps.short_tokens(), "another call's, within MEMORY_S"
 
 
-def test_a_call_of_many_light_slices_is_not_light():
+def test_one_calls_light_slices_are_counted_together():
     s = encoder_scheduler(budget=2048)
     s.add(batch(0, 100, call=7))
     s.add(batch(1, 100, call=7))
-    assert s.light_call_alone(150) is False, "200 tokens of one call"
-    assert s.light_call_alone(200) is True
+    assert s.light_batches_of_one_call(150) == 200, "200 tokens of one call: not one light call"
+    assert s.light_batches_of_one_call(99) is None, "a slice over the light size"
     s.add(batch(2, 1))
-    assert s.light_call_alone(200) is False, "two calls"
+    assert s.light_batches_of_one_call(200) is None, "two calls"
 
 
 def test_the_cpu_busy_clock_counts_a_step_inside_another_once(monkeypatch):

@@ -373,13 +373,6 @@ class Scheduler:
                 return True
         return False
 
-    def light_call_alone(self, light_tokens: int) -> bool:
-        """Whether one light call (``light_call_waits``' kind: at most ``light_tokens`` in all
-        its batches, none of it scheduled) waits and nothing else: no other call's batch, no
-        background batch, no prompt split across steps."""
-        tokens = self.light_batches_of_one_call(light_tokens)
-        return tokens is not None and tokens <= light_tokens
-
     def sole_call(self) -> int | None:
         """The call all work waiting or under way belongs to (None: several calls, or none)."""
         calls = {s.batch.call for s in self.running}

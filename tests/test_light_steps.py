@@ -241,10 +241,50 @@ def test_a_light_call_that_would_wait_at_most_step_s_waits_for_the_long_step(eng
 
 
 def test_no_light_step_in_the_last_step_s_of_the_long_step(engine, monkeypatch):
-    # At the speed measured the long step is over at once: a light call that arrives in it
-    # waits for the next step rather than have one of its own.
+    # At the speed measured the long step is over at once: a light call that arrives in it is
+    # left for the next step at the boundary where it is seen, rather than have one of its own
+    # (unless the step then runs late: the test below).
     monkeypatch.setattr(engine.pipeline._shared_steps, "seconds_per_token", 1e-12)
     monkeypatch.setattr(engine.pipeline._shared_steps, "short_tokens", lambda: MIN_TOKENS)
     _, seen = _light_call_inside(engine, monkeypatch, [LONG], "long", "light")
     assert seen["done inside"] is False
     assert len(seen["light"].result(timeout=120)) == 1
+
+
+def test_a_light_call_gets_a_step_once_the_long_step_runs_past_its_expected_end(
+    engine, monkeypatch
+):
+    # At the speed measured the long step is over at once, so the light call seen at its first
+    # layer boundary is left for the next step; at the next boundary the step is still going
+    # (it runs late: other work took the cores), and the light call, having waited, gets its
+    # step there.
+    monkeypatch.setattr(engine.pipeline._shared_steps, "seconds_per_token", 1e-12)
+    monkeypatch.setattr(engine.pipeline._shared_steps, "short_tokens", lambda: MIN_TOKENS)
+    loop = engine.pipeline._thread
+    armed = threading.Event()
+    seen: dict = {}
+    original = bert_model.between_layers
+
+    def at_a_layer_boundary() -> None:
+        if not (armed.is_set() and threading.current_thread() is loop):
+            original()
+            return
+        if "light" not in seen:
+            with client_turns("light"):
+                seen["light"] = engine.submit(LIGHT)
+            original()
+            seen["done at the first boundary"] = seen["light"].done()
+        elif "done at a later boundary" not in seen:
+            original()
+            seen["done at a later boundary"] = seen["light"].done()
+        else:
+            original()
+
+    monkeypatch.setattr(bert_model, "between_layers", at_a_layer_boundary)
+    alone_light = engine.embed(LIGHT)
+    with client_turns("long"):
+        armed.set()
+        engine.submit([LONG]).result(timeout=120)
+    assert seen["done at the first boundary"] is False, "expected to end within step_s"
+    assert seen["done at a later boundary"] is True, "the step ran late: the light call's turn"
+    assert np.array_equal(seen["light"].result(timeout=0), alone_light)

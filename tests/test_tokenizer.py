@@ -103,6 +103,9 @@ class _Calls:
         self.backend = backend
         self.calls: list[str] = []
 
+    def __getattr__(self, name: str):  # what is not recorded
+        return getattr(self.backend, name)
+
     def encode(self, *args, **kwargs):
         self.calls.append("encode")
         return self.backend.encode(*args, **kwargs)
@@ -137,3 +140,36 @@ def test_a_few_texts_stay_on_the_calling_thread_with_the_batch_calls_ids(minilm_
         assert pairs[0].tolist() == [i for e in expected for i in e.ids]
         assert pairs[1].tolist() == [i for e in expected for i in e.type_ids]
         assert set(recorder.calls) == {expected_call}
+
+
+def test_a_long_text_is_tokenised_without_holding_the_interpreters_lock(minilm_path):
+    # The one-text call holds the GIL throughout; a long text alone goes to the batch call,
+    # which releases it, and gives the one-text call's ids and offsets.
+    from pipepool.intake.tokenizer import UNLOCKED_CHARS
+
+    tokenizer = Tokenizer(minilm_path / "tokenizer.json")
+    backend = tokenizer.backend
+    recorder = _Calls(backend)
+    tokenizer._tok = recorder
+    long = " ".join(PROMPTS) * (UNLOCKED_CHARS // len(" ".join(PROMPTS)) + 1)
+    assert len(long) >= UNLOCKED_CHARS
+    alone, plain = backend.encode(long), backend.encode(long, add_special_tokens=False)
+
+    assert tokenizer.encode_batch([long])[0].tolist() == alone.ids
+    assert tokenizer.encode_flat([long])[0].tolist() == alone.ids
+    encoding = tokenizer.encoding(long, add_special_tokens=False)
+    assert encoding.ids == plain.ids and encoding.offsets == plain.offsets
+    assert tokenizer.count_plain(long) == len(plain.ids)
+    assert tokenizer.encode_plain(long).tolist() == plain.ids
+    windows = tokenizer.pair_chunks("a query", long, room=100, max_chunks=3)
+    query = backend.encode("a query", add_special_tokens=False)
+    document = backend.encode(long, add_special_tokens=False)
+    document.truncate(100)
+    expected = [
+        backend.post_process(query, w, add_special_tokens=True).ids
+        for w in [document, *document.overflowing][:3]
+    ]
+    assert [list(w[0]) for w in windows] == expected and len(expected) == 3
+    pairs = tokenizer.encode_pairs(["a query"], [long])
+    assert pairs[0].tolist() == backend.encode("a query", long).ids
+    assert "encode" not in recorder.calls and recorder.calls, recorder.calls

@@ -138,8 +138,7 @@ def late_chunk(
     naming a chunk without tokens, or what the model cannot late-chunk (a classifier, a
     sparse or multi-vector head, Dense modules after pooling)."""
     _check_model(engine)
-    tok = engine.tokenizer.backend
-    encoding = tok.encode(document.text, add_special_tokens=False)
+    encoding = engine.tokenizer.encoding(document.text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int64)  # [n]
     starts = np.fromiter((o[0] for o in encoding.offsets), dtype=np.int64, count=len(ids))
     owner = _owners(starts, document.spans)  # [n]: chunk index of each token, -1: none

@@ -411,7 +411,7 @@ class LocalPipeline:
         of the other's. A step of their own has a fixed cost (~5 ms for one word) that the
         long call pays, so light calls get one only where waiting for the long step's end
         would keep them more than ``step_s`` (as a short step would, ``SharedSteps``): the
-        ones that come near its end share the next step."""
+        ones that come near its end share the next step, unless it runs late."""
         if any(r.compiling is not None for r in self._executor.local_runners):
             return
         shared, now = self._shared_steps, time.perf_counter()
@@ -419,8 +419,11 @@ class LocalPipeline:
             self._apply_inbox(self._take_inbox())
             if self._light_seen is None and self._scheduler.light_call_to_run(shared.light_tokens):
                 self._light_seen = now  # (it came within the layer just computed)
-        # Left for the next step, it would wait from when it was seen to the long step's end.
-        if self._light_seen is None or self._light_end - self._light_seen <= shared.step_s:
+        # Left for the next step, it would wait from when it was seen to the long step's end,
+        # or, once the step runs past the end its speed gave (other work took the cores),
+        # to a later boundary at least.
+        ends = max(self._light_end, now)
+        if self._light_seen is None or ends - self._light_seen <= shared.step_s:
             return
         plan = self._scheduler.schedule_light(shared.light_tokens, shared.short_tokens())
         self._light_seen = None

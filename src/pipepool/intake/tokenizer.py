@@ -29,6 +29,10 @@ ON_THIS_THREAD = 8
 # (``use_helper``): about 4k tokens, whose ids take a fraction of a millisecond to gather
 # here, about what sending them to another process costs.
 OFFLOAD_CHARS = 1 << 14
+# Characters from which texts go through the batch call even when few: the one-text call
+# holds the interpreter's lock throughout (~0.3 us a character here: a 28,000-word text held
+# every thread of a server for ~60 ms), the batch call releases it.
+UNLOCKED_CHARS = 1 << 11
 
 
 class BatchHelper(Protocol):
@@ -185,8 +189,7 @@ class Tokenizer:
             return None
 
     def _truncated_pair(self, first: str, second: str, max_tokens: int, keep: str):
-        a = self._tok.encode(first, add_special_tokens=False)
-        b = self._tok.encode(second, add_special_tokens=False)
+        a, b = self._encode([first, second], add_special_tokens=False)
         n1, n2 = longest_first(len(a), len(b), max(max_tokens - self.pair_specials, 0))
         direction = "right" if keep == "first" else "left"
         a.truncate(n1, direction=direction)
@@ -205,25 +208,30 @@ class Tokenizer:
         """(token ids, token types) of the pair template around ``query`` and each of the
         document's first ``max_chunks`` consecutive windows of ``room`` tokens (Cohere's
         chunking of long documents: the whole query with every chunk)."""
-        a = self._tok.encode(query, add_special_tokens=False)
-        b = self._tok.encode(document, add_special_tokens=False)
+        a, b = self._encode([query, document], add_special_tokens=False)
         b.truncate(room)  # the rest lands in b.overflowing, ``room`` tokens a window
         windows = [b, *b.overflowing][:max_chunks]
         pairs = [self._tok.post_process(a, w, add_special_tokens=True) for w in windows]
         return [(p.ids, p.type_ids) for p in pairs]
 
+    def encoding(self, text: str, *, add_special_tokens: bool = True):
+        """The tokenizer's encoding of one text, character offsets included; a long text's
+        without holding the interpreter's lock (``UNLOCKED_CHARS``)."""
+        return self._encode([text], add_special_tokens=add_special_tokens, offsets=True)[0]
+
     def count_plain(self, text: str) -> int:
         """Tokens of a text without the post-processor's special tokens."""
-        return len(self._tok.encode(text, add_special_tokens=False))
+        return len(self._encode([text], add_special_tokens=False)[0])
 
     def _encode(
         self, items: list, *, add_special_tokens: bool = True, offsets: bool = False
     ) -> list:
-        """The tokenizer's encodings of texts or (first, second) pairs: a few on this thread,
-        more through the Rust tokenizer's batch call (``ON_THIS_THREAD``), whose encodings
-        carry character offsets only where ``offsets`` asks for them (the same ids, in about
-        four fifths of the time: the offsets are recomputed in characters text by text)."""
-        if len(items) > ON_THIS_THREAD:
+        """The tokenizer's encodings of texts or (first, second) pairs: a few short ones on
+        this thread, more or longer ones through the Rust tokenizer's batch call
+        (``ON_THIS_THREAD``, ``UNLOCKED_CHARS``), whose encodings carry character offsets only
+        where ``offsets`` asks for them (the same ids, in about four fifths of the time: the
+        offsets are recomputed in characters text by text)."""
+        if len(items) > ON_THIS_THREAD or _item_chars(items) >= UNLOCKED_CHARS:
             encode = self._tok.encode_batch if offsets else self._tok.encode_batch_fast
             return encode(items, add_special_tokens=add_special_tokens)
         return [
@@ -235,7 +243,8 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> np.ndarray:
         """Token ids of a text without the post-processor's special tokens (prompt parts)."""
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        ids = self._encode([text], add_special_tokens=False)[0].ids
+        return np.asarray(ids, dtype=np.int64)
 
     def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
         """Each text cut after its first ``max_tokens`` tokens (special tokens not counted), at
@@ -276,6 +285,11 @@ class Tokenizer:
 
 def _chars(*texts: list[str]) -> int:
     return sum(map(len, itertools.chain(*texts)))
+
+
+def _item_chars(items: list) -> int:
+    """Characters of texts and (first, second) pairs."""
+    return sum(len(x) if isinstance(x, str) else len(x[0]) + len(x[1]) for x in items)
 
 
 def _truncate_keeping_specials(

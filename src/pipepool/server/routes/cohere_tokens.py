@@ -37,10 +37,9 @@ async def tokenize(body: cp.CohereTokenizeRequest, request: Request) -> Response
             code="invalid_value",
         )
     check_text_lengths(state.settings, engine.info, [text], "text", listed=False)
-    tokenizer = engine.tokenizer.backend
 
     def build() -> dict:
-        encoding = tokenizer.encode(text, add_special_tokens=False)
+        encoding = engine.tokenizer.encoding(text, add_special_tokens=False)
         check_token_counts(
             state.settings, engine.info, np.array([len(encoding.ids)]),
             first=0, counted_before=0, inputs=1, param="text", listed=False,

@@ -145,7 +145,7 @@ def test_a_few_texts_stay_on_the_calling_thread_with_the_batch_calls_ids(minilm_
 def test_a_long_text_is_tokenised_without_holding_the_interpreters_lock(minilm_path):
     # The one-text call holds the GIL throughout; a long text alone goes to the batch call,
     # which releases it, and gives the one-text call's ids and offsets.
-    from pipepool.intake.tokenizer import UNLOCKED_CHARS
+    from pipepool.intake.tokenizer import UNLOCKED_CHARS, encode_unlocked
 
     tokenizer = Tokenizer(minilm_path / "tokenizer.json")
     backend = tokenizer.backend
@@ -172,4 +172,9 @@ def test_a_long_text_is_tokenised_without_holding_the_interpreters_lock(minilm_p
     assert [list(w[0]) for w in windows] == expected and len(expected) == 3
     pairs = tokenizer.encode_pairs(["a query"], [long])
     assert pairs[0].tolist() == backend.encode("a query", long).ids
+    unlocked = encode_unlocked(recorder, long)
+    assert unlocked.ids == alone.ids and unlocked.offsets == alone.offsets
+    assert encode_unlocked(recorder, long, offsets=False).ids == alone.ids
     assert "encode" not in recorder.calls and recorder.calls, recorder.calls
+    assert encode_unlocked(recorder, "short").ids == backend.encode("short").ids
+    assert recorder.calls[-1] == "encode"  # a short text stays on the one-text call

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidInputError
+from ..intake.tokenizer import encode_unlocked
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
 IGNORED_LABELS = ("O",)  # the pipeline's default: tokens outside any entity are not reported
@@ -45,7 +46,7 @@ class TokenAggregator:
         """The entities of ``text`` from its per-token label probabilities ``probs`` [len,
         labels], as the engine computed them for the tokenizer's own tokens of the text."""
         check_strategy(strategy)
-        encoding = self.tokenizer.encode(text, add_special_tokens=True)
+        encoding = encode_unlocked(self.tokenizer, text, add_special_tokens=True)
         n = len(probs)
         ids, offsets, special = encoding.ids, encoding.offsets, encoding.special_tokens_mask
         if n < len(ids):  # truncated: the engine kept the head and the closing special token

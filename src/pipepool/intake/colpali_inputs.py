@@ -19,6 +19,7 @@ from ..core.media import ImageInput
 from ..errors import InvalidInputError, ModelLoadError
 from ..loading.st_dual_encoder import processor_config
 from .images import ImageLimits, ImageProcessing, decode_image
+from .tokenizer import encode_unlocked
 from .vlm_inputs import VlmPrompt, media_rows
 
 # ColPaliProcessor's defaults.
@@ -84,7 +85,8 @@ class ColPaliFormatter:
     def prompt(self, text: str, decoded: list, index: int) -> VlmPrompt:
         rendered = self.render(text, len(decoded), index)
         images = tuple(self.image_input(image) for image in decoded)
-        ids = np.asarray(self.tokenizer.encode(rendered, add_special_tokens=False).ids, np.int64)
+        encoded = encode_unlocked(self.tokenizer, rendered, add_special_tokens=False, offsets=False)
+        ids = np.asarray(encoded.ids, np.int64)
         try:
             media = media_rows(ids, self.image_token, [self.num_patches] * len(images), 1,
                                [i.grid for i in images], mrope=False)  # fmt: skip

@@ -283,6 +283,17 @@ class Tokenizer:
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
 
+def encode_unlocked(backend: HFTokenizer, text: str, *, add_special_tokens: bool = True,
+                    offsets: bool = True):  # fmt: skip
+    """``backend``'s encoding of one text; through the batch call, which releases the
+    interpreter's lock, where the text is long (``UNLOCKED_CHARS``). Character offsets only
+    where ``offsets`` asks for them."""
+    if len(text) < UNLOCKED_CHARS:
+        return backend.encode(text, add_special_tokens=add_special_tokens)
+    encode = backend.encode_batch if offsets else backend.encode_batch_fast
+    return encode([text], add_special_tokens=add_special_tokens)[0]
+
+
 def _chars(*texts: list[str]) -> int:
     return sum(map(len, itertools.chain(*texts)))
 

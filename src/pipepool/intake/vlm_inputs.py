@@ -31,6 +31,7 @@ from ..loading.st_dual_encoder import checked_processor_config
 from .chat_templates import compiled_chat_template
 from .conversation import ChatMessage, Conversation, ImagePart, TextPart
 from .images import ImageLimits, ImageProcessing, decode_image
+from .tokenizer import encode_unlocked
 from .vlm_chat import ChatPrompt, check_chat_options, render_chat
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -267,7 +268,8 @@ class VlmFormatter:
         counts = [self.images.tokens(i) for i in images]
         runs = (IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
         expanded = pieces[0] + "".join(runs)
-        encoded = self.tokenizer.encode(expanded, add_special_tokens=special)
+        encoded = encode_unlocked(self.tokenizer, expanded, add_special_tokens=special,
+                                  offsets=False)  # fmt: skip
         ids = np.asarray(encoded.ids, dtype=np.int64)
         try:
             grids = [i.grid for i in images]

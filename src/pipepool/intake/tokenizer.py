@@ -217,11 +217,11 @@ class Tokenizer:
     def encoding(self, text: str, *, add_special_tokens: bool = True):
         """The tokenizer's encoding of one text, character offsets included; a long text's
         without holding the interpreter's lock (``UNLOCKED_CHARS``)."""
-        return self._encode([text], add_special_tokens=add_special_tokens, offsets=True)[0]
+        return encode_unlocked(self._tok, text, add_special_tokens=add_special_tokens)
 
     def count_plain(self, text: str) -> int:
         """Tokens of a text without the post-processor's special tokens."""
-        return len(self._encode([text], add_special_tokens=False)[0])
+        return len(encode_unlocked(self._tok, text, add_special_tokens=False, offsets=False))
 
     def _encode(
         self, items: list, *, add_special_tokens: bool = True, offsets: bool = False
@@ -243,8 +243,8 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> np.ndarray:
         """Token ids of a text without the post-processor's special tokens (prompt parts)."""
-        ids = self._encode([text], add_special_tokens=False)[0].ids
-        return np.asarray(ids, dtype=np.int64)
+        encoding = encode_unlocked(self._tok, text, add_special_tokens=False, offsets=False)
+        return np.asarray(encoding.ids, dtype=np.int64)
 
     def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
         """Each text cut after its first ``max_tokens`` tokens (special tokens not counted), at

@@ -103,15 +103,22 @@ def test_light_calls_alone_keep_the_next_large_calls_steps_short():
     assert steps.budget(s, now=MEMORY_S) is None, "no light call since: whole steps again"
 
 
-def test_one_clients_stream_of_light_requests_keeps_whole_steps():
-    # A server's client takes one turn (``client_turns``): its one-text requests are one
-    # call's light batches, which short steps would only split into more steps.
+def _after_one_clients_light_call() -> tuple[SharedSteps, Scheduler]:
+    """Steps timed, and a scheduler whose one light call (client -5's) waited alone and was
+    scheduled."""
     steps = SharedSteps(2048, enabled=True)
     steps.timed(200, 0.02)
     s = encoder_scheduler(budget=2048)
     s.add(batch(0, 10, call=-5))
     assert steps.budget(s, now=0.0) is None, "a light call alone"
     s.schedule()
+    return steps, s
+
+
+def test_one_clients_stream_of_light_requests_keeps_whole_steps():
+    # A server's client takes one turn (``client_turns``): its one-text requests are one
+    # call's light batches, which short steps would only split into more steps.
+    steps, s = _after_one_clients_light_call()
     for i in range(40):
         s.add(batch(1 + i, 10, call=-5))
     assert s.light_batches_of_one_call(steps.light_tokens) == 400 > steps.light_tokens
@@ -130,12 +137,7 @@ def test_one_clients_stream_of_light_requests_keeps_whole_steps():
 def test_a_light_calls_own_large_work_keeps_whole_steps():
     # Its light requests waited alone: a large request of the same client (the same turn)
     # after them holds up no one, so it is not cut; another client's is.
-    steps = SharedSteps(2048, enabled=True)
-    steps.timed(200, 0.02)
-    s = encoder_scheduler(budget=2048)
-    s.add(batch(0, 10, call=-5))
-    assert steps.budget(s, now=0.0) is None, "a light call alone"
-    s.schedule()
+    steps, s = _after_one_clients_light_call()
     s.add(batch(1, *[100] * 20, call=-5))
     assert s.sole_call() == -5
     assert steps.budget(s, now=1.0) is None, "the same call's large work"

@@ -83,6 +83,22 @@ class VlmInputs:
         self.pipeline, self.deployment = pipeline, d
         self._pool = ThreadPoolExecutor(_DECODE_THREADS, thread_name_prefix="pipepool-vlm")
 
+    def _refuse_chat_forms(self, items: list) -> None:
+        """A page retriever's inputs: a chat prompt, then an instruction, refused by name."""
+        refusals = (
+            (lambda item: isinstance(item, ChatPrompt), "{model} renders no chat template"),
+            (lambda item: isinstance(item, dict) and "instruction" in item,
+             "'instruction' is not taken by {model}"),
+        )  # fmt: skip
+        for found, refusal in refusals:
+            index = next((i for i, item in enumerate(items) if found(item)), None)
+            if index is not None:
+                raise InvalidInputError(
+                    f"input {index}: {refusal.format(model=self.model_name)}: it embeds a query "
+                    "(a text) or a page (one image) in its processor's formats",
+                    param="input", index=index,
+                )  # fmt: skip
+
     def submit(self, items: list, params, budget: TokenBudget | None = None) -> Submission:
         if self.multi_vector and params.pooling != "all":
             raise InvalidInputError(
@@ -90,21 +106,8 @@ class VlmInputs:
                 f"{params.pooling!r}",
                 param="pooling",
             )
-        chat = next((i for i, item in enumerate(items) if isinstance(item, ChatPrompt)), None)
-        if self.multi_vector and chat is not None:
-            raise InvalidInputError(
-                f"input {chat}: {self.model_name} renders no chat template: it embeds a query "
-                "(a text) or a page (one image) in its processor's formats",
-                param="input", index=chat,
-            )  # fmt: skip
-        told = next((i for i, item in enumerate(items)
-                     if isinstance(item, dict) and "instruction" in item), None)  # fmt: skip
-        if self.multi_vector and told is not None:
-            raise InvalidInputError(
-                f"input {told}: 'instruction' is not taken by {self.model_name}: it embeds a "
-                "query (a text) or a page (one image) in its processor's formats",
-                param="input", index=told,
-            )  # fmt: skip
+        if self.multi_vector:
+            self._refuse_chat_forms(items)
         parsed = [parse_input(item, i) for i, item in enumerate(items)]
         decoded = list(self._pool.map(self.formatter.decode, [p[1] for p in parsed],
                                       range(len(parsed))))  # fmt: skip

@@ -17,6 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers the tests start without --state-dir keep their Batch API state in a folder of this
 # run (the default is under the user's data directory, $XDG_DATA_HOME).
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="pipepool-tests-data-")
+# Servers the tests start have one front-end process unless a test asks for more: the default
+# (auto) is sized to the host's cores, and a test must mean the same on any machine.
+os.environ["PIPEPOOL_API_SERVER_COUNT"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models

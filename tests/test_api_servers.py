@@ -173,3 +173,44 @@ def test_bad_api_server_options_are_refused_before_anything_starts():
         _check_api_servers(pipepool.EngineConfig(trace="t.json"), under_torchrun=False)
     with pytest.raises(pipepool.InvalidInputError, match="under torchrun run one API server"):
         _check_api_servers(pipepool.EngineConfig(), under_torchrun=True)
+
+
+def test_api_server_count_auto_is_sized_to_the_cores_and_one_where_more_cannot_run(monkeypatch):
+    from pipepool.commands import serve
+    from pipepool.commands.cli import build_parser
+    from pipepool.server.api_servers import auto_api_server_count
+
+    assert [auto_api_server_count(c) for c in (1, 2, 7, 8, 16, 31, 64, 256)] == [
+        1, 1, 1, 2, 4, 7, 8, 8,
+    ]  # fmt: skip
+
+    def parsed(*argv: str) -> int | str:
+        return build_parser("serve").parse_args(["serve", *argv]).api_server_count
+
+    monkeypatch.delenv("PIPEPOOL_API_SERVER_COUNT", raising=False)
+    assert parsed() == "auto"
+    assert parsed("--api-server-count", "3") == 3
+    monkeypatch.setenv("PIPEPOOL_API_SERVER_COUNT", "auto")
+    assert parsed() == "auto"
+
+    monkeypatch.setattr(serve, "auto_api_server_count", lambda: 4)  # a 16-core host
+    config = pipepool.EngineConfig()
+    assert serve._front_ends("auto", config, under_torchrun=False) == 4
+    assert serve._front_ends("auto", config, under_torchrun=True) == 1
+    assert serve._front_ends("auto", config.replace(trace="t.json"), under_torchrun=False) == 1
+    assert serve._front_ends(2, config, under_torchrun=False) == 2
+    with pytest.raises(pipepool.InvalidInputError, match="--trace follows one pipeline"):
+        serve._front_ends(2, config.replace(trace="t.json"), under_torchrun=False)
+
+
+@pytest.mark.parametrize("value", ["two", "1.5", ""])
+def test_a_bad_api_server_count_is_refused_naming_it(value, monkeypatch, capsys):
+    from pipepool.commands.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve", "--api-server-count", value])
+    assert "expected a whole number of processes or auto" in capsys.readouterr().err
+    monkeypatch.setenv("PIPEPOOL_API_SERVER_COUNT", value or " ")
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve"])
+    assert "PIPEPOOL_API_SERVER_COUNT" in capsys.readouterr().err

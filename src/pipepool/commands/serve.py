@@ -32,6 +32,11 @@ from typing import TYPE_CHECKING
 
 from ..loading.model_folder import BUNDLED_MODEL_ID
 from ..runtime.collector import QuietCollections, freeze_startup_objects
+from ..server.api_servers import (
+    CORES_PER_API_SERVER,
+    MAX_AUTO_API_SERVERS,
+    auto_api_server_count,
+)
 from .common import add_engine_args, add_env_argument
 from .media_args import add_media_args, media_settings
 from .serve_models import ModelSpec, model_specs
@@ -205,12 +210,14 @@ def add_parser(sub, help: str) -> None:
     add_env_argument(
         g,
         "--api-server-count",
-        type=int,
-        default=1,
-        help="HTTP front-end processes sharing the port and the replicas (default 1). Each "
-        "parses, tokenises, routes and serialises requests with a core of its own: raise it "
-        "when one process is the limit (small models, many short requests; /metrics shows "
-        "the process's own CPU). Above 1 the pipeline runs in replica processes even at --dp 1",
+        type=api_server_count,
+        default="auto",
+        help="HTTP front-end processes sharing the port and the replicas, or auto: one per "
+        f"{CORES_PER_API_SERVER} cores this server may run on, 1 to {MAX_AUTO_API_SERVERS} (1 "
+        "with --trace or under torchrun) (default auto). Each parses, tokenises, routes and "
+        "serialises requests with a core of its own: raise it when one process is the limit "
+        "(small models, many short requests; /metrics shows the process's own CPU). Above 1 "
+        "the pipeline runs in replica processes even at --dp 1",
     )
     add_env_argument(
         g,
@@ -287,8 +294,7 @@ def run(args: argparse.Namespace) -> int:
     if len(specs) > 1:
         _check_several(specs, under_torchrun=env_ranks is not None)
     config = specs[0].config
-    if args.api_server_count > 1:
-        _check_api_servers(config, under_torchrun=env_ranks is not None)
+    front_ends = _front_ends(args.api_server_count, config, under_torchrun=env_ranks is not None)
     if env_ranks is not None and env_ranks.rank > 0:
         # Under torchrun every rank runs this command; only rank 0 serves HTTP, the others
         # are pipeline stages until rank 0 shuts the pipeline down.
@@ -316,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=args.access_log,
-        api_server_count=args.api_server_count,
+        api_server_count=front_ends,
         state_dir=args.state_dir,
         max_batch_requests=args.max_batch_requests,
         max_batch_file_bytes=args.max_batch_file_bytes,
@@ -545,6 +551,29 @@ def check_model(config) -> None:
 
     resolve_device_kind(config.device)  # "cuda" asked for on a host without it
     InputPreparer(plan_deployment(config.replace(device="cpu")))
+
+
+def api_server_count(text: str) -> int | str:
+    """``--api-server-count``'s value: a whole number of processes, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number of processes or auto"
+        ) from None
+
+
+def _front_ends(asked: int | str, config, *, under_torchrun: bool) -> int:
+    """The server's front-end processes: ``asked``, or for ``auto`` as many as the host's cores
+    make (``auto_api_server_count``), one where more cannot run (``--trace``, torchrun)."""
+    if asked == "auto":
+        return 1 if under_torchrun or config.trace else auto_api_server_count()
+    assert isinstance(asked, int), "api_server_count parses to a number or auto"
+    if asked > 1:
+        _check_api_servers(config, under_torchrun=under_torchrun)
+    return asked
 
 
 def _check_api_servers(config, *, under_torchrun: bool) -> None:

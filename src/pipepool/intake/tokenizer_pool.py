@@ -11,7 +11,6 @@ a third of a microsecond of its time a text where tokenising it here costs tens
 
 from __future__ import annotations
 
-import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.cores import usable_cpus
 from .tokenizer_process import TokenizerProcess
 
 # Texts of a chunk, at least: a chunk's round trip costs ~100 us of the helper's and the
@@ -39,7 +39,7 @@ def pool_size(wanted: int | None, cuda: bool, cores: int | None = None) -> int:
     if wanted is not None:
         return wanted
     if cores is None:
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cpus()
     return cores - _ENGINE_CORES if cuda and cores >= _MIN_CORES else 0
 
 

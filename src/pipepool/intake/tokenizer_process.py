@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ..runtime.cores import usable_cpus
 from .tokenizer import HelperLost, Tokenizer
 
 # The Rust tokenizer encodes a batch on a pool of as many threads as the host has cores. Each
@@ -39,7 +40,7 @@ def helper_threads(front_ends: int, cores: int | None = None) -> int:
     together at most ``_HELPERS_SHARE`` of ``cores`` (default: the cores this process may run
     on), at least one each."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cpus()
     return max(1, int(cores * _HELPERS_SHARE) // front_ends)
 
 

@@ -18,6 +18,7 @@ import torch
 from ..loading.deployment import Deployment
 from ..loading.stage_spec import StageSpec
 from ..runtime.collector import freeze_startup_objects
+from ..runtime.cores import usable_cpus
 from ..runtime.memory import bound_heap_growth
 from ..stage.output import PendingResult, StageOutput
 from ..stage.runner import new_runner
@@ -63,14 +64,6 @@ def limit_cpu_threads(deployment: Deployment, spec: StageSpec) -> None:
     if spec.device.type == "cpu":
         cores = deployment.config.cpu_threads or usable_cpus()
         torch.set_num_threads(max(1, cores // deployment.num_stages))
-
-
-def usable_cpus() -> int:
-    """Cores this process may run on: its affinity (``taskset``, a container's cpuset), else
-    every core."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def worker_main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..errors import InvalidInputError
+from ..runtime.cores import usable_cpus
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,5 @@ def visible_gpus() -> list[str]:
 def _cpu_shares(dp: int) -> list[int]:
     """Threads per replica: the cores this process may use, split as evenly as they go (at
     least one each)."""
-    from ..parallel.worker import usable_cpus
-
     base, extra = divmod(usable_cpus(), dp)
     return [max(1, base + (1 if r < extra else 0)) for r in range(dp)]

@@ -32,10 +32,29 @@ from dataclasses import dataclass, replace
 
 from ..config import EngineConfig
 from ..core.restarts import RestartPolicy
+from ..runtime.cores import usable_cpus
 from ..runtime.signal_mask import block_stop_signals
 from .settings import ServerSettings
 
 log = logging.getLogger("pipepool.server")
+
+# ``--api-server-count auto``: a front end per this many of the cores the server may run on, at
+# most ``MAX_AUTO_API_SERVERS``. A front end uses one core at most (its interpreter's lock), and
+# the others are left to the replicas, the tokenizer's threads and the stages: the 16-core
+# H200 host of issue 61 gets four, the front ends it was measured with; a host of fewer than
+# eight cores, where a CPU model computes on the same cores, one (a second front end on the
+# 2-core CPU proxy: docs/benchmarks/served.md).
+CORES_PER_API_SERVER = 4
+MAX_AUTO_API_SERVERS = 8
+
+
+def auto_api_server_count(cores: int | None = None) -> int:
+    """Front-end processes of ``--api-server-count auto`` on a host with ``cores`` (default:
+    the cores this process may run on): one per ``CORES_PER_API_SERVER``, 1 to
+    ``MAX_AUTO_API_SERVERS``."""
+    if cores is None:
+        cores = usable_cpus()
+    return max(1, min(MAX_AUTO_API_SERVERS, cores // CORES_PER_API_SERVER))
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,11 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--seconds", type=float, default=20.0, help="--hostile: light seconds a load")
     p.add_argument("--heavy-words", type=int, default=130, help="--hostile: words a big text")
+    p.add_argument(
+        "--warmup", type=float, default=0.0,
+        help="--hostile: seconds of all the loads at once before the quiet phase, not measured "
+        "(on a GPU, until the background compile is done)",
+    )  # fmt: skip
     args = p.parse_args()
     flags = ["--log-level", "warning", "--no-access-log"]
     if args.model:
@@ -171,7 +176,8 @@ def main() -> int:
         try:
             # Words of the chunked text: within the default --max-chunked-tokens (32,768).
             run_hostile(url, args.seconds, args.hostile or list(LOADS),
-                        args.max_inputs_per_request, args.heavy_words, 28_000)  # fmt: skip
+                        args.max_inputs_per_request, args.heavy_words, 28_000,
+                        args.warmup)  # fmt: skip
         finally:
             server.terminate()
             server.wait(60)

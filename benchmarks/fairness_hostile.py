@@ -128,14 +128,24 @@ def hostiles(load: str, inputs: int, words: int, chunk_words: int) -> list[Hosti
 
 
 async def tokens_finished(url: str) -> float:
-    """The server's count of prompt tokens embedded (``/metrics``)."""
+    """The server's count of prompt tokens embedded (``/metrics``): its replicas' series where
+    it has replicas (the same in every front-end process, ``--api-server-count`` above 1),
+    else the engine's in its one process (a front end's own counts only what it sent)."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         text = (await c.get("/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pipepool_prompt_tokens_finished_total")
-    )
+
+    def total(name: str) -> float | None:
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + "{", name + " "))
+        ]
+        return sum(values) if values else None
+
+    replicas = total("pipepool_replica_prompt_tokens_finished_total")
+    if replicas is not None:
+        return replicas
+    return total("pipepool_prompt_tokens_finished_total") or 0.0
 
 
 async def measure(
@@ -169,13 +179,17 @@ async def measure(
 
 
 def run_hostile(url: str, seconds: float, loads: list[str], inputs: int, words: int,
-                chunk_words: int) -> None:  # fmt: skip
-    """Quiet, then each load of ``loads``: one line each, then the table."""
+                chunk_words: int, warmup: float = 0.0) -> None:  # fmt: skip
+    """Quiet, then each load of ``loads``: one line each, then the table. ``warmup``: seconds
+    of all the loads at once first, not measured (a GPU server compiles its layers in the
+    background after its first steps, and runs slower until it is done)."""
 
     async def phase(load: list[Hostile]):
         return await measure(url, seconds, load)
 
     run: Callable[[list[Hostile]], Awaitable] = phase
+    if warmup > 0:
+        asyncio.run(measure(url, warmup, hostiles("all", inputs, words, chunk_words)))
     quiet, statuses, rate = asyncio.run(run([]))
     q99 = p99_ms(quiet)
     print(

@@ -336,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
     open_checked(settings.batch_state_dir)
     logs = log_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(logs)
+    if args.api_server_count == "auto":
+        log.info("--api-server-count auto: %d front-end process(es)", front_ends)
     if len(specs) > 1:
         specs = _planned(specs)
     url = f"http://{settings.host}:{settings.port}"

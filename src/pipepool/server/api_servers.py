@@ -42,8 +42,8 @@ log = logging.getLogger("pipepool.server")
 # most ``MAX_AUTO_API_SERVERS``. A front end uses one core at most (its interpreter's lock), and
 # the others are left to the replicas, the tokenizer's threads and the stages: the 16-core
 # H200 host of issue 61 gets four, the front ends it was measured with; a host of fewer than
-# eight cores, where a CPU model computes on the same cores, one (a second front end on the
-# 2-core CPU proxy: docs/benchmarks/served.md).
+# eight cores, where a CPU model computes on the same cores, one (what a second one gives on
+# two cores: docs/benchmarks/served.md, "Front ends sized to the host").
 CORES_PER_API_SERVER = 4
 MAX_AUTO_API_SERVERS = 8
 

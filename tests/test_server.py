@@ -240,6 +240,18 @@ def test_openai_client_float_with_dimensions(server, engine, tokenizer):
     assert result.usage.prompt_tokens == n_tokens(tokenizer, prompts)
 
 
+def test_a_large_float_answer_sent_in_parts_is_whole_and_right(server, engine):
+    # 600 vectors of 64 floats: past lock_blocks.LOCK_VALUES, so built and sent in blocks.
+    prompts = [f"{SENTENCES[i % len(SENTENCES)]} {i}" for i in range(600)]
+    body = {"model": MODEL, "input": prompts, "encoding_format": "float"}
+    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["content-length"]) == len(r.content)
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(prompts)))
+    assert_close([d["embedding"] for d in data], engine.embed(prompts))
+
+
 def test_raw_http_every_input_form(server, engine, tokenizer):
     url = server.url + "/v1/embeddings"
     ids = [e.ids for e in tokenizer.encode_batch(SENTENCES[:3])]

@@ -1,21 +1,18 @@
 """Vectors written a matrix at a time are what writing them one at a time gives: the same
 base64 strings, float lists, binary bodies and metadata, for every wire dtype, byte order and
-width; and orjson's JSON reads back as the same numbers as the standard library's."""
+width; orjson's JSON reads back as the same numbers as the standard library's; and a large
+answer serialised in blocks (``lock_blocks``) is the bytes of one call."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import orjson
 import pytest
 
-from pipepool.server.encoding import (
-    Wire,
-    binary_response,
-    encode_array,
-    encode_rows,
-    json_bytes,
-)
+from pipepool.server import lock_blocks
+from pipepool.server.encoding import Wire, binary_response, encode_array, encode_rows
 
 DTYPES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 # Widths whose rows are whole 3-byte groups in some dtypes and not in others (384 x 4 bytes
@@ -75,6 +72,40 @@ def test_json_bytes_reads_back_as_the_standard_librarys_numbers():
     matrix = _matrix(16, 384, seed=3)
     value = {"data": [{"index": i, "embedding": row} for i, row in enumerate(matrix.tolist())]}
     theirs = json.loads(json.dumps(value))
-    ours = json.loads(json_bytes(value))
+    ours = json.loads(b"".join(lock_blocks.dumps(value)))
     assert ours == theirs  # float equality: every number the same double
-    assert json.loads(json_bytes({1: "a"})) == json.loads(json.dumps({1: "a"}))
+    assert json.loads(b"".join(lock_blocks.dumps({1: "a"}))) == json.loads(json.dumps({1: "a"}))
+
+
+def _one_call(value) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+
+
+def test_a_large_answer_in_blocks_is_the_bytes_of_one_call():
+    matrix = _matrix(2048, 384, seed=4)
+    rows = encode_rows(matrix, "float")
+    assert rows == matrix.tolist()  # converted in blocks, the same lists
+    answer = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(rows)],
+        "model": "m",
+        "usage": {"prompt_tokens": 7, "total_tokens": 7},
+    }
+    parts = lock_blocks.dumps(answer)
+    assert len(parts) > 2048 * 384 // lock_blocks.LOCK_VALUES  # a block of rows a part at least
+    assert b"".join(parts) == _one_call(answer)
+    # TEI's shape (the list itself), two large lists in one answer, a small answer.
+    assert b"".join(lock_blocks.dumps(rows)) == _one_call(rows)
+    two = {"a": rows[:1000], 3: "x", "b": [[1.5] * 100] * 400}
+    assert len(lock_blocks.dumps(two)) > 3 and b"".join(lock_blocks.dumps(two)) == _one_call(two)
+    small = {"data": rows[:4]}
+    assert lock_blocks.dumps(small) == [_one_call(small)]
+
+
+def test_an_answer_holding_the_placeholders_text_is_serialised_whole():
+    rows = _matrix(200, 384, seed=5).tolist()
+    answer = {"data": rows, "document": lock_blocks._PLACEHOLDER.format(0)}
+    assert lock_blocks.dumps(answer) == [_one_call(answer)]
+    other = {"data": rows, "document": lock_blocks._PLACEHOLDER.format(1)}  # not the one used
+    assert len(lock_blocks.dumps(other)) > 1
+    assert b"".join(lock_blocks.dumps(other)) == _one_call(other)

@@ -14,12 +14,13 @@ import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
-import orjson
 import torch
 from fastapi import Response
+
+from . import lock_blocks
 
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
 EmbedDtype = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
@@ -78,14 +79,6 @@ class Wire:
         return encode_rows(vectors, self.format, self.dtype, self.endianness)
 
 
-def json_bytes(value: Any) -> bytes:
-    """``value`` as compact JSON, by orjson: the numbers of ``json.dumps``, each float the
-    shortest text that reads back as the same float (``1e-05`` written ``0.00001``), ~20x
-    faster on the thousands of floats of a batch of vectors. NaN and infinities become null
-    (strict JSON); keys may be ints, as ``json.dumps`` allows."""
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
-
-
 def to_bytes(array: np.ndarray, embed_dtype: EmbedDtype, endianness: Endianness) -> bytes:
     """A float32 vector or matrix as bytes of ``embed_dtype``, row-major, in ``endianness``
     ("native": this server's, as vLLM reads it)."""
@@ -129,7 +122,7 @@ def encode_rows(
         return [encode_array(v, encoding_format, embed_dtype, endianness) for v in vectors]
     assert isinstance(vectors, np.ndarray)
     if encoding_format == "float":
-        return rounded(vectors, embed_dtype).tolist()
+        return lock_blocks.rows_as_lists(rounded(vectors, embed_dtype))
     assert encoding_format == "base64", f"{encoding_format} is not a JSON format"
     data = to_bytes(vectors, embed_dtype, endianness)
     row = len(data) // len(vectors)

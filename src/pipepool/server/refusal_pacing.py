@@ -10,7 +10,7 @@ waited for several such parses in a row (issue 57). So the answer to a refused r
 4xx but 429, which ``--queue-wait`` paces already) whose body had at least
 ``PACED_BODY_BYTES`` is held ``PACE`` times what the server spent on it, from the body read to
 the answer: a client that sends again when answered takes at most 1 / (1 + ``PACE``) of the
-process on its connection. An honest client's one such mistake costs it tens of milliseconds.
+process on its connection. An honest client's one such mistake costs it under a second.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from ..core.priority import is_background
 # A body at least this large takes milliseconds to parse and check (a refusal of a smaller one
 # costs about what any request costs, and is not held).
 PACED_BODY_BYTES = 256 << 10
-# The answer to a refused large request waits this many times the server's time on it.
-PACE = 3.0
+# The answer to a refused large request waits this many times the server's time on it. At 3,
+# the 100,000-input /tokenize client of issue 57 kept the process parsing a quarter of the
+# time, and the light clients' p99 beside all three hostile loads was 66-83 ms on 2 CPU cores;
+# at 30, 61-65 ms, and the other hostile clients embedded ~40% more meanwhile
+# (docs/benchmarks/http-server.md, "Refusals held longer").
+PACE = 30.0
 # The longest an answer is held, however long the request took.
 MAX_HOLD_S = 1.0
 

@@ -6,9 +6,9 @@ float answer took 28 ms in one ``tolist`` and 31 ms in one ``dumps`` (2-core EPY
 thread of the server waited that long, the engine's loop between its steps and the light
 clients' requests included (issue 57's hostile loads). Between two blocks the interpreter may
 hand the lock to another thread, so the longest hold is a block's (``LOCK_VALUES`` values,
-about 2 ms). The bytes are exactly those of one call: orjson's compact output of a list is its
-items' outputs joined by commas. They stay in parts, sent one after the other
-(``routes.answers.PartsResponse``): joining them would be one more long copy.
+about a millisecond there). The bytes are exactly those of one call: orjson's compact output
+of a list is its items' outputs joined by commas. They stay in parts, sent one after the
+other (``routes.answers.PartsResponse``): joining them would be one more long copy.
 """
 
 from __future__ import annotations

@@ -226,20 +226,9 @@ class Tokenizer:
     def _encode(
         self, items: list, *, add_special_tokens: bool = True, offsets: bool = False
     ) -> list:
-        """The tokenizer's encodings of texts or (first, second) pairs: a few short ones on
-        this thread, more or longer ones through the Rust tokenizer's batch call
-        (``ON_THIS_THREAD``, ``UNLOCKED_CHARS``), whose encodings carry character offsets only
-        where ``offsets`` asks for them (the same ids, in about four fifths of the time: the
-        offsets are recomputed in characters text by text)."""
-        if len(items) > ON_THIS_THREAD or _item_chars(items) >= UNLOCKED_CHARS:
-            encode = self._tok.encode_batch if offsets else self._tok.encode_batch_fast
-            return encode(items, add_special_tokens=add_special_tokens)
-        return [
-            self._tok.encode(item[0], item[1], add_special_tokens=add_special_tokens)
-            if isinstance(item, tuple)
-            else self._tok.encode(item, add_special_tokens=add_special_tokens)
-            for item in items
-        ]
+        """``encode_items`` of this tokenizer."""
+        special = add_special_tokens
+        return encode_items(self._tok, items, add_special_tokens=special, offsets=offsets)
 
     def encode_plain(self, text: str) -> np.ndarray:
         """Token ids of a text without the post-processor's special tokens (prompt parts)."""
@@ -283,15 +272,30 @@ class Tokenizer:
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
 
+def encode_items(backend: HFTokenizer, items: list, *, add_special_tokens: bool = True,
+                 offsets: bool = False) -> list:  # fmt: skip
+    """``backend``'s encodings of texts or (first, second) pairs: a few short ones on this
+    thread, more or longer ones through the Rust tokenizer's batch call (``ON_THIS_THREAD``,
+    ``UNLOCKED_CHARS``), which releases the interpreter's lock and whose encodings carry
+    character offsets only where ``offsets`` asks for them (the same ids, in about four fifths
+    of the time: the offsets are recomputed in characters text by text)."""
+    if len(items) > ON_THIS_THREAD or _item_chars(items) >= UNLOCKED_CHARS:
+        encode = backend.encode_batch if offsets else backend.encode_batch_fast
+        return encode(items, add_special_tokens=add_special_tokens)
+    return [
+        backend.encode(item[0], item[1], add_special_tokens=add_special_tokens)
+        if isinstance(item, tuple)
+        else backend.encode(item, add_special_tokens=add_special_tokens)
+        for item in items
+    ]
+
+
 def encode_unlocked(backend: HFTokenizer, text: str, *, add_special_tokens: bool = True,
                     offsets: bool = True):  # fmt: skip
-    """``backend``'s encoding of one text; through the batch call, which releases the
-    interpreter's lock, where the text is long (``UNLOCKED_CHARS``). Character offsets only
-    where ``offsets`` asks for them."""
-    if len(text) < UNLOCKED_CHARS:
-        return backend.encode(text, add_special_tokens=add_special_tokens)
-    encode = backend.encode_batch if offsets else backend.encode_batch_fast
-    return encode([text], add_special_tokens=add_special_tokens)[0]
+    """``backend``'s encoding of one text (``encode_items``): a long one without holding the
+    interpreter's lock. Character offsets only where ``offsets`` asks for them."""
+    items = encode_items(backend, [text], add_special_tokens=add_special_tokens, offsets=offsets)
+    return items[0]
 
 
 def _chars(*texts: list[str]) -> int:

@@ -26,8 +26,9 @@ _PLACEHOLDER = "\x00pipepool-rows-{}\x00"
 
 
 def rows_as_lists(matrix: np.ndarray) -> list:
-    """``matrix.tolist()`` (a list of rows), converted ``LOCK_VALUES`` values at a time."""
-    step = max(1, LOCK_VALUES // max(1, matrix.shape[1] if matrix.ndim > 1 else 1))
+    """``matrix.tolist()`` (a list of its rows, ``matrix`` [n, D]), converted ``LOCK_VALUES``
+    values at a time."""
+    step = max(1, LOCK_VALUES // max(1, matrix.shape[1]))
     if len(matrix) <= step:
         return matrix.tolist()
     return [row for lo in range(0, len(matrix), step) for row in matrix[lo : lo + step].tolist()]

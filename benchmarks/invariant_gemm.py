@@ -10,7 +10,9 @@ BLOCK_N, BLOCK_K, warps, stages) is timed on the Triton kernel of ``layers/invar
 (CUDA events, 30 launches after 3 warm-ups) beside ``F.linear`` (cuBLAS), and checked: rows
 0..r of the full product equal the product of those rows alone (r = 1, 37, 300), bit for bit.
 A configuration may differ per (K, N), never per M: that is what keeps a row invariant. The
-current one (``invariant_triton.TILES``) is marked.
+current one (``invariant_triton.TILES``) is marked. Each shape also shows cuBLAS in the
+engine's fixed row tiles (``layers/invariant_tiles``, used where its check passes) and the
+check's verdict.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from pipepool.layers import invariant_triton
+from pipepool.layers import invariant_tiles, invariant_triton
 from pipepool.layers.triton_support import triton
 
 # (K, N) of each linear layer: QKV, attention output, MLP up (gate and up fused for Qwen3), down.
@@ -45,9 +47,9 @@ def launch(a: torch.Tensor, b: torch.Tensor, config: tuple) -> torch.Tensor:
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     invariant_triton._matmul_kernel[grid](
         a, b, a, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), HAS_BIAS=False, IEEE=False, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP=invariant_triton.GROUP_M, LOOP_AS_WHILE=False,
-        num_warps=warps, num_stages=stages,
+        out.stride(0), out.stride(1), HAS_BIAS=False, IEEE=False, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=invariant_triton.GROUP_M,
+        LOOP_AS_WHILE=False, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -63,6 +65,13 @@ def milliseconds(fn, launches: int = 30) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / launches
+
+
+def tiled_cublas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as the engine multiplies bf16 on CUDA where the check passes."""
+    return invariant_tiles.tiled_matmul(
+        a, b, invariant_tiles.CUDA_TILE_ROWS, invariant_tiles.MAX_LAUNCH_TILES
+    )
 
 
 def invariant(a: torch.Tensor, b: torch.Tensor, config: tuple) -> bool:
@@ -102,6 +111,13 @@ def report(label: str, a: torch.Tensor, weight: torch.Tensor, current: tuple, to
         rows.append((ms, config, same))
     rows.sort(key=lambda row: row[0])
     print(f"{label}: cuBLAS {cublas * 1e3:.1f} us ({flop / cublas / 1e9:.0f} TFLOP/s)", flush=True)
+    tiled = milliseconds(lambda: tiled_cublas(a, weight.t()))
+    agree = invariant_tiles.cuda_tiles_agree(k, n, a.dtype, a.device)
+    print(
+        f"    cuBLAS in {invariant_tiles.CUDA_TILE_ROWS}-row tiles: {tiled * 1e3:.1f} us, "
+        f"{cublas / tiled:.2f}x cuBLAS, its check {'passes' if agree else 'fails'}",
+        flush=True,
+    )
     for ms, config, same in rows[:top] + [r for r in rows[top:] if r[1] == current]:
         mark = " (current)" if config == current else ""
         print(

@@ -146,6 +146,7 @@ def test_the_command_line_offers_the_flag():
 _KERNEL_CHECK = r"""
 import torch
 from pipepool.layers import invariant_triton
+from pipepool.layers.norm import rms_norm
 
 torch.manual_seed(0)
 # The interpreter computes fp32 and fp16 (numpy has no bfloat16); the GPU tests run bf16.
@@ -165,12 +166,24 @@ for dtype in (torch.float32, torch.float16):
     assert torch.allclose(sums, (x.float() ** 2).sum(1), rtol=1e-5)
     for m in (1, 7):
         assert torch.equal(invariant_triton.row_sums(x[3 : 3 + m], square=True), sums[3 : 3 + m])
+    for width in (96, 200):  # a power of two and not
+        h = torch.randn(50, width).to(dtype)
+        weight = (1 + torch.randn(width) / 10).to(dtype)
+        normed = invariant_triton.rms_norm(h, weight, 1e-6)
+        assert normed.dtype == dtype and normed.shape == h.shape
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        assert torch.allclose(normed.float(), rms_norm(h, weight, 1e-6).float(), rtol=tol,
+                              atol=tol)
+        for m in (1, 9):
+            assert torch.equal(invariant_triton.rms_norm(h[4 : 4 + m], weight, 1e-6),
+                               normed[4 : 4 + m])
 print("ok")
 """
 
 
 def test_cuda_kernels_in_tritons_interpreter():
-    """The CUDA path's GEMM and row sums: right, and each row's bits independent of M."""
+    """The CUDA path's GEMM, row sums and RMSNorm: right, and each row's bits independent of
+    M."""
     pytest.importorskip("triton")
     from triton_interpreter import run_interpreted
 

@@ -108,3 +108,23 @@ def test_kernels_give_each_row_the_same_bits_whatever_m():
             assert torch.equal(
                 invariant_triton.row_sums(x[9 : 9 + m], square=True), sums[9 : 9 + m]
             )
+
+
+def test_the_products_give_each_row_the_same_bits_whatever_m():
+    """invariant_matmul in bf16 (cuBLAS tiles where their check passes, else Triton): a row's
+    bits alone, at the head of few rows and inside steps over several launches."""
+    from pipepool.layers import invariant_ops, invariant_tiles
+
+    torch.manual_seed(0)
+    for k, n in ((384, 1536), (1024, 6144), (3072, 1024)):
+        w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        x = torch.randn(40_000, k, device="cuda").to(torch.bfloat16)
+        full = invariant_ops.invariant_linear(x, w, bias)
+        torch.testing.assert_close(full.float(), x.float() @ w.float().t() + bias.float(),
+                                   rtol=2e-2, atol=2e-1)  # fmt: skip
+        for m in (1, 2, 255, 257, 1000, 16_385, 39_990):
+            part = invariant_ops.invariant_linear(x[5 : 5 + m], w, bias)
+            assert torch.equal(part, full[5 : 5 + m]), (k, n, m)
+        print(f"({k}, {n}): cuBLAS tiles "
+              f"{invariant_tiles.cuda_tiles_agree(k, n, torch.bfloat16, x.device)}")  # fmt: skip

@@ -218,6 +218,25 @@ def test_bad_inputs_are_refused_by_index(vlm_engine, item, says):
     assert vlm_engine.embed([good]).shape == (1, 64)  # the engine goes on serving
 
 
+def test_a_call_of_several_slices_is_its_inputs_alone_and_a_late_refusal_cancels_it(
+    vlm_engine,
+):
+    """Inputs enqueue in slices as they are prepared (api/vlm.SLICE_INPUTS): a call of several
+    slices gives each input its own vector, in order; a bad input after slices were enqueued
+    refuses the call by its index, and the engine goes on serving."""
+    from pipepool.api.vlm import SLICE_INPUTS
+
+    items = (_inputs() * (2 * SLICE_INPUTS))[: 2 * SLICE_INPUTS + 3]
+    whole = vlm_engine.embed(items)
+    alone = np.concatenate([vlm_engine.embed([item]) for item in _inputs()])
+    for i, vector in enumerate(whole):
+        assert cosine(vector, alone[i % len(_inputs())]) > 0.99999, i
+    late = len(items) - 1
+    with pytest.raises(InvalidInputError, match=rf"input {late}: .*not a decodable image"):
+        vlm_engine.embed([*items[:late], {"image": b"not an image"}])
+    np.testing.assert_allclose(vlm_engine.embed(items[:3]), whole[:3], rtol=1e-5, atol=1e-6)
+
+
 def test_text_options_refused_with_images(vlm_engine):
     item = {"text": "x", "image": sample_images()[0]}
     for option, value in [("truncate_prompt_tokens", 4), ("prompt_name", "query")]:

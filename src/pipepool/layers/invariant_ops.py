@@ -11,14 +11,17 @@ How: while :class:`BatchInvariantMode` is active (the stage runner enters it aro
 forward and the pooling when the option is on), the matrix products of the layers and heads
 go through :func:`invariant_linear`, which computes every row with one fixed-shape problem:
 
-- CPU: rows padded to tiles of ``CPU_TILE_ROWS`` and multiplied as a batch of
-  ``[CPU_TILE_ROWS, K] x [K, N]`` products (``torch.bmm`` over an expanded weight): each tile
-  is the same GEMM whatever the step, so the same kernel and the same K-order for every row.
-  (One plain ``F.linear`` over the padded rows gave the same bits here, but only because MKL
-  happens to pick one path for M >= 12 on this CPU; the tiles do not depend on that.)
-- CUDA: a Triton GEMM with one tile configuration and no split-K (``invariant_triton``); row
-  sums (``mean`` / ``sum`` / ``vector_norm`` over the last dimension, as RMSNorm and the L2
-  head use them) as one program per row.
+- CPU: rows cut into tiles of ``CPU_TILE_ROWS`` and multiplied as a batch of
+  ``[CPU_TILE_ROWS, K] x [K, N]`` products (``invariant_tiles.tiled_matmul``: ``torch.bmm``
+  over an expanded weight): each tile is the same GEMM whatever the step, so the same kernel
+  and the same K-order for every row. (One plain ``F.linear`` over the padded rows gave the
+  same bits here, but only because MKL happens to pick one path for M >= 12 on this CPU; the
+  tiles do not depend on that.)
+- CUDA, bf16/fp16: the same with cuBLAS at 256-row tiles, for each (K, N) whose tiles pass
+  ``invariant_tiles.cuda_tiles_agree`` (checked once per shape); other shapes and fp32 take a
+  Triton GEMM with one tile configuration and no split-K (``invariant_triton``). Row sums
+  (``mean`` / ``sum`` / ``vector_norm`` over the last dimension, as RMSNorm and the L2 head use
+  them) as one program per row.
 
 Attention keeps its own invariant kernel (``attention.attend`` asks :func:`active`). Norms
 that torch computes one row per thread block (``layer_norm``) or one row per loop iteration
@@ -36,6 +39,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from . import invariant_tiles
 
 # Rows per CPU GEMM tile: small enough that short steps waste little on padding, large enough
 # that each tile runs MKL's blocked kernel at full speed (measured: bmm over 16-row tiles ran
@@ -92,28 +97,22 @@ def invariant_matmul(
     """``x @ b + bias`` for ``x`` [..., K] and a 2-D ``b`` [K, N], invariant per row."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    if x.is_cuda:
+    n = b.shape[1]
+    if not x.is_cuda:
+        out = invariant_tiles.tiled_matmul(rows, b, CPU_TILE_ROWS)
+    elif x.dtype in invariant_tiles.TILED_DTYPES and invariant_tiles.cuda_tiles_agree(
+        k, n, x.dtype, x.device
+    ):
+        out = invariant_tiles.tiled_matmul(
+            rows, b, invariant_tiles.CUDA_TILE_ROWS, invariant_tiles.MAX_LAUNCH_TILES
+        )
+    else:
         from . import invariant_triton
 
-        out = invariant_triton.matmul(rows, b, bias)
-    else:
-        out = _cpu_tiled_matmul(rows, b)
-        if bias is not None:
-            out = out + bias
-    return out.view(*lead, b.shape[1])
-
-
-def _cpu_tiled_matmul(rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m, k = rows.shape
-    n = b.shape[1]
-    tiles = -(-m // CPU_TILE_ROWS)
-    padded = tiles * CPU_TILE_ROWS
-    if padded != m or not rows.is_contiguous():
-        full = rows.new_zeros((padded, k))
-        full[:m] = rows
-        rows = full
-    out = torch.bmm(rows.view(tiles, CPU_TILE_ROWS, k), b.expand(tiles, k, n))
-    return out.view(padded, n)[:m]
+        return invariant_triton.matmul(rows, b, bias).view(*lead, n)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, n)
 
 
 def _row_reduce(x: torch.Tensor, kind: str, dim, keepdim: bool, dtype=None) -> torch.Tensor:

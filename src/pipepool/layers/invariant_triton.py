@@ -11,6 +11,9 @@ row count. Here every launch uses one tile configuration per dtype, whatever M:
   there are. fp32 inputs multiply in IEEE fp32 (no TF32).
 - :func:`row_sums`: one program per row, ``BLOCK`` lanes that stride along the row, then one
   fixed tree across the lanes.
+- :func:`rms_norm`: ``layers.norm.rms_norm`` as one program per row holding the whole row
+  (one fixed tree over a block sized by the row's width), one kernel where the eager form
+  launches nine.
 
 The ideas are those of Thinking Machines' "Defeating Nondeterminism in LLM Inference" (fixed
 reduction strategies per kernel, independent of the batch); the kernels are this module's.
@@ -32,6 +35,7 @@ TILES = {
 }
 GROUP_M = 8  # programs of one column band run together (L2 reuse of B; no effect on results)
 ROW_BLOCK = 1024
+NORM_MAX_WIDTH = 16384  # widest row :func:`rms_norm` holds in one program
 
 if triton is not None:
 
@@ -113,6 +117,46 @@ if triton is not None:
         if SQUARE:
             x = x * x
         return x
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        x32 = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+        # Rounded to the input's dtype, then scaled as a product of that and the weight.
+        y = (x32 * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``layers.norm.rms_norm`` (normalise in fp32, round to ``x``'s dtype, scale by
+    ``weight``) over the last dimension, each row by one program whatever the row count; rows
+    wider than :data:`NORM_MAX_WIDTH` are refused (the caller keeps the eager form)."""
+    if triton is None:
+        raise RuntimeError("batch-invariant RMSNorm on CUDA needs Triton")
+    width = x.shape[-1]
+    if width > NORM_MAX_WIDTH:
+        raise ValueError(
+            f"rows of {width} values: the fused RMSNorm holds at most {NORM_MAX_WIDTH}"
+        )
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)  # fmt: skip
+    if len(rows):
+        block = triton.next_power_of_2(width)
+        _rms_norm_kernel[(len(rows),)](
+            rows, weight, out, width, rows.stride(0), out.stride(0), eps, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16),
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], width)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

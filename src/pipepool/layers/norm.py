@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import invariant_ops, invariant_triton
+
 
 class RMSNorm(nn.Module):
     """LLaMA-style RMSNorm: normalise in fp32, cast back, then scale (the order HF uses, which
@@ -20,6 +22,14 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # A batch-invariant forward on CUDA (never compiled): one kernel, each row its own bits.
+    if (
+        not torch.compiler.is_compiling()
+        and x.is_cuda
+        and invariant_ops.active()
+        and x.shape[-1] <= invariant_triton.NORM_MAX_WIDTH
+    ):
+        return invariant_triton.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

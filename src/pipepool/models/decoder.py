@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_linear, invariant_ops, qk_rope
+from ..layers import cpu_linear, gated_activation, invariant_ops, qk_rope
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import in_row_tiles
 from ..layers.norm import RMSNorm, rms_norm
@@ -190,10 +190,17 @@ def post_attention(
 ) -> torch.Tensor:
     """Output projection + residual, then norm -> SwiGLU MLP + residual."""
     x = x + F.linear(attn_out.flatten(1), w.o, w.o_bias)
-    gate, up = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias).chunk(
-        2, -1
-    )
-    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    gate_up = F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
+    return x + F.linear(swiglu(gate_up), w.down, w.down_bias)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate|up projection; one Triton kernel in a
+    batch-invariant forward on CUDA, which runs without ``torch.compile`` to fuse the two."""
+    if not torch.compiler.is_compiling() and gate_up.is_cuda and invariant_ops.active():
+        return gated_activation.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 def project_qkv_packed(cfg: DecoderConfig, x: torch.Tensor, w: AttnWeights) -> torch.Tensor:

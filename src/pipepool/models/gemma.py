@@ -32,7 +32,7 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import gated_gelu, qk_rope
+from ..layers import gated_activation, qk_rope
 from ..layers.activation import TANH_GELUS, get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.qk_rope import fused_qk_norm_rope
@@ -429,7 +429,7 @@ class GemmaLayer(nn.Module):
         mlp = self.mlp_weights()
         if ops.fused_geglu:
             x, gate_up = ops.mlp_in(cfg, x, attn_out, mlp)
-            return ops.mlp_out(cfg, x, gated_gelu.gelu_tanh_and_mul(gate_up), mlp)
+            return ops.mlp_out(cfg, x, gated_activation.gelu_tanh_and_mul(gate_up), mlp)
         return ops.post(cfg, x, attn_out, mlp)
 
     def mlp_weights(self) -> MlpWeights:
@@ -524,15 +524,16 @@ class GemmaStage(StageModel):
         return self._use_fused_qk_rope(layer, x, gen) & self._use_fused_geglu(layer, x)
 
     def _use_fused_geglu(self, layer: GemmaLayer, x: torch.Tensor) -> bool:
-        if self.cfg.activation not in TANH_GELUS or not gated_gelu.available(x.device, x.dtype):
+        fused = gated_activation.available(x.device, x.dtype)
+        if self.cfg.activation not in TANH_GELUS or not fused:
             return True  # nothing to replace here
         with torch.inference_mode():
             w = layer.mlp_weights()
             gate_up = F.linear(
                 gemma_rms_norm(x, w.pre_feedforward_norm, self.cfg.rms_norm_eps), w.gate_up
             )
-            agree = gated_gelu.agrees(
-                gated_gelu.reference(gate_up), gated_gelu.gelu_tanh_and_mul(gate_up)
+            agree = gated_activation.agrees(
+                gated_activation.reference(gate_up), gated_activation.gelu_tanh_and_mul(gate_up)
             )
         if agree:
             self.ops = self.ops._replace(fused_geglu=True)

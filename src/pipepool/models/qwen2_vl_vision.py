@@ -237,7 +237,7 @@ class VisionTower(nn.Module):
         """``[sum of placeholder tokens, out_dim]``: each image's rows, in image order."""
         cfg = self.cfg
         weight = self.patch_weight
-        pixels = torch.cat([torch.from_numpy(i.pixels) for i in images]).to(weight.device)
+        pixels = pixel_rows(images, weight.device)
         x = F.linear(pixels.to(weight.dtype), weight.flatten(1))  # the Conv3d, patch by patch
         grids = [i.grid for i in images]
         cos, sin = vision_rotary(cfg, grids, weight.device)
@@ -271,6 +271,12 @@ class VisionTower(nn.Module):
             f"{prefix}.merger.mlp.2", f"{param}.merger_fc2", cfg.out_dim, merged, True
         )
         return specs
+
+
+def pixel_rows(images: list[ImageInput], device: torch.device) -> torch.Tensor:
+    """The images' patch rows, back to back, on ``device``: each image copied on its own and
+    joined there (joining on the host first copied every row twice)."""
+    return torch.cat([torch.from_numpy(i.pixels).to(device) for i in images])
 
 
 def _by_blocks(a: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:

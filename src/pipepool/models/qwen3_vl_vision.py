@@ -35,7 +35,7 @@ from ..core.media import ImageInput
 from ..errors import ModelLoadError
 from ..layers.activation import get_activation
 from .base import WeightSpec, linear_specs
-from .qwen2_vl_vision import VisionBlock, VisionConfig, block_major, vision_rotary
+from .qwen2_vl_vision import VisionBlock, VisionConfig, block_major, pixel_rows, vision_rotary
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Qwen3VisionTower(nn.Module):
         """``[sum of placeholder tokens, out_dim * (1 + deepstack)]``, in image order."""
         cfg, b = self.cfg, self.cfg.block
         weight = self.patch_weight
-        pixels = torch.cat([torch.from_numpy(i.pixels) for i in images]).to(weight.device)
+        pixels = pixel_rows(images, weight.device)
         x = F.linear(pixels.to(weight.dtype), weight.flatten(1), self.patch_bias)
         grids = [i.grid for i in images]
         taps = [position_taps(g, b.merge_size, cfg.grid_side, weight.device) for g in grids]

@@ -1,6 +1,7 @@
-"""The GeGLU Triton kernel (``layers/gated_gelu.py``), run on the CPU by Triton's interpreter:
-its GELU is torch's to one rounding step in bf16 and fp16 (and to a few ulps in fp32), and where
-the two differ in the negative tail it is the closer one to the function's value."""
+"""The gated-activation Triton kernel (``layers/gated_activation.py``), run on the CPU by Triton's
+interpreter: its GELU is torch's to one rounding step in bf16 and fp16 (and to a few ulps in
+fp32), and where the two differ in the negative tail it is the closer one to the function's
+value; its SiLU is torch's to one rounding step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ pytest.importorskip("triton")
 
 _SCRIPT = r"""
 import torch
-from pipepool.layers.gated_gelu import agrees, gelu_tanh_and_mul, reference
+from pipepool.layers.gated_activation import agrees, gelu_tanh_and_mul, reference, silu_and_mul
 
 torch.manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -34,10 +35,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     assert ((got.double() - true).abs() <= (want.double() - true).abs() + step).all(), dtype
     strided = torch.cat([x, x], 1)[:, ::2]
     assert torch.equal(gelu_tanh_and_mul(strided), gelu_tanh_and_mul(strided.contiguous()))
+    got, want = silu_and_mul(x), reference(x, silu=True)
+    assert got.shape == (23, 1100) and agrees(want, got), dtype
+    if dtype != torch.float32:
+        assert (got != want).float().mean().item() < 0.05, dtype
+    assert torch.equal(silu_and_mul(strided), silu_and_mul(strided.contiguous()))
 assert gelu_tanh_and_mul(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+assert silu_and_mul(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
 print("ok")
 """
 
 
-def test_geglu_kernel_matches_torch_in_the_interpreter():
+def test_gated_kernels_match_torch_in_the_interpreter():
     run_interpreted(_SCRIPT, timeout=600)

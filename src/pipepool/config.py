@@ -190,12 +190,15 @@ class EngineConfig:
     verify_state: bool = option(
         True, "lockstep checks between stages (off only to measure their cost)"
     )
-    # The interpreter's thread switch interval while an engine is open (switch_interval.py):
-    # the loop thread must get the GIL promptly from the threads that submit, or the GPU waits.
+    # The interpreter's thread switch interval while an engine is open, and in a server's front
+    # ends while they serve (switch_interval.py): the engine's loop thread must get the GIL
+    # promptly from the threads that submit, or the GPU waits; an event loop from the threads
+    # that serialise answers, or every request waits.
     switch_interval_ms: float = option(
         0.5,
-        "Python thread switch interval (sys.setswitchinterval) while an engine is open, so "
-        "its loop thread is not kept waiting by threads that submit; 0 leaves it alone",
+        "Python thread switch interval (sys.setswitchinterval) while an engine is open and "
+        "while a server's front ends serve, so that the engine's loop thread and the event "
+        "loops are not kept waiting by other threads; 0 leaves it alone",
     )
     # Texts tokenised in helper processes of the engine's own (intake/tokenizer_pool.py): the
     # engine's process keeps its interpreter lock and its cores for the steps. None (decided

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..loading.model_folder import BUNDLED_MODEL_ID
+from ..runtime import switch_interval
 from ..runtime.collector import QuietCollections, freeze_startup_objects
 from ..server.api_servers import (
     CORES_PER_API_SERVER,
@@ -365,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
         announce.server_started()
         batches.start()
 
-    server = build_server(settings, models, logs, on_started=started)
+    interval = switch_interval.for_configs([spec.config.switch_interval_ms for spec in specs])
+    server = build_server(settings, models, logs, on_started=started, switch_interval_s=interval)
     # Only this process runs batches (the other front-end processes serve their routes), in a
     # thread of its own: its lines never queue in the loop that answers online requests.
     batches = BatchThread(settings, models, stopping=lambda: server.should_exit)

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
     from ..replicas.shared import SharedReplicas
+    from ..runtime import switch_interval
     from ..runtime.collector import QuietCollections, freeze_startup_objects
     from .batch_store import close_open_stores
     from .front import AsyncEngine
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         freeze_startup_objects()
         QuietCollections(quiet=GATE.settled).start()
 
-    server = build_server(settings, served, logs, on_started=serving)
+    interval = switch_interval.for_configs([m.config.switch_interval_ms for m in spec.models])
+    server = build_server(settings, served, logs, on_started=serving, switch_interval_s=interval)
 
     def stop_serving(_exc: BaseException) -> None:
         server.should_exit = True

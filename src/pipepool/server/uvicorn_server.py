@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from ..runtime import switch_interval
 from .app import ServerState, build_app
 from .connections import MAX_HEADER_BYTES, ConnectionGuard, guarded_protocol
 from .models import ServedModels
@@ -25,7 +26,10 @@ ANSWER_GRACE_S = 5.0
 
 class Server(uvicorn.Server):
     """uvicorn's server with the engine's lifecycle: ``on_started`` once it listens, and on
-    SIGTERM in-flight requests drain for up to ``timeout_s`` before the front end closes."""
+    SIGTERM in-flight requests drain for up to ``timeout_s`` before the front end closes.
+    While it listens, the process's thread switch interval is at most ``switch_interval_s``
+    (``runtime/switch_interval.py``; 0: left alone), so that the event loop's thread gets the
+    interpreter's lock back promptly from the threads that serialise answers."""
 
     def __init__(
         self,
@@ -33,6 +37,7 @@ class Server(uvicorn.Server):
         models: ServedModels,
         timeout_s: float,
         on_started: Callable[[], None] = lambda: None,
+        switch_interval_s: float = 0.0,
     ) -> None:
         # uvicorn annotates int but only hands it to asyncio.wait_for, which takes seconds.
         config.timeout_graceful_shutdown = timeout_s + ANSWER_GRACE_S  # type: ignore[assignment]
@@ -41,10 +46,13 @@ class Server(uvicorn.Server):
         self.timeout_s = timeout_s
         self.on_started = on_started
         self.on_shutdown: Callable[[], None] = lambda: None  # when it stops accepting
+        self.switch_interval_s = switch_interval_s
+        self._lowered = False
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
         if self.started:  # False when the port could not be bound
+            self._lowered = switch_interval.lower(self.switch_interval_s)
             self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
@@ -52,6 +60,9 @@ class Server(uvicorn.Server):
         for model in self.models:
             model.front.abandon_after(self.timeout_s)
         await super().shutdown(sockets)
+        if self._lowered:
+            self._lowered = False
+            switch_interval.restore()
 
 
 def build_server(
@@ -59,10 +70,12 @@ def build_server(
     models: ServedModels,
     logs: dict,
     on_started: Callable[[], None],
+    switch_interval_s: float = 0.0,
 ) -> Server:
     """The server of one front-end process (the main one, or one of ``--api-server-count``):
     the app, behind the connection guards (``connections.py``: each process counts its own
-    connections); ``on_started`` once it accepts connections."""
+    connections); ``on_started`` once it accepts connections; ``switch_interval_s``: see
+    ``Server``."""
     app = build_app(settings, models)
     state: ServerState = app.state.pipepool
     guard = ConnectionGuard(
@@ -85,4 +98,7 @@ def build_server(
         lifespan="off",
         log_config=logs,
     )
-    return Server(config, models, timeout_s=settings.shutdown_timeout_s, on_started=on_started)
+    return Server(
+        config, models, timeout_s=settings.shutdown_timeout_s, on_started=on_started,
+        switch_interval_s=switch_interval_s,
+    )  # fmt: skip

@@ -72,3 +72,13 @@ def test_the_cuda_check_is_made_once_per_shape(monkeypatch):
         assert invariant_tiles.cuda_tiles_agree(24, 40, torch.float16, torch.device("cpu"))
     assert invariant_tiles.cuda_tiles_agree(24, 8, torch.float16, torch.device("cpu"))
     assert len(calls) == 2
+
+
+def test_check_linears_checks_each_linear_shape_on_cuda_only(monkeypatch):
+    """At load the check runs for every CUDA linear layer in a tiled dtype; CPU layers (and
+    other modules) are left alone."""
+    asked = []
+    monkeypatch.setattr(invariant_tiles, "cuda_tiles_agree", lambda *a: asked.append(a) or True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    invariant_tiles.check_linears(model)
+    assert asked == []  # on the CPU: nothing to check

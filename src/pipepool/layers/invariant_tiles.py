@@ -26,6 +26,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # Rows per tile on CUDA: the smallest height at which cuBLAS ran every layer shape measured at
 # its untiled speed.
@@ -91,6 +92,18 @@ def cuda_tiles_agree(k: int, n: int, dtype: torch.dtype, device: torch.device) -
             _agree[key] = tiles_agree(k, n, dtype, torch.device(device), CUDA_TILE_ROWS,
                                       MAX_LAUNCH_TILES)  # fmt: skip
         return _agree[key]
+
+
+def check_linears(model: nn.Module) -> None:
+    """Make :func:`cuda_tiles_agree`'s check now for every linear layer of ``model`` on CUDA in
+    a tiled dtype: at load, before the KV cache takes the memory its scratch needs (an 8B
+    model's MLP: ~1 GB), rather than inside the first step."""
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = module.weight
+        if weight.is_cuda and weight.dtype in TILED_DTYPES:
+            cuda_tiles_agree(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
 
 
 def tiles_agree(

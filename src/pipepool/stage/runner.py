@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..core.digest import Digest, check_digest, empty_ids
 from ..core.plan import StepPlan
 from ..errors import StateDivergence
-from ..layers import segment_sum
+from ..layers import invariant_tiles, segment_sum
 from ..layers.invariant_ops import batch_invariant
 from ..loading.model_folder import ModelFolder
 from ..loading.stage_spec import StageSpec
@@ -121,6 +121,8 @@ class StageRunner:
         self.model = load_stage_model(
             config, folder, spec, compile_now=spec.compile and not spec.compile_in_background
         )
+        if config.batch_invariant:  # its products' checks made before the KV cache is taken
+            invariant_tiles.check_linears(self.model)
         self.kv_cache = None
         if self.model.causal:
             layout = self.model.kv_layout

@@ -11,6 +11,7 @@ arithmetic, so ``pixel_values`` equals the processor's."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import warnings
@@ -123,14 +124,16 @@ class ImageProcessing:
         array = array.transpose(2, 0, 1)  # channels first
         if self.do_center_crop and self.crop_size:
             array = _center_crop(array, int(self.crop_size["height"]), int(self.crop_size["width"]))
-        if self.do_rescale:
-            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            array = array.astype(np.float32, copy=False)
-            mean = np.array(self.image_mean, dtype=array.dtype)[:, None, None]
-            std = np.array(self.image_std, dtype=array.dtype)[:, None, None]
-            array = (array - mean) / std
-        return np.ascontiguousarray(array, dtype=np.float32)
+        scaling = (self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
+                   self.image_std)  # fmt: skip
+        if array.dtype == np.uint8:
+            # Each of the 256 byte values through the arithmetic once, then looked up: the
+            # same bits (every operation is elementwise IEEE arithmetic), one pass over the
+            # pixels where the arithmetic takes five (10 ms against 150 for 1024x768 here).
+            table = _byte_table(scaling, array.shape[0])
+            if len(table) == array.shape[0]:
+                return table[np.arange(len(table))[:, None, None], array]
+        return _scaled(array, *scaling)
 
     def _resized(self, height: int, width: int) -> tuple[int, int]:
         size = self.size
@@ -140,6 +143,35 @@ class ImageProcessing:
             new_long = int(edge * long / short)
             return (new_long, edge) if width <= height else (edge, new_long)
         return int(size["height"]), int(size["width"])
+
+
+def _scaled(
+    array: np.ndarray,
+    do_rescale: bool,
+    rescale_factor: float,
+    do_normalize: bool,
+    image_mean: tuple[float, ...],
+    image_std: tuple[float, ...],
+) -> np.ndarray:
+    """[C, H, W] float32: rescaled and normalised in transformers' arithmetic (the rescale in
+    float64, the normalisation in float32)."""
+    if do_rescale:
+        array = (array.astype(np.float64) * rescale_factor).astype(np.float32)
+    if do_normalize:
+        array = array.astype(np.float32, copy=False)
+        mean = np.array(image_mean, dtype=array.dtype)[:, None, None]
+        std = np.array(image_std, dtype=array.dtype)[:, None, None]
+        array = (array - mean) / std
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _byte_table(scaling: tuple, channels: int) -> np.ndarray:
+    """[C, 256] float32: what :func:`_scaled` makes of each byte value in each channel."""
+    values = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256))
+    table = _scaled(values, *scaling)[:, 0, :]
+    table.setflags(write=False)  # shared by every call
+    return table
 
 
 def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -74,9 +74,9 @@ def test_the_cuda_check_is_made_once_per_shape(monkeypatch):
     assert len(calls) == 2
 
 
-def test_check_linears_checks_each_linear_shape_on_cuda_only(monkeypatch):
-    """At load the check runs for every CUDA linear layer in a tiled dtype; CPU layers (and
-    other modules) are left alone."""
+def test_check_linears_leaves_cpu_layers_alone(monkeypatch):
+    """The load-time check is for CUDA linear layers in a tiled dtype only: a CPU model asks
+    nothing (the CUDA side runs in tests/test_batch_invariance_gpu.py's engines)."""
     asked = []
     monkeypatch.setattr(invariant_tiles, "cuda_tiles_agree", lambda *a: asked.append(a) or True)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))

@@ -20,6 +20,8 @@ import argparse
 import io
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -108,37 +110,77 @@ def run_engine(folder: Path, images: list[bytes], args) -> tuple[float, np.ndarr
     return len(images) / best, np.asarray(vectors)
 
 
-def run_transformers(folder: Path, images: list[bytes], args) -> tuple[float, np.ndarray]:
+def load_peer(folder: Path, dtype, device: str, batch_size: int):
+    """transformers' side: a function from encoded images to their features, in ``dtype``."""
     import torch
     from PIL import Image
     from transformers import CLIPImageProcessorPil, CLIPModel
 
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = CLIPModel.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
+    model = CLIPModel.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     # The PIL processor: the one transformers has without torchvision (the GPU machine has none),
     # and the one whose pixel values pipepool's preprocessing equals.
     processor = CLIPImageProcessorPil.from_pretrained(str(folder))
 
-    def one_pass() -> np.ndarray:
+    def vectors(images: list[bytes]) -> np.ndarray:
         parts = []
-        for i in range(0, len(images), args.batch_size):
-            chunk = images[i : i + args.batch_size]
+        for i in range(0, len(images), batch_size):
+            chunk = images[i : i + batch_size]
             batch = [Image.open(io.BytesIO(b)).convert("RGB") for b in chunk]
             pixels = processor(images=batch, return_tensors="pt")["pixel_values"]
             with torch.inference_mode():
-                out = model.get_image_features(pixel_values=pixels.to(args.device, dtype))
+                out = model.get_image_features(pixel_values=pixels.to(device, dtype))
             parts.append(getattr(out, "pooler_output", out).float().cpu().numpy())
         return np.concatenate(parts)
 
-    processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images[:32]])  # warm
-    best, vectors = float("inf"), None
+    return vectors
+
+
+def run_transformers(folder: Path, images: list[bytes], args) -> tuple[float, np.ndarray]:
+    import torch
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    vectors = load_peer(folder, dtype, args.device, args.batch_size)
+    vectors(images[:32])  # warm
+    best, out = float("inf"), None
     for _ in range(args.passes):
         start = time.perf_counter()
-        vectors = one_pass()
+        out = vectors(images)
         if args.device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
-    return len(images) / best, vectors
+    return len(images) / best, out
+
+
+@contextmanager
+def float32_only() -> Iterator[None]:
+    """float32 products and convolutions in IEEE float32 (no TF32) inside, as a float32
+    reference needs; the process's settings back after."""
+    import torch
+
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def bf16_rule_line(ours: np.ndarray, peer: np.ndarray, reference: np.ndarray) -> str:
+    """docs/design.md §3 on these rows: pipepool's 16-bit error against the float32 reference
+    beside transformers' own and the bound the rule allows, and how many rows keep to it."""
+    from pipepool.parity.compare import allowed_error, cosine_rows
+
+    ours_error = 1 - cosine_rows(ours, reference)
+    peer_error = 1 - cosine_rows(peer, reference)
+    allowed = allowed_error(peer, reference)
+    kept = int((ours_error <= allowed).sum())
+    return (
+        f"bf16 rule on {len(reference)} inputs vs float32: {kept}/{len(reference)} within | "
+        f"pipepool max 1-cos {ours_error.max():.2e} | transformers bf16 max 1-cos "
+        f"{peer_error.max():.2e} | tightest margin {(allowed - ours_error).min():.2e}"
+    )
 
 
 def main() -> None:
@@ -148,6 +190,10 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=128, help="the peer's batch")
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument(
+        "--reference", type=int, default=0, metavar="N",
+        help="also judge the first N images by docs/design.md's bf16 rule against float32",
+    )  # fmt: skip
     args = parser.parse_args()
     folder = build_checkpoint(args.shape)
     images = make_images(args.images, seed=0)
@@ -159,6 +205,13 @@ def main() -> None:
         f"pipepool {engine_rate:,.0f} images/s | transformers {peer_rate:,.0f} images/s | "
         f"ratio {engine_rate / peer_rate:.2f}x | min cos {cos.min():.6f}"
     )
+    if args.reference:
+        import torch
+
+        n = args.reference
+        with float32_only():
+            ref = load_peer(folder, torch.float32, args.device, args.batch_size)(images[:n])
+        print(bf16_rule_line(ours[:n], theirs[:n], ref))
 
 
 if __name__ == "__main__":

@@ -166,6 +166,32 @@ def test_auto_options_are_resolved_once_in_the_deployment(minilm_path):
     assert d.graph_max_tokens == d.max_num_batched_tokens
 
 
+def test_a_batch_invariant_forward_replays_every_step_as_graphs():
+    from pipepool.loading.deployment import _graph_max_tokens
+
+    big_model = 2 * 8e9  # FLOPs per token of an 8B model: only short steps are worth a graph
+    assert _graph_max_tokens(16384, big_model, every_step=False) == 512
+    # The invariant forward launches every op from Python at any size: all its steps replay.
+    assert _graph_max_tokens(16384, big_model, every_step=True) == 16384
+
+
+def test_graphs_over_every_step_have_their_memory_set_aside(minilm_path):
+    """The graphs' private pool at the largest bucket comes out of the KV cache's share, not
+    out of the memory the cache took (a capture that runs out of memory runs eagerly)."""
+    from pipepool.loading.deployment import memory_needs
+
+    def working_set(**options) -> int:
+        return memory_needs(EngineConfig(model=str(minilm_path), **options), "cuda").activations
+
+    default = working_set()
+    assert working_set(batch_invariant=True) > 2 * default
+    assert working_set(batch_invariant=True, cuda_graphs=False) == default
+    on_cpu = memory_needs(EngineConfig(model=str(minilm_path), batch_invariant=True), "cpu")
+    assert (
+        on_cpu.activations == memory_needs(EngineConfig(model=str(minilm_path)), "cpu").activations
+    )
+
+
 def test_the_driver_side_imports_without_torch():
     code = (
         "import sys\n"

@@ -261,7 +261,7 @@ def plan_deployment(
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
         graph_max_tokens=(
-            _graph_max_tokens(budget, per_token)
+            _graph_max_tokens(budget, per_token, every_step=config.batch_invariant)
             if _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
             else 0
         ),
@@ -362,7 +362,9 @@ def memory_needs(config: EngineConfig, device_kind: str) -> ModelMemory:
         least = -(-longest // config.block_size) * config.block_size
     return ModelMemory(
         weights=int(weights),
-        activations=_activation_bytes(budget, whole, parts.dtype),
+        activations=_working_set_bytes(
+            config, budget, whole, max(len(r) for r in layers), parts.dtype, cuda
+        ),
         overhead=_GPU_OVERHEAD_BYTES if cuda else _CPU_PROCESS_BYTES,
         kv_bytes_per_token=per_token,
         min_kv_tokens=least,
@@ -439,8 +441,12 @@ def _is_embedding(name: str) -> bool:
     return "embed" in name or name == "shared.weight" or "relative_attention_bias" in name
 
 
-def _graph_max_tokens(budget: int, per_token: float) -> int:
-    """Largest step (tokens) worth a CUDA graph."""
+def _graph_max_tokens(budget: int, per_token: float, every_step: bool) -> int:
+    """Largest step (tokens) worth a CUDA graph: every step where ``every_step`` (the
+    batch-invariant forward launches each product, norm and elementwise op from Python, with
+    no compiled bodies, so its launches cost the host as much as a large step costs the GPU)."""
+    if every_step:
+        return budget
     return min(budget, max(_pow2_at_most(_STEP_FLOPS / per_token), _GRAPH_MIN_TOKENS))
 
 
@@ -569,7 +575,8 @@ def _gpu_kv_tokens(
     """What is left of the smallest GPU after the largest stage's weights and a working set
     for one step's activations (set by the token budget)."""
     stage_weights = _stage_weight_bytes(checkpoint, family, layers, whole.num_layers, dtype)
-    activations = _activation_bytes(step_tokens, whole, dtype)
+    largest = max(len(r) for r in layers)
+    activations = _working_set_bytes(config, step_tokens, whole, largest, dtype, cuda=True)
     if free_bytes is None:
         free_bytes = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
     # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
@@ -590,6 +597,22 @@ def _stage_weight_bytes(checkpoint, family, layers, num_layers: int, dtype) -> f
         _numel(e.shape) for name, e in checkpoint.entries.items() if not family.ignored.match(name)
     )
     return weights * itemsize * max(len(r) for r in layers) / num_layers
+
+
+def _working_set_bytes(
+    config: EngineConfig, step_tokens: int, whole, stage_layers: int, dtype, cuda: bool
+) -> int:
+    """Memory a stage's steps work in: one step's activations; where every step is replayed as
+    CUDA graphs (``batch_invariant``: ``_graph_max_tokens``), also the graphs' private pool at
+    the largest bucket: a step's activations again, and each layer's attention inputs and
+    output (at most 8 widths of the hidden state a token), which stay allocated between the
+    pieces a forward is captured in."""
+    eager = _activation_bytes(step_tokens, whole, dtype)
+    if not (cuda and config.batch_invariant and config.cuda_graphs is not False):
+        return eager
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pieces = step_tokens * stage_layers * 8 * whole.hidden_size * itemsize
+    return 2 * eager + pieces
 
 
 def _activation_bytes(step_tokens: int, whole, dtype) -> int:

@@ -218,6 +218,9 @@ class GraphedForward:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.model(x, step, kv_caches)  # warm-up
+            # The warm-up's blocks back to the device: the graphs' private pool cannot take
+            # them from the allocator's cache, and a large bucket needs them.
+            torch.cuda.empty_cache()
             if split:
                 splitter = _Splitter(captured, meta, self._pool)
                 step = replace(step, attn=replace(meta, graph_split=splitter))

@@ -8,11 +8,12 @@ same texts, same process, rounds interleaved (issue 60; docs/batch-invariance.md
 of Qwen3-Embedding-0.6B's config (built once under /tmp/pipepool-bench by gpu_suite.py's
 builder). On CUDA each engine has half the GPU. The rounds start once the default mode's
 background compile is done (its compiled layers are what it runs for good) and each engine has
-embedded the texts once (every step size's graphs captured). Each round embeds the texts once per mode, alternating which
-goes first, so a burst of load from other processes hits both alike. Reported per model: best
-and median texts/s of each mode, the cost (1 - on / off, best against best and median against
-median), whether the first texts' vectors were the same bits alone and inside the batch with
-the option on, and the minimum cosine between the two modes' vectors.
+embedded the texts once (every step size's graphs captured). Each round embeds the texts once
+per mode, alternating which goes first, so a burst of load from other processes hits both
+alike. Reported per model: best and median texts/s of each mode, the cost (1 - on / off, best
+against best and median against median), whether the first texts' vectors were the same bits
+alone and inside the batch with the option on, and the minimum cosine between the two modes'
+vectors.
 """
 
 from __future__ import annotations

@@ -48,3 +48,34 @@ print("ok")
 
 def test_gated_kernels_match_torch_in_the_interpreter():
     run_interpreted(_SCRIPT, timeout=600)
+
+
+_BIAS_GELU_SCRIPT = r"""
+import torch
+import torch.nn.functional as F
+from pipepool.layers.gated_activation import add_bias_, agrees, bias_gelu_tanh_
+
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    # 1100 columns: a block and a partial one; rows of a larger buffer, as a tiled product's.
+    y = (torch.randn(30, 1100) * 2).to(dtype)[:23]
+    bias = torch.randn(1100).to(dtype)
+    want = F.gelu(y + bias, approximate="tanh")  # the eager ops it replaces
+    got = bias_gelu_tanh_(y.clone(), bias)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert agrees(want, got), dtype
+    if dtype != torch.float32:
+        assert (got != want).float().mean().item() < 0.05, dtype
+    # Elementwise: a row's result is the same alone and among others.
+    assert torch.equal(bias_gelu_tanh_(y[5:6].clone(), bias), got[5:6])
+    inplace = y.clone()
+    assert bias_gelu_tanh_(inplace, bias) is inplace and torch.equal(inplace, got)
+    summed = y.clone()
+    assert add_bias_(summed, bias) is summed and torch.equal(summed, y + bias), dtype
+assert bias_gelu_tanh_(torch.empty(0, 8, dtype=torch.bfloat16), torch.zeros(8)).shape == (0, 8)
+print("ok")
+"""
+
+
+def test_bias_gelu_kernel_matches_torch_in_the_interpreter():
+    run_interpreted(_BIAS_GELU_SCRIPT, timeout=600)

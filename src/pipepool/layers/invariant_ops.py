@@ -23,6 +23,10 @@ go through :func:`invariant_linear`, which computes every row with one fixed-sha
   (``mean`` / ``sum`` / ``vector_norm`` over the last dimension, as RMSNorm and the L2 head use
   them) as one program per row.
 
+On CUDA a product's bias (and the GELU of ``torch._addmm_activation``) is added in one
+elementwise Triton pass over it in place (``gated_activation.add_bias_`` /
+``bias_gelu_tanh_``), where cuBLASLt's epilogues would have done it in the default path.
+
 Attention keeps its own invariant kernel (``attention.attend`` asks :func:`active`). Norms
 that torch computes one row per thread block (``layer_norm``) or one row per loop iteration
 (every CPU reduction over the last dimension of fewer than 32,768 elements) are row-local
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import invariant_tiles
+from . import gated_activation, invariant_tiles
 
 # Rows per CPU GEMM tile: small enough that short steps waste little on padding, large enough
 # that each tile runs MKL's blocked kernel at full speed (measured: bmm over 16-row tiles ran
@@ -111,7 +115,10 @@ def invariant_matmul(
 
         return invariant_triton.matmul(rows, b, bias).view(*lead, n)
     if bias is not None:
-        out = out + bias
+        if gated_activation.available(out.device, out.dtype) and bias.dim() == 1:
+            out = gated_activation.add_bias_(out, bias)  # vectorised, the same bits
+        else:
+            out = out + bias
     return out.view(*lead, n)
 
 
@@ -171,6 +178,9 @@ class BatchInvariantMode(TorchFunctionMode):
         if func is torch._addmm_activation:
             bias, x, b = args[:3]
             gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
+            if gelu and gated_activation.available(x.device, x.dtype) and bias.dim() == 1:
+                # The bias and the GELU in one pass over the product (elementwise: invariant).
+                return gated_activation.bias_gelu_tanh_(invariant_matmul(x, b), bias)
             out = invariant_matmul(x, b, bias)
             return F.gelu(out, approximate="tanh") if gelu else F.relu(out)
         if func in _MATMULS or func in _ADDMMS or func in _UNSUPPORTED:

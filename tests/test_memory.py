@@ -209,3 +209,19 @@ def test_trimming_returns_free_pages_scattered_through_a_threads_arena():
         [sys.executable, "-c", _SCATTERED], capture_output=True, text=True, env=env, check=True
     ).stdout
     assert int(out) > 64, f"malloc_trim gave back only {out.strip()} MB"
+
+
+def test_free_gpu_memory_counts_what_this_process_holds_unused(monkeypatch):
+    """An engine closed earlier in the process leaves its blocks in torch's allocator, where the
+    driver counts them as taken: the next engine's KV cache is sized after they are given back."""
+    import torch
+
+    from pipepool.loading.deployment import free_gpu_bytes
+
+    gib = 2**30
+    held = {"unused": 10 * gib}  # the closed engine's blocks, cached by the allocator
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: held.update(unused=0))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (12 * gib - held["unused"], 80 * gib)
+    )
+    assert free_gpu_bytes() == 12 * gib

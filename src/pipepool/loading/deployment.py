@@ -5,6 +5,7 @@ an option on its own."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import warnings
@@ -578,7 +579,7 @@ def _gpu_kv_tokens(
     largest = max(len(r) for r in layers)
     activations = _working_set_bytes(config, step_tokens, whole, largest, dtype, cuda=True)
     if free_bytes is None:
-        free_bytes = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
+        free_bytes = min(free_gpu_bytes(torch.device(d)) for d in devices)
     # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
     usable = free_bytes * GPU_MEMORY_UTILIZATION * config.gpu_memory_share
     budget = usable - stage_weights - activations - _GPU_OVERHEAD_BYTES
@@ -597,6 +598,16 @@ def _stage_weight_bytes(checkpoint, family, layers, num_layers: int, dtype) -> f
         _numel(e.shape) for name, e in checkpoint.entries.items() if not family.ignored.match(name)
     )
     return weights * itemsize * max(len(r) for r in layers) / num_layers
+
+
+def free_gpu_bytes(device: torch.device | None = None) -> int:
+    """Memory a new engine may take on ``device``: the driver's free memory once this process's
+    allocator has given back what it holds unused. An engine closed earlier in the same
+    process leaves its blocks (and its graphs' pools, kept by reference cycles until a
+    collection) there, where the driver counts them as taken."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _working_set_bytes(

@@ -19,7 +19,12 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import ModelLoadError, StageFailure
-from ..loading.deployment import Deployment, plan_deployment, resolve_device_kind
+from ..loading.deployment import (
+    Deployment,
+    free_gpu_bytes,
+    plan_deployment,
+    resolve_device_kind,
+)
 from .rendezvous import TorchrunEnv, engine_store, torchrun_store
 
 PLAN_KEY = "deployment"
@@ -63,7 +68,7 @@ def torchrun_deployment(config: EngineConfig, env: TorchrunEnv) -> Deployment:
                 "GPU(s); start at most that many processes per node (--nproc-per-node)"
             )
         torch.cuda.set_device(env.local_rank)  # before anything else touches CUDA
-        store.set(f"free-bytes/{env.rank}", str(torch.cuda.mem_get_info()[0]))
+        store.set(f"free-bytes/{env.rank}", str(free_gpu_bytes()))
     else:
         store.set(f"free-bytes/{env.rank}", "0")
     if env.rank > 0:

@@ -166,13 +166,17 @@ def test_auto_options_are_resolved_once_in_the_deployment(minilm_path):
     assert d.graph_max_tokens == d.max_num_batched_tokens
 
 
-def test_a_batch_invariant_forward_replays_every_step_as_graphs():
+def test_a_batch_invariant_forward_replays_larger_steps_as_graphs():
     from pipepool.loading.deployment import _graph_max_tokens
 
-    big_model = 2 * 8e9  # FLOPs per token of an 8B model: only short steps are worth a graph
-    assert _graph_max_tokens(16384, big_model, every_step=False) == 512
-    # The invariant forward launches every op from Python at any size: all its steps replay.
-    assert _graph_max_tokens(16384, big_model, every_step=True) == 16384
+    # FLOPs per token of the non-embedding weights: Qwen3-0.6B's and an 8B model's.
+    small, big = 2 * 0.44e9, 2 * 7e9
+    assert _graph_max_tokens(16384, small, invariant=False) == 2048
+    assert _graph_max_tokens(16384, big, invariant=False) == 512
+    # The invariant forward launches every op from Python: the 0.6B's whole budget replays,
+    # and an 8B model's steps up to 2,048 tokens (larger ones keep the GPU busy themselves).
+    assert _graph_max_tokens(16384, small, invariant=True) == 16384
+    assert _graph_max_tokens(16384, big, invariant=True) == 2048
 
 
 def test_graphs_over_every_step_have_their_memory_set_aside(minilm_path):

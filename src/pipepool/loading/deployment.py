@@ -230,11 +230,20 @@ def plan_deployment(
     fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, checkpoint)
     budget = step_tokens(config, cuda, per_token)
+    graph_tokens = (
+        _graph_max_tokens(budget, per_token, invariant=config.batch_invariant)
+        if _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
+        else 0
+    )
     kv_tokens = 0
     if causal:
+        # The invariant forward's graphs replay steps far larger than the default's, whose
+        # pools the process overhead covers: theirs is set aside.
+        pool_tokens = graph_tokens if config.batch_invariant else 0
         kv_tokens = _kv_cache_tokens(
-            config, budget, family, checkpoint, whole, layers, dtype, devices, gpu_free_bytes
-        )
+            config, budget, pool_tokens, family, checkpoint, whole, layers, dtype, devices,
+            gpu_free_bytes,
+        )  # fmt: skip
     block = config.block_size
     return Deployment(
         config=config,
@@ -261,11 +270,7 @@ def plan_deployment(
             and whole.compiles
             and (len(layers) == 1 or config.pipeline_backend == "inproc")
         ),
-        graph_max_tokens=(
-            _graph_max_tokens(budget, per_token, every_step=config.batch_invariant)
-            if _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
-            else 0
-        ),
+        graph_max_tokens=graph_tokens,
         overlap_steps=_auto(config.overlap_steps, cuda),
         length_sorted=not cuda and not causal,
         classifier=classifier,
@@ -351,21 +356,21 @@ def memory_needs(config: EngineConfig, device_kind: str) -> ModelMemory:
     whole, family = parts.whole, parts.family
     layers = split_layers(whole.num_layers, config.pipeline_parallel_size, config.pp_partition)
     cuda = device_kind == "cuda"
-    budget = step_tokens(config, cuda, flops_per_token(family, parts.checkpoint))
+    per_step = flops_per_token(family, parts.checkpoint)
+    budget = step_tokens(config, cuda, per_step)
+    graphs = _invariant_graph_tokens(config, cuda, budget, per_step)
+    largest = max(len(r) for r in layers)
     weights = _stage_weight_bytes(parts.checkpoint, family, layers, whole.num_layers, parts.dtype)
     per_token = 0
     least = 0
     if parts.causal:
         assert whole.kv_layout is not None, "a causal model keeps a KV cache"
-        largest = max(len(r) for r in layers)
         per_token = kv_bytes_per_token(whole.kv_layout, largest, parts.dtype)
         longest = _max_model_len(config, parts.folder, whole.max_positions) + budget
         least = -(-longest // config.block_size) * config.block_size
     return ModelMemory(
         weights=int(weights),
-        activations=_working_set_bytes(
-            config, budget, whole, max(len(r) for r in layers), parts.dtype, cuda
-        ),
+        activations=_working_set_bytes(budget, graphs, whole, largest, parts.dtype),
         overhead=_GPU_OVERHEAD_BYTES if cuda else _CPU_PROCESS_BYTES,
         kv_bytes_per_token=per_token,
         min_kv_tokens=least,
@@ -415,6 +420,7 @@ def _auto(wanted: bool | None, default: bool) -> bool:
 # Steps up to ~2 TFLOP (a few ms of an H200) are replayed; larger ones run eagerly. The same
 # size bounds the default budget of small models from below (``step_tokens``).
 _STEP_FLOPS = 2e12
+_INVARIANT_GRAPH_FACTOR = 16
 _GRAPH_MIN_TOKENS = 512
 
 
@@ -442,13 +448,21 @@ def _is_embedding(name: str) -> bool:
     return "embed" in name or name == "shared.weight" or "relative_attention_bias" in name
 
 
-def _graph_max_tokens(budget: int, per_token: float, every_step: bool) -> int:
-    """Largest step (tokens) worth a CUDA graph: every step where ``every_step`` (the
-    batch-invariant forward launches each product, norm and elementwise op from Python, with
-    no compiled bodies, so its launches cost the host as much as a large step costs the GPU)."""
-    if every_step:
-        return budget
-    return min(budget, max(_pow2_at_most(_STEP_FLOPS / per_token), _GRAPH_MIN_TOKENS))
+def _graph_max_tokens(budget: int, per_token: float, *, invariant: bool) -> int:
+    """Largest step (tokens) worth a CUDA graph: ~2 TFLOP, or ``_INVARIANT_GRAPH_FACTOR``
+    times that for a batch-invariant forward, which runs uncompiled, each op launched from
+    Python through its mode (measured on an H100, Qwen3-0.6B shape: replaying its steps up to
+    16,384 tokens, ~15 TFLOP, took its cost against the default from 10-24% to under 1%)."""
+    flops = _STEP_FLOPS * (_INVARIANT_GRAPH_FACTOR if invariant else 1)
+    return min(budget, max(_pow2_at_most(flops / per_token), _GRAPH_MIN_TOKENS))
+
+
+def _invariant_graph_tokens(config: EngineConfig, cuda: bool, budget: int, per_token: float) -> int:
+    """The graphs' largest step where their pool counts in the working set (batch_invariant on
+    CUDA with graphs not switched off), else 0; without the device, as ``memory_needs`` is."""
+    if not (cuda and config.batch_invariant and config.cuda_graphs is not False):
+        return 0
+    return _graph_max_tokens(budget, per_token, invariant=True)
 
 
 def _pow2_at_most(x: float) -> int:
@@ -552,9 +566,11 @@ def _max_model_len(config: EngineConfig, folder: ModelFolder, model_limit: int) 
 
 
 def _kv_cache_tokens(
-    config, budget: int, family: Family, checkpoint, whole, layers, dtype, devices, free_bytes
-) -> int:
-    """Tokens of KV every stage can hold: the user's number, or what memory allows."""
+    config, budget: int, pool_tokens: int, family: Family, checkpoint, whole, layers, dtype,
+    devices, free_bytes,
+) -> int:  # fmt: skip
+    """Tokens of KV every stage can hold: the user's number, or what memory allows beside
+    the working set (``_working_set_bytes``)."""
     largest = max(len(r) for r in layers)
     per_token = kv_bytes_per_token(whole.kv_layout, largest, dtype)
     if config.kv_cache_tokens is not None:
@@ -563,21 +579,23 @@ def _kv_cache_tokens(
         tokens = _CPU_KV_BYTES // per_token
     else:
         tokens = _gpu_kv_tokens(
-            config, budget, checkpoint, family, whole, layers, dtype, devices, per_token, free_bytes
-        )
+            config, budget, pool_tokens, checkpoint, family, whole, layers, dtype, devices,
+            per_token, free_bytes,
+        )  # fmt: skip
     if tokens < config.block_size:
         raise ModelLoadError(f"KV cache of {tokens} tokens is smaller than one block")
     return tokens
 
 
 def _gpu_kv_tokens(
-    config, step_tokens, checkpoint, family, whole, layers, dtype, devices, per_token, free_bytes
-) -> int:
+    config, step_tokens, pool_tokens, checkpoint, family, whole, layers, dtype, devices,
+    per_token, free_bytes,
+) -> int:  # fmt: skip
     """What is left of the smallest GPU after the largest stage's weights and a working set
     for one step's activations (set by the token budget)."""
     stage_weights = _stage_weight_bytes(checkpoint, family, layers, whole.num_layers, dtype)
     largest = max(len(r) for r in layers)
-    activations = _working_set_bytes(config, step_tokens, whole, largest, dtype, cuda=True)
+    activations = _working_set_bytes(step_tokens, pool_tokens, whole, largest, dtype)
     if free_bytes is None:
         free_bytes = min(free_gpu_bytes(torch.device(d)) for d in devices)
     # Replicas sharing a GPU (replicas_per_gpu) each budget their share of it.
@@ -610,20 +628,29 @@ def free_gpu_bytes(device: torch.device | None = None) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _working_set_bytes(
-    config: EngineConfig, step_tokens: int, whole, stage_layers: int, dtype, cuda: bool
-) -> int:
-    """Memory a stage's steps work in: one step's activations; where every step is replayed as
-    CUDA graphs (``batch_invariant``: ``_graph_max_tokens``), also the graphs' private pool at
-    the largest bucket: a step's activations again, and each layer's attention inputs and
-    output (at most 8 widths of the hidden state a token), which stay allocated between the
-    pieces a forward is captured in."""
+def _working_set_bytes(step_tokens: int, pool_tokens: int, whole, stage_layers: int, dtype) -> int:
+    """Memory a stage's steps work in: one step's activations, and where ``pool_tokens`` (the
+    largest step of the batch-invariant forward's graphs, 0 for none) the graphs' private pool
+    at that bucket: a step's activations again, and what each layer's pieces keep between
+    them (``_piece_widths``; on the 0.6B shape at 16,384 tokens, 9.5 GB in all, which the
+    H100 runs captured in)."""
     eager = _activation_bytes(step_tokens, whole, dtype)
-    if not (cuda and config.batch_invariant and config.cuda_graphs is not False):
+    if not pool_tokens:
         return eager
     itemsize = torch.empty((), dtype=dtype).element_size()
-    pieces = step_tokens * stage_layers * 8 * whole.hidden_size * itemsize
-    return 2 * eager + pieces
+    pieces = pool_tokens * stage_layers * _piece_widths(whole) * itemsize
+    return eager + _activation_bytes(pool_tokens, whole, dtype) + pieces
+
+
+def _piece_widths(whole) -> int:
+    """Values of one token a layer's graph pieces keep between them: its attention's q, k, v
+    and output, and the hidden state and residual carried to the next piece."""
+    carried = 2 * whole.hidden_size
+    layout = whole.kv_layout
+    if layout is None:  # an encoder: as many heads for keys as for queries
+        return 4 * whole.hidden_size + carried
+    query_heads = layout.num_kv_heads * whole.attention_shape.group
+    return 2 * (query_heads + layout.num_kv_heads) * layout.head_dim + carried
 
 
 def _activation_bytes(step_tokens: int, whole, dtype) -> int:

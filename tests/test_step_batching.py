@@ -179,9 +179,10 @@ def test_a_batch_invariant_forward_replays_larger_steps_as_graphs():
     assert _graph_max_tokens(16384, big, invariant=True) == 2048
 
 
-def test_graphs_over_every_step_have_their_memory_set_aside(minilm_path):
-    """The graphs' private pool at the largest bucket comes out of the KV cache's share, not
-    out of the memory the cache took (a capture that runs out of memory runs eagerly)."""
+def test_the_invariant_graphs_have_their_memory_set_aside(minilm_path):
+    """The invariant forward's graphs replay large steps: their private pool at the largest
+    bucket comes out of the KV cache's share, not out of the memory the cache took (a capture
+    that runs out of memory runs eagerly)."""
     from pipepool.loading.deployment import memory_needs
 
     def working_set(**options) -> int:

@@ -43,6 +43,12 @@ if triton is not None:
         return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
+    def _gelu_tanh(x):
+        """0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) * (x + 0.044715 x^3), fp32."""
+        two_u = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(-two_u))
+
+    @triton.jit
     def _gated_kernel(
         gate_up_ptr,  # [T, 2 I]: gate | up
         out_ptr,  # [T, I]
@@ -62,14 +68,13 @@ if triton is not None:
         up = tl.load(src + width, mask=mask, other=0.0).to(tl.float32)
         if SILU:  # x * sigmoid(x)
             act = _rounded(gate / (1.0 + tl.exp(-gate)), DTYPE, EXACT_CAST)
-        else:  # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) * (x + 0.044715 x^3)
-            two_u = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-            act = _rounded(gate / (1.0 + tl.exp(-two_u)), DTYPE, EXACT_CAST)
+        else:
+            act = _rounded(_gelu_tanh(gate), DTYPE, EXACT_CAST)
         out = _rounded(act * up, DTYPE, EXACT_CAST)
         tl.store(out_ptr + row * stride_out + cols, out.to(DTYPE), mask=mask)
 
     @triton.jit
-    def _bias_gelu_kernel(
+    def _bias_kernel(
         y_ptr,  # [T, N], written in place
         bias_ptr,  # [N]
         stride,
@@ -87,8 +92,7 @@ if triton is not None:
         bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = _rounded(y + bias, DTYPE, EXACT_CAST)  # as the eager addition rounds it
         if GELU:
-            two_u = 1.5957691216057308 * (out + 0.044715 * out * out * out)
-            out = _rounded(out / (1.0 + tl.exp(-two_u)), DTYPE, EXACT_CAST)
+            out = _rounded(_gelu_tanh(out), DTYPE, EXACT_CAST)
         tl.store(ptr, out.to(DTYPE), mask=mask)
 
 
@@ -129,7 +133,7 @@ def _bias(y: torch.Tensor, bias: torch.Tensor, *, gelu: bool) -> torch.Tensor:
     assert y.dim() == 2 and y.stride(1) == 1, "rows of contiguous columns"
     tokens, width = y.shape
     if tokens:
-        _bias_gelu_kernel[(tokens, triton.cdiv(width, _BLOCK))](
+        _bias_kernel[(tokens, triton.cdiv(width, _BLOCK))](
             y, bias.contiguous(), y.stride(0), width,
             BLOCK=_BLOCK, DTYPE=_TL_DTYPES[y.dtype], EXACT_CAST=not INTERPRETING, GELU=gelu,
             num_warps=_WARPS,

@@ -42,7 +42,7 @@ def test_float_rows_match_one_at_a_time(dtype, width):
     matrix = _matrix(6, width, seed=1)
     one_by_one = [encode_array(row, "float", dtype) for row in matrix]
     rows = encode_rows(matrix, "float", dtype)
-    assert json.dumps(rows) == json.dumps(one_by_one)
+    assert b"".join(lock_blocks.dumps(rows)) == _one_call(one_by_one)
 
 
 def test_rows_of_a_list_and_of_nothing():
@@ -84,18 +84,25 @@ def _one_call(value) -> bytes:
 def test_a_large_answer_in_blocks_is_the_bytes_of_one_call():
     matrix = _matrix(2048, 384, seed=4)
     rows = encode_rows(matrix, "float")
-    assert rows == matrix.tolist()  # converted in blocks, the same lists
-    answer = {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(rows)],
-        "model": "m",
-        "usage": {"prompt_tokens": 7, "total_tokens": 7},
-    }
-    parts = lock_blocks.dumps(answer)
+    lists = matrix.tolist()
+    assert [row.tolist() for row in rows] == lists  # float64 rows: the same numbers
+
+    def answer_of(vectors):
+        return {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(vectors)
+            ],
+            "model": "m",
+            "usage": {"prompt_tokens": 7, "total_tokens": 7},
+        }
+
+    parts = lock_blocks.dumps(answer_of(rows))
     assert len(parts) > 2048 * 384 // lock_blocks.LOCK_VALUES  # a block of rows a part at least
-    assert b"".join(parts) == _one_call(answer)
+    assert b"".join(parts) == _one_call(answer_of(lists))  # the bytes of the lists in one call
     # TEI's shape (the list itself), two large lists in one answer, a small answer.
-    assert b"".join(lock_blocks.dumps(rows)) == _one_call(rows)
+    assert b"".join(lock_blocks.dumps(rows)) == _one_call(lists)
+    rows = lists
     two = {"a": rows[:1000], 3: "x", "b": [[1.5] * 100] * 400}
     assert len(lock_blocks.dumps(two)) > 3 and b"".join(lock_blocks.dumps(two)) == _one_call(two)
     small = {"data": rows[:4]}

@@ -115,14 +115,16 @@ def encode_rows(
     embed_dtype: EmbedDtype = "float32",
     endianness: Endianness = "little",
 ) -> list:
-    """``encode_array`` of each of ``vectors``, the same values and strings; a matrix is
-    converted in one go (rounding, byte order, ``tolist``, base64), not a row at a time: per
-    row, Python's own work would cost more than the conversion itself for short vectors."""
+    """``encode_array`` of each of ``vectors``, the same values and strings, where a matrix's
+    float rows are float64 arrays that ``lock_blocks.dumps`` writes as their lists would be
+    written; a matrix is converted in one go (rounding, byte order, widening, base64), not a
+    row at a time: per row, Python's own work would cost more than the conversion itself for
+    short vectors."""
     if not _is_matrix(vectors):
         return [encode_array(v, encoding_format, embed_dtype, endianness) for v in vectors]
     assert isinstance(vectors, np.ndarray)
     if encoding_format == "float":
-        return lock_blocks.rows_as_lists(rounded(vectors, embed_dtype))
+        return lock_blocks.rows_as_arrays(rounded(vectors, embed_dtype))
     assert encoding_format == "base64", f"{encoding_format} is not a JSON format"
     data = to_bytes(vectors, embed_dtype, endianness)
     row = len(data) // len(vectors)

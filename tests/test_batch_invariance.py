@@ -145,6 +145,7 @@ def test_the_command_line_offers_the_flag():
 
 _KERNEL_CHECK = r"""
 import torch
+import torch.nn.functional as F
 from pipepool.layers import invariant_triton
 from pipepool.layers.norm import rms_norm
 
@@ -177,13 +178,24 @@ for dtype in (torch.float32, torch.float16):
         for m in (1, 9):
             assert torch.equal(invariant_triton.rms_norm(h[4 : 4 + m], weight, 1e-6),
                                normed[4 : 4 + m])
+        residual, norm_bias = torch.randn(50, width).to(dtype), torch.randn(width).to(dtype)
+        y_bias = torch.randn(width).to(dtype)
+        args = (weight, norm_bias, 1e-12)
+        fused = invariant_triton.add_layer_norm(h, y_bias, residual, *args)
+        eager = F.layer_norm(residual + (h + y_bias), (width,), *args)
+        assert fused.dtype == dtype and fused.shape == h.shape
+        assert torch.allclose(fused.float(), eager.float(), rtol=tol, atol=tol)
+        for m in (1, 9):
+            rows = slice(4, 4 + m)
+            alone = invariant_triton.add_layer_norm(h[rows], y_bias, residual[rows], *args)
+            assert torch.equal(alone, fused[rows])
 print("ok")
 """
 
 
 def test_cuda_kernels_in_tritons_interpreter():
-    """The CUDA path's GEMM, row sums and RMSNorm: right, and each row's bits independent of
-    M."""
+    """The CUDA path's GEMM, row sums, RMSNorm and LayerNorm with its additions: right, and
+    each row's bits independent of M."""
     pytest.importorskip("triton")
     from triton_interpreter import run_interpreted
 

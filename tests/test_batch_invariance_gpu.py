@@ -108,6 +108,17 @@ def test_kernels_give_each_row_the_same_bits_whatever_m():
             assert torch.equal(
                 invariant_triton.row_sums(x[9 : 9 + m], square=True), sums[9 : 9 + m]
             )
+        residual = torch.randn(3000, 384, device="cuda").to(dtype)
+        norm = tuple(torch.randn(384, device="cuda").to(dtype) for _ in range(2))
+        y, y_bias = full[:, :384], bias[:384]
+        normed = invariant_triton.add_layer_norm(y, y_bias, residual, *norm, 1e-12)
+        eager = torch.nn.functional.layer_norm(residual + (y + y_bias), (384,), *norm, 1e-12)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(normed.float(), eager.float(), rtol=tol, atol=tol)
+        for m in (1, 3, 100):
+            rows = slice(9, 9 + m)
+            part = invariant_triton.add_layer_norm(y[rows], y_bias, residual[rows], *norm, 1e-12)
+            assert torch.equal(part, normed[rows])
 
 
 def test_the_products_give_each_row_the_same_bits_whatever_m():

@@ -14,6 +14,8 @@ row count. Here every launch uses one tile configuration per dtype, whatever M:
 - :func:`rms_norm`: ``layers.norm.rms_norm`` as one program per row holding the whole row
   (one fixed tree over a block sized by the row's width), one kernel where the eager form
   launches nine.
+- :func:`add_layer_norm`: a post-norm encoder's ``layer_norm(residual + (y + bias))`` the same
+  way, one pass where the eager form reads and writes the rows three times.
 
 The ideas are those of Thinking Machines' "Defeating Nondeterminism in LLM Inference" (fixed
 reduction strategies per kernel, independent of the batch); the kernels are this module's.
@@ -132,6 +134,63 @@ if triton is not None:
         y = (x32 * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_layer_norm_kernel(
+        y_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, out_ptr, N, stride_y, stride_res, stride_out,
+        eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        dtype = y_ptr.dtype.element_ty
+        y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # Each addition rounded to the rows' dtype, as the eager additions round it.
+        s = (y + bias).to(dtype).to(tl.float32)
+        s = (s + res).to(dtype).to(tl.float32)
+        mean = tl.sum(s, 0) / N
+        centred = tl.where(mask, s - mean, 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = centred * inv * w + b
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_layer_norm(
+    y: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """``layer_norm(residual + (y + bias), weight, norm_bias, eps)`` over the last dimension
+    of ``y`` [M, N] (a product without its bias) and ``residual`` [M, N]: each addition rounded
+    to ``y``'s dtype, the norm in fp32, each row by one program whatever M. Rows wider than
+    :data:`NORM_MAX_WIDTH` are refused (the caller keeps the eager form)."""
+    if triton is None:
+        raise RuntimeError("batch-invariant LayerNorm on CUDA needs Triton")
+    m, width = y.shape
+    if width > NORM_MAX_WIDTH:
+        raise ValueError(
+            f"rows of {width} values: the fused LayerNorm holds at most {NORM_MAX_WIDTH}"
+        )
+    if residual.shape != y.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} for rows {tuple(y.shape)}")
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    if m:
+        block = triton.next_power_of_2(width)
+        _add_layer_norm_kernel[(m,)](
+            y, bias.contiguous(), residual, weight.contiguous(), norm_bias.contiguous(), out,
+            width, y.stride(0), residual.stride(0), out.stride(0), eps, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16),
+        )  # fmt: skip
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

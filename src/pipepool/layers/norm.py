@@ -21,14 +21,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # A batch-invariant forward on CUDA (never compiled): one kernel, each row its own bits.
-    if (
+def invariant_row_kernels(x: torch.Tensor) -> bool:
+    """Whether norms over ``x``'s rows run as ``invariant_triton``'s one-program-per-row
+    kernels: a batch-invariant forward on CUDA (never compiled), rows no wider than they hold."""
+    return (
         not torch.compiler.is_compiling()
         and x.is_cuda
         and invariant_ops.active()
         and x.shape[-1] <= invariant_triton.NORM_MAX_WIDTH
-    ):
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if invariant_row_kernels(x):  # one kernel, each row its own bits
         return invariant_triton.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

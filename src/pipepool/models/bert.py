@@ -15,11 +15,12 @@ from torch import nn
 
 from ..core.classifier_head import ClassifierHead
 from ..errors import ModelLoadError
-from ..layers import cpu_lanes, cpu_linear, int8_linear, invariant_ops
+from ..layers import cpu_lanes, cpu_linear, int8_linear, invariant_ops, invariant_triton
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionShape, attend
 from ..layers.cpu_tiles import Tile, plan_tiles
 from ..layers.linear_activation import linear_activation
+from ..layers.norm import invariant_row_kernels
 from .base import StageModel, StepInputs, WeightSpec, compile_layer_fn, embedding, linear_specs
 from .between_layers import between_layers
 from .score_heads import build_score_head
@@ -83,6 +84,8 @@ def post_attention(
     cfg: EncoderConfig, x: torch.Tensor, a: torch.Tensor, w: FfnWeights
 ) -> torch.Tensor:
     """x = norm(x + out(attn)); x = norm(x + ffn(x)). a: [T, H, D] attention output."""
+    if invariant_row_kernels(x):
+        return _post_attention_invariant(cfg, x, a, w)
     h, eps = cfg.hidden_size, cfg.layer_norm_eps
     x = F.layer_norm(
         x + F.linear(a.flatten(1), w.attn_out, w.attn_out_bias),
@@ -94,6 +97,20 @@ def post_attention(
     ffn_in = linear_activation(x, w.ffn_in, w.ffn_in_bias, cfg.hidden_act)
     ffn = F.linear(ffn_in, w.ffn_out, w.ffn_out_bias)
     return F.layer_norm(x + ffn, (h,), w.ffn_norm, w.ffn_norm_bias, eps)
+
+
+def _post_attention_invariant(
+    cfg: EncoderConfig, x: torch.Tensor, a: torch.Tensor, w: FfnWeights
+) -> torch.Tensor:
+    """post_attention in a batch-invariant forward on CUDA: each product's bias, its residual
+    and the norm in one per-row pass (``invariant_triton.add_layer_norm``), where the eager
+    form spends three passes over the rows."""
+    eps = cfg.layer_norm_eps
+    y = F.linear(a.flatten(1), w.attn_out)
+    x = invariant_triton.add_layer_norm(y, w.attn_out_bias, x, w.attn_norm, w.attn_norm_bias, eps)
+    ffn_in = linear_activation(x, w.ffn_in, w.ffn_in_bias, cfg.hidden_act)
+    y = F.linear(ffn_in, w.ffn_out)
+    return invariant_triton.add_layer_norm(y, w.ffn_out_bias, x, w.ffn_norm, w.ffn_norm_bias, eps)
 
 
 def post_attention_fused(

@@ -36,11 +36,6 @@ from ..layers import triton_attention
 from ..layers.attention import AttentionMetadata, attend
 from ..models import StageModel, StepInputs
 
-# Rungs of a whole-step graph's attention grid below its top (``CudaGraphRunner._programs``):
-# a step fills at least half its bucket and has an item per query block of rows at least, so
-# three halvings reach the fewest items a step of the bucket can have.
-_GRID_HALVINGS = 3
-
 
 def graph_buckets(max_tokens: int) -> list[int]:
     """Padded step sizes: powers of two up to 256, then four per octave (a step pays at most
@@ -246,22 +241,12 @@ class GraphedForward:
         return captured
 
     def _programs(self, bucket: int, items: int) -> int:
-        """The attention grid a whole-step graph is captured with: the least of a ladder that
-        holds the step's items. Its top is four times the bucket's query blocks, enough for
-        steps of requests down to a quarter block long on average, and it halves
-        ``_GRID_HALVINGS`` times below, so a step of longer requests launches at most twice
-        the programs it has items (those without one exit at once, yet each is scheduled);
-        past the top, one per row, enough for any step. Each rung is a graph of its own."""
+        """The attention grid a whole-step graph is captured with: four times the bucket's
+        query blocks, enough for steps of requests down to a quarter block long on average
+        (the programs without an item exit at once); else one per row, enough for any step."""
         assert self.block_rows is not None, "only whole-step graphs have an attention grid"
-        top = min(4 * -(-bucket // self.block_rows), bucket)
-        if items > top:
-            return bucket
-        grid = top
-        for _ in range(_GRID_HALVINGS):
-            if items > grid // 2 or grid // 2 == 0:
-                break
-            grid //= 2
-        return grid
+        usual = min(4 * -(-bucket // self.block_rows), bucket)
+        return usual if items <= usual else bucket
 
     def _whole_meta(self, bucket: int, programs: int) -> AttentionMetadata:
         """A whole-step graph's attention metadata: ``static_cu`` and ``static_work``, with

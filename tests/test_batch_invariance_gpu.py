@@ -139,3 +139,21 @@ def test_the_products_give_each_row_the_same_bits_whatever_m():
             assert torch.equal(part, full[5 : 5 + m]), (k, n, m)
         print(f"({k}, {n}): cuBLAS tiles "
               f"{invariant_tiles.cuda_tiles_agree(k, n, torch.bfloat16, x.device)}")  # fmt: skip
+
+
+def test_the_bias_pass_gives_the_eager_additions_bits():
+    """``gated_activation.add_bias_`` / ``bias_gelu_tanh_`` compiled: the bits of ``y + bias``
+    (and near torch's tanh GELU of it) at MiniLM's widths, and on rows of a wider tensor."""
+    from pipepool.layers.gated_activation import add_bias_, agrees, bias_gelu_tanh_
+
+    torch.manual_seed(0)
+    for width in (384, 1152, 1536, 1100):
+        y = torch.randn(3001, width, device="cuda").to(torch.bfloat16)
+        bias = torch.randn(width, device="cuda").to(torch.bfloat16)
+        assert torch.equal(add_bias_(y.clone(), bias), y + bias), width
+        eager = torch.nn.functional.gelu(y + bias, approximate="tanh")
+        assert agrees(eager, bias_gelu_tanh_(y.clone(), bias)), width
+        wide = torch.randn(3001, width + 64, device="cuda").to(torch.bfloat16)
+        rows = wide[:, :width]  # rows of contiguous columns, further apart than their width
+        want = rows + bias
+        assert torch.equal(add_bias_(rows, bias), want) and torch.equal(wide[:, :width], want)

@@ -102,6 +102,9 @@ def test_a_large_answer_in_blocks_is_the_bytes_of_one_call():
     assert b"".join(parts) == _one_call(answer_of(lists))  # the bytes of the lists in one call
     # TEI's shape (the list itself), two large lists in one answer, a small answer.
     assert b"".join(lock_blocks.dumps(rows)) == _one_call(lists)
+    # Rows of any layout (a Fortran-ordered matrix's are strided) are written all the same.
+    strided = encode_rows(np.asfortranarray(matrix[:8]), "float")
+    assert b"".join(lock_blocks.dumps(strided)) == _one_call(lists[:8])
     rows = lists
     two = {"a": rows[:1000], 3: "x", "b": [[1.5] * 100] * 400}
     assert len(lock_blocks.dumps(two)) > 3 and b"".join(lock_blocks.dumps(two)) == _one_call(two)

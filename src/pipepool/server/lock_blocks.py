@@ -35,9 +35,10 @@ _PLACEHOLDER = "\x00pipepool-rows-{}\x00"
 
 
 def rows_as_arrays(matrix: np.ndarray) -> list[np.ndarray]:
-    """The rows of ``matrix`` [n, D] as float64 views of one widened copy: :func:`dumps`
-    writes each as ``matrix.tolist()``'s row would be written, without the Python floats."""
-    return list(np.asarray(matrix, dtype=np.float64))
+    """The rows of ``matrix`` [n, D] as float64 views of one widened, C-ordered copy (orjson
+    writes only C-contiguous arrays): :func:`dumps` writes each as ``matrix.tolist()``'s row
+    would be written, without the Python floats."""
+    return list(np.ascontiguousarray(matrix, dtype=np.float64))
 
 
 def dumps(value: Any) -> list[bytes]:

@@ -230,16 +230,13 @@ def plan_deployment(
     fused = attn_kernel != "portable" and family.decoder and qk_rope.available(local, dtype)
     per_token = flops_per_token(family, checkpoint)
     budget = step_tokens(config, cuda, per_token)
+    graphs = _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
     graph_tokens = (
-        _graph_max_tokens(budget, per_token, invariant=config.batch_invariant)
-        if _cuda_graphs(config, cuda, whole.graph_safe_with(attn_kernel))
-        else 0
+        _graph_max_tokens(budget, per_token, invariant=config.batch_invariant) if graphs else 0
     )
     kv_tokens = 0
     if causal:
-        # The invariant forward's graphs replay steps far larger than the default's, whose
-        # pools the process overhead covers: theirs is set aside.
-        pool_tokens = graph_tokens if config.batch_invariant else 0
+        pool_tokens = _graph_pool_tokens(config, graphs, budget, per_token)
         kv_tokens = _kv_cache_tokens(
             config, budget, pool_tokens, family, checkpoint, whole, layers, dtype, devices,
             gpu_free_bytes,
@@ -358,7 +355,7 @@ def memory_needs(config: EngineConfig, device_kind: str) -> ModelMemory:
     cuda = device_kind == "cuda"
     per_step = flops_per_token(family, parts.checkpoint)
     budget = step_tokens(config, cuda, per_step)
-    graphs = _invariant_graph_tokens(config, cuda, budget, per_step)
+    graphs = _graph_pool_tokens(config, cuda and _auto(config.cuda_graphs, cuda), budget, per_step)
     largest = max(len(r) for r in layers)
     weights = _stage_weight_bytes(parts.checkpoint, family, layers, whole.num_layers, parts.dtype)
     per_token = 0
@@ -457,10 +454,11 @@ def _graph_max_tokens(budget: int, per_token: float, *, invariant: bool) -> int:
     return min(budget, max(_pow2_at_most(flops / per_token), _GRAPH_MIN_TOKENS))
 
 
-def _invariant_graph_tokens(config: EngineConfig, cuda: bool, budget: int, per_token: float) -> int:
-    """The graphs' largest step where their pool counts in the working set (batch_invariant on
-    CUDA with graphs not switched off), else 0; without the device, as ``memory_needs`` is."""
-    if not (cuda and config.batch_invariant and config.cuda_graphs is not False):
+def _graph_pool_tokens(config: EngineConfig, graphs: bool, budget: int, per_token: float) -> int:
+    """The largest step whose graphs' pool the working set holds (``_working_set_bytes``):
+    the batch-invariant forward's graph bound where ``graphs`` run, its steps far larger than
+    the default's (whose pools the process overhead covers), else 0."""
+    if not (graphs and config.batch_invariant):
         return 0
     return _graph_max_tokens(budget, per_token, invariant=True)
 

@@ -12,7 +12,8 @@ its own address sending again as soon as it is answered:
 - all: the three at once.
 
 Printed per load: quiet p99, loaded p99, their ratio (target <= 3), the hostile client's
-answers and its throughput (tokens of answered embedding requests a second).
+answers and its throughput (tokens of answered embedding requests a second), and where the
+slowest light answers' time went by the server's ``Server-Timing`` (``tail_breakdown``).
 
 The hostile clients run in a process of their own, their bodies encoded once before they start,
 as other hosts' clients would: in the light clients' process, encoding a 100,000-input body
@@ -57,9 +58,45 @@ def p99_ms(latencies: list[float]) -> float:
     return float(np.percentile(np.array(latencies) * 1000, 99)) if latencies else float("nan")
 
 
-async def light_clients(url: str, stop: asyncio.Event) -> tuple[list[float], Counter]:
-    """The light clients' latencies (200s) and statuses until ``stop``."""
+def server_timing(header: str) -> dict[str, float]:
+    """A ``Server-Timing`` header's durations (ms) by name: ``{"app": 1.2, "engine": 0.9}``."""
+    parts: dict[str, float] = {}
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur" and name:
+                parts[name] = float(value)
+    return parts
+
+
+def tail_breakdown(latencies: list[float], timings: list[dict[str, float]]) -> str:
+    """Where the slowest 2% of the light answers spent their time: the medians over them of
+    the client's latency, the server's ``app`` phase (and its ``engine`` and ``tokenize``
+    parts) and what the app never saw (the bytes waiting for an event loop, HTTP parsing, the
+    answer's way back)."""
+    if not latencies:
+        return "no answers"
+    order = np.argsort(latencies)[-max(1, len(latencies) // 50) :]
+
+    def median(key: str) -> float:
+        return float(np.median([timings[i].get(key, 0.0) for i in order]))
+
+    total = float(np.median([latencies[i] * 1000 for i in order]))
+    app = median("app")
+    return (
+        f"slowest {len(order)}: {total:.1f} ms = app {app:.1f} (engine {median('engine'):.1f}, "
+        f"tokenize {median('tokenize'):.1f}) + outside the app {total - app:.1f}"
+    )
+
+
+async def light_clients(
+    url: str, stop: asyncio.Event
+) -> tuple[list[float], Counter, list[dict[str, float]]]:
+    """The light clients' latencies (200s), statuses and the 200s' ``Server-Timing`` until
+    ``stop``."""
     latencies: list[float] = []
+    timings: list[dict[str, float]] = []
     statuses: Counter = Counter()
 
     async def one(k: int) -> None:
@@ -71,10 +108,11 @@ async def light_clients(url: str, stop: asyncio.Event) -> tuple[list[float], Cou
                 statuses[r.status_code] += 1
                 if r.status_code == 200:
                     latencies.append(took)
+                    timings.append(server_timing(r.headers.get("server-timing", "")))
                 await asyncio.sleep(THINK_S)
 
     await asyncio.gather(*(one(k) for k in range(LIGHT_CLIENTS)))
-    return latencies, statuses
+    return latencies, statuses, timings
 
 
 class Hostile:
@@ -150,10 +188,11 @@ async def tokens_finished(url: str) -> float:
 
 async def measure(
     url: str, seconds: float, load: list[Hostile]
-) -> tuple[list[float], Counter, float]:
+) -> tuple[list[float], Counter, float, str]:
     """Light latencies over ``seconds`` beside ``load`` (started 2 s before; its clients leave
     with their requests in flight at the end). Returns (latencies, statuses, tokens a second
-    the server embedded meanwhile: the hostile clients', the light ones' a few)."""
+    the server embedded meanwhile: the hostile clients', the light ones' a few, and where the
+    slowest light answers' time went: ``tail_breakdown``)."""
     ctx = mp.get_context("spawn")  # a fork would inherit the running event loop
     go, stop_hostile, out = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = None
@@ -167,7 +206,7 @@ async def measure(
     light = asyncio.create_task(light_clients(url, stop))
     await asyncio.sleep(seconds)
     stop.set()
-    latencies, statuses = await light
+    latencies, statuses, timings = await light
     rate = (await tokens_finished(url) - before) / (time.perf_counter() - t0)
     if proc is not None:
         stop_hostile.set()
@@ -175,7 +214,7 @@ async def measure(
             h.statuses.update(answered)
         proc.join(60)
     await asyncio.sleep(1)  # the server drops what they left
-    return latencies, statuses, rate
+    return latencies, statuses, rate, tail_breakdown(latencies, timings)
 
 
 def run_hostile(url: str, seconds: float, loads: list[str], inputs: int, words: int,
@@ -190,24 +229,24 @@ def run_hostile(url: str, seconds: float, loads: list[str], inputs: int, words: 
     run: Callable[[list[Hostile]], Awaitable] = phase
     if warmup > 0:
         asyncio.run(measure(url, warmup, hostiles("all", inputs, words, chunk_words)))
-    quiet, statuses, rate = asyncio.run(run([]))
+    quiet, statuses, rate, tail = asyncio.run(run([]))
     q99 = p99_ms(quiet)
     print(
         f"quiet: {len(quiet)} light answers ({dict(statuses)}), p50 "
-        f"{np.median(quiet) * 1000:.1f} ms, p99 {q99:.1f} ms; {rate:,.0f} tok/s",
+        f"{np.median(quiet) * 1000:.1f} ms, p99 {q99:.1f} ms; {rate:,.0f} tok/s; {tail}",
         flush=True,
     )
     rows = []
     for name in loads:
         load = hostiles(name, inputs, words, chunk_words)
-        latencies, statuses, rate = asyncio.run(run(load))
+        latencies, statuses, rate, tail = asyncio.run(run(load))
         l99 = p99_ms(latencies)
         answers = "; ".join(f"{h.name} {dict(h.statuses)}" for h in load)
         heavy = f"{rate:,.0f} tok/s embedded; answers {answers}"
         print(
             f"{name}: {len(latencies)} light answers ({dict(statuses)}), p50 "
             f"{np.median(latencies) * 1000:.1f} ms, p99 {l99:.1f} ms = {l99 / q99:.1f}x quiet; "
-            f"{heavy}",
+            f"{heavy}; {tail}",
             flush=True,
         )
         rows.append((name, l99, l99 / q99, heavy))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-# Values (floats, or sixteen characters of a string) one call converts or serialises at most.
+# Values (floats, or sixteen characters of a string) one call serialises at most.
 LOCK_VALUES = 8_192
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 # Stands for a large list in the answer around it; a string no JSON text of ours holds.

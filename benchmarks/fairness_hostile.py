@@ -73,8 +73,9 @@ def server_timing(header: str) -> dict[str, float]:
 def tail_breakdown(latencies: list[float], timings: list[dict[str, float]]) -> str:
     """Where the slowest 2% of the light answers spent their time: the medians over them of
     the client's latency, the server's ``app`` phase (and its ``engine`` and ``tokenize``
-    parts) and what the app never saw (the bytes waiting for an event loop, HTTP parsing, the
-    answer's way back)."""
+    parts; of ``engine``, the ``replica`` process's part where it has replicas) and what the
+    app never saw (the bytes waiting for an event loop, HTTP parsing, the answer's way
+    back)."""
     if not latencies:
         return "no answers"
     order = np.argsort(latencies)[-max(1, len(latencies) // 50) :]
@@ -84,9 +85,11 @@ def tail_breakdown(latencies: list[float], timings: list[dict[str, float]]) -> s
 
     total = float(np.median([latencies[i] * 1000 for i in order]))
     app = median("app")
+    over_replicas = any("replica" in t for t in timings)
+    replica = f" of which replica {median('replica'):.1f}" if over_replicas else ""
     return (
-        f"slowest {len(order)}: {total:.1f} ms = app {app:.1f} (engine {median('engine'):.1f}, "
-        f"tokenize {median('tokenize'):.1f}) + outside the app {total - app:.1f}"
+        f"slowest {len(order)}: {total:.1f} ms = app {app:.1f} (engine {median('engine'):.1f}"
+        f"{replica}, tokenize {median('tokenize'):.1f}) + outside the app {total - app:.1f}"
     )
 
 

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from test_replicas import _descendants, _prompts
-from test_server import ServerProcess, _alive, wait_for
+from test_server import ServerProcess, _alive, _server_timing, wait_for
 from tiny_models import MIN_COSINE, cosine
 
 import pipepool
@@ -108,6 +108,25 @@ def test_both_api_servers_answer_with_one_pipelines_vectors(server, one_pipeline
     m = server.metrics()
     assert m['pipepool_replica_up{replica="0"}'] == 1
     assert m["process_cpu_seconds_total"] > 0
+
+
+def test_server_timing_tells_the_replicas_part_of_the_engines_wait(server):
+    """Over a replica, ``engine`` (from enqueued to the outputs in the front end) holds
+    ``replica`` (from the batch's arrival in the replica's process to its outputs there), on
+    either front end."""
+    seen = set()
+    for _ in range(40):
+        with httpx.Client(timeout=60) as http:
+            index = http.get(server.url + "/health").json()["api_server"]
+            r = http.post(server.url + "/v1/embeddings", json={"input": _prompts(2)})
+        assert r.status_code == 200
+        spent = _server_timing(r)
+        assert {"app", "tokenize", "engine", "replica"} <= set(spent), spent
+        assert 0 < spent["replica"] <= spent["engine"] <= spent["app"], spent
+        seen.add(index)
+        if seen == {0, 1}:
+            break
+    assert seen == {0, 1}
 
 
 def test_replica_killed_under_load_loses_no_request_of_either_api_server(server, one_pipeline):

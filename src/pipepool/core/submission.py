@@ -27,7 +27,8 @@ class Submission(Future):
     has not finished: the engine frees it.
     ``num_tokens`` is each input's prompt length after truncation (usage reports).
     ``background``: batch-job work, queued below online calls; ``client``: whose turns it
-    takes (``core.priority``).
+    takes (``core.priority``). ``remote_s``: where another process computes the call (a
+    replica), the seconds its last outputs spent there; None where this process computes it.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class Submission(Future):
         self.num_done = 0
         self.num_tokens = np.zeros(num_inputs, dtype=np.int64)
         self.batches: list = []  # the RequestBatches enqueued for it
+        self.remote_s: float | None = None
         self._outputs: np.ndarray | list = (
             np.empty((num_inputs, width), dtype=np.float32)
             if params.code.is_vector

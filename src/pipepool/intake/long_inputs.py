@@ -92,6 +92,11 @@ class CombinedSubmission(Future):
             return self.num_inputs
         return self.inner.num_done * self.num_inputs // len(self.windows.lengths)
 
+    @property
+    def remote_s(self) -> float | None:
+        """``Submission.remote_s`` of the windows' call."""
+        return self.inner.remote_s
+
     def add_progress_callback(self, fn: Callable[[int], None]) -> None:
         self.inner.add_progress_callback(fn)
 

@@ -100,6 +100,9 @@ class Result:
     first_id: int
     rows: np.ndarray  # [k] int64, row indices within the batch
     values: np.ndarray | list  # [k, dim] float32, or k token arrays (ALL pooling)
+    # Seconds from the batch's frame reaching the replica to these outputs (its queue and
+    # steps there): the rest of the front end's wait is the way there and back.
+    replica_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -292,10 +292,11 @@ class ReplicaPipeline:
                 slot.outstanding -= tokens
                 found = slot.owners.finish(owner.batch, owner.batch.first_id + result.rows)
                 assert found is not None, "its owner was found just above"
-                deliveries.append((found, result.values, tokens))
+                deliveries.append((found, result.values, tokens, result.replica_s))
             self._follow_health(slot, report.snapshot.health)
-        for (submission, rows), values, tokens in deliveries:
+        for (submission, rows), values, tokens, replica_s in deliveries:
             self.front_stats.on_finish(len(rows), tokens)
+            submission.remote_s = replica_s  # before the outputs: they may finish the call
             if isinstance(values, list):
                 submission.put_tokens(rows, values)
             else:

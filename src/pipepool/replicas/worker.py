@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from multiprocessing.connection import Connection
 
@@ -80,9 +81,11 @@ class ReplicaServer:
         code = 0
         try:
             while True:
-                for message in receive(self.conn):
+                messages = receive(self.conn)
+                arrived = time.perf_counter()
+                for message in messages:
                     if isinstance(message, Work):
-                        self._work(message)
+                        self._work(message, arrived)
                     elif isinstance(message, Abort):
                         self._abort(message.first_ids)
                     elif isinstance(message, TraceRequest):
@@ -104,12 +107,15 @@ class ReplicaServer:
             self._sender.join(timeout=5)
         return code
 
-    def _work(self, work: Work) -> None:
+    def _work(self, work: Work, arrived: float) -> None:
+        """Enqueue ``work`` (its frame read at ``arrived``, ``time.perf_counter``); its outputs
+        go to the sender as steps finish them."""
         first_id = work.first_id
 
         def forward(rows, values) -> None:
+            result = Result(first_id, rows, values, time.perf_counter() - arrived)
             with self._wake:
-                self._outbox.append(Result(first_id, rows, values))
+                self._outbox.append(result)
                 self._wake.notify()
 
         try:

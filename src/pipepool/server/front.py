@@ -195,6 +195,8 @@ class AsyncEngine:
             except BaseException:
                 self._abort(submission)
                 raise
+            if submission.remote_s is not None:
+                timing.add("replica", submission.remote_s)
             if not isinstance(outputs, np.ndarray):
                 outputs = list(outputs)
             return Encoded(outputs, submission.num_tokens.tolist())

@@ -6,7 +6,10 @@ read, to the answer's first byte); an answer from the engine also ``tokenize;dur
 inputs waiting for a tokenising thread, then tokenised and enqueued), ``lane;dur=…`` (the
 first part of ``tokenize``: the wait for the thread) and ``engine;dur=…`` (from
 enqueued to its outputs: the queue and the steps; for sparse and multi-vector outputs, one call
-on the tokenising thread, its tokenising too); where the answer was serialised on a thread,
+on the tokenising thread, its tokenising too); where a replica process computed it,
+``replica;dur=…``: the part of ``engine`` its last outputs spent in that process, from their
+batch's arrival to the outputs (the rest of ``engine`` is the way there and back: the front
+end's threads and the sockets); where the answer was serialised on a thread,
 ``offload;dur=…``. The rest of ``app`` is the event loop's: reading, checking and
 parsing the body, and building the answer. Time a request spends before the app is
 called (the connection's bytes waiting for the event loop, HTTP parsing) is the client's

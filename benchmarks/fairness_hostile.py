@@ -73,9 +73,9 @@ def server_timing(header: str) -> dict[str, float]:
 def tail_breakdown(latencies: list[float], timings: list[dict[str, float]]) -> str:
     """Where the slowest 2% of the light answers spent their time: the medians over them of
     the client's latency, the server's ``app`` phase (and its ``engine`` and ``tokenize``
-    parts; of ``engine``, the ``replica`` process's part where it has replicas) and what the
-    app never saw (the bytes waiting for an event loop, HTTP parsing, the answer's way
-    back)."""
+    parts, and the time in a ``replica`` process, mostly within ``engine``, where it has
+    replicas) and what the app never saw (the bytes waiting for an event loop, HTTP parsing,
+    the answer's way back)."""
     if not latencies:
         return "no answers"
     order = np.argsort(latencies)[-max(1, len(latencies) // 50) :]

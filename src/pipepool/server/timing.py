@@ -7,13 +7,14 @@ inputs waiting for a tokenising thread, then tokenised and enqueued), ``lane;dur
 first part of ``tokenize``: the wait for the thread) and ``engine;dur=…`` (from
 enqueued to its outputs: the queue and the steps; for sparse and multi-vector outputs, one call
 on the tokenising thread, its tokenising too); where a replica process computed it,
-``replica;dur=…``: the part of ``engine`` its last outputs spent in that process, from their
-batch's arrival to the outputs (the rest of ``engine`` is the way there and back: the front
-end's threads and the sockets); where the answer was serialised on a thread,
-``offload;dur=…``. The rest of ``app`` is the event loop's: reading, checking and
-parsing the body, and building the answer. Time a request spends before the app is
-called (the connection's bytes waiting for the event loop, HTTP parsing) is the client's
-latency less ``app``.
+``replica;dur=…``: the time its last outputs spent in that process, from their batch's arrival
+to the outputs. A batch leaves as it is enqueued, within ``tokenize`` (a one-slice call's at
+its end), so ``replica`` lies within ``tokenize`` and ``engine`` together, mostly within
+``engine``, whose rest is the way there and back (the front end's threads, the sockets); where
+the answer was serialised on a thread, ``offload;dur=…``. The rest of ``app`` is the event
+loop's: reading, checking and parsing the body, and building the answer. Time a request spends
+before the app is called (the connection's bytes waiting for the event loop, HTTP parsing) is
+the client's latency less ``app``.
 """
 
 from __future__ import annotations

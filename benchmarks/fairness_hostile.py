@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import numpy as np
+from multi_model import server_timing
 
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
@@ -56,18 +57,6 @@ def client(url: str, address: str, timeout: float) -> httpx.AsyncClient:
 
 def p99_ms(latencies: list[float]) -> float:
     return float(np.percentile(np.array(latencies) * 1000, 99)) if latencies else float("nan")
-
-
-def server_timing(header: str) -> dict[str, float]:
-    """A ``Server-Timing`` header's durations (ms) by name: ``{"app": 1.2, "engine": 0.9}``."""
-    parts: dict[str, float] = {}
-    for item in header.split(","):
-        name, _, params = item.strip().partition(";")
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if key == "dur" and name:
-                parts[name] = float(value)
-    return parts
 
 
 def tail_breakdown(latencies: list[float], timings: list[dict[str, float]]) -> str:
@@ -111,7 +100,7 @@ async def light_clients(
                 statuses[r.status_code] += 1
                 if r.status_code == 200:
                     latencies.append(took)
-                    timings.append(server_timing(r.headers.get("server-timing", "")))
+                    timings.append(server_timing(r))
                 await asyncio.sleep(THINK_S)
 
     await asyncio.gather(*(one(k) for k in range(LIGHT_CLIENTS)))

@@ -17,14 +17,16 @@ of the tokenizer's vocabulary, fixed seed. Served requests are what the official
 client sends (``encoding_format: base64``, the model's name), built before the clock, from
 ``--clients`` processes with ``--concurrency`` requests in flight over all of them
 (``dp_server.run_pass``); each ``--serve-flags`` value is a server of its own, one after the
-other. Each row prints texts/s, tokens/s (the answers' ``usage`` served, ``Engine.tokenize``'s
-counts in-process) and its ratio to in-process text; the first rows are the tokenizer alone
-(one ``encode_batch`` of every text, and one ``encode_batch_fast``, the call without offsets
-the engine makes: the host's tokenizer ceiling is the faster). Where the engine tokenises in
-helper processes (``--tokenizer-processes``; by default on CUDA hosts of 8 cores or more), a
-second in-process text row gives the texts tokenised in the engine's own process. The
-in-process rows add the engine process's CPU time a text; the last line is issue 61's
-offline ratio, in-process text over min(token ids, tokenizer ceiling). Passes: best of
+other; a served pass sends the texts as many times as it takes to make ``--pass-requests``
+requests (16 x ``--concurrency`` by default: a pass of a few times the requests in flight is
+mostly its ramp). Each row prints texts/s, tokens/s (the answers' ``usage`` served,
+``Engine.tokenize``'s counts in-process) and its ratio to in-process text; the first rows are
+the tokenizer alone (one ``encode_batch`` of every text, and one ``encode_batch_fast``, the
+call without offsets the engine makes: the host's tokenizer ceiling is the faster). Where the
+engine tokenises in helper processes (``--tokenizer-processes``; by default on CUDA hosts of 8
+cores or more), a second in-process text row gives the texts tokenised in the engine's own
+process. The in-process rows add the engine process's CPU time a text; the last line is issue
+61's offline ratio, in-process text over min(token ids, tokenizer ceiling). Passes: best of
 ``--passes``.
 """
 
@@ -177,9 +179,14 @@ def served(model: Path, texts: list[str], per_request: int, args, flags: list[st
             for i in range(0, len(texts), per_request)
         ]
         run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)  # warm
+        # A pass is timed from its first request (its connection opened) to its last answer:
+        # with fewer requests than a few times those in flight, the ramp is most of it.
+        repeat = -(-args.pass_requests // len(bodies))
         best = None
         for _ in range(args.passes):
-            seconds, tokens, failed, _, _ = run_pass(url, bodies, args.clients, args.concurrency)
+            seconds, tokens, failed, _, _ = run_pass(
+                url, bodies, args.clients, args.concurrency, repeat
+            )
             if failed:
                 raise SystemExit(f"{failed} served requests failed")
             if best is None or seconds < best[0]:
@@ -188,7 +195,7 @@ def served(model: Path, texts: list[str], per_request: int, args, flags: list[st
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     seconds, tokens = best
-    return len(texts) / seconds, tokens / seconds
+    return len(texts) * repeat / seconds, tokens / seconds
 
 
 def main() -> int:
@@ -209,6 +216,12 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight, in all")
     p.add_argument("--passes", type=int, default=3, help="timed passes (best counts)")
     p.add_argument(
+        "--pass-requests",
+        type=int,
+        help="served requests a pass at least, the texts sent again as needed "
+        "(default: 16 x --concurrency)",
+    )
+    p.add_argument(
         "--tokenizer-processes",
         type=int,
         help="the engine's tokenizer processes (default: the engine's choice; 0: none)",
@@ -219,6 +232,8 @@ def main() -> int:
         help="more pipepool serve flags; repeat it for a served row set per value",
     )
     args = p.parse_args()
+    if args.pass_requests is None:
+        args.pass_requests = 16 * args.concurrency
     cuda = args.device == "cuda"
     overrides = {}
     if args.layers:

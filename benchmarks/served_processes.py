@@ -10,7 +10,8 @@ Each ``--variant LABEL|ENV=V,ENV=V|SERVE FLAGS`` is a ``pipepool serve`` of its 
 the other, on the same checkpoint (``served_text.build_checkpoint``) and texts
 (``served_text.texts_of``); ENV goes to the server's environment only. For each variant and
 each ``--per-request`` size: one warm-up pass, then ``--passes`` timed passes of the texts
-sent ``--repeat`` times (base64, the model's name, bodies built before the clock,
+sent as many times as it takes to make ``--pass-requests`` requests (16 x ``--concurrency``
+by default, as ``served_text.py``; base64, the model's name, bodies built before the clock,
 ``dp_server.run_pass``'s client processes), each printing requests/s, texts/s and, from
 ``/proc`` before and after the pass, the CPU time a request of the server's processes by kind
 (the first front end, which is the ``serve`` process itself; the other front ends,
@@ -89,17 +90,18 @@ def busy_fractions(url: str, stop: threading.Event, out: list[float]) -> None:
 
 def measure(url: str, root: int, bodies: list[bytes], texts_each: int, args) -> str:
     """One timed pass, as a line."""
+    repeat = -(-args.pass_requests // len(bodies))
     before = cpu_by_process(root)
     stop, busy = threading.Event(), []
     sampler = threading.Thread(target=busy_fractions, args=(url, stop, busy))
     sampler.start()
     seconds, _, failed, _, client_cpu = run_pass(
-        url, bodies, args.clients, args.concurrency, args.repeat
+        url, bodies, args.clients, args.concurrency, repeat
     )
     stop.set()
     sampler.join()
     after = cpu_by_process(root)
-    requests = len(bodies) * args.repeat
+    requests = len(bodies) * repeat
     spent: dict[str, list] = {}
     for pid, (name, cpu) in after.items():
         entry = spent.setdefault(name, [0.0, 0])
@@ -126,7 +128,9 @@ def main() -> int:
     p.add_argument("--workload", choices=WORD_RANGES, default="queries")
     p.add_argument("--texts", type=int, default=16384)
     p.add_argument("--per-request", default="1,32", help="texts per request, a list")
-    p.add_argument("--repeat", type=int, default=2, help="times a pass sends the texts")
+    p.add_argument(
+        "--pass-requests", type=int, help="requests a pass at least (default 16 x --concurrency)"
+    )
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--clients", type=int, default=6, help="client processes")
     p.add_argument("--concurrency", type=int, default=384, help="requests in flight, in all")
@@ -137,13 +141,15 @@ def main() -> int:
         help="LABEL|ENV=V,ENV=V|SERVE FLAGS; repeat it (default: one server, no extra)",
     )
     args = p.parse_args()
+    if args.pass_requests is None:
+        args.pass_requests = 16 * args.concurrency
     cuda = args.device == "cuda"
     model = args.model or build_checkpoint(args.shape, {}, cuda)
     texts = texts_of(model, args.workload, args.texts)
     flags = ["--model", str(model), "--no-access-log", "--log-level", "warning",
              "--device", args.device, "--max-model-len", "512",
              *(["--dtype", "bfloat16"] if cuda else [])]  # fmt: skip
-    print(f"{model.name}, {args.workload}: {len(texts)} texts a pass x {args.repeat}", flush=True)
+    print(f"{model.name}, {args.workload}: {len(texts)} texts", flush=True)
     for variant in args.variant or ["default||"]:
         label, envs, extra = variant.split("|")
         env = dict(pair.split("=", 1) for pair in envs.split(",") if pair)

@@ -18,7 +18,6 @@ cost less a request).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 from dp_server import cpu_seconds, run_pass
 from served import start_server
-from served_text import build_checkpoint, texts_of
+from served_text import build_checkpoint, openai_bodies, texts_of
 
 
 def loop_cpu_seconds(pid: int) -> float:
@@ -51,15 +50,9 @@ def measure(model, texts: list[str], tree: str, sizes: list[int], args) -> dict:
     flags += ["--max-model-len", "512", *args.serve_flags.split()]
     proc, url = start_server(flags, {"PYTHONPATH": tree})
     try:
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         out = {}
         for n in sizes:
-            bodies = [
-                json.dumps(
-                    {"input": texts[i : i + n], "model": name, "encoding_format": "base64"}
-                ).encode()
-                for i in range(0, len(texts), n)
-            ]
+            bodies = openai_bodies(url, texts, n)
             run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)
             steps = steps_total(url)
             before = cpu_seconds(proc.pid), loop_cpu_seconds(proc.pid)

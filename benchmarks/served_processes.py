@@ -24,7 +24,6 @@ requests/s comes to about one core a process is bound by its interpreter lock.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx
 from dp_server import cpu_seconds, run_pass
 from served import start_server
-from served_text import SHAPES, WORD_RANGES, build_checkpoint, texts_of
+from served_text import SHAPES, WORD_RANGES, build_checkpoint, openai_bodies, texts_of
 
 # Command-line marks of the server's processes, in the order they are tested.
 KINDS = ("api_worker", "replicas.worker", "pipepool serve")
@@ -157,14 +156,8 @@ def main() -> int:
         proc, url = start_server([*flags, *extra.split()], env)
         print(f"== {label}: ready in {time.monotonic() - start:.1f} s", flush=True)
         try:
-            name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             for n in (int(x) for x in args.per_request.split(",") if x):
-                bodies = [
-                    json.dumps(
-                        {"input": texts[i : i + n], "model": name, "encoding_format": "base64"}
-                    ).encode()
-                    for i in range(0, len(texts), n)
-                ]
+                bodies = openai_bodies(url, texts, n)
                 run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)
                 for _ in range(args.passes):
                     line = measure(url, proc.pid, bodies, n, args)

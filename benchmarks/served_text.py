@@ -167,17 +167,23 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def openai_bodies(url: str, texts: list[str], per_request: int) -> list[bytes]:
+    """The requests the official ``openai`` client sends for ``texts``, ``per_request`` a
+    request, to the server at ``url`` (its model's name, base64 answers)."""
+    name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return [
+        json.dumps(
+            {"input": texts[i : i + per_request], "model": name, "encoding_format": "base64"}
+        ).encode()
+        for i in range(0, len(texts), per_request)
+    ]
+
+
 def served(model: Path, texts: list[str], per_request: int, args, flags: list[str]) -> tuple:
     """Texts/s and tokens/s of ``/v1/embeddings`` at ``per_request`` texts a request."""
     proc, url = start_server(["--model", str(model), "--no-access-log", *flags])
     try:
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        bodies = [
-            json.dumps(
-                {"input": texts[i : i + per_request], "model": name, "encoding_format": "base64"}
-            ).encode()
-            for i in range(0, len(texts), per_request)
-        ]
+        bodies = openai_bodies(url, texts, per_request)
         run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)  # warm
         # A pass is timed from its first request (its connection opened) to its last answer:
         # with fewer requests than a few times those in flight, the ramp is most of it.

@@ -24,7 +24,6 @@ requests/s comes to about one core a process is bound by its interpreter lock.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -32,29 +31,12 @@ import time
 from pathlib import Path
 
 import httpx
-from dp_server import cpu_seconds, run_pass
+from dp_server import cpu_seconds, descendants, run_pass
 from served import start_server
 from served_text import SHAPES, WORD_RANGES, build_checkpoint, openai_bodies, texts_of
 
 # Command-line marks of the server's processes, in the order they are tested.
 KINDS = ("api_worker", "replicas.worker", "pipepool serve")
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
 
 
 def kind(pid: int) -> str:
@@ -169,5 +151,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -729,6 +729,40 @@ def test_small_calls_behind_many_large_ones_start_in_the_next_step(chunked):
     t.assert_drained()
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_small_calls_taken_from_between_large_ones_leave_the_rest_in_order(chunked):
+    s = make_scheduler(32, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    a = t.add(*[4] * 30)
+    first = s.schedule()  # a alone: a whole step of it
+    t.check(first)
+    s1, b, s2, c = t.add(2), t.add(*[4] * 30), t.add(1), t.add(*[4] * 30)
+    second = s.schedule()
+    t.check(second)
+    new = second.new.request_ids.tolist()
+    assert new[:2] == [s1.first_id, s2.first_id]  # the small calls, each whole, first
+    assert new[2:] == list(range(b.first_id, b.first_id + 7))  # then b fills the step
+    assert list(s.waiting) == [b, c, a]  # a had the last turn: behind the others
+    for plan in (first, second):
+        t.collect(plan)
+    run(t)
+    assert len(t.finished) == 3 * 30 + 2
+    t.assert_drained()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_more_calls_than_tokens_in_a_step_are_taken_in_order(chunked):
+    s = make_scheduler(16, 64, chunked=chunked)
+    t = Tracker(s, {}, encoder=not chunked)
+    calls = [t.add(1) for _ in range(40)]  # the equal share of a step is under a token
+    for k in range(3):
+        plan = s.schedule()
+        t.check(plan)
+        assert plan.new.request_ids.tolist() == [c.first_id for c in calls[16 * k : 16 * k + 16]]
+        t.collect(plan)
+    t.assert_drained()
+
+
 def test_a_call_in_several_slices_takes_turns_as_one_call():
     s = make_scheduler(8, 64, chunked=False)
     t = Tracker(s, {}, encoder=True)

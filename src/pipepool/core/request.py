@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class PoolingParams:
     normalize: bool = False
     dimensions: int | None = None  # keep the first `dimensions` components
 
-    @property
+    @cached_property  # read for every request on the engine's paths: parsed once
     def code(self) -> Pooling:
         return Pooling.parse(self.pooling)
 

@@ -243,16 +243,18 @@ def _new_requests(parts: list[_NewPart]) -> NewRequests:
     if not parts:
         return NewRequests.none()
     cat = np.concatenate
-    counts = [len(p.ids) for p in parts]
+    counts = np.array([len(p.ids) for p in parts], dtype=np.int64)
     blocks = [p.block_ids if p.block_ids is not None else np.empty(0, np.int32) for p in parts]
-    per_row = cat(
-        [np.full(n, len(b) if n == 1 else 0, np.int64) for n, b in zip(counts, blocks, strict=True)]
+
+    def spread(values: list, dtype) -> np.ndarray:  # one value per part -> one per row
+        return np.repeat(np.array(values, dtype=dtype), counts)
+
+    # Blocks belong to a part of one row (a split request)
+    per_row = spread(
+        [len(b) if n == 1 else 0 for n, b in zip(counts, blocks, strict=True)], np.int64
     )
     offsets = np.zeros(len(per_row) + 1, dtype=np.int64)
     np.cumsum(per_row, out=offsets[1:])
-
-    def spread(value, dtype) -> np.ndarray:  # one value per part -> one per row
-        return cat([np.full(n, value(p), dtype) for n, p in zip(counts, parts, strict=True)])
 
     keys = np.empty(0, dtype=np.int64)
     if any(p.key_lens is not None for p in parts):
@@ -268,9 +270,9 @@ def _new_requests(parts: list[_NewPart]) -> NewRequests:
     return NewRequests(
         request_ids=cat([p.ids for p in parts]),
         prompt_lens=cat([p.prompt_lens for p in parts]),
-        poolings=spread(lambda p: p.params.code, np.int8),
-        normalize=spread(lambda p: p.params.normalize, bool),
-        dimensions=spread(lambda p: p.params.dimensions or 0, np.int64),
+        poolings=spread([p.params.code for p in parts], np.int8),
+        normalize=spread([p.params.normalize for p in parts], bool),
+        dimensions=spread([p.params.dimensions or 0 for p in parts], np.int64),
         block_offsets=offsets,
         block_ids=cat(blocks).astype(np.int32, copy=False),
         key_lens=keys,
@@ -522,23 +524,34 @@ class Scheduler:
         (tokens and seats) and is its call's next: a small call queued behind large ones
         starts in this step."""
         tokens, seats = step.budget // len(queue), step.seqs // len(queue)
-        calls = set()
-        for batch in list(queue):
+        if not tokens or not seats:
+            return  # a queued batch has a row and a token left: none fits a share of nothing
+        calls, taken = set(), set()
+        for batch in queue:
             if batch.call in calls:
                 continue  # a later slice of a call waits for the earlier ones
             calls.add(batch.call)
             c = batch.cursor
-            n = len(batch) - c
-            if n <= seats and batch.offsets[-1] - batch.offsets[c] <= tokens:
-                self._take_prompts(step, batch, n)
+            n = len(batch.lengths) - c
+            if n <= seats and batch.num_tokens - batch.offsets[c] <= tokens:
+                self._take_prompts(step, batch, n, dequeue=False)
+                taken.add(id(batch))
+        if taken:  # out of the queue in one pass, not one ``remove`` (a scan) each
+            kept = [b for b in queue if id(b) not in taken]
+            queue.clear()
+            queue.extend(kept)
 
     def _admit_from(self, queue: _Queue, step: _PlanBuilder) -> None:
         """First chunks of ``queue``'s requests, in its order, while budget and seats last."""
         while queue and not step.full:
             batch = queue[0]
             c = batch.cursor
-            window = batch.lengths[c : c + min(len(batch) - c, step.seqs, step.budget)]
-            fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
+            left = len(batch.lengths) - c
+            if left <= step.seqs and batch.num_tokens - batch.offsets[c] <= step.budget:
+                fits = left  # all of it (the searchsorted below would say the same)
+            else:
+                window = batch.lengths[c : c + min(left, step.seqs, step.budget)]
+                fits = int(np.searchsorted(np.cumsum(window), step.budget, side="right"))
             if fits:  # whole prompts, one slice of the batch
                 self._take_prompts(step, batch, fits)
                 queue.served = batch.call
@@ -547,8 +560,11 @@ class Scheduler:
                 return
             queue.served = batch.call
 
-    def _take_prompts(self, step: _PlanBuilder, batch: RequestBatch, n: int) -> None:
-        """The batch's next ``n`` prompts, whole, into the step (they fit it)."""
+    def _take_prompts(
+        self, step: _PlanBuilder, batch: RequestBatch, n: int, *, dequeue: bool = True
+    ) -> None:
+        """The batch's next ``n`` prompts, whole, into the step (they fit it); ``dequeue``
+        False: a batch they finish stays in its queue for the caller to take out."""
         c = batch.cursor
         rows = slice(c, c + n)
         ids = np.arange(batch.first_id + c, batch.first_id + c + n, dtype=np.int64)
@@ -558,7 +574,7 @@ class Scheduler:
         keys = batch.key_lens[rows] if batch.key_lens is not None else None
         images = batch.images[rows] if batch.images is not None else None
         step.new.append(_NewPart(ids, lens, batch.params, None, keys, images))
-        self._advance(batch, n)
+        self._advance(batch, n, dequeue=dequeue)
 
     def _admit_split(self, step: _PlanBuilder, batch: RequestBatch) -> bool:
         """The head of the queue does not fit whole in what is left of the step: split it,
@@ -597,15 +613,15 @@ class Scheduler:
             return 0  # fits a step of its own, and this one is half full already
         return step.budget
 
-    def _advance(self, batch: RequestBatch, n: int) -> None:
+    def _advance(self, batch: RequestBatch, n: int, *, dequeue: bool = True) -> None:
         batch.cursor += n
         self.num_waiting -= n
         self.num_admitted += n
-        if batch.cursor == len(batch):
+        if dequeue and batch.cursor == len(batch):
             queue = self._queue_of(batch)
             if queue[0] is batch:
                 queue.popleft()
-            else:  # admitted whole by ``_admit_small``
+            else:  # a light call's, taken from behind the head (``schedule_light``)
                 queue.remove(batch)
 
     def _queue_of(self, batch: RequestBatch) -> _Queue:

@@ -88,7 +88,7 @@ class Submission(Future):
         values = vectors[:, : outputs.shape[1]]
         n = len(rows)
         written: slice | np.ndarray
-        if n and bool((np.diff(rows) == 1).all()):  # consecutive (the usual step): a slice
+        if n == 1 or (n and bool((np.diff(rows) == 1).all())):  # consecutive: a slice
             written = slice(int(rows[0]), int(rows[0]) + n)
         else:
             written = rows

@@ -576,7 +576,9 @@ class LocalPipeline:
         found = self._owners.finish(batch, ids)
         if found is not None:
             rows = ids - batch.first_id
-            self.stats.on_finish(len(rows), int(batch.lengths[rows].sum()))
+            whole = len(rows) == len(batch.lengths)
+            tokens = batch.num_tokens if whole else int(batch.lengths[rows].sum())
+            self.stats.on_finish(len(rows), tokens)
         return found
 
     def _fail_pending(self, exc: BaseException) -> None:

@@ -1,0 +1,101 @@
+"""The engine's host cost of one-input calls: what a served one-text request costs the process
+that computes it, without HTTP and without the model's compute (issue 61, item 3).
+
+    python benchmarks/one_text_engine.py [--shape tiny] [--requests 10000] [--rounds 3]
+    python benchmarks/one_text_engine.py --tree /tmp/main/src --tree src   # A/B, alternated
+
+On the CPU, the layers of ``served_text.build_checkpoint(shape)`` answer zeros
+(``host_time.stub_forward``), so what is left is the host's work around them: the caller's
+``Engine.submit`` (validation, tokenising a text, the call's future, the pipeline's queue) and
+the engine's loop thread (scheduling, the step's inputs, pooling and delivery of the zeros).
+Each round submits ``--requests`` calls of one input each from one thread, first token ids
+then texts (``served_text.texts_of``), all at once, then waits for them; it prints calls/s
+and the CPU time a call of the calling thread (``time.thread_time``) and of the loop thread
+(``/proc``), and the steps those calls took; then all the token ids in one call, for
+comparison. ``--tree DIR`` (repeatable) runs the same in a fresh process with that ``src``
+first on the path, the trees alternated round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def thread_cpu(name: str) -> float:
+    """CPU seconds of this process's thread called ``name``."""
+    for t in threading.enumerate():
+        if t.name == name:
+            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise LookupError(f"no thread {name}")
+
+
+def measure(shape: str, requests: int, rounds: int) -> None:
+    from host_time import stub_forward
+    from served_text import build_checkpoint, texts_of
+
+    import pipepool
+
+    model = build_checkpoint(shape, {}, False)
+    texts = texts_of(model, "queries", requests)
+    options = {"device": "cpu", "max_model_len": 512, "tokenizer_processes": 0}
+    with pipepool.Engine(str(model), **options) as engine:
+        ids = engine.tokenize(texts)
+        stub_forward(engine)
+        engine.embed(ids[:2048])  # warm
+        for _ in range(rounds):
+            for label, inputs in (("token ids", ids), ("texts", texts)):
+                steps = engine.pipeline.stats.snapshot().steps
+                loop, caller = thread_cpu("pipepool-engine"), time.thread_time()
+                wall = time.perf_counter()
+                calls = [engine.submit([x]) for x in inputs]
+                caller = time.thread_time() - caller
+                for call in calls:
+                    call.result()
+                wall = time.perf_counter() - wall
+                loop = thread_cpu("pipepool-engine") - loop
+                steps = engine.pipeline.stats.snapshot().steps - steps
+                n = len(inputs)
+                print(
+                    f"{label:9s}: {n / wall:8,.0f} calls/s; CPU a call: caller "
+                    f"{caller * 1e6 / n:6.1f} us, loop thread {loop * 1e6 / n:6.1f} us; "
+                    f"{n / steps:5.1f} calls a step",
+                    flush=True,
+                )
+        wall = time.perf_counter()
+        engine.embed(ids)
+        wall = time.perf_counter() - wall
+        print(f"the same token ids in one call: {len(ids) / wall:,.0f} inputs/s", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="tiny", help="a served_text.py shape (CPU: tiny)")
+    p.add_argument("--requests", type=int, default=10000, help="one-input calls a round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tree", action="append", default=[], help="a src directory to A/B")
+    args = p.parse_args()
+    if not args.tree:
+        measure(args.shape, args.requests, args.rounds)
+        return 0
+    for round_ in range(args.rounds):
+        for tree in args.tree:
+            print(f"== round {round_ + 1}, {tree}", flush=True)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(HERE)])}
+            command = [sys.executable, __file__, "--shape", args.shape,
+                       "--requests", str(args.requests), "--rounds", "1"]  # fmt: skip
+            subprocess.run(command, env=env, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

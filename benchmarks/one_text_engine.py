@@ -26,16 +26,16 @@ import threading
 import time
 from pathlib import Path
 
+from dp_server import cpu_seconds
+
 HERE = Path(__file__).resolve().parent
 
 
 def thread_cpu(name: str) -> float:
     """CPU seconds of this process's thread called ``name``."""
     for t in threading.enumerate():
-        if t.name == name:
-            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if t.name == name and t.native_id is not None:
+            return cpu_seconds(os.getpid(), t.native_id)
     raise LookupError(f"no thread {name}")
 
 

@@ -18,21 +18,13 @@ cost less a request).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
-from pathlib import Path
 
 import httpx
 from dp_server import cpu_seconds, run_pass
 from served import start_server
 from served_text import build_checkpoint, openai_bodies, texts_of
-
-
-def loop_cpu_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid``'s main thread (its event loop's, in a server)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def steps_total(url: str) -> float:
@@ -55,12 +47,12 @@ def measure(model, texts: list[str], tree: str, sizes: list[int], args) -> dict:
             bodies = openai_bodies(url, texts, n)
             run_pass(url, bodies[: max(1, len(bodies) // 4)], args.clients, args.concurrency)
             steps = steps_total(url)
-            before = cpu_seconds(proc.pid), loop_cpu_seconds(proc.pid)
+            before = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
             seconds, _, failed, _, _ = run_pass(url, bodies, args.clients, args.concurrency)
             if failed:
                 raise SystemExit(f"{failed} requests failed")
             every = (cpu_seconds(proc.pid) - before[0]) / len(bodies)
-            loop = (loop_cpu_seconds(proc.pid) - before[1]) / len(bodies)
+            loop = (cpu_seconds(proc.pid, proc.pid) - before[1]) / len(bodies)
             steps = steps_total(url) - steps
             out[n] = (every, loop)
             print(

@@ -237,6 +237,14 @@ class _PlanBuilder:
         )
 
 
+def _drop_admitted(queue: _Queue) -> None:
+    """Batches every prompt of which is admitted out of ``queue``, the rest in order."""
+    kept = [b for b in queue if b.cursor < len(b.lengths)]
+    if len(kept) < len(queue):
+        queue.clear()
+        queue.extend(kept)
+
+
 def _new_requests(parts: list[_NewPart]) -> NewRequests:
     """Only a split request (a part of one row) holds blocks; key lengths are sent only when
     some part has them."""
@@ -436,7 +444,10 @@ class Scheduler:
             if len(batch) > step.seqs or (not step.empty and batch.num_tokens > step.budget):
                 continue
             self._take_prompts(step, batch, len(batch))
-        return None if step.empty else self._plan(step, ())
+        if step.empty:
+            return None
+        _drop_admitted(self.waiting)
+        return self._plan(step, ())
 
     def light_call_to_run(self, light_tokens: int) -> bool:
         """Whether ``schedule_light`` has a light call to plan."""
@@ -526,20 +537,18 @@ class Scheduler:
         tokens, seats = step.budget // len(queue), step.seqs // len(queue)
         if not tokens or not seats:
             return  # a queued batch has a row and a token left: none fits a share of nothing
-        calls, taken = set(), set()
-        for batch in queue:
+        calls, took = set(), False
+        for batch in list(queue):
             if batch.call in calls:
                 continue  # a later slice of a call waits for the earlier ones
             calls.add(batch.call)
             c = batch.cursor
             n = len(batch.lengths) - c
             if n <= seats and batch.num_tokens - batch.offsets[c] <= tokens:
-                self._take_prompts(step, batch, n, dequeue=False)
-                taken.add(id(batch))
-        if taken:  # out of the queue in one pass, not one ``remove`` (a scan) each
-            kept = [b for b in queue if id(b) not in taken]
-            queue.clear()
-            queue.extend(kept)
+                self._take_prompts(step, batch, n)
+                took = True
+        if took:
+            _drop_admitted(queue)
 
     def _admit_from(self, queue: _Queue, step: _PlanBuilder) -> None:
         """First chunks of ``queue``'s requests, in its order, while budget and seats last."""
@@ -560,11 +569,8 @@ class Scheduler:
                 return
             queue.served = batch.call
 
-    def _take_prompts(
-        self, step: _PlanBuilder, batch: RequestBatch, n: int, *, dequeue: bool = True
-    ) -> None:
-        """The batch's next ``n`` prompts, whole, into the step (they fit it); ``dequeue``
-        False: a batch they finish stays in its queue for the caller to take out."""
+    def _take_prompts(self, step: _PlanBuilder, batch: RequestBatch, n: int) -> None:
+        """The batch's next ``n`` prompts, whole, into the step (they fit it)."""
         c = batch.cursor
         rows = slice(c, c + n)
         ids = np.arange(batch.first_id + c, batch.first_id + c + n, dtype=np.int64)
@@ -574,7 +580,7 @@ class Scheduler:
         keys = batch.key_lens[rows] if batch.key_lens is not None else None
         images = batch.images[rows] if batch.images is not None else None
         step.new.append(_NewPart(ids, lens, batch.params, None, keys, images))
-        self._advance(batch, n, dequeue=dequeue)
+        self._advance(batch, n)
 
     def _admit_split(self, step: _PlanBuilder, batch: RequestBatch) -> bool:
         """The head of the queue does not fit whole in what is left of the step: split it,
@@ -613,16 +619,18 @@ class Scheduler:
             return 0  # fits a step of its own, and this one is half full already
         return step.budget
 
-    def _advance(self, batch: RequestBatch, n: int, *, dequeue: bool = True) -> None:
+    def _advance(self, batch: RequestBatch, n: int) -> None:
+        """``n`` more of the batch's prompts admitted; the queue's head leaves it once all
+        are. A batch admitted whole from behind the head (``_admit_small``,
+        ``schedule_light``) is left for its taker to drop (``_drop_admitted``): one pass for
+        all it took, not a scan of the queue each."""
         batch.cursor += n
         self.num_waiting -= n
         self.num_admitted += n
-        if dequeue and batch.cursor == len(batch):
+        if batch.cursor == len(batch):
             queue = self._queue_of(batch)
             if queue[0] is batch:
                 queue.popleft()
-            else:  # a light call's, taken from behind the head (``schedule_light``)
-                queue.remove(batch)
 
     def _queue_of(self, batch: RequestBatch) -> _Queue:
         return self.background if batch.background else self.waiting

@@ -145,6 +145,12 @@ class LocalPipeline:
         return list(self._executor.local_runners)
 
     @property
+    def light_tokens(self) -> int:
+        """The tokens of a light call (``SharedSteps.light_tokens``): at most that many, it
+        may run in steps of its own beside large calls."""
+        return self._shared_steps.light_tokens
+
+    @property
     def kv_blocks_free(self) -> int | None:
         """Free KV-cache blocks now (None for bidirectional models, which keep no KV cache).
         Safe from any thread: the loop thread owns the allocator, this only reads a length."""

@@ -2,7 +2,8 @@
 batches of its front ends; it tokenises nothing (the front end did) and keeps no tokenizer.
 
 ``python -m pipepool.replicas.worker FD``: FD is this end of a socket pair the front end made.
-Per front end (a ``ReplicaServer``): one thread reads frames and enqueues their batches; the
+Per front end (a ``ReplicaServer``): one thread reads frames and enqueues their batches (a
+frame's consecutive works of one client as one call, ``work_groups``); the
 pipeline's loop thread writes each step's finished rows into that front end's outbox; one sender
 thread ships the outbox, with a snapshot of the pipeline's counters, as one frame — at once when
 there are results, else every ``STATUS_INTERVAL_S`` and whenever the pipeline's health changes
@@ -54,9 +55,11 @@ from .messages import (
     receive,
     send,
 )
+from .work_groups import WorkGroup, group_works
 
 STATUS_INTERVAL_S = 0.5
 _HEALTH_POLL_S = 0.05  # how soon a health change (a stage died) reaches the front end
+_MAX_MESSAGES = 1024  # read in one go at most: then they are queued, the rest after
 
 
 class ReplicaServer:
@@ -67,7 +70,8 @@ class ReplicaServer:
         self.pipeline = pipeline
         self.conn = conn
         self.owner = owner
-        self._submissions: dict[int, Submission] = {}  # batch first id -> its call
+        # A work's first id -> the call it went into, with the works it shares it with.
+        self._calls: dict[int, tuple[Submission, WorkGroup]] = {}
         self._outbox: deque[Result] = deque()
         self._replies: deque[TraceReply] = deque()  # sent ahead of the next report
         self._wake = threading.Condition()
@@ -83,10 +87,19 @@ class ReplicaServer:
             while True:
                 messages = receive(self.conn)
                 arrived = time.perf_counter()
+                while len(messages) < _MAX_MESSAGES and self.conn.poll(0):
+                    # Frames that came meanwhile (the front end sent while this thread waited
+                    # for the interpreter): their works may share calls with these.
+                    messages += receive(self.conn)
+                works: list[Work] = []  # consecutive ones, queued together (``work_groups``)
                 for message in messages:
                     if isinstance(message, Work):
-                        self._work(message, arrived)
-                    elif isinstance(message, Abort):
+                        works.append(message)
+                        continue
+                    if works:
+                        self._queue(works, arrived)
+                        works = []
+                    if isinstance(message, Abort):
                         self._abort(message.first_ids)
                     elif isinstance(message, TraceRequest):
                         threading.Thread(
@@ -94,62 +107,73 @@ class ReplicaServer:
                         ).start()
                     elif isinstance(message, Stop):
                         return 0
+                if works:
+                    self._queue(works, arrived)
         except (EOFError, OSError):
             code = 1  # the front end is gone: nobody to answer
         finally:
             if self.owner:
                 self.pipeline.close()  # the front end writes the trace
             else:  # another front end hung up: its work here has nobody to go to
-                self._abort(tuple(self._submissions.copy()))  # copy(): atomic
+                self._abort(tuple(self._calls.copy()))  # copy(): atomic
             with self._wake:
                 self._stop = True
                 self._wake.notify()
             self._sender.join(timeout=5)
         return code
 
-    def _work(self, work: Work, arrived: float) -> None:
-        """Enqueue ``work`` (its frame read at ``arrived``, ``time.perf_counter``); its outputs
-        go to the sender as steps finish them."""
-        first_id = work.first_id
+    def _queue(self, works: list[Work], arrived: float) -> None:
+        """Enqueue ``works`` (their frame read at ``arrived``, ``time.perf_counter``) as calls
+        (``work_groups``); their outputs go to the sender as steps finish them."""
+        for group in group_works(works, self.pipeline.light_tokens):
+            self._call(group, arrived)
 
+    def _call(self, group: WorkGroup, arrived: float) -> None:
         def forward(rows, values) -> None:
-            result = Result(first_id, rows, values, time.perf_counter() - arrived)
-            with self._wake:
-                self._outbox.append(result)
-                self._wake.notify()
+            results = group.results(rows, values, time.perf_counter() - arrived)
+            if results:
+                with self._wake:
+                    self._outbox.extend(results)
+                    self._wake.notify()
 
         try:
             with (
-                background_work() if work.background else contextlib.nullcontext(),
-                client_turns(work.client),
+                background_work() if group.background else contextlib.nullcontext(),
+                client_turns(group.client),
             ):
                 # ``forward`` goes in with the work: a step may finish it before this returns.
                 # The front end checked the batch (key lengths included) before sending it.
-                params = work.params
+                params = group.params
                 submission = Submission(
                     params,
-                    len(work.lengths),
+                    len(group),
                     params.dimensions or output_width(self.pipeline.deployment, params.pooling),
                     on_cancel=self.pipeline.cancel,
-                    background=work.background,
-                    client=work.client,
+                    background=group.background,
+                    client=group.client,
                     on_result=forward,
                 )
                 part = TokenSlice(
-                    0, work.token_ids, work.lengths, work.type_ids, work.key_lens,
-                    work.media, work.images,
+                    0, group.token_ids, group.lengths, group.type_ids, group.key_lens,
+                    group.media, group.images,
                 )  # fmt: skip
                 self.pipeline.enqueue(submission, part)
         except Exception:
             return  # the pipeline is dead: the next snapshot says so, the front end re-runs it
-        self._submissions[first_id] = submission
-        submission.add_done_callback(lambda _f: self._submissions.pop(first_id, None))
+        for first_id in group.first_ids:
+            self._calls[first_id] = (submission, group)
+
+        def forget(_f) -> None:
+            for first_id in group.first_ids:
+                self._calls.pop(first_id, None)
+
+        submission.add_done_callback(forget)
 
     def _abort(self, first_ids: tuple[int, ...]) -> None:
         for first_id in first_ids:
-            submission = self._submissions.pop(first_id, None)
-            if submission is not None:
-                submission.cancel()
+            call = self._calls.pop(first_id, None)
+            if call is not None and call[1].drop(first_id):
+                call[0].cancel()  # no work of its group is wanted any more
 
     def _trace(self, request: TraceRequest) -> None:
         """Gather the pipeline's spans (waiting for its steps in flight) and send them."""

@@ -30,6 +30,7 @@ from ..intake.long_inputs import CombinedSubmission
 from . import timing
 from .encoding import Vectors
 from .errors import APIError
+from .joined_calls import Joinable, JoinedCalls, SharedCall
 from .online_gate import BackgroundPool
 from .owner import EngineOwner
 
@@ -77,6 +78,9 @@ class EngineCall:
     submit: Callable[[Engine], AnySubmission] | None = None
     call: Callable[[Engine], Any] | None = None
     renamed: Callable[[APIError], APIError] | None = None
+    # A one-text ``submit`` that may share an engine call with the others of the event
+    # loop's turn (``joined_calls``); None: it makes its own.
+    join: Joinable | None = None
 
 
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters
@@ -131,6 +135,7 @@ class AsyncEngine:
         self._background = BackgroundPool(
             max(1, workers // 2), thread_name_prefix="pipepool-tokenize-background"
         )
+        self.joined = JoinedCalls()  # one-text calls of a loop turn, as one engine call
         self.pending = 0  # engine requests admitted here and not yet answered
         self.aborted_http_requests = 0  # HTTP requests cancelled (client left, shutdown)
         self.aborted_inputs = 0  # engine requests aborted on their behalf
@@ -155,11 +160,16 @@ class AsyncEngine:
         return engine
 
     async def run(
-        self, n: int, submit: Callable[[Engine], AnySubmission], texts: Sequence = ()
+        self,
+        n: int,
+        submit: Callable[[Engine], AnySubmission],
+        texts: Sequence = (),
+        join: Joinable | None = None,
     ) -> Encoded:
         """``submit(engine)`` (tokenizes and enqueues ``n`` engine requests) on a tokenising
         lane chosen by the size of ``texts`` (what it will tokenise; on the event loop itself
-        up to ``INLINE_SIZE``), then wait for its
+        up to ``INLINE_SIZE``: there, with ``join``, in one call with the other one-text
+        requests of the loop's turn, ``joined_calls``), then wait for its
         results. Raises QueueFullError (past ``max_queued``), and what ``submit`` or the engine
         raise (InvalidInputError, EngineDeadError, ...); cancelling the caller aborts whatever
         was enqueued."""
@@ -168,6 +178,8 @@ class AsyncEngine:
         try:
             queued = time.perf_counter()
             lane = self._lane(texts)
+            if lane is None and join is not None and n == 1:
+                return await self._run_joined(engine, join, texts[0], submit, queued)
             if lane is None:  # little to tokenise: here, on the loop (a single slice never waits)
                 submission = submit(engine)
             else:
@@ -203,11 +215,45 @@ class AsyncEngine:
         finally:
             self._free(n)
 
+    async def _run_joined(
+        self,
+        engine: Engine,
+        join: Joinable,
+        text: Any,
+        alone: Callable[[Engine], AnySubmission],
+        queued: float,
+    ) -> Encoded:
+        """``run``'s one text, its engine call joined with the loop turn's others."""
+        joining = self.joined.add(engine, join, text, alone)
+        try:
+            call, row = await joining
+        except asyncio.CancelledError:
+            if joining.done() and not joining.cancelled() and joining.exception() is None:
+                self._leave(*joining.result())  # joined just before the client left
+            raise
+        timing.add("tokenize", time.perf_counter() - queued)
+        try:
+            with timing.phase("engine"):
+                outputs, tokens = await call.wait(row)
+        except BaseException:
+            self._leave(call, row)
+            raise
+        if call.submission.remote_s is not None:
+            timing.add("replica", call.submission.remote_s)
+        if not isinstance(outputs, np.ndarray):
+            outputs = list(outputs)
+        return Encoded(outputs, [tokens])
+
+    def _leave(self, call: SharedCall, row: int) -> None:
+        if call.leave(row):
+            self.aborted_http_requests += 1
+            self.aborted_inputs += 1
+
     async def perform(self, work: EngineCall) -> Any:
         """``work`` by ``run`` (an ``Encoded``) or ``run_call`` (what its call returns)."""
         n = len(work.inputs)
         if work.submit is not None:
-            return await self.run(n, work.submit, work.inputs)
+            return await self.run(n, work.submit, work.inputs, work.join)
         assert work.call is not None, "an EngineCall has a submit or a call"
         return await self.run_call(n, work.call, work.inputs)
 

@@ -33,11 +33,13 @@ import numpy as np
 
 from ..api.engine import Engine
 from ..api.engine_info import EngineInfo
+from ..core.priority import current_client, is_background
 from ..core.submission import Submission
 from ..intake.inputs import MAX_CHARS_PER_TOKEN, valid_texts
 from ..intake.token_budget import InputOverBudgetError, TokenBudget, TokenBudgetError
 from .errors import APIError
 from .front import AnySubmission, AsyncEngine, EngineCall
+from .joined_calls import Joinable
 from .settings import ServerSettings
 
 T = TypeVar("T")
@@ -185,7 +187,30 @@ def embedding_call(
         except (TokenBudgetError, InputOverBudgetError) as exc:
             raise over_budget(settings, exc, param) from None
 
-    return EngineCall(inputs, submit=submit)
+    joinable = len(inputs) == 1 and isinstance(inputs[0], str) and not plain and policy != "chunk"
+    join = _join(options, policy, budget) if joinable else None
+    return EngineCall(inputs, submit=submit, join=join)
+
+
+def _join(options: dict[str, Any], policy: str, budget: TokenBudget) -> Joinable | None:
+    """How a one-text request's call joins others (``joined_calls``): those with the same
+    options, policy and budget, of the same client; each text held to what the request's own
+    budget allows one text (any over it refuses the joined call, and its request's own call
+    says why)."""
+    try:
+        key = (tuple(sorted(options.items())), policy, budget, current_client(), is_background())
+        hash(key)
+    except TypeError:  # an option's value is a list, say: the request calls alone
+        return None
+    each = budget.per_call if budget.per_input is None else min(budget.per_call, budget.per_input)
+
+    def submit_joined(engine: Engine, texts: list) -> Submission:
+        joined = TokenBudget(each * len(texts), each)
+        submission = engine.submit(texts, **{**options, "long_inputs": policy}, budget=joined)
+        assert isinstance(submission, Submission), "only chunked inputs combine windows"
+        return submission
+
+    return Joinable(key, submit_joined)
 
 
 def _counted(settings: ServerSettings, call: Callable[[Engine], T], param: str):

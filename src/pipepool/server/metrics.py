@@ -150,6 +150,16 @@ def _model_metrics(out: _Text, front: AsyncEngine) -> None:
         "engine requests aborted because their HTTP request went away",
         front.aborted_inputs,
     )
+    out.counter(
+        "pipepool_server_joined_calls_total",
+        "engine calls made for several one-text requests of one event-loop turn",
+        front.joined.calls,
+    )
+    out.counter(
+        "pipepool_server_joined_requests_total",
+        "one-text requests answered by such a joined engine call",
+        front.joined.requests,
+    )
 
 
 def _http_metrics(out: _Text, http: HttpMetrics, *, by_model: bool) -> None:

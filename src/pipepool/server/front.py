@@ -83,6 +83,13 @@ class EngineCall:
     join: Joinable | None = None
 
 
+def _encoded(outputs: Any, num_tokens: list[int], remote_s: float | None) -> Encoded:
+    """An engine call's outputs for one request, its time in a replica (if any) timed."""
+    if remote_s is not None:
+        timing.add("replica", remote_s)
+    return Encoded(outputs if isinstance(outputs, np.ndarray) else list(outputs), num_tokens)
+
+
 # Characters (or token ids) of a request above which it takes the large lane: ~64k characters
 # tokenise in a few milliseconds; a request up to the character bound of a long-context model
 # may take seconds.
@@ -207,11 +214,7 @@ class AsyncEngine:
             except BaseException:
                 self._abort(submission)
                 raise
-            if submission.remote_s is not None:
-                timing.add("replica", submission.remote_s)
-            if not isinstance(outputs, np.ndarray):
-                outputs = list(outputs)
-            return Encoded(outputs, submission.num_tokens.tolist())
+            return _encoded(outputs, submission.num_tokens.tolist(), submission.remote_s)
         finally:
             self._free(n)
 
@@ -238,11 +241,7 @@ class AsyncEngine:
         except BaseException:
             self._leave(call, row)
             raise
-        if call.submission.remote_s is not None:
-            timing.add("replica", call.submission.remote_s)
-        if not isinstance(outputs, np.ndarray):
-            outputs = list(outputs)
-        return Encoded(outputs, [tokens])
+        return _encoded(outputs, [tokens], call.submission.remote_s)
 
     def _leave(self, call: SharedCall, row: int) -> None:
         if call.leave(row):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipepool.errors import InvalidInputError
+from pipepool.server.awaiting import Awaiting
 from pipepool.server.errors import APIError
 from pipepool.server.front import QueueFullError
 from pipepool.server.routes.shared import unless_client_leaves
@@ -23,7 +24,7 @@ def _request() -> SimpleNamespace:
         await asyncio.Event().wait()  # the client never leaves
         return {"type": "http.disconnect"}
 
-    front = SimpleNamespace(abandoned=asyncio.Event())
+    front = SimpleNamespace(awaiting=Awaiting())
     return SimpleNamespace(state=SimpleNamespace(pipepool_model=SimpleNamespace(front=front)),
                            receive=receive)  # fmt: skip
 

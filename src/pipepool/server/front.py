@@ -28,6 +28,7 @@ from ..core.submission import Submission
 from ..errors import EngineDeadError
 from ..intake.long_inputs import CombinedSubmission
 from . import timing
+from .awaiting import Awaiting
 from .encoding import Vectors
 from .errors import APIError
 from .joined_calls import Joinable, JoinedCalls, SharedCall
@@ -146,9 +147,9 @@ class AsyncEngine:
         self.pending = 0  # engine requests admitted here and not yet answered
         self.aborted_http_requests = 0  # HTTP requests cancelled (client left, shutdown)
         self.aborted_inputs = 0  # engine requests aborted on their behalf
-        # Set when the server stops waiting for requests in flight (shutdown timeout): routes
-        # answer 503 then, rather than being cancelled mid-request.
-        self.abandoned = asyncio.Event()
+        # The routes' requests awaiting their work, given up on when the client leaves, or
+        # when the server stops waiting (shutdown timeout): 503 then, not a cancelled request.
+        self.awaiting = Awaiting()
 
     @property
     def waiting(self) -> int:
@@ -284,8 +285,8 @@ class AsyncEngine:
             return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def abandon_after(self, seconds: float) -> None:
-        """Shutdown began: requests still in flight in ``seconds`` get 503 (see ``abandoned``)."""
-        asyncio.get_running_loop().call_later(seconds, self.abandoned.set)
+        """Shutdown began: requests still in flight in ``seconds`` get 503 (``awaiting``)."""
+        asyncio.get_running_loop().call_later(seconds, self.awaiting.abandon)
 
     def close(self) -> None:
         for pool in (self._small, self._large, self._background):

@@ -4,7 +4,6 @@ engine's errors as 4xx/5xx, a 499 when the client leaves meanwhile)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from fastapi import Request, Response
 
 from ...errors import PipepoolError
 from .. import protocol
+from ..awaiting import GivenUp
 from ..errors import RATE_LIMIT, SERVER, APIError, from_engine, retry_later_headers
 from ..front import Encoded, EngineCall, QueueFullError
 from ..health import HealthChecks
@@ -184,52 +184,21 @@ class ClientGone(Exception):
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """Await the engine; if the client disconnects first, cancel (which aborts the engine
     requests and frees their KV blocks) and raise ClientGone. If the server stops waiting
-    first (shutdown timeout), cancel and answer 503."""
-    abandoned = model_of(request).front.abandoned
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    giving_up = asyncio.ensure_future(abandoned.wait())
+    first (shutdown timeout), cancel and answer 503 (``awaiting.Awaiting``)."""
     try:
-        await asyncio.wait({task, watcher, giving_up}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # cancelled from outside (uvicorn's own last resort)
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-        giving_up.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)  # let it abort before we return
-        if abandoned.is_set():
-            raise APIError(
-                503,
-                "the server is shutting down and stopped waiting for this request; retry it",
-                type=SERVER,
-                code="shutting_down",
-            )
-        raise ClientGone
-    error = task.exception()
-    if error is None:
-        return task.result()
-    # Raised from inside ``task.result()``, the error's traceback would hold this frame, which
-    # holds ``task``, which holds the error: a reference cycle keeping the request (its body
-    # too) alive until the collector's next full pass. A flood of refused requests made those
-    # passes pause the front end, and every model's requests, ~100 ms at a time.
-    del task, watcher, giving_up
-    if isinstance(error, QueueFullError):
+        return await model_of(request).front.awaiting.result(work, request.receive)
+    except GivenUp as gone:
+        if not gone.abandoned:
+            raise ClientGone from None
         raise APIError(
-            429, str(error), type=RATE_LIMIT, code="queue_full", headers=retry_later_headers()
-        )
-    if isinstance(error, PipepoolError):
-        raise from_engine(error)
-    try:
-        raise error
-    finally:
-        del error  # the same cycle: this frame, in the traceback, would hold the error
-
-
-async def _disconnected(request: Request) -> None:
-    # The body was read already, so the next message is the disconnect (uvicorn sends it
-    # when the connection drops; it never comes if the response completes first).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+            503,
+            "the server is shutting down and stopped waiting for this request; retry it",
+            type=SERVER,
+            code="shutting_down",
+        ) from None
+    except QueueFullError as exc:
+        raise APIError(
+            429, str(exc), type=RATE_LIMIT, code="queue_full", headers=retry_later_headers()
+        ) from None
+    except PipepoolError as exc:
+        raise from_engine(exc) from None

@@ -18,7 +18,9 @@ by default, as ``served_text.py``; base64, the model's name, bodies built before
 ``api_worker``; the replicas, ``replicas.worker``; anything else, by its command line), with
 how many there are; the clients' CPU a request; and the mean of ``/metrics``'s
 ``pipepool_replica_busy_fraction`` over the pass. A kind whose CPU a request times the
-requests/s comes to about one core a process is bound by its interpreter lock.
+requests/s comes to about one core a process is bound by its interpreter lock. After each
+variant's passes, every process of no named kind is listed with its whole command line and
+the CPU seconds it used since it started.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ def cpu_by_process(root: int) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
     return found
+
+
+def others(root: int) -> list[str]:
+    """A line for each process below ``root`` of no kind in ``KINDS``: its pid, CPU seconds
+    since it started and whole command line (the table names it by 40 characters)."""
+    lines = []
+    for pid in descendants(root):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cpu = cpu_seconds(pid)
+        except OSError:
+            continue
+        if not any(k in command for k in KINDS):
+            lines.append(f"  pid {pid}, {cpu:.1f} s CPU: {command[:300]}")
+    return lines
 
 
 def busy_fractions(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -144,6 +161,8 @@ def main() -> int:
                 for _ in range(args.passes):
                     line = measure(url, proc.pid, bodies, n, args)
                     print(f"{label}, {n}/request: {line}", flush=True)
+            for line in others(proc.pid):
+                print(line, flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -549,7 +550,9 @@ def test_ctrl_c_stops_the_embed_command_with_its_stages(qwen3_path, tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = ""
-    while " 1/" not in seen:  # the progress bar counted a finished input: steps in flight
+    # The progress bar counted a finished input (one or more: it redraws at most every 0.1 s,
+    # so it may skip 1), steps in flight.
+    while not re.search(r"\| *[1-9][0-9]*/[0-9]+ ", seen):
         chunk = proc.stderr.read(64)
         assert chunk, f"embed ended before computing: {seen}"
         seen = (seen + chunk)[-512:]

@@ -41,9 +41,14 @@ from served_text import SHAPES, WORD_RANGES, build_checkpoint, openai_bodies, te
 KINDS = ("api_worker", "replicas.worker", "pipepool serve")
 
 
+def command_line(pid: int) -> str:
+    """Process ``pid``'s command line, its arguments joined by spaces (OSError if gone)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 def kind(pid: int) -> str:
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        command = command_line(pid)
     except OSError:
         return "exited"
     return next((k for k in KINDS if k in command), command[:40])
@@ -66,8 +71,7 @@ def others(root: int) -> list[str]:
     lines = []
     for pid in descendants(root):
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            cpu = cpu_seconds(pid)
+            command, cpu = command_line(pid), cpu_seconds(pid)
         except OSError:
             continue
         if not any(k in command for k in KINDS):

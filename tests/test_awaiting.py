@@ -35,6 +35,15 @@ async def _work(started: asyncio.Event, seen: list[str], result: object = "done"
     return result
 
 
+async def _waiting(awaiting: Awaiting) -> tuple[asyncio.Task, list[str]]:
+    """A request's task waiting on ``awaiting`` for work that has started, and what the work
+    saw."""
+    started, seen = asyncio.Event(), []
+    task = asyncio.ensure_future(awaiting.result(_work(started, seen), Connection().receive))
+    await started.wait()
+    return task, seen
+
+
 def test_the_work_s_result_and_errors_come_back_as_they_are():
     async def main() -> None:
         awaiting = Awaiting()
@@ -75,9 +84,8 @@ def test_a_client_that_leaves_cancels_its_work_and_its_task_goes_on():
 
 def test_abandon_gives_up_on_the_waiting_and_on_later_requests():
     async def main() -> None:
-        awaiting, started, seen = Awaiting(), asyncio.Event(), []
-        task = asyncio.ensure_future(awaiting.result(_work(started, seen), Connection().receive))
-        await started.wait()
+        awaiting = Awaiting()
+        task, seen = await _waiting(awaiting)
         awaiting.abandon()
         with pytest.raises(GivenUp) as gone:
             await task
@@ -93,9 +101,8 @@ def test_abandon_gives_up_on_the_waiting_and_on_later_requests():
 
 def test_a_cancellation_from_outside_goes_through():
     async def main() -> None:
-        awaiting, started, seen = Awaiting(), asyncio.Event(), []
-        task = asyncio.ensure_future(awaiting.result(_work(started, seen), Connection().receive))
-        await started.wait()
+        awaiting = Awaiting()
+        task, seen = await _waiting(awaiting)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

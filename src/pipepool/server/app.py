@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from .. import __version__
 from . import docs
+from .direct_routes import DirectRoutes
 from .errors import install_handlers
 from .front_door import FrontDoor
 from .metrics import HttpMetrics
@@ -78,6 +79,9 @@ def build_app(settings: ServerSettings, models: ServedModels) -> FastAPI:
     state.checks.add("batch_store", store_check(settings.batch_state_dir))
     app.state.pipepool = state
     install_handlers(app, http.on_error)
+    # Innermost: the fast embedding routes' POSTs, past the router (``direct_routes.py``).
+    routes = [route for router in ROUTERS for route in router.routes]
+    app.add_middleware(DirectRoutes, routes=routes, exception_handlers=app.exception_handlers)
     # Inside the front door (added before it): refusals of large bodies, held (issue 57).
     app.add_middleware(RefusalPacing)
     # Added last = runs first. One layer: metrics, timing, client turns and the guards.

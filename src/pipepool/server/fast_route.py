@@ -14,6 +14,7 @@ answers requests that the generic one would have passed to the endpoint with the
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -36,22 +37,32 @@ class FastBodyRoute(APIRoute):
 
     def get_route_handler(self) -> Handler:
         generic = super().get_route_handler()
-        shape = _body_and_request(self)
-        if shape is None:
-            return generic
-        model, body_name, request_name = shape
-        endpoint = self.endpoint
 
         async def handler(request: Request) -> Response:
-            body = await _valid_body(request, model)
-            if body is None:
-                return await generic(request)
-            answer = await endpoint(**{body_name: body, request_name: request})
-            if not isinstance(answer, Response):  # serialised by FastAPI's response model
-                return await generic(request)
-            return answer
+            answer = await self.fast_answer(request)
+            return answer if answer is not None else await generic(request)
 
         return handler
+
+    async def fast_answer(self, request: Request) -> Response | None:
+        """The endpoint's answer to ``request`` where its body is JSON the body model accepts
+        and the endpoint answers with a ``Response``; None where FastAPI's generic handler
+        must answer it (the body, read here, stays readable from ``request``)."""
+        shape = self._shape
+        if shape is None:
+            return None
+        model, body_name, request_name = shape
+        body = await _valid_body(request, model)
+        if body is None:
+            return None
+        answer = await self.endpoint(**{body_name: body, request_name: request})
+        if not isinstance(answer, Response):  # serialised by FastAPI's response model
+            return None
+        return answer
+
+    @functools.cached_property
+    def _shape(self) -> tuple[type[BaseModel], str, str] | None:
+        return _body_and_request(self)
 
 
 def _body_and_request(route: APIRoute) -> tuple[type[BaseModel], str, str] | None:

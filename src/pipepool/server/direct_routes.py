@@ -2,11 +2,11 @@
 
 Starlette finds a request's route by trying each route of the app in turn, and FastAPI wraps
 the one it finds in per-request machinery of its own (the route's handle, its request and
-response cycle, two exit stacks). On a one-text embedding request that was ~26 µs of the front
-end's event loop against ~65 µs for all the rest of a bare FastAPI app (a micro-benchmark of
-the session: docs/benchmarks/served.md). A POST to the exact path of a ``FastBodyRoute``
-with a body of the route's fast path goes to its endpoint here, inside the same handlers of
-errors as the app's own routes; any other request, to the app's router.
+response cycle, two exit stacks): with nothing behind the endpoint, a one-text embedding
+request cost the server 79-92 µs of CPU through the router and 51-60 µs past it, a bare ASGI
+app 22-24 (``benchmarks/asgi_floor.py``, docs/benchmarks/served.md). A POST to the exact path
+of a ``FastBodyRoute`` with a body of the route's fast path goes to its endpoint here, inside
+the same handlers of errors as the app's own routes; any other request, to the app's router.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ import sys
 import time
 
 import httpx
-from dp_server import cpu_seconds, run_pass
+from dp_server import run_pass
 from fastapi import APIRouter, FastAPI, Request, Response
 from pydantic import BaseModel
+from served import cpu_seconds
 
 ANSWER = json.dumps(
     {

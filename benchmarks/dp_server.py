@@ -21,7 +21,6 @@ import asyncio
 import base64
 import json
 import multiprocessing as mp
-import os
 import re
 import signal
 import sys
@@ -33,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
-from served import start_server
+from served import children_of, cpu_seconds, start_server
 
 SAMPLE_REQUESTS = 4  # responses per pass kept to compare variants
 
@@ -168,36 +167,6 @@ def run_pass(url: str, bodies: list[bytes], clients: int, concurrency: int, repe
 def start_variant(model: Path, flags: list[str], env_extra: dict[str, str]):
     extra = ["--model", str(model), "--no-access-log", "--allow-token-ids", "--log-level", "info"]
     return start_server([*extra, *flags], env_extra)
-
-
-def cpu_seconds(pid: int, thread: int | None = None) -> float:
-    """User + system CPU seconds of process ``pid``, or of its thread ``thread`` alone."""
-    stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
-    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_of() -> dict[int, list[int]]:
-    """Every running process's children, by parent pid (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children = children_of()
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
 
 
 def children_running(server_pid: int, module: bytes) -> list[int]:

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from dp_server import cpu_seconds
+from served import cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -64,25 +65,42 @@ def settle(pid: int, deadline: float) -> None:
         spent = now
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and every process below it now (from ``/proc``)."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid``, or of its thread ``thread`` alone."""
+    stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_of() -> dict[int, list[int]]:
+    """Every running process's children, by parent pid (from ``/proc``)."""
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
+    for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
                 continue
             children.setdefault(parent, []).append(int(entry.name))
-    total, todo = 0.0, [pid]
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children = children_of()
+    found, todo = [], [pid]
     while todo:
-        current = todo.pop()
-        todo += children.get(current, [])
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process below it now (one gone meanwhile: skipped)."""
+    total = 0.0
+    for process in descendants(pid):
         try:
-            with open(f"/proc/{current}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            total += cpu_seconds(process)
         except OSError:
-            continue  # gone meanwhile
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            continue
     return total

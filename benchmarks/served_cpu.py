@@ -22,8 +22,8 @@ import signal
 import sys
 
 import httpx
-from dp_server import cpu_seconds, run_pass
-from served import start_server
+from dp_server import run_pass
+from served import cpu_seconds, start_server
 from served_text import build_checkpoint, openai_bodies, texts_of
 
 

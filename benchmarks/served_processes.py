@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import httpx
-from dp_server import cpu_seconds, descendants, run_pass
-from served import start_server
+from dp_server import run_pass
+from served import cpu_seconds, descendants, start_server
 from served_text import SHAPES, WORD_RANGES, build_checkpoint, openai_bodies, texts_of
 
 # Command-line marks of the server's processes, in the order they are tested.

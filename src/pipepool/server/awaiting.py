@@ -8,9 +8,9 @@ cancellations carries its reason, so that the route tells them apart from a canc
 outside (uvicorn's last resort), which goes through untouched. The work is cancelled where it
 waits, on the route's task: it aborts its engine requests before the route goes on.
 
-(One task and one more for the watch: about 10 µs a request in a micro-benchmark of uvloop;
-a task for the work, one for the watch, one for the shutdown and ``asyncio.wait`` over the
-three: about 50 µs. docs/benchmarks/served.md, "Waiting for the engine with one task less".)
+(The request's task and one watch: 18.5-20.0 µs a request in a micro-benchmark on uvloop; a
+task for the work, one for the watch, one for the shutdown and ``asyncio.wait`` over the
+three: 57.6-64.2 µs. docs/benchmarks/served.md, "Waiting for the engine with one task less".)
 """
 
 from __future__ import annotations

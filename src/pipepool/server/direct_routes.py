@@ -25,10 +25,10 @@ __all__ = ["DirectRoutes"]
 
 class DirectRoutes:
     """ASGI middleware, innermost of the app's: a POST whose path is exactly that of one of
-    ``routes`` (a ``FastBodyRoute`` without path parameters, at the app's root) with a body
-    the route takes on its fast path (``FastBodyRoute.fast_answer``) is answered by that
-    route's endpoint, its errors by ``exception_handlers`` as the app answers them; every
-    other request goes on to ``app``, a body already read handed on unchanged."""
+    ``routes`` (a POST ``FastBodyRoute`` with a fast path, ``fast_shape``: no path parameters)
+    with a body the route takes on its fast path (``FastBodyRoute.fast_answer``) is answered
+    by that route's endpoint, its errors by ``exception_handlers`` as the app answers them;
+    every other request goes on to ``app``, a body already read handed on unchanged."""
 
     def __init__(
         self, app: ASGIApp, *, routes: Iterable[BaseRoute], exception_handlers: dict
@@ -38,8 +38,8 @@ class DirectRoutes:
             route.path: route
             for route in routes
             if isinstance(route, FastBodyRoute)
+            and route.fast_shape is not None
             and route.methods == {"POST"}
-            and "{" not in route.path
         }
         # As FastAPI builds its own: a 500 is the outermost middleware's to answer.
         handlers = {k: v for k, v in exception_handlers.items() if k not in (500, Exception)}

@@ -37,6 +37,8 @@ class FastBodyRoute(APIRoute):
 
     def get_route_handler(self) -> Handler:
         generic = super().get_route_handler()
+        if self.fast_shape is None:
+            return generic
 
         async def handler(request: Request) -> Response:
             answer = await self.fast_answer(request)
@@ -44,14 +46,20 @@ class FastBodyRoute(APIRoute):
 
         return handler
 
+    @functools.cached_property
+    def fast_shape(self) -> tuple[type[BaseModel], str, str] | None:
+        """(body model, its parameter, the request's parameter) where the endpoint takes
+        exactly a pydantic body and the ``Request``: the routes with a fast path; else None."""
+        return _body_and_request(self)
+
     async def fast_answer(self, request: Request) -> Response | None:
-        """The endpoint's answer to ``request`` where its body is JSON the body model accepts
-        and the endpoint answers with a ``Response``; None where FastAPI's generic handler
-        must answer it (the body, read here, stays readable from ``request``)."""
-        shape = self._shape
-        if shape is None:
+        """The endpoint's answer to ``request`` where the route has a fast path
+        (``fast_shape``), its body is JSON the body model accepts and the endpoint answers with
+        a ``Response``; None where FastAPI's generic handler must answer it (the body, read
+        here, stays readable from ``request``)."""
+        if self.fast_shape is None:
             return None
-        model, body_name, request_name = shape
+        model, body_name, request_name = self.fast_shape
         body = await _valid_body(request, model)
         if body is None:
             return None
@@ -59,10 +67,6 @@ class FastBodyRoute(APIRoute):
         if not isinstance(answer, Response):  # serialised by FastAPI's response model
             return None
         return answer
-
-    @functools.cached_property
-    def _shape(self) -> tuple[type[BaseModel], str, str] | None:
-        return _body_and_request(self)
 
 
 def _body_and_request(route: APIRoute) -> tuple[type[BaseModel], str, str] | None:

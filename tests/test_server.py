@@ -38,13 +38,13 @@ SHUTDOWN_S = 1.0  # --shutdown-timeout of the PP=1 server
 class ServerProcess:
     """``python -m pipepool serve`` on a free loopback port, logging to a file."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pipepool", "serve", "--port", str(self.port), *args]
         with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block it
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 90.0) -> ServerProcess:
         """Poll /health until ``ok`` (every model serves: a server of several answers 200 as

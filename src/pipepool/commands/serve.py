@@ -36,6 +36,7 @@ from ..runtime.collector import QuietCollections, freeze_startup_objects
 from ..server.api_servers import (
     CORES_PER_API_SERVER,
     MAX_AUTO_API_SERVERS,
+    MIN_CORES_FOR_MORE,
     auto_api_server_count,
 )
 from .common import add_engine_args, add_env_argument
@@ -215,7 +216,8 @@ def add_parser(sub, help: str) -> None:
         default="auto",
         help="HTTP front-end processes sharing the port and the replicas, or auto: one per "
         f"{CORES_PER_API_SERVER} cores this server may run on, 1 to {MAX_AUTO_API_SERVERS} (1 "
-        "with --trace or under torchrun) (default auto). Each parses, tokenises, routes and "
+        f"below {MIN_CORES_FOR_MORE} cores, with --trace or under torchrun) (default auto). "
+        "Each parses, tokenises, routes and "
         "serialises requests with a core of its own: raise it when one process is the limit "
         "(small models, many short requests; /metrics shows the process's own CPU). Above 1 "
         "the pipeline runs in replica processes even at --dp 1",

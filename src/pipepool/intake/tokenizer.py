@@ -13,6 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
+from . import batch_threads
 from .shared_batches import SharedBatches
 
 _IDS = operator.attrgetter("ids")  # an encoding's token ids
@@ -281,7 +282,7 @@ def encode_items(backend: HFTokenizer, items: list, *, add_special_tokens: bool 
     of the time: the offsets are recomputed in characters text by text)."""
     if len(items) > ON_THIS_THREAD or _item_chars(items) >= UNLOCKED_CHARS:
         encode = backend.encode_batch if offsets else backend.encode_batch_fast
-        return encode(items, add_special_tokens=add_special_tokens)
+        return batch_threads.run(encode, items, add_special_tokens=add_special_tokens)
     return [
         backend.encode(item[0], item[1], add_special_tokens=add_special_tokens)
         if isinstance(item, tuple)
@@ -304,7 +305,7 @@ def _chars(*texts: list[str]) -> int:
 
 def _item_chars(items: list) -> int:
     """Characters of texts and (first, second) pairs."""
-    return sum(len(x) if isinstance(x, str) else len(x[0]) + len(x[1]) for x in items)
+    return sum(map(batch_threads.item_chars, items))
 
 
 def _truncate_keeping_specials(

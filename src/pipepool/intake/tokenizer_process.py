@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.cores import usable_cpus
+from . import batch_threads
 from .tokenizer import HelperLost, Tokenizer
 
 # The Rust tokenizer encodes a batch on a pool of as many threads as the host has cores. Each
@@ -57,9 +58,10 @@ class TokenizerProcess:
 
     def __init__(self, tokenizer_file: Path, threads: int | None = None) -> None:
         self._file = str(tokenizer_file)
-        self._env = None
+        # The Rust pool on in the helper even where this process runs without it.
+        self._env = batch_threads.child_environ()
         if threads is not None and "RAYON_NUM_THREADS" not in os.environ:
-            self._env = {**os.environ, "RAYON_NUM_THREADS": str(threads)}
+            self._env["RAYON_NUM_THREADS"] = str(threads)
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None

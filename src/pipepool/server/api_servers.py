@@ -38,23 +38,28 @@ from .settings import ServerSettings
 
 log = logging.getLogger("pipepool.server")
 
-# ``--api-server-count auto``: a front end per this many of the cores the server may run on, at
-# most ``MAX_AUTO_API_SERVERS``. A front end uses one core at most (its interpreter's lock), and
-# the others are left to the replicas, the tokenizer's threads and the stages: the 16-core
-# H200 host of issue 61 gets four, the front ends it was measured with; a host of fewer than
-# eight cores, where a CPU model computes on the same cores, one (what a second one gives on
-# two cores: docs/benchmarks/served.md, "Front ends sized to the host").
-CORES_PER_API_SERVER = 4
+# ``--api-server-count auto``: on a host of ``MIN_CORES_FOR_MORE`` cores or more, a front end
+# per ``CORES_PER_API_SERVER`` of the cores the server may run on, at most
+# ``MAX_AUTO_API_SERVERS``; one below (a CPU model computes on the same cores: what a second
+# front end gives on two cores, docs/benchmarks/served.md, "Front ends sized to the host"). A
+# front end uses about one core (its interpreter's lock; its tokenizer's batch calls run on the
+# calling thread, ``intake.batch_threads``), and the others are left to the replicas and the
+# stages: on the 16-core GPU hosts of issue 61 eight front ends beat four at one text a request
+# and at 32 (docs/benchmarks/served.md, "Front ends on their own tokenizer threads").
+CORES_PER_API_SERVER = 2
+MIN_CORES_FOR_MORE = 8
 MAX_AUTO_API_SERVERS = 8
 
 
 def auto_api_server_count(cores: int | None = None) -> int:
     """Front-end processes of ``--api-server-count auto`` on a host with ``cores`` (default:
-    the cores this process may run on): one per ``CORES_PER_API_SERVER``, 1 to
-    ``MAX_AUTO_API_SERVERS``."""
+    the cores this process may run on): one per ``CORES_PER_API_SERVER`` from
+    ``MIN_CORES_FOR_MORE`` cores, 1 to ``MAX_AUTO_API_SERVERS``."""
     if cores is None:
         cores = usable_cpus()
-    return max(1, min(MAX_AUTO_API_SERVERS, cores // CORES_PER_API_SERVER))
+    if cores < MIN_CORES_FOR_MORE:
+        return 1
+    return min(MAX_AUTO_API_SERVERS, cores // CORES_PER_API_SERVER)
 
 
 @dataclass(frozen=True)

@@ -80,10 +80,14 @@ def model_engine(
     in ``where``'s "vision" directory. ``beside_others``: its large batches are tokenised in a
     helper process of its own (``intake.tokenizer_process``; in this process they would hold up
     the other models' requests), whose pool is its share of the cores among the ``front_ends``
-    processes that each have one for this model."""
+    processes that each have one for this model. Its model computes in the replicas, so this
+    process is a front end: it makes its tokenizer's batch calls on threads of its own
+    (``intake.batch_threads``)."""
     from ..core.dual_encoders import DUAL_ENCODERS
+    from ..intake import batch_threads
     from ..intake.tokenizer_process import TokenizerProcess, helper_threads
 
+    batch_threads.use_own_threads()
     pipeline = open_replicas(config, where)
     vision = None
     try:

@@ -16,7 +16,7 @@ from tiny_towers import make_clip, make_siglip, png_bytes, png_header, sample_im
 
 import pipepool
 from pipepool.errors import InvalidInputError
-from pipepool.intake.images import plain_texts
+from pipepool.intake.images import plain_inputs
 
 BUDGET = 16
 
@@ -137,16 +137,34 @@ def test_image_call_refusals(clip_engine):
 
 
 def test_a_text_among_images_is_still_told_apart(clip_engine):
-    # Texts alone skip the look at each input (``plain_texts``); any other item brings it back.
+    # Texts or token ids alone skip the look at each input (``plain_inputs``); any other item
+    # brings it back.
     engine, _ = clip_engine
     image = sample_images()[0]
-    assert plain_texts("a") and plain_texts(["a", "b"])
-    for call in ([], ["a", image], [["a"]], ("a",), [{"text": "a"}], [[1, 2]]):
-        assert not plain_texts(call)
+    ids = np.array([5, 6])
+    for call in ("a", ["a", "b"], ("a",), [[1, 2]], [ids, ids], ids, [np.int64(5), 6], []):
+        assert plain_inputs(call)
+    for call in (["a", image], image, [{"text": "a"}], {"text": "a"}, [Path("x.png")], [b"x"]):
+        assert not plain_inputs(call)
     with pytest.raises(InvalidInputError, match="input 0: a call embeds images or texts"):
         engine.embed(["a text", image])
     texts = engine.embed(["a photo of a cat", "a dog"])
     assert np.array_equal(texts, engine.embed(("a photo of a cat", "a dog")))
+
+
+def test_texts_and_token_ids_skip_the_look_at_each_input(clip_engine, monkeypatch):
+    engine, _ = clip_engine
+    ids = engine.tokenize(["a photo of a cat", "a dog"])
+    expected = engine.embed(ids)
+
+    def looked(*_):
+        raise AssertionError("an input looked at one by one")
+
+    monkeypatch.setattr(pipepool.intake.images, "is_image_input", looked)
+    monkeypatch.setattr(pipepool.api.engine, "is_multimodal_call", looked)
+    assert np.array_equal(engine.embed(ids), expected)
+    assert np.array_equal(engine.embed([list(map(int, a)) for a in ids]), expected)
+    assert np.array_equal(engine.embed(["a photo of a cat", "a dog"]), expected)
 
 
 def test_local_files_refused_without_a_folder(tower_paths):

@@ -21,7 +21,7 @@ from ..core.stats import EngineStats
 from ..core.submission import ResultCallback, Submission
 from ..driver.pipeline import Pipeline
 from ..errors import InvalidInputError
-from ..intake.images import image_inputs, plain_texts
+from ..intake.images import image_inputs, plain_inputs
 from ..intake.inputs import InputPreparer, TokenSlice
 from ..intake.long_inputs import CombinedSubmission
 from ..intake.tokenizer import Tokenizer
@@ -260,16 +260,17 @@ class Engine:
         """
         if self._pages:  # ColQwen2: texts are queries, images pages (its processor's formats)
             inputs = colqwen2_inputs(inputs) or inputs
-        # Texts alone (the common call) need no look at each input for images or dicts.
-        texts = plain_texts(inputs)
-        if not texts and is_multimodal_call(inputs):
+        # Texts or token ids alone (the common calls) need no look at each input for images
+        # or dicts.
+        plain = plain_inputs(inputs)
+        if not plain and is_multimodal_call(inputs):
             return submit_multimodal(
                 self._vlm, self._inputs, inputs, pooling=pooling, dimensions=dimensions,
                 normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side, prompt_name=prompt_name,
                 long_inputs=long_inputs, budget=budget,
             )  # fmt: skip
-        images = None if texts else image_inputs(inputs)
+        images = None if plain else image_inputs(inputs)
         if images is not None:
             return submit_images(
                 self._vision, self._inputs, images, pooling=pooling, dimensions=dimensions,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -320,16 +321,17 @@ def is_image_input(item) -> bool:
         return False
     if isinstance(item, (bytes, bytearray, memoryview, Path)):
         return True
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - Pillow ships with the package's dependencies
-        return False
-    return isinstance(item, Image.Image)
+    # An object can be a PIL image only once Pillow's image module is loaded: looked up, not
+    # imported, at each call.
+    pil_image = sys.modules.get("PIL.Image")
+    return pil_image is not None and isinstance(item, pil_image.Image)
 
 
 def image_inputs(inputs) -> list | None:
     """The call's inputs as a list of images when they are images (all of them: one modality
     per call), None when none is; raises InvalidInputError for a mix."""
+    if plain_inputs(inputs):  # texts or token ids: no look at each input
+        return None
     if isinstance(inputs, (str, bytes, bytearray, memoryview, Path)) or is_image_input(inputs):
         return [inputs] if is_image_input(inputs) else None
     if not isinstance(inputs, Sequence) or not len(inputs):

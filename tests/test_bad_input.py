@@ -61,6 +61,8 @@ def assert_still_serves(engine) -> None:
         (["text", [1, 2, 3]], "all strings or all lists of token ids"),
         ([[1, 2], "text"], "all strings or all lists of token ids"),
         ([[1.5, 2.0]], "all strings or all lists of token ids"),
+        ([[5, 6], [7, True]], "input 1 is not a flat list of integer token ids"),
+        ([[5, 6], ["7"]], "input 1 is not a flat list of integer token ids"),
         ([[[1, 2]]], "all strings or all lists of token ids"),
         (None, "inputs must be a list of strings or of token-id lists, got NoneType"),
         (42, "got int"),

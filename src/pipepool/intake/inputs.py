@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
+from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -212,12 +213,15 @@ class InputPreparer:
         """``token_slices`` of token-id inputs, checked a slice at a time."""
         arrays = None  # every input as an array, once a slice needs the item-by-item check
         for lo, hi in _slice_bounds(len(items), slice_size, FIRST_SLICE_IDS):
-            packed = _pack_arrays(items[lo:hi]) if arrays is None else None
+            packed = None
+            if arrays is None:
+                part = items[lo:hi]
+                packed = _pack_arrays(part) or _pack_lists(part)
             if packed is None:
                 if arrays is None:  # raises naming the first bad input, if there is one
                     arrays = self._token_arrays(items)
                 part = arrays[lo:hi]
-                lengths = np.fromiter((len(a) for a in part), dtype=np.int64, count=len(part))
+                lengths = np.fromiter(map(len, part), dtype=np.int64, count=len(part))
                 packed = np.concatenate(part), lengths
             flat, lengths = packed
             flat = flat.astype(np.int64, copy=False)
@@ -289,7 +293,9 @@ class InputPreparer:
                 ids = np.asarray(x, dtype=object)
             if ids.size == 0:
                 raise InvalidInputError(f"input {i} is an empty token list", param="input", index=i)
-            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            # numpy makes [1, True] an integer array: a bool among the ids is refused too.
+            mixed_bool = not isinstance(x, np.ndarray) and bool in {*map(type, x)}
+            if ids.ndim != 1 or ids.dtype.kind not in "iu" or mixed_bool:
                 raise InvalidInputError(
                     f"input {i} is not a flat list of integer token ids: inputs must be all "
                     "strings or all lists of token ids (not a mix, not nested deeper)",
@@ -528,6 +534,26 @@ def _pack_arrays(part: list) -> tuple[np.ndarray, np.ndarray] | None:
     except (TypeError, ValueError):
         return None
     if flat.ndim != 1 or lengths.min() == 0:  # all of them 2-D, or an empty one
+        return None
+    return flat, lengths
+
+
+def _pack_lists(part: list) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids back to back, lengths) of inputs that are all non-empty lists or tuples of Python
+    ints (token ids as JSON bodies and users' lists give them), checked in bulk by the set of
+    their ids' types: one C-level pass, where the item-by-item check makes Python calls an
+    input; no bool, float or string is taken for an id. None where any input is something
+    else: the item-by-item check then takes them (or names the bad one)."""
+    if not {*map(type, part)} <= {list, tuple}:
+        return None
+    if {*map(type, chain.from_iterable(part))} != {int}:  # also: all of them empty
+        return None
+    lengths = np.fromiter(map(len, part), dtype=np.int64, count=len(part))
+    if lengths.min() == 0:
+        return None
+    try:
+        flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=int(lengths.sum()))
+    except OverflowError:  # an id past int64: the item-by-item check refuses it
         return None
     return flat, lengths
 

@@ -85,7 +85,7 @@ class BatchThreads:
         [0, len(items)] for one part."""
         if len(items) < 2 or self.threads < 2:
             return [0, len(items)]
-        sizes = list(accumulate(map(item_chars, items)))
+        sizes = list(accumulate(item_sizes(items)))
         parts = min(self.threads, len(items), sizes[-1] // self.split_chars)
         if parts < 2:
             return [0, len(items)]
@@ -140,6 +140,14 @@ def child_environ() -> dict[str, str]:
         del env[OURS]
         env.pop(PARALLELISM, None)
     return env
+
+
+def item_sizes(items: list) -> list[int]:
+    """Characters of each text or (first, second) pair: one C-level pass where all are texts
+    (every batch call of a front end sizes its items here)."""
+    if {*map(type, items)} == {str}:
+        return list(map(len, items))
+    return list(map(item_chars, items))
 
 
 def item_chars(item: str | tuple[str, str]) -> int:

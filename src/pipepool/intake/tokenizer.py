@@ -305,7 +305,7 @@ def _chars(*texts: list[str]) -> int:
 
 def _item_chars(items: list) -> int:
     """Characters of texts and (first, second) pairs."""
-    return sum(map(batch_threads.item_chars, items))
+    return sum(batch_threads.item_sizes(items))
 
 
 def _truncate_keeping_specials(
